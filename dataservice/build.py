@@ -1,0 +1,370 @@
+"""`tessera-data build`: turn corpus files into a sharded, checksummed dataset folder.
+
+Inputs are JSON Lines files (`.jsonl`, `.json`, `.ndjson`: one document per line, text in
+`text_field`), any other file as one plain-text document, and folders walked recursively
+with a glob. Each document is tokenized, gets `eos_id` appended, is identified by the
+xxh3_64 of its stored token bytes (exact duplicates are dropped and counted) and is
+appended to bounded-size LMDB shards (format: `dataservice.shards`).
+
+Problems never crash a build; they are counted in the manifest:
+`invalid_utf8` (a text file, or a JSON line, that is not valid UTF-8), `empty` (a document
+with no non-whitespace character), `broken_json` (a line that is not JSON), and
+`missing_field` (a JSON line that is not an object with a string `text_field`). Blank
+lines of JSON Lines files are skipped silently. `strict=True` turns the first problem
+into a BuildError naming file and line.
+
+The build is transactional: everything is written into `OUTPUT.tmp-<pid>`, synced, and
+renamed to OUTPUT at the end, so an interrupted build never leaves a complete-looking
+OUTPUT (no manifest.json).
+
+`make_corpus` writes a random JSON Lines corpus for other engineers' tests.
+"""
+
+from __future__ import annotations
+
+import array
+import datetime
+import json
+import os
+import pathlib
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import xxhash
+
+from .progress import Progress
+from .shards import (FORMAT_VERSION, INDEX_DTYPE, INDEX_NAME, MANIFEST_NAME, ShardWriter,
+                     dataset_fingerprint, file_checksum, fsync_path)
+from .tokenizer import load_tokenizer
+
+JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
+PROBLEMS = ("invalid_utf8", "empty", "broken_json", "missing_field")
+BATCH_DOCS = 1024
+BATCH_BYTES = 8 << 20
+
+
+class BuildError(Exception):
+    """A build cannot run or was stopped (bad input, refused output, --strict problem)."""
+
+
+@dataclass
+class _Counts:
+    documents: int = 0
+    duplicates_dropped: int = 0
+    invalid_utf8: int = 0
+    empty: int = 0
+    broken_json: int = 0
+    missing_field: int = 0
+    files: int = 0
+    first_problems: list = field(default_factory=list)  # a few "file:line: what" examples
+
+
+def _input_files(inputs: Sequence[str | os.PathLike], glob: str) -> list[pathlib.Path]:
+    """Every input file, in a deterministic order (folders sorted by relative path)."""
+    if not inputs:
+        raise BuildError("no input given; name JSON Lines files, text files or folders")
+    files: list[pathlib.Path] = []
+    for inp in inputs:
+        p = pathlib.Path(inp)
+        if p.is_dir():
+            found = sorted(q for q in p.glob(glob) if q.is_file())
+            if not found:
+                raise BuildError(f"input folder {str(p)!r} has no files matching --glob {glob!r}")
+            files.extend(found)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise BuildError(f"input {str(p)!r} does not exist (expected a file or a folder)")
+    return files
+
+
+def _problem(counts: _Counts, kind: str, where: str, strict: bool) -> None:
+    if strict:
+        raise BuildError(f"{where}: {kind.replace('_', ' ')} (--strict stops at the first problem)")
+    setattr(counts, kind, getattr(counts, kind) + 1)
+    if len(counts.first_problems) < 10:
+        counts.first_problems.append(f"{where}: {kind}")
+
+
+def _documents(files: list[pathlib.Path], text_field: str, strict: bool,
+               counts: _Counts) -> Iterator[tuple[str, bytes]]:
+    """(text, its UTF-8 bytes) of every usable document; problems go into `counts`."""
+    for path in files:
+        counts.files += 1
+        if path.suffix.lower() in JSONL_SUFFIXES:
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    where = f"{path}:{lineno}"
+                    try:
+                        line_text = line.decode("utf-8")
+                    except UnicodeDecodeError:
+                        _problem(counts, "invalid_utf8", where, strict)
+                        continue
+                    try:
+                        obj = json.loads(line_text)
+                    except ValueError:
+                        _problem(counts, "broken_json", where, strict)
+                        continue
+                    text = obj.get(text_field) if isinstance(obj, dict) else None
+                    if not isinstance(text, str):
+                        _problem(counts, "missing_field", f"{where} (field {text_field!r})", strict)
+                        continue
+                    try:
+                        raw = text.encode("utf-8")
+                    except UnicodeEncodeError:  # JSON escapes can spell lone surrogates
+                        _problem(counts, "invalid_utf8", where, strict)
+                        continue
+                    if not text or text.isspace():
+                        _problem(counts, "empty", where, strict)
+                        continue
+                    yield text, raw
+        else:
+            raw = path.read_bytes()
+            where = f"{path}:1"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                line = raw.count(b"\n", 0, e.start) + 1
+                _problem(counts, "invalid_utf8", f"{path}:{line}", strict)
+                continue
+            if not text or text.isspace():
+                _problem(counts, "empty", where, strict)
+                continue
+            yield text, raw
+
+
+def _batches(docs: Iterable[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes]]]:
+    batch, size = [], 0
+    for d in docs:
+        batch.append(d)
+        size += len(d[1])
+        if len(batch) >= BATCH_DOCS or size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def length_histogram(lengths: np.ndarray) -> list[dict]:
+    """Documents per power-of-two length bucket [2^b, 2^(b+1)), non-empty buckets only."""
+    if lengths.size == 0:
+        return []
+    buckets = np.floor(np.log2(np.maximum(lengths, 1).astype(np.float64))).astype(np.int64)
+    docs = np.bincount(buckets)
+    toks = np.bincount(buckets, weights=lengths.astype(np.float64))
+    return [{"min": 1 << b, "max": (1 << (b + 1)) - 1, "documents": int(docs[b]), "tokens": int(toks[b])}
+            for b in range(docs.size) if docs[b]]
+
+
+def _prepare_output(output: pathlib.Path, overwrite: bool) -> pathlib.Path:
+    if output.exists() and not output.is_dir():
+        raise BuildError(f"output {str(output)!r} exists and is not a folder; choose a folder path")
+    if output.exists() and not overwrite:
+        raise BuildError(f"output {str(output)!r} already exists; pass --overwrite to replace it")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BuildError(f"cannot create the parent folder of output {str(output)!r}: {e.strerror}") from None
+    tmp = output.parent / f"{output.name}.tmp-{os.getpid()}"
+    if tmp.exists():  # left by an earlier build_dataset call of this same process
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise BuildError(f"cannot write next to output {str(output)!r}: {e.strerror}") from None
+    return tmp
+
+
+def _write_file(path: pathlib.Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(tmp: pathlib.Path, output: pathlib.Path, overwrite: bool) -> None:
+    """Rename the finished `tmp` folder to `output`, swapping out an old one if allowed."""
+    fsync_path(tmp)
+    if output.exists():
+        if not overwrite:
+            raise BuildError(f"output {str(output)!r} appeared during the build; pass --overwrite to replace it")
+        old = output.parent / f"{output.name}.old-{os.getpid()}"
+        os.rename(output, old)
+        try:
+            os.rename(tmp, output)
+        except OSError:
+            os.rename(old, output)
+            raise
+        fsync_path(output.parent)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, output)
+    fsync_path(output.parent)
+
+
+def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *,
+                  tokenizer: str = "byte", text_field: str = "text", glob: str = "**/*",
+                  shard_size_mb: float = 256, overwrite: bool = False, strict: bool = False,
+                  progress: bool = False) -> pathlib.Path:
+    """Build a dataset folder at `output` from `inputs`; returns the output path.
+
+    `tokenizer` is "byte" or a path to a tokenizer.json. `shard_size_mb` bounds each shard's
+    data.mdb (fractions allowed, for tests). `progress` draws a progress line on a terminal.
+    Raises BuildError on misuse or, with `strict`, on the first input problem; then no
+    output folder is left behind.
+    """
+    t0 = time.perf_counter()
+    output = pathlib.Path(output).absolute()
+    if not shard_size_mb > 0:
+        raise BuildError(f"--shard-size-mb must be positive, got {shard_size_mb}")
+    try:
+        tok = load_tokenizer(tokenizer)
+    except Exception as e:  # TokenizerError or an OS error: both are the user's input
+        raise BuildError(str(e)) from None
+    files = _input_files(inputs, glob)
+    tmp = _prepare_output(output, overwrite)
+    try:
+        manifest = _build_into(tmp, files, tok, text_field, shard_size_mb, strict, progress, t0)
+        manifest["build"].update(inputs=[str(i) for i in inputs], text_field=text_field, glob=glob)
+        _write_file(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2).encode() + b"\n")
+        _publish(tmp, output, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, text_field: str,
+                shard_size_mb: float, strict: bool, show_progress: bool, t0: float) -> dict:
+    """Write shards, index and tokenizer copy into `tmp`; returns the manifest (not yet written)."""
+    counts = _Counts()
+    writer = ShardWriter(tmp, int(shard_size_mb * (1 << 20)))
+    seen: set[int] = set()
+    idx_hash, idx_len = array.array("Q"), array.array("I")
+    idx_shard, idx_key = array.array("I"), array.array("Q")
+    eos, dtype = tok.eos_id, tok.dtype
+    is_byte = tok.kind == "byte"
+    bar = Progress(enabled=show_progress)
+    total_tokens = 0
+    try:
+        for batch in _batches(_documents(files, text_field, strict, counts)):
+            ids_list = [np.frombuffer(raw, np.uint8) for _, raw in batch] if is_byte \
+                else tok.encode_batch([text for text, _ in batch])
+            for ids in ids_list:
+                n = ids.shape[0] + 1
+                value = np.empty(n, dtype)
+                value[:-1] = ids
+                value[-1] = eos
+                data = value.tobytes()
+                h = xxhash.xxh3_64_intdigest(data)
+                if h in seen:
+                    counts.duplicates_dropped += 1
+                    continue
+                seen.add(h)
+                shard, key = writer.add(data, n)
+                idx_hash.append(h)
+                idx_len.append(n)
+                idx_shard.append(shard)
+                idx_key.append(key)
+                total_tokens += n
+            bar.update(len(idx_len), total_tokens, writer.bytes_written)
+        if not idx_len:
+            raise BuildError(f"no documents to store: {counts.files} input file(s) gave only problems "
+                             f"or duplicates ({_problem_text(counts)})")
+        shards = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.finish()
+    counts.documents = len(idx_len)
+    index = np.empty(counts.documents, INDEX_DTYPE)
+    index["hash"] = np.frombuffer(idx_hash, np.uint64)
+    index["length"] = np.frombuffer(idx_len, np.uint32)
+    index["shard"] = np.frombuffer(idx_shard, np.uint32)
+    index["key"] = np.frombuffer(idx_key, np.uint64)
+    with open(tmp / INDEX_NAME, "wb") as f:
+        np.save(f, index, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    desc = tok.describe()
+    if desc["kind"] == "hf":  # keep the dataset self-contained: readers can decode without the original
+        shutil.copyfile(desc["path"], tmp / "tokenizer.json")
+    lengths = index["length"]
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": desc,
+        "token_dtype": np.dtype(dtype).name,
+        "appends_eos": True,
+        "counts": {k: v for k, v in vars(counts).items() if k != "first_problems"},
+        "total_tokens": int(total_tokens),
+        "length_stats": {"min": int(lengths.min()), "max": int(lengths.max()),
+                         "mean": round(float(lengths.mean()), 3)},
+        "length_histogram": length_histogram(lengths),
+        "shards": shards,
+        "index": {"file": INDEX_NAME, "dtype": [list(f) for f in INDEX_DTYPE.descr]},
+        "index_checksum": file_checksum(tmp / INDEX_NAME),
+        "first_problems": counts.first_problems,
+        "build": {"seconds": round(time.perf_counter() - t0, 3), "shard_size_mb": shard_size_mb,
+                  "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+    }
+    manifest["fingerprint"] = dataset_fingerprint(manifest)
+    return manifest
+
+
+def _problem_text(counts: _Counts) -> str:
+    return ", ".join(f"{k}={getattr(counts, k)}" for k in PROBLEMS)
+
+
+def summary_line(output: pathlib.Path, manifest: dict) -> str:
+    """One line saying what a finished build holds, for the CLI's final report."""
+    c = manifest["counts"]
+    problems = ", ".join(f"{k}={c.get(k, 0)}" for k in PROBLEMS)
+    secs = manifest.get("build", {}).get("seconds", 0) or 1e-9
+    mb = sum(s["bytes"] for s in manifest["shards"]) / 1e6
+    return (f"built {output}: {c['documents']:,} documents, {manifest['total_tokens']:,} tokens, "
+            f"{len(manifest['shards'])} shard(s), {mb:,.1f} MB, {c['duplicates_dropped']:,} duplicates dropped, "
+            f"problems: {problems}; {c['files']:,} file(s) in {secs:.2f}s "
+            f"({c['documents'] / secs:,.0f} docs/s, {manifest['total_tokens'] / secs / 1e6:,.2f} M tokens/s)")
+
+
+def make_corpus(tmp_dir: str | os.PathLike, n_docs: int, seed: int = 0, min_len: int = 16,
+                max_len: int = 4096) -> pathlib.Path:
+    """Write `n_docs` random documents to a JSON Lines file in `tmp_dir` and return its path.
+
+    Lengths (in characters) lie in [min_len, max_len] with a long tail: most documents are
+    short, a few are close to `max_len`. Text is words of a small vocabulary with some
+    multi-byte UTF-8. The same (n_docs, seed, min_len, max_len) always gives the same file;
+    documents are all distinct.
+    """
+    if n_docs < 1 or not 1 <= min_len <= max_len:
+        raise ValueError(f"need n_docs >= 1 and 1 <= min_len <= max_len, got {n_docs}, {min_len}, {max_len}")
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    vocab = ["".join(rng.choice(letters, size=k)) for k in rng.integers(1, 10, size=2000)]
+    vocab += ["naïve", "東京", "größe", "🙂", "λx", "\\n", "\"quoted\"", "tab\there", "line\nbreak"]
+    # Zipf-like word frequencies, as in natural text.
+    weights = 1.0 / np.arange(1, len(vocab) + 1)
+    words = rng.choice(len(vocab), size=max(200_000, min(4_000_000, n_docs * max_len // 4)),
+                       p=weights / weights.sum())
+    stream = " ".join(vocab[i] for i in words.tolist())
+    # Log-space Beta(1.2, 4) puts most lengths near min_len and a long tail up to max_len.
+    frac = rng.beta(1.2, 4.0, size=n_docs)
+    lengths = np.round(np.exp(np.log(min_len) + frac * (np.log(max_len) - np.log(min_len)))).astype(np.int64)
+    lengths = np.clip(lengths, min_len, max_len)
+    starts = rng.integers(0, max(1, len(stream) - max_len), size=n_docs)
+    path = pathlib.Path(tmp_dir) / f"corpus-n{n_docs}-s{seed}.jsonl"
+    seen: set[str] = set()
+    with open(path, "w", encoding="utf-8") as f:
+        for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
+            text = stream[s:s + n]
+            if text.isspace() or text.strip() != text or text in seen:
+                text = f"d{i} " + text.strip()  # keep every document non-empty and distinct
+            seen.add(text)
+            f.write(json.dumps({"id": i, "text": text}, ensure_ascii=False) + "\n")
+    return path

@@ -1,0 +1,188 @@
+"""`tessera-data`: the data service's command line.
+
+Each subcommand is registered by a small `_add_<name>(sub)` function that adds its parser
+and sets `func`, a callable taking the parsed args and returning the exit code. Exit codes:
+0 success, 1 a failed verification, 2 misuse (bad arguments, missing input, bad output path),
+each misuse reported as one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports misuse as a single line (no usage block) and exits with 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _fail(prog: str, message: str) -> int:
+    # Keep misuse to one line even if the message carries a newline from a library.
+    sys.stderr.write(f"{prog}: error: {' '.join(str(message).split())}\n")
+    return 2
+
+
+# ---- build -----------------------------------------------------------------------------
+
+def _add_build(sub) -> None:
+    p = sub.add_parser("build", help="build a sharded token dataset from corpus files",
+                       description="Tokenize JSON Lines files, text files and folders into LMDB shards "
+                                   "with an index and a checksummed manifest.")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="JSON Lines file (.jsonl/.json/.ndjson), text file (one document), or folder")
+    p.add_argument("--output", "-o", required=True, metavar="DIR", help="dataset folder to create")
+    p.add_argument("--tokenizer", default="byte",
+                   help="'byte' (default, built in) or the path of a tokenizer.json")
+    p.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
+    p.add_argument("--glob", default="**/*", help="files to take from input folders (default: **/*)")
+    p.add_argument("--shard-size-mb", type=float, default=256.0,
+                   help="upper bound of each shard's data.mdb in MiB (default: 256)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--strict", action="store_true",
+                   help="stop with an error at the first invalid/empty/broken document")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress line, only the final summary")
+    p.set_defaults(func=_run_build)
+
+
+def _run_build(args) -> int:
+    from .build import BuildError, build_dataset, summary_line
+
+    prog = "tessera-data build"
+    if not args.shard_size_mb > 0:
+        return _fail(prog, f"--shard-size-mb must be positive, got {args.shard_size_mb}")
+    try:
+        out = build_dataset(args.inputs, args.output, tokenizer=args.tokenizer, text_field=args.text_field,
+                            glob=args.glob, shard_size_mb=args.shard_size_mb, overwrite=args.overwrite,
+                            strict=args.strict, progress=not args.quiet)
+    except BuildError as e:
+        return _fail(prog, str(e))
+    except OSError as e:
+        return _fail(prog, f"{e.filename or ''}: {e.strerror or e}")
+    manifest = json.loads((out / "manifest.json").read_text())
+    sys.stderr.write(summary_line(out, manifest) + "\n")
+    return 0
+
+
+# ---- inspect ---------------------------------------------------------------------------
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="summarize a dataset and verify its checksums",
+                       description="Print a dataset's summary and verify every checksum "
+                                   "(exit 1 if verification fails).")
+    p.add_argument("dataset", metavar="DIR", help="dataset folder made by `tessera-data build`")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-verify", action="store_true", help="skip reading the files to check checksums")
+    p.set_defaults(func=_run_inspect)
+
+
+def _inspect_summary(path: pathlib.Path, manifest: dict, problems: list[str] | None) -> dict:
+    c = manifest["counts"]
+    return {
+        "path": str(path),
+        "fingerprint": manifest["fingerprint"],
+        "tokenizer": manifest["tokenizer"],
+        "token_dtype": manifest["token_dtype"],
+        "documents": c.get("documents"),
+        "tokens": manifest.get("total_tokens"),
+        "duplicates_dropped": c.get("duplicates_dropped", 0),
+        "problems_in_input": {k: c.get(k, 0) for k in ("invalid_utf8", "empty", "broken_json", "missing_field")},
+        "files": c.get("files"),
+        "length_stats": manifest.get("length_stats"),
+        "length_histogram": manifest.get("length_histogram", []),
+        "shards": manifest["shards"],
+        "verified": problems is not None,
+        "ok": not problems,
+        "verification_problems": problems or [],
+    }
+
+
+def _print_human(s: dict) -> None:
+    tok = s["tokenizer"]
+    out = sys.stdout.write
+    out(f"dataset      {s['path']}\n")
+    out(f"fingerprint  {s['fingerprint']}\n")
+    out(f"tokenizer    {tok['kind']} {tok.get('name')!s} (vocab {tok['vocab_size']:,}, pad {tok['pad_id']}, "
+        f"bos {tok['bos_id']}, eos {tok['eos_id']}; {s['token_dtype']})\n")
+    out(f"documents    {s['documents']:,} from {s['files']:,} file(s), {s['duplicates_dropped']:,} duplicates dropped\n")
+    ls = s["length_stats"] or {}
+    out(f"tokens       {s['tokens']:,} (length min {ls.get('min')}, mean {ls.get('mean')}, max {ls.get('max')})\n")
+    out("problems     " + ", ".join(f"{k} {v:,}" for k, v in s["problems_in_input"].items()) + "\n")
+    total = sum(sh["bytes"] for sh in s["shards"])
+    out(f"shards       {len(s['shards'])} ({total / 1e6:,.1f} MB)\n")
+    for sh in s["shards"]:
+        out(f"  {sh['name']}  {sh['documents']:>10,} docs  {sh['tokens']:>14,} tokens  "
+            f"{sh['bytes'] / 1e6:>9,.1f} MB  {sh['checksum']}\n")
+    out("length histogram (tokens incl. eos)\n")
+    hist = s["length_histogram"]
+    peak = max((h["documents"] for h in hist), default=1)
+    for h in hist:
+        bar = "#" * max(1, round(40 * h["documents"] / peak))
+        out(f"  {h['min']:>9,}-{h['max']:<10,} {h['documents']:>10,}  {bar}\n")
+    if not s["verified"]:
+        out("verify       skipped (--no-verify)\n")
+    elif s["ok"]:
+        out("verify       OK: every checksum matches\n")
+    else:
+        out(f"verify       FAILED ({len(s['verification_problems'])} problem(s))\n")
+        for p in s["verification_problems"]:
+            out(f"  {p}\n")
+
+
+def _run_inspect(args) -> int:
+    from .shards import DatasetError, load_manifest, verify_dataset
+
+    prog = "tessera-data inspect"
+    path = pathlib.Path(args.dataset)
+    if not path.is_dir():
+        return _fail(prog, f"dataset folder {str(path)!r} does not exist or is not a folder")
+    try:
+        manifest = load_manifest(path)
+        problems = None if args.no_verify else verify_dataset(path, manifest)
+        summary = _inspect_summary(path, manifest, problems)
+    except (DatasetError, KeyError, TypeError) as e:
+        # A folder that exists but holds no usable manifest is a dataset that fails verification.
+        msg = str(e) if isinstance(e, DatasetError) else f"{path / 'manifest.json'}: malformed ({e!r})"
+        if args.json:
+            print(json.dumps({"path": str(path), "ok": False, "verification_problems": [msg]}, indent=2))
+        else:
+            sys.stderr.write(f"{prog}: verification failed: {msg}\n")
+        return 1
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_human(summary)
+    if problems:
+        if not args.json:
+            sys.stderr.write(f"{prog}: verification failed: {problems[0]}\n")
+        return 1
+    return 0
+
+
+# ---- entry point -----------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `tessera-data` parser with every registered subcommand."""
+    parser = _Parser(prog="tessera-data", description="Tessera data service: build, inspect and serve datasets.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_build(sub)
+    _add_inspect(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `tessera-data` with `argv` (default: sys.argv[1:]); returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        sys.stderr.write("tessera-data: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

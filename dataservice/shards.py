@@ -1,0 +1,403 @@
+"""The on-disk dataset format (version 1): LMDB shards, a compact index and a manifest.
+
+A dataset is a folder::
+
+    manifest.json          what was built, counts, checksums, fingerprint (written last)
+    index.npy              one record per document, in global document order (INDEX_DTYPE)
+    tokenizer.json         copy of the tokenizer file (only for `tokenizer.json` tokenizers)
+    shard-00000/data.mdb   LMDB environment (subdir=True); key = 8-byte big-endian uint64
+    shard-00001/data.mdb   document index within the shard, value = little-endian token ids
+    ...
+
+`index.npy` is a numpy structured array with fields `hash` (uint64, xxh3_64 of the stored
+value bytes, eos included), `length` (uint32, tokens incl. eos), `shard` (uint32) and `key`
+(uint64, the LMDB key), so lengths and identities load without touching LMDB.
+
+Checksums are xxh3_128 hex digests of file bytes. The fingerprint is xxh3_128 over the
+tokenizer identity, the token layout, every shard checksum and the index checksum (see
+`dataset_fingerprint`), so equal fingerprints mean equal token streams.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import threading
+from typing import Sequence
+
+import lmdb
+import numpy as np
+import xxhash
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+INDEX_NAME = "index.npy"
+INDEX_DTYPE = np.dtype([("hash", "<u8"), ("length", "<u4"), ("shard", "<u4"), ("key", "<u8")])
+MAX_READERS = 4096
+
+
+class DatasetError(Exception):
+    """A dataset folder is missing, incomplete, of an unknown format or fails verification."""
+
+
+def shard_name(i: int) -> str:
+    """Folder name of shard number `i`."""
+    return f"shard-{i:05d}"
+
+
+def encode_key(k: int) -> bytes:
+    """LMDB key of document `k` of a shard: big-endian so byte order equals numeric order."""
+    return k.to_bytes(8, "big")
+
+
+def file_checksum(path: str | os.PathLike) -> str:
+    """xxh3_128 hex digest of a file's bytes, read in large chunks."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dataset_fingerprint(manifest: dict) -> str:
+    """xxh3_128 hex over what defines a dataset's content.
+
+    The tokenizer's path and name are left out on purpose: the same tokenizer file
+    moved elsewhere builds the same dataset.
+    """
+    tok = manifest["tokenizer"]
+    ident = {k: tok.get(k) for k in ("kind", "sha256", "vocab_size", "pad_id", "bos_id", "eos_id")}
+    h = xxhash.xxh3_128()
+    h.update(f"tessera-dataset v{manifest['format_version']}\n".encode())
+    h.update(json.dumps(ident, sort_keys=True).encode() + b"\n")
+    h.update(f"{manifest['token_dtype']} appends_eos={manifest['appends_eos']}\n".encode())
+    for s in manifest["shards"]:
+        h.update(f"{s['name']} {s['checksum']}\n".encode())
+    h.update(f"index {manifest['index_checksum']}\n".encode())
+    return h.hexdigest()
+
+
+def open_shard_reader(path: pathlib.Path) -> lmdb.Environment:
+    """Read-only LMDB env of one shard that never writes a file (no lock.mdb)."""
+    return lmdb.open(
+        str(path), subdir=True, readonly=True, lock=False, readahead=False,
+        max_readers=MAX_READERS, max_spare_txns=64,
+    )
+
+
+def fsync_path(path: pathlib.Path) -> None:
+    """fsync a file or folder so a later rename cannot expose unwritten data."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ShardWriter:
+    """Appends document values to LMDB shards of bounded size under folder `root`.
+
+    Writes are batched into large transactions (append mode, no per-put sync); a shard is
+    synced to disk, closed and checksummed when the next document would push its data.mdb
+    past `shard_bytes`. A single document larger than the bound gets a shard of its own.
+    """
+
+    def __init__(self, root: pathlib.Path, shard_bytes: int, txn_bytes: int = 64 << 20):
+        if shard_bytes <= 0:
+            raise ValueError(f"shard size must be positive, got {shard_bytes} bytes")
+        self.root = root
+        self.shard_bytes = shard_bytes
+        self.txn_bytes = max(1 << 16, min(txn_bytes, shard_bytes // 4))
+        self.shards: list[dict] = []  # finished shards: name, documents, tokens, bytes, checksum
+        self.bytes_finished = 0
+        self._env: lmdb.Environment | None = None
+        self._pending: list[tuple[bytes, bytes]] = []
+        self._pending_est = 0
+        self._used = 0  # bytes of data.mdb in use after the last commit
+        self._docs = 0
+        self._tokens = 0
+        self._psize = 4096
+        self._ratio = 1.0  # measured on-disk bytes per estimated byte, learnt per commit
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes committed to data.mdb files so far (finished shards plus the open one)."""
+        return self.bytes_finished + self._used
+
+    def _estimate(self, nbytes: int) -> int:
+        # LMDB keeps values above about half a page on their own overflow pages (16-byte
+        # header, page-rounded); smaller ones share leaf pages with an 18-byte node+pointer.
+        if nbytes + 16 > (self._psize - 16) // 2:
+            return -(-(nbytes + 16) // self._psize) * self._psize + 26
+        return nbytes + 18
+
+    def _open_shard(self) -> None:
+        path = self.root / shard_name(len(self.shards))
+        path.mkdir()
+        # map_size is address space, not disk: the file grows only as pages are written.
+        self._env = lmdb.open(
+            str(path), subdir=True, lock=False, sync=False, metasync=False, readahead=False,
+            map_size=int(self.shard_bytes * 1.5) + (16 << 20), max_dbs=0,
+        )
+        self._psize = self._env.stat()["psize"]
+        self._used = 2 * self._psize  # the two meta pages
+        self._docs = self._tokens = 0
+
+    def _commit(self) -> None:
+        if not self._pending:
+            return
+        env = self._env
+        while True:
+            try:
+                with env.begin(write=True) as txn:
+                    txn.cursor().putmulti(self._pending, append=True)
+                break
+            except lmdb.MapFullError:  # a document larger than the map: grow it and retry
+                env.set_mapsize(env.info()["map_size"] * 2)
+        used = (env.info()["last_pgno"] + 1) * self._psize
+        if self._pending_est > 64 * self._psize:
+            self._ratio = max(1.0, (used - self._used) / self._pending_est)
+        self._used = used
+        self._pending = []
+        self._pending_est = 0
+
+    def add(self, value: bytes, tokens: int) -> tuple[int, int]:
+        """Store one document's value; returns its (shard number, key)."""
+        est = int(self._estimate(len(value)) * self._ratio)
+        if self._env is None:
+            self._open_shard()
+        elif self._docs and self._used + self._pending_est + est > self.shard_bytes:
+            self._finish_shard()
+            self._open_shard()
+        key = self._docs
+        self._pending.append((encode_key(key), value))
+        self._pending_est += est
+        self._docs += 1
+        self._tokens += tokens
+        if self._pending_est >= self.txn_bytes or (
+            # near the bound, commit often so the measured size, not the estimate, decides
+            self._used + 2 * self._pending_est > self.shard_bytes and self._pending_est > 16 * self._psize
+        ):
+            self._commit()
+        return len(self.shards), key
+
+    def _finish_shard(self) -> None:
+        self._commit()
+        env, self._env = self._env, None
+        env.sync(True)
+        env.close()
+        path = self.root / shard_name(len(self.shards))
+        data = path / "data.mdb"
+        fsync_path(path)
+        size = data.stat().st_size
+        self.shards.append({
+            "name": path.name, "documents": self._docs, "tokens": self._tokens,
+            "bytes": size, "checksum": file_checksum(data),
+        })
+        self.bytes_finished += size
+        self._used = 0
+
+    def close(self) -> list[dict]:
+        """Finish the open shard; returns the records of all shards."""
+        if self._env is not None:
+            self._finish_shard()
+        return self.shards
+
+    def abort(self) -> None:
+        """Close without finishing (the caller deletes the folder)."""
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+
+
+def load_manifest(path: pathlib.Path) -> dict:
+    """The manifest of dataset folder `path`, checked for a known format version."""
+    if not path.is_dir():
+        raise DatasetError(f"dataset folder {str(path)!r} does not exist or is not a folder")
+    mpath = path / MANIFEST_NAME
+    if not mpath.is_file():
+        raise DatasetError(
+            f"{str(mpath)!r} is missing: {str(path)!r} is not a complete dataset "
+            "(an interrupted build leaves no manifest)"
+        )
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{str(mpath)!r} is not valid JSON: {e}") from None
+    if not isinstance(manifest, dict):
+        raise DatasetError(f"{str(mpath)!r} must hold a JSON object")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise DatasetError(
+            f"{str(mpath)!r} has format_version {version!r}; this reader knows version {FORMAT_VERSION}"
+        )
+    for key in ("tokenizer", "token_dtype", "shards", "index_checksum", "fingerprint", "counts"):
+        if key not in manifest:
+            raise DatasetError(f"{str(mpath)!r} lacks the field {key!r}")
+    return manifest
+
+
+class ShardedDataset:
+    """A built dataset folder, opened read-only.
+
+    Safe to read from many threads: each shard has one lazily opened read-only LMDB
+    environment, and every `read`/`read_many` call uses its own read transaction.
+    """
+
+    def __init__(self, path: pathlib.Path, manifest: dict, index: np.ndarray):
+        self.path = path
+        self.name = path.name
+        self.manifest = manifest
+        self.fingerprint: str = manifest["fingerprint"]
+        self._index = index
+        self.lengths: np.ndarray = np.ascontiguousarray(index["length"])
+        self.hashes: np.ndarray = np.ascontiguousarray(index["hash"])
+        self.num_documents = int(index.shape[0])
+        self.num_tokens = int(manifest.get("total_tokens", int(self.lengths.sum(dtype=np.uint64))))
+        tok = manifest["tokenizer"]
+        self.vocab_size = int(tok["vocab_size"])
+        self.pad_id, self.bos_id, self.eos_id = int(tok["pad_id"]), int(tok["bos_id"]), int(tok["eos_id"])
+        self.token_dtype = np.dtype(manifest["token_dtype"]).newbyteorder("<")
+        self._shard_names = [s["name"] for s in manifest["shards"]]
+        self._envs: list[lmdb.Environment | None] = [None] * len(self._shard_names)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, verify: bool = False) -> "ShardedDataset":
+        """Open dataset folder `path`; with `verify=True` check every checksum first and raise
+        DatasetError naming the first bad file."""
+        path = pathlib.Path(path)
+        manifest = load_manifest(path)
+        if verify:
+            problems = verify_dataset(path, manifest)
+            if problems:
+                raise DatasetError(f"dataset {str(path)!r} failed verification: {problems[0]}")
+        ipath = path / INDEX_NAME
+        try:
+            index = np.load(ipath, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise DatasetError(f"cannot load index {str(ipath)!r}: {e}") from None
+        if index.dtype != INDEX_DTYPE or index.ndim != 1:
+            raise DatasetError(f"{str(ipath)!r} has dtype {index.dtype}, expected {INDEX_DTYPE}")
+        expected = manifest["counts"].get("documents")
+        if expected is not None and expected != index.shape[0]:
+            raise DatasetError(f"{str(ipath)!r} holds {index.shape[0]} documents, manifest says {expected}")
+        return cls(path, manifest, index)
+
+    def __len__(self) -> int:
+        return self.num_documents
+
+    def __enter__(self) -> "ShardedDataset":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _env(self, shard: int) -> lmdb.Environment:
+        env = self._envs[shard]
+        if env is None:
+            with self._lock:  # one env per shard even when threads race to open it
+                if self._closed:
+                    raise DatasetError(f"dataset {str(self.path)!r} is closed")
+                env = self._envs[shard]
+                if env is None:
+                    spath = self.path / self._shard_names[shard]
+                    try:
+                        env = open_shard_reader(spath)
+                    except lmdb.Error as e:
+                        raise DatasetError(f"cannot open shard {str(spath)!r}: {e}") from None
+                    self._envs[shard] = env
+        return env
+
+    def _check_doc(self, doc: int) -> int:
+        d = int(doc)
+        if not 0 <= d < self.num_documents:
+            raise IndexError(f"document {doc} out of range: dataset {self.name!r} has {self.num_documents}")
+        return d
+
+    def _get(self, txn: lmdb.Transaction, doc: int, shard: int, key: int) -> np.ndarray:
+        buf = txn.get(encode_key(key))
+        if buf is None:
+            raise DatasetError(f"document {doc} (key {key}) is missing from {self._shard_names[shard]}")
+        # The buffer is only valid inside the transaction, so copy it out once.
+        return np.frombuffer(buf, dtype=self.token_dtype).copy()
+
+    def read(self, doc: int) -> np.ndarray:
+        """Tokens of document `doc` (eos included), a fresh writable array."""
+        d = self._check_doc(doc)
+        rec = self._index[d]
+        shard, key = int(rec["shard"]), int(rec["key"])
+        with self._env(shard).begin(buffers=True) as txn:
+            return self._get(txn, d, shard, key)
+
+    def read_many(self, docs: Sequence[int] | np.ndarray) -> list[np.ndarray]:
+        """Tokens of several documents, in the order given; one read transaction per shard touched."""
+        docs = np.asarray(docs, dtype=np.int64).reshape(-1)
+        if docs.size == 0:
+            return []
+        if docs.min() < 0 or docs.max() >= self.num_documents:
+            bad = docs[(docs < 0) | (docs >= self.num_documents)][0]
+            raise IndexError(f"document {bad} out of range: dataset {self.name!r} has {self.num_documents}")
+        recs = self._index[docs]
+        shards, keys = recs["shard"], recs["key"]
+        out: list[np.ndarray | None] = [None] * docs.size
+        for shard in np.unique(shards):
+            positions = np.flatnonzero(shards == shard)
+            with self._env(int(shard)).begin(buffers=True) as txn:
+                for p in positions.tolist():
+                    out[p] = self._get(txn, int(docs[p]), int(shard), int(keys[p]))
+        return out  # type: ignore[return-value]
+
+    def verify(self) -> list[str]:
+        """Every problem found by re-checking all checksums (empty list = all good)."""
+        return verify_dataset(self.path, self.manifest)
+
+    def close(self) -> None:
+        """Close every open shard environment; later reads raise DatasetError."""
+        with self._lock:
+            self._closed = True
+            envs, self._envs = self._envs, [None] * len(self._envs)
+        for env in envs:
+            if env is not None:
+                env.close()
+
+
+def verify_dataset(path: pathlib.Path, manifest: dict) -> list[str]:
+    """Problems with dataset folder `path`: missing files, checksum mismatches, a fingerprint
+    that does not match the recorded checksums. Each message names the file."""
+    problems: list[str] = []
+    for s in manifest["shards"]:
+        f = path / s["name"] / "data.mdb"
+        if not f.is_file():
+            problems.append(f"{f}: missing")
+            continue
+        got = file_checksum(f)
+        if got != s["checksum"]:
+            problems.append(f"{f}: checksum {got} does not match the manifest's {s['checksum']}")
+    ipath = path / INDEX_NAME
+    if not ipath.is_file():
+        problems.append(f"{ipath}: missing")
+    else:
+        got = file_checksum(ipath)
+        if got != manifest["index_checksum"]:
+            problems.append(f"{ipath}: checksum {got} does not match the manifest's {manifest['index_checksum']}")
+    tok = manifest["tokenizer"]
+    if tok.get("kind") == "hf":
+        tpath = path / "tokenizer.json"
+        if tpath.is_file():
+            import hashlib
+
+            got = hashlib.sha256(tpath.read_bytes()).hexdigest()
+            if got != tok.get("sha256"):
+                problems.append(f"{tpath}: sha256 {got} does not match the manifest's {tok.get('sha256')}")
+    try:
+        fp = dataset_fingerprint(manifest)
+    except (KeyError, TypeError) as e:
+        problems.append(f"{path / MANIFEST_NAME}: cannot recompute the fingerprint ({e!r})")
+    else:
+        if fp != manifest["fingerprint"]:
+            problems.append(f"{path / MANIFEST_NAME}: fingerprint {manifest['fingerprint']} does not match "
+                            f"the recorded checksums (recomputed {fp})")
+    return problems
