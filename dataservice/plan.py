@@ -1,0 +1,321 @@
+"""The global packed-row stream of a blend: a pure function of (datasets, weights, seed, seq_len).
+
+Rows are addressed by a global index 0, 1, 2, ... that does not depend on the data-parallel
+size or the micro-batch size. The stream is cut into windows (see dataservice.sampling for
+the blending, dataservice.packing for the packing). Where window w starts depends on the
+windows before it, so it is named by an `Anchor`: (window index, first global row, per-dataset
+stream positions, per-dataset carries) -- small, JSON-safe, and what a resume token holds.
+
+Rows of window w: blend documents by token quota, shuffle them with rng(seed, w), split long
+documents, best-fit-decreasing pack, shuffle the rows with rng(seed, w, 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from dataservice.packing import IGNORE_INDEX, MicroBatch, build_microbatch, pack_rows
+from dataservice.sampling import DocumentStream, blend_window, normalise_weights, window_quotas
+
+__all__ = ["ALGORITHM_VERSION", "MAX_SEQ_LEN", "Anchor", "PackedWindow", "StreamPlan", "rows_for", "default_window_tokens"]
+
+ALGORITHM_VERSION = 1  # bump on any change that alters the row stream
+MAX_SEQ_LEN = 1 << 20
+WINDOW_ROWS = 256  # measured: BFD wastes about one row per window, so 256 rows fill >= 99.6%
+MIN_WINDOW_TOKENS = 1 << 21  # short rows: more rows per window costs little (~1 ms per 2M tokens)
+
+
+def default_window_tokens(seq_len: int) -> int:
+    """Token budget of a window when none is given: 256 rows, and at least 2M tokens."""
+    return max(WINDOW_ROWS * seq_len, MIN_WINDOW_TOKENS)
+
+
+def rows_for(step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> np.ndarray:
+    """Global rows of `dp_rank` at micro-step `step`: step*B*n + dp_rank + j*n for j < B.
+
+    Ranks interleave so the rows of one step are a contiguous range whatever the split.
+    """
+    for name, v, lo in (("step", step, 0), ("dp_rank", dp_rank, 0), ("dp_size", dp_size, 1), ("micro_batch_size", micro_batch_size, 1)):
+        if int(v) != v or v < lo:
+            raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
+    if dp_rank >= dp_size:
+        raise ValueError(f"dp_rank={dp_rank} must be < dp_size={dp_size}")
+    n, B = int(dp_size), int(micro_batch_size)
+    return int(step) * B * n + int(dp_rank) + np.arange(B, dtype=np.int64) * n
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """Where a window starts: its index, its first global row, and each dataset's stream state."""
+
+    window: int
+    first_row: int
+    positions: tuple[int, ...]
+    carries: tuple[int, ...]  # tokens taken beyond the cumulative quota, >= 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form (ints and lists only)."""
+        return {"window": self.window, "first_row": self.first_row, "positions": list(self.positions), "carries": list(self.carries)}
+
+    @classmethod
+    def from_dict(cls, d: Any, num_datasets: int | None = None) -> Anchor:
+        """Parse and validate `to_dict` output; ValueError says which field is wrong."""
+        if not isinstance(d, dict):
+            raise ValueError(f"anchor must be a dict, got {type(d).__name__}")
+        try:
+            window, first_row, positions, carries = d["window"], d["first_row"], d["positions"], d["carries"]
+        except KeyError as e:
+            raise ValueError(f"anchor is missing field {e.args[0]!r}") from None
+
+        def ok(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+        if not ok(window) or not ok(first_row):
+            raise ValueError(f"anchor window={window!r}, first_row={first_row!r} must be integers >= 0")
+        if not isinstance(positions, list) or not isinstance(carries, list) or len(positions) != len(carries):
+            raise ValueError("anchor positions and carries must be lists of equal length")
+        if not all(ok(v) for v in positions + carries):
+            raise ValueError(f"anchor positions {positions} and carries {carries} must be integers >= 0")
+        if num_datasets is not None and len(positions) != num_datasets:
+            raise ValueError(f"anchor has {len(positions)} dataset positions; this blend has {num_datasets} datasets")
+        return cls(window, first_row, tuple(positions), tuple(carries))
+
+
+@dataclass(frozen=True, eq=False)
+class PackedWindow:
+    """The packed rows of one window; segments of local row r are row_ptr[r]:row_ptr[r+1]."""
+
+    anchor: Anchor
+    next_anchor: Anchor
+    seg_dataset: np.ndarray  # int64 [segments]
+    seg_doc: np.ndarray  # int64 [segments]
+    seg_offset: np.ndarray  # int64 [segments], token offset of the piece in its document
+    seg_len: np.ndarray  # int64 [segments]
+    row_ptr: np.ndarray  # int64 [rows + 1]
+    seq_len: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_ptr.size - 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.seg_len.sum())
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens / (rows * seq_len)."""
+        return self.num_tokens / (self.num_rows * self.seq_len) if self.num_rows else 1.0
+
+
+def _check_int(name: str, v: Any, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+        raise ValueError(f"{name}={v!r} must be an integer in [{lo}, {hi}]")
+    return int(v)
+
+
+class StreamPlan:
+    """The deterministic stream of packed rows over a blend of datasets.
+
+    Thread-safe: windows are LRU-cached and a window asked for by several threads at once is
+    built once. ValueError (the server's INVALID_ARGUMENT) for any bad argument.
+    """
+
+    _CHAIN_CAP = 4096  # anchors kept to speed up seek; the stride doubles when full
+
+    def __init__(self, datasets: Sequence[Any], weights: Sequence[float], seed: int, seq_len: int,
+                 window_tokens: int | None = None, cache_windows: int = 64):
+        datasets = list(datasets)
+        if not datasets:
+            raise ValueError("no datasets given; a stream plan needs at least one dataset")
+        if len(weights) != len(datasets):
+            raise ValueError(f"{len(weights)} blend weights for {len(datasets)} datasets; give one weight per dataset")
+        self.weights = normalise_weights(weights)
+        self.seed = _check_int("seed", seed, 0, (1 << 64) - 1)
+        self.seq_len = _check_int("seq_len", seq_len, 2, MAX_SEQ_LEN)
+        if window_tokens is None:
+            window_tokens = default_window_tokens(self.seq_len)
+        self.window_tokens = _check_int("window_tokens", window_tokens, self.seq_len, 1 << 40)
+        first = datasets[0]
+        for ds in datasets[1:]:
+            for attr in ("vocab_size", "pad_id", "eos_id"):
+                if getattr(ds, attr) != getattr(first, attr):
+                    raise ValueError(
+                        f"datasets {getattr(first, 'name', '#0')!r} and {getattr(ds, 'name', '?')!r} have different "
+                        f"tokenizers ({attr} {getattr(first, attr)} vs {getattr(ds, attr)}); blended datasets must share one"
+                    )
+        self.datasets = datasets
+        self.pad_id = int(first.pad_id)
+        self.eos_id = int(first.eos_id)
+        self._lengths = [np.asarray(ds.lengths) for ds in datasets]
+        self._hashes = [np.asarray(ds.hashes, dtype=np.uint64) for ds in datasets]
+        for ds, ln in zip(datasets, self._lengths):
+            if ln.size and int(ln.min()) < 1:
+                raise ValueError(f"dataset {getattr(ds, 'name', '?')!r} has an empty document; lengths must be >= 1")
+        self._streams = [DocumentStream(ln, ds.fingerprint, self.seed) for ds, ln in zip(datasets, self._lengths)]
+        self._shares = [w * self.window_tokens for w in self.weights]
+        ident = [ALGORITHM_VERSION, [str(ds.fingerprint) for ds in datasets], list(self.weights), self.seed, self.seq_len, self.window_tokens]
+        self.fingerprint: str = xxhash.xxh3_128_hexdigest(json.dumps(ident).encode())
+
+        self._cache_size = max(1, int(cache_windows))
+        self._cache: OrderedDict[Anchor, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        # Anchors known to lie on the chain from start_anchor: every `_stride`-th window, plus recent ones.
+        self._chain: dict[int, Anchor] = {0: self.start_anchor()}
+        self._stride = 16
+        self._recent: OrderedDict[Anchor, None] = OrderedDict({self.start_anchor(): None})
+
+    def start_anchor(self) -> Anchor:
+        """Anchor of window 0."""
+        k = len(self.datasets)
+        return Anchor(0, 0, (0,) * k, (0,) * k)
+
+    def _check_anchor(self, anchor: Anchor) -> None:
+        if not isinstance(anchor, Anchor):
+            raise ValueError(f"expected an Anchor, got {type(anchor).__name__}")
+        if len(anchor.positions) != len(self.datasets) or len(anchor.carries) != len(self.datasets):
+            raise ValueError(f"anchor is for {len(anchor.positions)} datasets; this plan has {len(self.datasets)}")
+
+    def window(self, anchor: Anchor) -> PackedWindow:
+        """The packed rows of the window that `anchor` starts (a pure function of it; cached)."""
+        self._check_anchor(anchor)
+        mine = False
+        with self._lock:
+            fut = self._cache.get(anchor)
+            if fut is not None:
+                self._cache.move_to_end(anchor)
+            else:
+                fut, mine = Future(), True
+                self._cache[anchor] = fut
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        if mine:  # built outside the lock; other threads asking for it wait on the future
+            try:
+                fut.set_result(self._build_window(anchor))
+            except BaseException as e:
+                with self._lock:  # do not cache a failure
+                    if self._cache.get(anchor) is fut:
+                        del self._cache[anchor]
+                fut.set_exception(e)
+        return fut.result()
+
+    def _build_window(self, anchor: Anchor) -> PackedWindow:
+        w = anchor.window
+        quotas = window_quotas(self._shares, w)
+        docs, positions, carries = blend_window(self._streams, anchor.positions, anchor.carries, quotas)
+        item_ds = np.repeat(np.arange(len(docs), dtype=np.int64), [len(d) for d in docs])
+        item_doc = np.concatenate(docs)
+        item_len = np.concatenate([ln[d] for ln, d in zip(self._lengths, docs)]).astype(np.int64)
+        mix = np.random.default_rng([self.seed, w]).permutation(item_doc.size)
+        item_ds, item_doc, item_len = item_ds[mix], item_doc[mix], item_len[mix]
+        rows = pack_rows(item_len, self.seq_len, np.random.default_rng([self.seed, w, 1]))
+        nxt = Anchor(w + 1, anchor.first_row + rows.num_rows, positions, carries)
+        return PackedWindow(anchor, nxt, item_ds[rows.seg_item], item_doc[rows.seg_item], rows.seg_offset,
+                            rows.seg_len, rows.row_ptr, self.seq_len)
+
+    def next_anchor(self, anchor: Anchor) -> Anchor:
+        """Anchor of the window after `anchor`'s."""
+        nxt = self.window(anchor).next_anchor
+        with self._lock:
+            if anchor in self._recent:
+                self._recent[nxt] = None
+                while len(self._recent) > 256:
+                    self._recent.popitem(last=False)
+                if nxt.window % self._stride == 0:
+                    self._chain[nxt.window] = nxt
+                    if len(self._chain) > self._CHAIN_CAP:
+                        self._stride *= 2
+                        self._chain = {k: v for k, v in self._chain.items() if k % self._stride == 0}
+        return nxt
+
+    def seek(self, row: int, anchor: Anchor | None = None) -> Anchor:
+        """Anchor of the window holding global row `row`, scanning forward from `anchor` (or the start).
+
+        Raises ValueError if `anchor` starts after `row`. Known anchors on the chain from the
+        start let a scan skip ahead; that gives the same answer, only sooner.
+        """
+        row = _check_int("row", row, 0, 1 << 62)
+        if anchor is None:
+            anchor = self.start_anchor()
+        self._check_anchor(anchor)
+        if anchor.first_row > row:
+            raise ValueError(f"anchor of window {anchor.window} starts at row {anchor.first_row}, after row {row}")
+        with self._lock:
+            if anchor in self._recent or self._chain.get(anchor.window) == anchor:
+                best = [a for a in self._chain.values() if anchor.window <= a.window and a.first_row <= row]
+                if best:
+                    anchor = max(best, key=lambda a: a.window)
+                self._recent[anchor] = None
+        while True:
+            win = self.window(anchor)
+            if row < win.next_anchor.first_row:
+                return anchor
+            anchor = self.next_anchor(anchor)
+
+    def rows(self, row_ids: Sequence[int], anchor: Anchor) -> tuple[MicroBatch, Anchor]:
+        """Materialise global rows `row_ids` (ascending, all >= anchor.first_row) as a MicroBatch.
+
+        Returns the batch and the anchor of the window holding the last row (to continue from).
+        Tokens are read with one `read_many` per dataset.
+        """
+        ids = np.asarray(row_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("row_ids is empty; ask for at least one row")
+        if bool(np.any(np.diff(ids) < 0)):
+            raise ValueError("row_ids must be in ascending order")
+        self._check_anchor(anchor)
+        if int(ids[0]) < anchor.first_row:
+            raise ValueError(f"row {int(ids[0])} is before the anchor's first row {anchor.first_row}")
+        # Gather the segments of each asked row, window by window.
+        parts_row, parts_seg, wins = [], [], []
+        i = 0
+        while i < ids.size:
+            anchor = self.seek(int(ids[i]), anchor)
+            win = self.window(anchor)
+            j = int(np.searchsorted(ids, win.next_anchor.first_row, side="left"))
+            local = ids[i:j] - anchor.first_row
+            starts, ends = win.row_ptr[local], win.row_ptr[local + 1]
+            counts = ends - starts
+            seg = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()), dtype=np.int64)
+            parts_row.append(np.repeat(np.arange(i, j, dtype=np.int64), counts))
+            parts_seg.append((len(wins), seg))
+            wins.append(win)
+            i = j
+        seg_row = np.concatenate(parts_row)
+        pick = lambda f: np.concatenate([getattr(wins[k], f)[s] for k, s in parts_seg])  # noqa: E731
+        seg_ds, seg_doc, seg_off, seg_len = pick("seg_dataset"), pick("seg_doc"), pick("seg_offset"), pick("seg_len")
+
+        # One read per dataset, then one slice per segment (never per token).
+        seg_hash = np.empty(seg_doc.size, dtype=np.uint64)
+        doc_tokens: list[Any] = [None] * seg_doc.size
+        for d, ds in enumerate(self.datasets):
+            where = np.flatnonzero(seg_ds == d)
+            if where.size == 0:
+                continue
+            uniq, inv = np.unique(seg_doc[where], return_inverse=True)
+            toks = ds.read_many(uniq.tolist())
+            lens = np.fromiter((len(t) for t in toks), dtype=np.int64, count=len(toks))
+            if not np.array_equal(lens, self._lengths[d][uniq]):
+                raise RuntimeError(f"dataset {getattr(ds, 'name', d)!r}: documents read back with lengths that differ from its index")
+            for k, u in zip(where.tolist(), inv.tolist()):
+                doc_tokens[k] = toks[u]
+            seg_hash[where] = self._hashes[d][seg_doc[where]]
+        offs, lens_l = seg_off.tolist(), seg_len.tolist()
+        pieces, seg_next = [], np.full(seg_doc.size, IGNORE_INDEX, dtype=np.int64)
+        for k, (t, o, n) in enumerate(zip(doc_tokens, offs, lens_l)):
+            pieces.append(t[o : o + n])
+            if o + n < len(t):  # a non-final piece: its last label is the document's next token
+                seg_next[k] = t[o + n]
+        real = np.concatenate(pieces, dtype=np.int32, casting="unsafe")
+        batch = build_microbatch(real, seg_row, seg_len, seg_next, seg_hash, ids, self.seq_len, self.pad_id)
+        return batch, anchor
