@@ -1,0 +1,353 @@
+"""DataClient: a trainer rank's view of the data service, as an iterator of torch batches.
+
+A background thread reads the gRPC stream into a bounded queue, so the training loop's
+`next()` is a queue pop. When a replica goes away (UNAVAILABLE, a dropped connection, a
+deadline) the thread reconnects with exponential backoff, trying the given replica
+addresses in turn, and asks for the stream from the resume token of the last batch it
+RECEIVED: batches already queued stay valid, and nothing is served twice or skipped.
+Requests the server refuses (INVALID_ARGUMENT, ...) surface at the caller's `next()`.
+
+`state_dict()` holds the token of the last batch DELIVERED to the caller, so a
+checkpoint taken after step k resumes at step k+1, on any replica, even with another
+dp_size or micro_batch_size when the row offset allows it.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+import numpy as np
+import torch
+
+import protos
+
+pb2, pb2_grpc = protos.load()
+
+#: Default receive limit: twice the server's default send limit, so a server configured
+#: somewhat higher still gets through.
+MAX_RECEIVE_BYTES = 256 << 20
+RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,  # the server cancelled (e.g. killed mid-stream); our own cancel is filtered
+})
+
+# Batch tensors are read-only views of the received message bytes (zero copy). torch warns
+# that writing to them would be undefined; trainers only read inputs, and copying every
+# batch to make them writable would cost the very copy we avoid. The filter matches only
+# that warning, and only when raised from this module.
+warnings.filterwarnings(
+    "ignore", message="The given buffer is not writable", category=UserWarning, module=__name__
+)
+
+
+@dataclass
+class Batch:
+    """One packed micro-batch, [B, S] unless noted; tensors are read-only except `labels`."""
+
+    tokens: torch.Tensor        # int32 [B, S]
+    labels: torch.Tensor        # int64 [B, S], -100 where the loss ignores (what cross_entropy wants)
+    position_ids: torch.Tensor  # int32 [B, S], restart at 0 in each document piece
+    cu_seqlens: torch.Tensor    # int32 [segments + 1], over the flattened batch
+    seq_lens: torch.Tensor      # int32 [segments]
+    row_ids: torch.Tensor       # int64 [B], global packed-row indices
+    doc_hashes: torch.Tensor    # uint64 [segments], 0 for padding
+    num_tokens: int
+    efficiency: float
+    step: int
+    resume_token: str
+
+    @property
+    def max_seqlen(self) -> int:
+        """Longest segment, as varlen attention kernels want it."""
+        return int(self.seq_lens.max()) if self.seq_lens.numel() else 0
+
+
+def to_batch(msg) -> Batch:
+    """Turn a PackedBatch message into a Batch: views on the message's bytes, labels widened."""
+    b, s = msg.micro_batch_size, msg.seq_len
+
+    def view(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
+        return torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+
+    labels32 = np.frombuffer(msg.labels, dtype="<i4")
+    return Batch(
+        tokens=view(msg.tokens, torch.int32).view(b, s),
+        labels=torch.from_numpy(labels32.astype(np.int64)).view(b, s),
+        position_ids=view(msg.position_ids, torch.int32).view(b, s),
+        cu_seqlens=view(msg.cu_seqlens, torch.int32),
+        seq_lens=view(msg.seq_lens, torch.int32),
+        row_ids=view(msg.row_ids, torch.int64),
+        doc_hashes=view(msg.doc_hashes, torch.uint64),
+        num_tokens=int(msg.num_tokens),
+        efficiency=float(msg.efficiency),
+        step=int(msg.step),
+        resume_token=msg.resume_token,
+    )
+
+
+class DataServiceError(RuntimeError):
+    """The data service refused the stream, or no replica could be reached; `code` is the gRPC status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_END = object()
+
+
+def client_options(max_receive_bytes: int) -> list[tuple[str, int]]:
+    """Channel arguments: explicit limits, keep-alive that notices a dead server, fast reconnect."""
+    return [
+        ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.max_send_message_length", 1 << 20),  # requests are tiny
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Our own loop does the backoff between replicas; keep gRPC's own reconnect short.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]
+
+
+class DataClient:
+    """Iterate packed micro-batches for one data-parallel rank from one or more replicas."""
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        *,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int = 0,
+        consumer: str = "trainer",
+        blend: dict[str, float] | None = None,
+        resume_token: str | None = None,
+        prefetch: int = 4,
+        max_batches: int = 0,
+        max_retries: int = 8,
+        backoff: float = 0.25,
+        max_backoff: float = 8.0,
+        max_receive_bytes: int = MAX_RECEIVE_BYTES,
+    ) -> None:
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not self.addresses:
+            raise ValueError("DataClient needs at least one address (host:port)")
+        if prefetch < 1:
+            raise ValueError(f"prefetch is {prefetch}; it must be at least 1")
+        if max_retries < 0:
+            raise ValueError(f"max_retries is {max_retries}; it must be >= 0")
+        self._request = dict(
+            consumer=consumer, dp_rank=dp_rank, dp_size=dp_size, seq_len=seq_len,
+            micro_batch_size=micro_batch_size, seed=seed,
+            blend=[pb2.DatasetWeight(name=k, weight=v) for k, v in (blend or {}).items()],
+        )
+        self._blend = dict(blend or {})
+        self._prefetch, self._max_batches = prefetch, max_batches
+        self._max_retries, self._backoff, self._max_backoff = max_retries, backoff, max_backoff
+        self._options = client_options(max_receive_bytes)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._delivered_token = resume_token or ""
+        self._delivered = 0
+        self._worker: _Prefetcher | None = None
+        self._closed = False
+
+    # ---- iteration --------------------------------------------------------------------
+
+    def __iter__(self) -> "DataClient":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._closed:
+            raise RuntimeError("DataClient is closed")
+        if self._worker is None:
+            self._worker = _Prefetcher(self, self._delivered_token, self._delivered)
+        item = self._worker.get()
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        self._delivered_token = item.resume_token
+        self._delivered += 1
+        return item
+
+    def _channel(self, address: str) -> grpc.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.insecure_channel(address, options=self._options)
+        return self._channels[address]
+
+    # ---- state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Where the caller stands: the token after the last batch it received from next()."""
+        return {
+            "resume_token": self._delivered_token,
+            "delivered": self._delivered,
+            "dp_rank": self._request["dp_rank"],
+            "dp_size": self._request["dp_size"],
+            "seq_len": self._request["seq_len"],
+            "micro_batch_size": self._request["micro_batch_size"],
+            "seed": self._request["seed"],
+            "blend": dict(self._blend),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state["resume_token"]`; batches already prefetched are dropped.
+
+        Only the token is taken: this client's own layout (dp_rank, dp_size, ...) applies,
+        which is how a job resumes on a different number of ranks.
+        """
+        self._stop_worker()
+        self._delivered_token = state.get("resume_token", "") or ""
+        self._delivered = int(state.get("delivered", 0))
+
+    def info(self, timeout: float = 10.0) -> dict:
+        """The server's GetInfo as a dict; tries each replica in turn."""
+        errors = []
+        for address in self.addresses:
+            try:
+                reply = pb2_grpc.DataServiceStub(self._channel(address)).GetInfo(
+                    pb2.InfoRequest(), timeout=timeout
+                )
+            except grpc.RpcError as err:
+                errors.append(f"{address}: {err.code().name} {err.details()}")
+                continue
+            return {
+                "format_version": reply.format_version,
+                "tokenizer": reply.tokenizer,
+                "vocab_size": reply.vocab_size,
+                "pad_id": reply.pad_id,
+                "eos_id": reply.eos_id,
+                "bos_id": reply.bos_id,
+                "fingerprint": reply.fingerprint,
+                "max_message_bytes": reply.max_message_bytes,
+                "max_seq_len": reply.max_seq_len,
+                "datasets": [
+                    {"name": d.name, "path": d.path, "fingerprint": d.fingerprint,
+                     "num_documents": d.num_documents, "num_tokens": d.num_tokens, "weight": d.weight}
+                    for d in reply.datasets
+                ],
+            }
+        raise DataServiceError("GetInfo failed on every replica: " + "; ".join(errors))
+
+    def _stop_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+
+    def close(self) -> None:
+        """Stop prefetching and close the channels."""
+        self._stop_worker()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+        self._closed = True
+
+    def __enter__(self) -> "DataClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self._stop_worker()
+        except Exception:
+            pass
+
+
+class _Prefetcher:
+    """One background reader: stream -> Batch -> bounded queue, with reconnect and failover."""
+
+    def __init__(self, client: DataClient, token: str, delivered: int) -> None:
+        self._client = client
+        self._queue: queue.Queue = queue.Queue(maxsize=client._prefetch)
+        self._stopped = threading.Event()
+        self._call = None
+        self._lock = threading.Lock()
+        self._token = token  # of the last batch RECEIVED: where a reconnect starts
+        self._remaining = client._max_batches - delivered if client._max_batches else 0
+        if client._max_batches and self._remaining <= 0:
+            self._queue.put(_END)
+            return
+        self._thread = threading.Thread(target=self._run, name="DataClient-prefetch", daemon=True)
+        self._thread.start()
+
+    def get(self):
+        return self._queue.get()
+
+    def _put(self, item) -> bool:
+        while not self._stopped.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        c = self._client
+        failures, index, tried = 0, 0, []
+        while not self._stopped.is_set():
+            address = c.addresses[index % len(c.addresses)]
+            request = pb2.StreamRequest(resume_token=self._token, max_batches=self._remaining, **c._request)
+            try:
+                with self._lock:
+                    if self._stopped.is_set():
+                        return
+                    self._call = pb2_grpc.DataServiceStub(c._channel(address)).StreamBatches(request)
+                for msg in self._call:
+                    failures, tried = 0, []
+                    batch = to_batch(msg)
+                    self._token = msg.resume_token
+                    if not self._put(batch):
+                        return
+                    if self._remaining:
+                        self._remaining -= 1
+                        if self._remaining == 0:
+                            break
+                self._put(_END)
+                return
+            except grpc.RpcError as err:
+                if self._stopped.is_set():
+                    return
+                code, details = err.code(), err.details()
+                if code not in RETRYABLE:
+                    self._put(DataServiceError(f"data service at {address} refused the stream: "
+                                               f"{code.name}: {details}", code))
+                    return
+                failures += 1
+                tried.append(f"{address} ({code.name}: {details})")
+                if failures > c._max_retries:
+                    self._put(DataServiceError(
+                        f"no data service replica answered after {c._max_retries} retries; tried "
+                        + "; ".join(tried), code))
+                    return
+                index += 1
+                delay = min(c._max_backoff, c._backoff * 2 ** (failures - 1))
+                self._stopped.wait(delay * (1 + 0.25 * random.random()))  # jitter: replicas see no herd
+            except Exception as err:  # a malformed message, a bug: give it to the caller
+                self._put(err)
+                return
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped.set()
+            if self._call is not None:
+                self._call.cancel()
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            thread.join(timeout=10)

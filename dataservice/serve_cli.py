@@ -1,0 +1,161 @@
+"""`tessera-data serve` and `tessera-data peek`: run a data service replica, look at its stream.
+
+Registered into `dataservice.cli` by `_add_serve`/`_add_peek`; kept apart so that cli.py
+stays one idea per file. Each `run_*` takes parsed args and returns the exit code
+(0 ok, 1 the service failed, 2 misuse reported as one line on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import threading
+from pathlib import Path
+
+
+def _fail(prog: str, message: str) -> int:
+    sys.stderr.write(f"{prog}: error: {' '.join(str(message).split())}\n")
+    return 2
+
+
+def parse_data_spec(spec: str) -> tuple[str, float]:
+    """`DIR[:WEIGHT]` -> (DIR, WEIGHT); the weight is 1 when absent. ValueError names the problem.
+
+    A suffix after the last ':' that does not parse as a number is part of the path,
+    so folders with ':' in their name still work without a weight.
+    """
+    path, sep, tail = spec.rpartition(":")
+    if not sep or not path:
+        return spec, 1.0
+    try:
+        weight = float(tail)
+    except ValueError:
+        if Path(spec).exists():
+            return spec, 1.0
+        raise ValueError(f"--data {spec!r}: weight {tail!r} is not a number (want DIR[:WEIGHT], WEIGHT > 0)") from None
+    if not (math.isfinite(weight) and weight > 0):
+        raise ValueError(f"--data {spec!r}: weight {tail} must be a finite number > 0")
+    return path, weight
+
+
+# ---- serve -----------------------------------------------------------------------------
+
+def add_serve(sub) -> None:
+    """Register `serve`."""
+    p = sub.add_parser("serve", help="serve datasets to trainers over gRPC",
+                       description="Open datasets and stream packed micro-batches to trainers. Prints "
+                                   "'serving on HOST:PORT' once listening; stops on SIGTERM/SIGINT.")
+    p.add_argument("--data", action="append", required=True, metavar="DIR[:WEIGHT]",
+                   help="dataset folder with an optional blend weight (default 1); repeat for a blend")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one (default: 0)")
+    p.add_argument("--workers", type=int, default=128,
+                   help="worker threads; each stream holds one (default: 128)")
+    p.add_argument("--token-secret", default=None,
+                   help="HMAC secret of resume tokens; give every replica the same (default: project-wide)")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds streams get to end on shutdown (default: 5)")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully and return 0."""
+    from dataservice.server import open_datasets, serve
+    from dataservice.shards import DatasetError
+
+    prog = "tessera-data serve"
+    if not 0 <= args.port <= 65535:
+        return _fail(prog, f"--port {args.port} must be in [0, 65535]")
+    if args.workers < 8:
+        return _fail(prog, f"--workers {args.workers} must be at least 8")
+    if args.grace < 0:
+        return _fail(prog, f"--grace {args.grace} must be >= 0")
+    try:
+        specs = [parse_data_spec(s) for s in args.data]
+        datasets = open_datasets(specs)
+        server, port = serve(datasets, args.host, args.port, workers=args.workers,
+                             token_secret=args.token_secret)
+    except (ValueError, FileNotFoundError, DatasetError, OSError) as err:
+        return _fail(prog, str(err))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"serving on {args.host}:{port}", flush=True)
+    while not stop.wait(0.5):  # wake up now and then so signals are handled promptly
+        pass
+    sys.stderr.write(f"{prog}: shutting down (grace {args.grace:g}s)\n")
+    server.stop(args.grace)
+    return 0
+
+
+# ---- peek ------------------------------------------------------------------------------
+
+def add_peek(sub) -> None:
+    """Register `peek`."""
+    p = sub.add_parser("peek", help="print a few batches of a stream as JSON lines",
+                       description="Connect to a data service and print one JSON object per batch.")
+    p.add_argument("--address", required=True, action="append", metavar="HOST:PORT",
+                   help="a replica; repeat for failover")
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=1, help="batches to print (default: 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume-token", default="")
+    p.add_argument("--blend", default=None, metavar="NAME=W,...", help="override the server's blend")
+    p.set_defaults(func=run_peek)
+
+
+def _parse_blend(text: str) -> dict[str, float]:
+    blend = {}
+    for item in text.split(","):
+        name, sep, weight = item.partition("=")
+        if not sep:
+            raise ValueError(f"--blend item {item!r} must look like NAME=WEIGHT")
+        blend[name.strip()] = float(weight)
+    return blend
+
+
+def run_peek(args) -> int:
+    """Print `--steps` batches, one JSON object per line."""
+    from dataservice.client import DataClient, DataServiceError
+
+    prog = "tessera-data peek"
+    for name in ("seq_len", "micro_batch_size", "steps", "dp_size"):
+        if getattr(args, name) < 1:
+            return _fail(prog, f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if not 0 <= args.dp_rank < args.dp_size:
+        return _fail(prog, f"--dp-rank {args.dp_rank} must be in [0, {args.dp_size - 1}]")
+    try:
+        blend = _parse_blend(args.blend) if args.blend else None
+    except ValueError as err:
+        return _fail(prog, str(err))
+    client = DataClient(args.address, dp_rank=args.dp_rank, dp_size=args.dp_size, seq_len=args.seq_len,
+                        micro_batch_size=args.micro_batch_size, seed=args.seed, consumer="peek",
+                        blend=blend, resume_token=args.resume_token or None, max_batches=args.steps,
+                        max_retries=2)
+    try:
+        with client:
+            for batch in client:
+                print(json.dumps({
+                    "step": batch.step,
+                    "tokens": batch.tokens.tolist(),
+                    "labels": batch.labels.tolist(),
+                    "position_ids": batch.position_ids.tolist(),
+                    "cu_seqlens": batch.cu_seqlens.tolist(),
+                    "seq_lens": batch.seq_lens.tolist(),
+                    "row_ids": batch.row_ids.tolist(),
+                    "doc_hashes": [int(h) for h in batch.doc_hashes.tolist()],
+                    "num_tokens": batch.num_tokens,
+                    "efficiency": batch.efficiency,
+                    "resume_token": batch.resume_token,
+                }), flush=True)
+    except DataServiceError as err:
+        import grpc
+
+        sys.stderr.write(f"{prog}: error: {' '.join(str(err).split())}\n")
+        return 2 if err.code == grpc.StatusCode.INVALID_ARGUMENT else 1
+    return 0

@@ -1,0 +1,426 @@
+"""The data service's gRPC server: streams packed micro-batches, one stream per trainer rank.
+
+Every batch is a pure function of (datasets, blend, seed, seq_len, global rows), so the
+server keeps no per-client state: a request names its layout (dp_rank, dp_size,
+micro_batch_size) and where to start (a resume token), and any replica over the same
+shards answers it identically. Plans are cached by (blend, seed, seq_len) because
+building one may scan every document length; a stream holds a worker thread for its
+whole life, so the pool is sized for many concurrent trainers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+from collections import OrderedDict
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import protos
+from dataservice.plan import Anchor, StreamPlan, rows_for
+from dataservice.shards import ShardedDataset
+from dataservice.tokens import (
+    DEFAULT_TOKEN_SECRET,
+    ResumeToken,
+    TokenError,
+    datasets_fingerprint,
+)
+
+pb2, pb2_grpc = protos.load()
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tessera.dataservice.v1.DataService"
+MAX_SEQ_LEN = 1 << 20
+MAX_MICRO_BATCH_SIZE = 4096
+MAX_MESSAGE_BYTES = 128 << 20
+DEFAULT_WORKERS = 128
+#: Worker threads kept free of streams so that GetInfo and health checks always get one.
+_RESERVED_WORKERS = 4
+_PLAN_CACHE_SIZE = 16
+
+
+def worst_case_message_bytes(micro_batch_size: int, seq_len: int) -> int:
+    """Upper bound on a PackedBatch's size: 12 bytes per token for tokens/labels/positions,
+    and in the worst case (one-token documents) one segment per token at 16 bytes each."""
+    n = micro_batch_size * seq_len
+    return 12 * n + 16 * n + 4 + 8 * micro_batch_size + 1024
+
+
+class RequestError(ValueError):
+    """A request the service cannot serve; the message goes to the client as INVALID_ARGUMENT."""
+
+
+@dataclass
+class _Dataset:
+    data: ShardedDataset
+    path: str
+    weight: float
+
+
+@dataclass
+class _Stream:
+    """A validated request: the plan to read from, the layout and where to start."""
+
+    plan: StreamPlan
+    dp_rank: int
+    dp_size: int
+    micro_batch_size: int
+    seq_len: int
+    start_step: int
+    anchor: Anchor
+    identity: dict  # the fields a resume token carries besides row and anchor
+
+
+class _PlanEntry:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.plan: StreamPlan | None = None
+
+
+class DataServicer(pb2_grpc.DataServiceServicer):
+    """Serves StreamBatches and GetInfo over a fixed set of opened datasets."""
+
+    def __init__(
+        self,
+        datasets: Sequence[tuple[ShardedDataset, str, float]],
+        *,
+        token_secret: str | bytes = DEFAULT_TOKEN_SECRET,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        max_streams: int = DEFAULT_WORKERS - _RESERVED_WORKERS,
+    ) -> None:
+        if not datasets:
+            raise ValueError("the data service needs at least one dataset")
+        self._datasets: dict[str, _Dataset] = {}
+        for data, path, weight in datasets:
+            if data.name in self._datasets:
+                raise ValueError(
+                    f"two datasets are named {data.name!r} ({self._datasets[data.name].path} and "
+                    f"{path}); dataset names must be unique within one server"
+                )
+            if not (math.isfinite(weight) and weight > 0):
+                raise ValueError(f"dataset {data.name!r} has weight {weight!r}; weights must be finite and > 0")
+            self._datasets[data.name] = _Dataset(data, str(path), float(weight))
+        first = next(iter(self._datasets.values())).data
+        for entry in self._datasets.values():
+            for attr in ("vocab_size", "pad_id", "bos_id", "eos_id"):
+                if getattr(entry.data, attr) != getattr(first, attr):
+                    raise ValueError(
+                        f"datasets {first.name!r} and {entry.data.name!r} disagree on {attr} "
+                        f"({getattr(first, attr)} vs {getattr(entry.data, attr)}); blended datasets "
+                        "must share one tokenizer"
+                    )
+        self._secret = token_secret
+        self._max_message_bytes = int(max_message_bytes)
+        self._datasets_fp = datasets_fingerprint([(n, d.data.fingerprint) for n, d in self._datasets.items()])
+        self._default_blend = self._normalise([(n, d.weight) for n, d in self._datasets.items()])
+        self._plans: OrderedDict[tuple, _PlanEntry] = OrderedDict()
+        self._plans_lock = threading.Lock()
+        self._stream_slots = threading.BoundedSemaphore(max_streams)
+        self._max_streams = max_streams
+        self.stopping = threading.Event()
+
+    # ---- requests ---------------------------------------------------------------------
+
+    @staticmethod
+    def _normalise(blend: Sequence[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
+        total = sum(w for _, w in blend)
+        return tuple(sorted((name, w / total) for name, w in blend))
+
+    def _blend(self, request) -> tuple[tuple[str, float], ...]:
+        if not request.blend:
+            return self._default_blend
+        seen: dict[str, float] = {}
+        for item in request.blend:
+            if item.name not in self._datasets:
+                raise RequestError(
+                    f"blend names unknown dataset {item.name!r}; this server has "
+                    f"{sorted(self._datasets)}"
+                )
+            if item.name in seen:
+                raise RequestError(f"blend names dataset {item.name!r} twice; name each dataset once")
+            if not (math.isfinite(item.weight) and item.weight > 0):
+                raise RequestError(
+                    f"blend weight for {item.name!r} is {item.weight!r}; weights must be finite and > 0"
+                )
+            seen[item.name] = item.weight
+        return self._normalise(list(seen.items()))
+
+    def _plan(self, blend: tuple[tuple[str, float], ...], seed: int, seq_len: int) -> StreamPlan:
+        key = (blend, seed, seq_len)
+        with self._plans_lock:
+            entry = self._plans.get(key)
+            if entry is None:
+                entry = self._plans[key] = _PlanEntry()
+                while len(self._plans) > _PLAN_CACHE_SIZE:
+                    self._plans.popitem(last=False)
+            else:
+                self._plans.move_to_end(key)
+        # One lock per key: a slow build blocks only the streams that wait for that plan.
+        with entry.lock:
+            if entry.plan is None:
+                try:
+                    entry.plan = StreamPlan(
+                        [self._datasets[name].data for name, _ in blend],
+                        [weight for _, weight in blend],
+                        seed=seed,
+                        seq_len=seq_len,
+                    )
+                except ValueError as err:
+                    with self._plans_lock:
+                        if self._plans.get(key) is entry:
+                            del self._plans[key]
+                    raise RequestError(str(err)) from err
+            return entry.plan
+
+    def resolve(self, request) -> _Stream:
+        """Validate a StreamRequest and find where its stream starts; RequestError if it cannot."""
+        if request.seq_len < 2 or request.seq_len > MAX_SEQ_LEN:
+            raise RequestError(
+                f"seq_len is {request.seq_len}; it must be between 2 and {MAX_SEQ_LEN} (max_seq_len)"
+            )
+        if request.micro_batch_size < 1 or request.micro_batch_size > MAX_MICRO_BATCH_SIZE:
+            raise RequestError(
+                f"micro_batch_size is {request.micro_batch_size}; it must be between 1 and "
+                f"{MAX_MICRO_BATCH_SIZE}"
+            )
+        if request.dp_size < 1:
+            raise RequestError(f"dp_size is {request.dp_size}; it must be at least 1")
+        if request.dp_rank >= request.dp_size:
+            raise RequestError(
+                f"dp_rank is {request.dp_rank} but dp_size is {request.dp_size}; dp_rank must be "
+                f"in [0, {request.dp_size - 1}]"
+            )
+        need = worst_case_message_bytes(request.micro_batch_size, request.seq_len)
+        if need > self._max_message_bytes:
+            raise RequestError(
+                f"micro_batch_size {request.micro_batch_size} x seq_len {request.seq_len} can need "
+                f"{need} bytes per message, over this server's max message size of "
+                f"{self._max_message_bytes} bytes (max_message_bytes); lower micro_batch_size or seq_len"
+            )
+        blend = self._blend(request)
+        plan = self._plan(blend, request.seed, request.seq_len)
+        identity = dict(
+            plan=plan.fingerprint, datasets=self._datasets_fp, blend=blend,
+            seed=request.seed, seq_len=request.seq_len,
+        )
+        per_step = request.micro_batch_size * request.dp_size
+        if not request.resume_token:
+            return _Stream(plan, request.dp_rank, request.dp_size, request.micro_batch_size, request.seq_len, 0,
+                           plan.start_anchor(), identity)
+        try:
+            token = ResumeToken.decode(request.resume_token, self._secret)
+        except TokenError as err:
+            raise RequestError(str(err)) from None
+        problem = token.mismatch(**identity)
+        if problem:
+            raise RequestError(problem)
+        if token.row % per_step:
+            raise RequestError(
+                f"resume token points at global row {token.row}, which is not a step boundary for "
+                f"micro_batch_size {request.micro_batch_size} x dp_size {request.dp_size} = {per_step} "
+                f"rows per step; pick a layout whose rows per step divide {token.row}"
+            )
+        try:
+            anchor = plan.seek(token.row, Anchor.from_dict(token.anchor, len(plan.datasets)))
+        except (ValueError, KeyError, TypeError) as err:
+            raise RequestError(f"resume token's anchor does not fit this plan: {err}") from None
+        return _Stream(plan, request.dp_rank, request.dp_size, request.micro_batch_size,
+                       request.seq_len, token.row // per_step, anchor, identity)
+
+    # ---- RPCs -------------------------------------------------------------------------
+
+    def StreamBatches(self, request, context):
+        try:
+            stream = self.resolve(request)
+        except RequestError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if not self._stream_slots.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"this replica already serves {self._max_streams} streams (its limit); retry on "
+                "another replica or start this one with more --workers",
+            )
+        try:
+            yield from self._batches(stream, request.max_batches, context)
+        finally:
+            self._stream_slots.release()
+
+    def _batches(self, stream: _Stream, max_batches: int, context) -> Iterable:
+        b, n = stream.micro_batch_size, stream.dp_size
+        anchor, step, sent = stream.anchor, stream.start_step, 0
+        while max_batches == 0 or sent < max_batches:
+            if self.stopping.is_set():
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "data service is shutting down; reconnect with the last resume token",
+                )
+            if not context.is_active():
+                return
+            rows = rows_for(step, stream.dp_rank, n, b)
+            try:
+                batch, anchor = stream.plan.rows(rows, anchor)
+            except Exception as err:  # a bug or a broken shard: say so, keep the server up
+                log.exception("building step %d for dp_rank %d/%d failed", step, stream.dp_rank, n)
+                failure = f"building step {step} for dp_rank {stream.dp_rank} failed: {err!r}"
+            else:
+                failure = None
+            if failure:
+                context.abort(grpc.StatusCode.INTERNAL, failure)
+            token = ResumeToken(row=(step + 1) * b * n, anchor=anchor.to_dict(), **stream.identity)
+            yield self._message(batch, step, b, stream.seq_len, token.encode(self._secret))
+            step += 1
+            sent += 1
+
+    @staticmethod
+    def _message(batch, step: int, micro_batch_size: int, seq_len: int, token: str):
+        return pb2.PackedBatch(
+            step=step,
+            micro_batch_size=micro_batch_size,
+            seq_len=seq_len,
+            tokens=_raw(batch.tokens, "<i4"),
+            labels=_raw(batch.labels, "<i4"),
+            position_ids=_raw(batch.position_ids, "<i4"),
+            cu_seqlens=_raw(batch.cu_seqlens, "<i4"),
+            seq_lens=_raw(batch.seq_lens, "<i4"),
+            row_ids=_raw(batch.row_ids, "<i8"),
+            doc_hashes=_raw(batch.doc_hashes, "<u8"),
+            num_tokens=int(batch.num_tokens),
+            efficiency=float(batch.efficiency),
+            resume_token=token,
+        )
+
+    def GetInfo(self, request, context):
+        first = next(iter(self._datasets.values())).data
+        tokenizer = first.manifest.get("tokenizer", {})
+        kind, name = tokenizer.get("kind", ""), tokenizer.get("name", "")
+        weights = dict(self._default_blend)
+        reply = pb2.InfoReply(
+            format_version=int(first.manifest.get("format_version", 1)),
+            tokenizer=f"{kind}:{name}" if name and name != kind else str(kind),
+            vocab_size=first.vocab_size,
+            pad_id=first.pad_id,
+            eos_id=first.eos_id,
+            bos_id=first.bos_id,
+            fingerprint=blend_fingerprint(self._datasets_fp, self._default_blend),
+            max_message_bytes=self._max_message_bytes,
+            max_seq_len=MAX_SEQ_LEN,
+        )
+        for name, entry in self._datasets.items():
+            reply.datasets.add(
+                name=name,
+                path=entry.path,
+                fingerprint=entry.data.fingerprint,
+                num_documents=int(entry.data.num_documents),
+                num_tokens=int(entry.data.num_tokens),
+                weight=weights[name],
+            )
+        return reply
+
+
+def blend_fingerprint(datasets_fp: str, blend: Sequence[tuple[str, float]]) -> str:
+    """Identity of a blend: the datasets' contents and the normalised weights."""
+    text = datasets_fp + ";" + ";".join(f"{name}={weight!r}" for name, weight in blend)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _raw(array: np.ndarray, dtype: str) -> bytes:
+    # The wire is little-endian; on little-endian hosts this is a no-copy view before tobytes.
+    return np.ascontiguousarray(array, dtype=dtype).tobytes()
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC channel arguments of the server: message limits, keep-alive, exclusive port."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", 1 << 20),  # requests are tiny
+        # Ping idle clients so dead trainers free their stream (and its thread) within a minute.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        # Accept clients' keep-alive pings down to every 10 s, even between streams.
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Without this, Linux lets a second server bind the same port and steal half the clients.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class DataServer:
+    """A running data service: the gRPC server, its servicer and its health status."""
+
+    def __init__(self, server: grpc.Server, servicer: DataServicer, health_servicer, port: int) -> None:
+        self.server, self.servicer, self.health, self.port = server, servicer, health_servicer, port
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Report NOT_SERVING, end every stream with UNAVAILABLE (clients fail over) and stop."""
+        self.health.enter_graceful_shutdown()
+        self.servicer.stopping.set()
+        self.server.stop(grace).wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server has stopped (or timeout); True if it stopped."""
+        return self.server.wait_for_termination(timeout)
+
+
+def open_datasets(specs: Iterable[str | Path | tuple[str | Path, float]]) -> list[tuple[ShardedDataset, str, float]]:
+    """Open each dataset folder; a spec is a path or (path, weight) with weight 1 by default."""
+    opened = []
+    for spec in specs:
+        path, weight = (spec, 1.0) if isinstance(spec, (str, Path)) else spec
+        folder = Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"dataset folder {str(folder)!r} does not exist")
+        opened.append((ShardedDataset.open(folder), str(folder), float(weight)))
+    return opened
+
+
+def serve(
+    datasets,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    workers: int = DEFAULT_WORKERS,
+    token_secret: str | bytes | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> tuple[DataServer, int]:
+    """Start a data service in this process; returns (server, bound port). Port 0 picks a free one.
+
+    `datasets`: paths, (path, weight) pairs, or already opened (ShardedDataset, path, weight).
+    """
+    if workers < _RESERVED_WORKERS + 1:
+        raise ValueError(f"workers is {workers}; it must be at least {_RESERVED_WORKERS + 1}")
+    specs = list(datasets)
+    opened = specs if specs and isinstance(specs[0], tuple) and isinstance(specs[0][0], ShardedDataset) \
+        else open_datasets(specs)
+    servicer = DataServicer(
+        opened,
+        token_secret=token_secret or DEFAULT_TOKEN_SECRET,
+        max_message_bytes=max_message_bytes,
+        max_streams=workers - _RESERVED_WORKERS,
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dataservice"),
+        options=server_options(max_message_bytes),
+    )
+    pb2_grpc.add_DataServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"could not bind the data service to {host}:{port} (address in use or invalid)")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("data service on %s:%d with datasets %s", host, bound, list(servicer._datasets))
+    return DataServer(server, servicer, health_servicer, bound), bound
