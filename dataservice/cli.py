@@ -163,6 +163,20 @@ def _run_inspect(args) -> int:
     return 0
 
 
+# ---- serve / peek (implemented in serve_cli.py) ----------------------------------------
+
+def _add_serve(sub) -> None:
+    from .serve_cli import add_serve
+
+    add_serve(sub)
+
+
+def _add_peek(sub) -> None:
+    from .serve_cli import add_peek
+
+    add_peek(sub)
+
+
 # ---- entry point -----------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_build(sub)
     _add_inspect(sub)
+    _add_serve(sub)
+    _add_peek(sub)
     return parser
 
 
