@@ -1,0 +1,147 @@
+"""Training-step throughput of Tessera's trainer against a plain single-GPU PyTorch loop.
+
+Both run the same ~1B Llama-style model (vocab 32000, d 2048, 20 layers, 16 heads, GQA 4,
+SwiGLU 5632) at seq 4096, micro-batch 2, bf16, on synthetic tokens, in the same process:
+- baseline: the plain model, bf16 autocast, fused torch AdamW, SDPA (cuDNN) — what a user
+  writes without a framework (optionally `torch.compile`d, --compile-baseline);
+- tessera: the same model through `core.parallel.parallelize` on one rank (bf16 params, fp32
+  master weights and grads in the optimizer, the configured recompute and compile).
+MFU counts 6*(params - input embedding) + 6*layers*d*seq FLOPs per token against 989 TFLOP/s
+(the accounting of shared/PERFORMANCE.md).
+
+    python bench/train_step.py [--steps 10] [--layers 20] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from core.config import Config, ModelConfig  # noqa: E402
+from core.loss import cross_entropy_sum  # noqa: E402
+from core.metrics import PEAK_FLOPS, flops_per_token  # noqa: E402
+from core.model import AttentionMeta, build_model  # noqa: E402
+
+
+def model_config(layers: int) -> ModelConfig:
+    return ModelConfig(vocab_size=32000, dim=2048, num_layers=layers, num_heads=16, num_kv_heads=4, ffn_dim=5632,
+                       rope_theta=500000.0)
+
+
+def synthetic_batch(batch: int, seq: int, vocab: int, device):
+    tokens = torch.randint(0, vocab, (batch * seq,), device=device)
+    labels = torch.roll(tokens, -1)
+    positions = torch.arange(seq, device=device).repeat(batch)
+    cu = torch.arange(0, batch * seq + 1, seq, dtype=torch.int32, device=device)
+    return tokens, labels, positions, AttentionMeta(cu_seqlens=cu, max_seqlen=seq)
+
+
+def time_steps(step_fn, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step_fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step_fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def baseline_step_fn(cfg, batch, compile_model: bool):
+    model = build_model(cfg, seed=0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    run = torch.compile(model) if compile_model else model
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = run(batch[0], batch[2], batch[3])
+        loss = torch.nn.functional.cross_entropy(logits.float(), batch[1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, model
+
+
+def tessera_step_fn(cfg, batch, args):
+    from core.mesh import ParallelMesh
+    from core.parallel import parallelize
+
+    config = Config(model=cfg)
+    config.train.recompute = args.recompute
+    config.train.compile = args.compile
+    config.train.precision = "bf16"
+    config.parallel.dp = 1
+    mesh = ParallelMesh.build(device_type="cuda")
+    model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=0), mesh, config, torch.device("cuda"), "bf16")
+    count = batch[0].numel()
+
+    def step():
+        with grads.sync_context(last=True):
+            logits = model(batch[0], batch[2], batch[3])
+            loss_sum, _ = cross_entropy_sum(logits, batch[1])
+        (loss_sum / count).backward()
+        grads.finish_and_clip(1.0)
+        optimizer.step()
+        scheduler.step()
+        grads.zero_grad()
+
+    return step, model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="compile Tessera's blocks")
+    parser.add_argument("--compile-baseline", action="store_true")
+    parser.add_argument("--recompute", default="none")
+    parser.add_argument("--only", choices=["baseline", "tessera"], default=None)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = model_config(args.layers)
+    batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, "cuda")
+    tokens = args.batch * args.seq
+    results = {}
+    for name in ("baseline", "tessera"):
+        if args.only and name != args.only:
+            continue
+        torch.cuda.reset_peak_memory_stats()
+        if name == "baseline":
+            step, model = baseline_step_fn(cfg, batch, args.compile_baseline)
+        else:
+            step, model = tessera_step_fn(cfg, batch, args)
+        total = sum(p.numel() for p in model.parameters())
+        embed = model.tok_embeddings.weight.numel()
+        seconds = time_steps(step, args.steps, args.warmup)
+        fpt = flops_per_token(total, embed, cfg.num_layers, cfg.dim, args.seq)
+        results[name] = {
+            "step_ms": 1e3 * seconds,
+            "tokens_per_s": tokens / seconds,
+            "mfu": fpt * tokens / seconds / PEAK_FLOPS["bf16"],
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "params": total,
+        }
+        del model, step
+        torch.cuda.empty_cache()
+    for name, r in results.items():
+        print(f"{name:9s} step {r['step_ms']:7.1f} ms  {r['tokens_per_s'] / 1e3:7.1f}k tok/s  "
+              f"MFU {100 * r['mfu']:5.1f}%  peak {r['peak_mem_gib']:5.1f} GiB  params {r['params'] / 1e9:.3f}B")
+    if len(results) == 2:
+        print(f"tessera / baseline tokens/s: {results['tessera']['tokens_per_s'] / results['baseline']['tokens_per_s']:.3f}")
+    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The training loop: data service -> parallel model -> loss -> distributed optimizer.
+
+One optimizer step consumes `train.global_batch_size` packed rows: `accum` micro-batches of
+`micro_batch_size` rows on each of the `dp` data-parallel ranks. The loss is the sum of the
+token losses over the whole global batch divided by its number of counted labels, so it
+equals the single-process loss on the same rows whatever the layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from core.config import Config, grad_accum_steps, resolve_layout
+from core.data import open_stream, resolve_address, to_inputs
+from core.mesh import ParallelMesh, init_distributed
+from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
+from core.model import build_model
+from core.parallel import parallelize
+from core.loss import cross_entropy_sum
+
+log = logging.getLogger(__name__)
+
+
+def _precision(config: Config, device: torch.device) -> str:
+    precision = config.train.precision
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def _all_reduce_sum(values: list[float], group, device: torch.device) -> list[float]:
+    if group is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def count_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(all parameters, input-embedding parameters) of the UNSHARDED model."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.tok_embeddings.weight.numel() if model.tok_embeddings is not None else 0
+    return total, embedding
+
+
+def train(config: Config, resume: bool = False) -> list[dict]:
+    """Run `train.max_steps` optimizer steps; returns the metrics records (on the writer rank)."""
+    rank, world, device = init_distributed()
+    if config.train.device == "cpu":
+        device = torch.device("cpu")
+    resolve_layout(config, world)
+    p, t = config.parallel, config.train
+    mesh = ParallelMesh.build(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, device_type=device.type)
+    torch.manual_seed(t.seed + rank)  # dropout-free model: only affects user code that draws
+
+    model = build_model(config.model, seed=t.seed)
+    total_params, embedding_params = count_params(model)
+    precision = _precision(config, device)
+    model, optimizer, scheduler, grads = parallelize(model, mesh, config, device, precision)
+
+    address, server = resolve_address(config)
+    run_dir = Path(t.run_dir)
+    ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+    start_step, resume_token = 0, None
+    if resume:
+        from core.checkpoint import latest_checkpoint, load_checkpoint
+
+        path = latest_checkpoint(ckpt_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
+        start_step, extra = load_checkpoint(path, model, optimizer, scheduler, mesh)
+        resume_token = extra.get("data", {}).get("resume_token")
+    stream = open_stream(config, mesh, address, resume_token)
+
+    accum = grad_accum_steps(config)
+    tp_group = mesh.group("tp") if p.tp > 1 else None
+    reduce_group = mesh.group("dp_cp") if mesh.size("dp_cp") > 1 else None
+    writer = MetricsWriter(run_dir, enabled=rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard)
+    flops_token = flops_per_token(total_params, embedding_params, config.model.num_layers, config.model.dim, t.seq_len)
+    peak = PEAK_FLOPS.get(precision) if device.type == "cuda" else None
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16" and grads.uses_autocast else nullcontext()
+    data_iter = iter(stream)
+    step = start_step
+    try:
+        while step < t.max_steps:
+            step_start = time.perf_counter()
+            micro = [to_inputs(next(data_iter), device) for _ in range(accum)]
+            local_labels = float(sum(m.num_labels for m in micro))
+            local_tokens = float(sum(m.num_tokens for m in micro))
+            global_labels, global_tokens = _all_reduce_sum([local_labels, local_tokens], reduce_group, device)
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            for i, m in enumerate(micro):
+                with grads.sync_context(last=i == accum - 1), autocast:
+                    logits = model(m.tokens, m.position_ids, m.meta)
+                    part, _ = cross_entropy_sum(logits, m.labels, tp_group)
+                (part / max(global_labels, 1.0)).backward()
+                loss_sum += part.detach()
+            grad_norm = grads.finish_and_clip(t.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            grads.zero_grad()
+            step += 1
+            loss = _all_reduce_sum([float(loss_sum)], reduce_group, device)[0] / max(global_labels, 1.0)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - step_start
+            record = {
+                "step": step,
+                "loss": loss,
+                "grad_norm": float(grad_norm),
+                "lr": scheduler.last_lr,
+                "tokens_per_s": global_tokens / elapsed,
+                "mfu": (flops_token * global_tokens / elapsed / (peak * world)) if peak else None,
+                "mem_gb": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else _rss_gb(),
+            }
+            record.update(_moe_metrics(model))
+            if step % t.log_interval == 0 or step == t.max_steps:
+                writer.log(record)
+            else:
+                writer.history.append(record)
+            interval = config.checkpoint.interval
+            if (interval and step % interval == 0) or (step == t.max_steps and config.checkpoint.save_at_end):
+                _save(ckpt_dir, step, model, optimizer, scheduler, mesh, stream, config)
+    finally:
+        stream.close()
+        if server is not None:
+            server.stop()
+    plot = writer.close(plot=t.plot)
+    if plot is not None:
+        print(f"loss plot: {plot}", flush=True)
+    return writer.history
+
+
+def _save(ckpt_dir, step, model, optimizer, scheduler, mesh, stream, config) -> None:
+    from core.checkpoint import save_checkpoint
+
+    # Every data-parallel rank is at the same global row offset after a step, so rank 0's
+    # token resumes all of them, on any dp size.
+    state = stream.state_dict()
+    path = save_checkpoint(ckpt_dir, step, model, optimizer, scheduler, mesh, {"data": state}, keep=config.checkpoint.keep)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"checkpoint: {path}", flush=True)
+
+
+def _moe_metrics(model) -> dict:
+    try:
+        from moe.layer import moe_metrics
+    except ImportError:
+        return {}
+    return moe_metrics(model)
+
+
+def _rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
