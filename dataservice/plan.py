@@ -303,7 +303,7 @@ class StreamPlan:
             if where.size == 0:
                 continue
             uniq, inv = np.unique(seg_doc[where], return_inverse=True)
-            toks = ds.read_many(uniq.tolist())
+            toks = ds.read_many(uniq)
             lens = np.fromiter((len(t) for t in toks), dtype=np.int64, count=len(toks))
             if not np.array_equal(lens, self._lengths[d][uniq]):
                 raise RuntimeError(f"dataset {getattr(ds, 'name', d)!r}: documents read back with lengths that differ from its index")
