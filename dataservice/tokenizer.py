@@ -145,7 +145,7 @@ class HFTokenizer:
         """The manifest's record of this tokenizer."""
         return {
             "kind": self.kind,
-            "name": self.path.parent.name or self.path.name,
+            "name": self.path.parent.name if self.path.name == "tokenizer.json" else self.path.stem,
             "path": str(self.path),
             "sha256": self.sha256,
             "vocab_size": self.vocab_size,
@@ -198,3 +198,26 @@ def tokenizer_from_manifest(manifest: dict, dataset_dir: str | os.PathLike | Non
     raise TokenizerError(
         f"the dataset's tokenizer.json is not found (looked at {', '.join(map(str, candidates)) or 'nothing'})"
     )
+
+
+def train_tiny_tokenizer(folder: str | os.PathLike, specials: Sequence[str] = ("<pad>", "<bos>", "<eos>", "<unk>"),
+                         vocab_size: int = 400) -> pathlib.Path:
+    """Train a tiny byte-level BPE in-process and save it as `folder/tokenizer.json`.
+
+    For tests: gives a real `tokenizer.json` without any download. `specials` become the
+    first ids (so the defaults give pad 0, bos 1, eos 2).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if "<unk>" in specials else None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    sample = ["hello world, naïve 東京 größe", "the quick brown fox jumps over the lazy dog"] * 20
+    tok.train_from_iterator(sample, trainer)
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return path
