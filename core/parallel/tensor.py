@@ -1,0 +1,275 @@
+"""Tensor parallelism (Megatron layout) with optional sequence parallelism, applied to a plain GPT.
+
+`apply_tp(model, mesh, sequence_parallel)` rewrites the model in place. Every rank must have
+built the same full weights (`build_model(cfg, seed)`); each keeps its slice:
+
+| module                              | becomes                  | weight slice (tp_shard_dim)        |
+|-------------------------------------|--------------------------|------------------------------------|
+| attention.wq / wk / wv, ffn.w1 / w3 | ColumnParallelLinear     | output features (0): whole heads   |
+| attention.wo, ffn.w2                | RowParallelLinear        | input features (1)                 |
+| tok_embeddings                      | VocabParallelEmbedding   | vocab rows (0)                     |
+| output                              | ColumnParallelLinear     | vocab rows (0): logits [T, V/tp]   |
+| norms                               | unchanged, replicated    | None                               |
+
+Where the communication sits. Attention and the dense FFN each get one input collective on
+the sub-layer (a forward pre-hook), not one per projection: wq, wk, wv (or w1, w3) then share
+a single all-gather, and autograd sums their input gradients before the single backward
+collective. The row-parallel output projection ends the region with the matching collective.
+
+- sequence_parallel=False (classic Megatron): the residual stream is replicated [T, dim] on
+  every TP rank; sub-layer input: identity fwd / all-reduce bwd; row output: all-reduce fwd.
+- sequence_parallel=True: the residual stream, norms and dropout-free elementwise work hold
+  only this rank's T/tp tokens (rows [r*T/tp, (r+1)*T/tp) of the flattened micro-batch).
+  Sub-layer input: all-gather tokens fwd / reduce-scatter bwd; row output: reduce-scatter.
+  Attention therefore always sees all T tokens, so `tokens`, `position_ids`, `cu_seqlens`
+  and labels stay the full [T] micro-batch on every TP rank, and the rotary tables built in
+  `GPT.forward` from position_ids line up with the gathered q/k. T must be divisible by tp.
+  Norm gains then receive a partial gradient on each rank: they carry
+  `param.sequence_parallel_partial = True`, and the training loop calls
+  `sync_sequence_parallel_grads(model, mesh)` once per optimizer step, before the
+  data-parallel reduction.
+
+A foreign feed-forward module (the MoE layer, or anything not `core.model.FeedForward`) is
+left alone and gets no pre-hook. It receives what the residual stream holds: under sequence
+parallelism this rank's local token shard [T/tp, dim], and it must return the complete
+(TP-reduced) output for exactly those tokens, [T/tp, dim]; without sequence parallelism it
+receives the full [T, dim], identical on every TP rank, and must return the full output,
+identical on every TP rank. Parameters it keeps replicated over TP that see only local
+tokens (e.g. a router under SP) should set `sequence_parallel_partial = True` so
+`sync_sequence_parallel_grads` sums them too. It may use `core.parallel.comm` for that.
+
+For checkpoint resharding every parameter carries `tp_shard_dim` (0, 1, or None when
+replicated) and `tp_full_shape` (the unsharded shape); shards are equal and in TP-rank order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from core.mesh import ParallelMesh
+from core.model import GPT, Attention, FeedForward
+from core.parallel.comm import (
+    all_gather_tokens,
+    copy_to_group,
+    reduce_from_group,
+    reduce_scatter_tokens,
+)
+
+
+def _shard(full: torch.Tensor, dim: int, rank: int, size: int, what: str) -> nn.Parameter:
+    """This rank's equal slice of a full parameter, tagged for checkpoint resharding."""
+    if full.shape[dim] % size:
+        raise ValueError(f"{what}: size {full.shape[dim]} along dim {dim} is not divisible by tp={size}")
+    chunk = full.shape[dim] // size
+    param = nn.Parameter(full.detach().narrow(dim, rank * chunk, chunk).clone(), requires_grad=full.requires_grad)
+    param.tp_shard_dim = dim
+    param.tp_full_shape = tuple(full.shape)
+    return param
+
+
+def _replicated(param: nn.Parameter, partial_grad: bool) -> nn.Parameter:
+    param.tp_shard_dim = None
+    param.tp_full_shape = tuple(param.shape)
+    if partial_grad:
+        param.sequence_parallel_partial = True
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[:, shard] = x W[shard]^T: this rank's slice of the output features.
+
+    `input_comm`: "gather" (x is a token shard: all-gather fwd / reduce-scatter bwd),
+    "copy" (x is replicated: identity fwd / all-reduce bwd), or "none" (the caller already did
+    one of these, e.g. a pre-hook shared by q/k/v). The output stays sharded."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, input_comm: str):
+        super().__init__()
+        if input_comm not in ("gather", "copy", "none"):
+            raise ValueError(f"input_comm={input_comm!r} must be 'gather', 'copy' or 'none'")
+        self.weight, self.bias = weight, bias
+        self.group, self.input_comm = group, input_comm
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group, rank: int, size: int, input_comm: str, name: str):
+        weight = _shard(linear.weight, 0, rank, size, f"{name}.weight")
+        bias = _shard(linear.bias, 0, rank, size, f"{name}.bias") if linear.bias is not None else None
+        return cls(weight, bias, group, input_comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_comm == "gather":
+            x = all_gather_tokens(x, self.group)
+        elif self.input_comm == "copy":
+            x = copy_to_group(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out_local={self.out_features}, input_comm={self.input_comm}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x[:, shard] W[:, shard]^T: input features are sharded.
+
+    `sequence_parallel`: the partial sums are reduce-scattered along tokens (output [T/tp, out])
+    instead of all-reduced (output [T, out]). The bias is added once, after the reduction."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, sequence_parallel: bool):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group, rank: int, size: int, sequence_parallel: bool, name: str):
+        weight = _shard(linear.weight, 1, rank, size, f"{name}.weight")
+        bias = _replicated(linear.bias, sequence_parallel) if linear.bias is not None else None
+        return cls(weight, bias, group, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)
+        out = reduce_scatter_tokens(partial, self.group) if self.sequence_parallel else reduce_from_group(partial, self.group)
+        return out + self.bias if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return f"in_local={self.in_features}, out={self.out_features}, sequence_parallel={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocab rows split over TP ranks.
+
+    Each rank looks up the tokens its rows cover and writes zeros for the rest; the partial
+    results are summed by all-reduce (output [T, dim]) or, under sequence parallelism,
+    reduce-scattered along tokens (output [T/tp, dim])."""
+
+    def __init__(self, weight: nn.Parameter, vocab_start: int, group, sequence_parallel: bool):
+        super().__init__()
+        self.weight = weight
+        self.vocab_start, self.vocab_end = vocab_start, vocab_start + weight.shape[0]
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        # Index 0 stands in for foreign tokens; their rows are zeroed below, so no gradient
+        # reaches row 0 from them.
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_tokens(out, self.group)
+        return reduce_from_group(out, self.group)
+
+    def extra_repr(self) -> str:
+        return f"vocab=[{self.vocab_start}, {self.vocab_end}), dim={self.weight.shape[1]}, sequence_parallel={self.sequence_parallel}"
+
+
+def _input_hook(group, sequence_parallel: bool):
+    """Forward pre-hook: the sub-layer's first argument enters the tensor-parallel region."""
+
+    def hook(module, args):
+        x = all_gather_tokens(args[0], group) if sequence_parallel else copy_to_group(args[0], group)
+        return (x, *args[1:])
+
+    return hook
+
+
+def _check_heads(attn: Attention, tp: int, prefix: str) -> None:
+    for proj in ("wq", "wk"):
+        heads = getattr(attn, proj).out_features // attn.head_dim
+        if heads % tp:
+            kind = "query" if proj == "wq" else "key/value"
+            raise ValueError(
+                f"{prefix}.{proj}: {heads} {kind} heads cannot be split over tp={tp}; "
+                f"tp must divide num_heads and num_kv_heads"
+            )
+
+
+def apply_tp(model: GPT, mesh: ParallelMesh, sequence_parallel: bool = True) -> GPT:
+    """Shard `model` in place over the mesh's "tp" group (see the module docstring); returns it.
+
+    Works on a pipeline stage too: missing layers and `None` embeddings/norm/output are skipped.
+    With tp == 1 only the checkpoint tags (`tp_shard_dim=None`) are added."""
+    size = mesh.size("tp")
+    if size > 1 and not mesh.distributed:
+        raise ValueError(f"tp={size} needs torch.distributed initialised and a ParallelMesh built on it")
+    group, rank = mesh.group("tp"), mesh.coordinate("tp")
+    sp = sequence_parallel and size > 1
+
+    if size > 1:
+        for name, block in model.layers.items():
+            prefix = f"layers.{name}"
+            attn = block.attention
+            if isinstance(attn.wq, ColumnParallelLinear):
+                raise ValueError(f"{prefix}.attention is already tensor-parallel: apply_tp was applied twice")
+            _check_heads(attn, size, f"{prefix}.attention")
+            for proj in ("wq", "wk", "wv"):
+                linear = getattr(attn, proj)
+                setattr(attn, proj, ColumnParallelLinear.from_linear(linear, group, rank, size, "none", f"{prefix}.attention.{proj}"))
+            attn.wo = RowParallelLinear.from_linear(attn.wo, group, rank, size, sp, f"{prefix}.attention.wo")
+            attn.register_forward_pre_hook(_input_hook(group, sp))
+
+            ffn = block.feed_forward
+            if isinstance(ffn, FeedForward):  # foreign FFNs (MoE) parallelise themselves
+                for proj in ("w1", "w3"):
+                    linear = getattr(ffn, proj)
+                    setattr(ffn, proj, ColumnParallelLinear.from_linear(linear, group, rank, size, "none", f"{prefix}.feed_forward.{proj}"))
+                ffn.w2 = RowParallelLinear.from_linear(ffn.w2, group, rank, size, sp, f"{prefix}.feed_forward.w2")
+                ffn.register_forward_pre_hook(_input_hook(group, sp))
+
+        tied = (
+            model.tok_embeddings is not None
+            and model.output is not None
+            and model.output.weight is model.tok_embeddings.weight
+        )
+        if model.tok_embeddings is not None:
+            weight = _shard(model.tok_embeddings.weight, 0, rank, size, "tok_embeddings.weight")
+            model.tok_embeddings = VocabParallelEmbedding(weight, rank * weight.shape[0], group, sp)
+        if model.output is not None:
+            input_comm = "gather" if sp else "copy"
+            if tied:  # one shard shared by both, so the two gradients accumulate into it
+                bias = model.output.bias
+                bias = _shard(bias, 0, rank, size, "output.bias") if bias is not None else None
+                model.output = ColumnParallelLinear(model.tok_embeddings.weight, bias, group, input_comm)
+            else:
+                model.output = ColumnParallelLinear.from_linear(model.output, group, rank, size, input_comm, "output")
+
+    # Under sequence parallelism the norms see only this rank's tokens, so their gains get
+    # partial gradients (row-parallel biases were tagged in from_linear).
+    norms = [model.norm] + [m for block in model.layers.values() for m in (block.attention_norm, block.ffn_norm)]
+    for norm in norms:
+        if norm is not None:
+            for param in norm.parameters():
+                _replicated(param, partial_grad=sp)
+    # Everything else not sharded above is replicated over TP; foreign modules that tagged
+    # their own parameters keep their tags.
+    for param in model.parameters():
+        if not hasattr(param, "tp_shard_dim"):
+            _replicated(param, partial_grad=False)
+    return model
+
+
+@torch.no_grad()
+def sync_sequence_parallel_grads(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Sum over the TP group the gradients of parameters tagged `sequence_parallel_partial`.
+
+    One flattened all-reduce per dtype (one in practice). Call once per optimizer step, after
+    the last micro-batch's backward and before the data-parallel gradient reduction."""
+    group = mesh.group("tp")
+    if mesh.size("tp") == 1 or group is None:
+        return
+    params = [p for p in model.parameters() if getattr(p, "sequence_parallel_partial", False) and p.requires_grad]
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is None:  # keep the flat layout identical on every rank
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for group_params in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group_params])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for p in group_params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
