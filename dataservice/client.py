@@ -42,11 +42,12 @@ RETRYABLE = frozenset({
 
 # Batch tensors are read-only views of the received message bytes (zero copy). torch warns
 # that writing to them would be undefined; trainers only read inputs, and copying every
-# batch to make them writable would cost the very copy we avoid. The filter matches only
-# that warning, and only when raised from this module.
-warnings.filterwarnings(
-    "ignore", message="The given buffer is not writable", category=UserWarning, module=__name__
-)
+# batch to make them writable would cost the very copy we avoid. torch gives that warning
+# once per process, so we spend it here, silenced, rather than install a warnings filter
+# (filters are global and get reset by any `catch_warnings` around our import).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(bytes(4), dtype=torch.int32)
 
 
 @dataclass
@@ -184,6 +185,11 @@ class DataClient:
         self._delivered += 1
         return item
 
+    @property
+    def address(self) -> str | None:
+        """The replica the current (or last) stream was read from; None before the first."""
+        return self._worker.address if self._worker is not None else None
+
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
             self._channels[address] = grpc.insecure_channel(address, options=self._options)
@@ -277,6 +283,7 @@ class _Prefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=client._prefetch)
         self._stopped = threading.Event()
         self._call = None
+        self.address: str | None = None
         self._lock = threading.Lock()
         self._token = token  # of the last batch RECEIVED: where a reconnect starts
         self._remaining = client._max_batches - delivered if client._max_batches else 0
@@ -309,6 +316,7 @@ class _Prefetcher:
                     if self._stopped.is_set():
                         return
                     self._call = pb2_grpc.DataServiceStub(c._channel(address)).StreamBatches(request)
+                    self.address = address
                 for msg in self._call:
                     failures, tried = 0, []
                     batch = to_batch(msg)
