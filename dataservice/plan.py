@@ -13,8 +13,8 @@ documents, best-fit-decreasing pack, shuffle the rows with rng(seed, w, 1).
 from __future__ import annotations
 
 import json
-import math
 import threading
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -27,7 +27,9 @@ import xxhash
 from dataservice.packing import IGNORE_INDEX, MicroBatch, build_microbatch, pack_rows
 from dataservice.sampling import DocumentStream, blend_window, normalise_weights, window_quotas
 
-__all__ = ["ALGORITHM_VERSION", "MAX_SEQ_LEN", "Anchor", "PackedWindow", "StreamPlan", "rows_for", "default_window_tokens"]
+__all__ = [
+    "ALGORITHM_VERSION", "MAX_SEQ_LEN", "Anchor", "PackedWindow", "StreamPlan", "rows_for", "default_window_tokens",
+]
 
 ALGORITHM_VERSION = 1  # bump on any change that alters the row stream
 MAX_SEQ_LEN = 1 << 20
@@ -45,7 +47,8 @@ def rows_for(step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> np
 
     Ranks interleave so the rows of one step are a contiguous range whatever the split.
     """
-    for name, v, lo in (("step", step, 0), ("dp_rank", dp_rank, 0), ("dp_size", dp_size, 1), ("micro_batch_size", micro_batch_size, 1)):
+    for name, v, lo in (("step", step, 0), ("dp_rank", dp_rank, 0), ("dp_size", dp_size, 1),
+                        ("micro_batch_size", micro_batch_size, 1)):
         if int(v) != v or v < lo:
             raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
     if dp_rank >= dp_size:
@@ -65,7 +68,10 @@ class Anchor:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form (ints and lists only)."""
-        return {"window": self.window, "first_row": self.first_row, "positions": list(self.positions), "carries": list(self.carries)}
+        return {
+            "window": self.window, "first_row": self.first_row,
+            "positions": list(self.positions), "carries": list(self.carries),
+        }
 
     @classmethod
     def from_dict(cls, d: Any, num_datasets: int | None = None) -> Anchor:
@@ -139,7 +145,9 @@ class StreamPlan:
         if not datasets:
             raise ValueError("no datasets given; a stream plan needs at least one dataset")
         if len(weights) != len(datasets):
-            raise ValueError(f"{len(weights)} blend weights for {len(datasets)} datasets; give one weight per dataset")
+            raise ValueError(
+                f"{len(weights)} blend weights for {len(datasets)} datasets; give one weight per dataset"
+            )
         self.weights = normalise_weights(weights)
         self.seed = _check_int("seed", seed, 0, (1 << 64) - 1)
         self.seq_len = _check_int("seq_len", seq_len, 2, MAX_SEQ_LEN)
@@ -150,9 +158,10 @@ class StreamPlan:
         for ds in datasets[1:]:
             for attr in ("vocab_size", "pad_id", "eos_id"):
                 if getattr(ds, attr) != getattr(first, attr):
+                    a, b = getattr(first, "name", "#0"), getattr(ds, "name", "?")
                     raise ValueError(
-                        f"datasets {getattr(first, 'name', '#0')!r} and {getattr(ds, 'name', '?')!r} have different "
-                        f"tokenizers ({attr} {getattr(first, attr)} vs {getattr(ds, attr)}); blended datasets must share one"
+                        f"datasets {a!r} and {b!r} have different tokenizers ({attr} {getattr(first, attr)} "
+                        f"vs {getattr(ds, attr)}); blended datasets must share one"
                     )
         self.datasets = datasets
         self.pad_id = int(first.pad_id)
@@ -161,17 +170,22 @@ class StreamPlan:
         self._hashes = [np.asarray(ds.hashes, dtype=np.uint64) for ds in datasets]
         for ds, ln in zip(datasets, self._lengths):
             if ln.size and int(ln.min()) < 1:
-                raise ValueError(f"dataset {getattr(ds, 'name', '?')!r} has an empty document; lengths must be >= 1")
+                name = getattr(ds, "name", "?")
+                raise ValueError(f"dataset {name!r} has an empty document; lengths must be >= 1")
         self._streams = [DocumentStream(ln, ds.fingerprint, self.seed) for ds, ln in zip(datasets, self._lengths)]
         self._shares = [w * self.window_tokens for w in self.weights]
-        ident = [ALGORITHM_VERSION, [str(ds.fingerprint) for ds in datasets], list(self.weights), self.seed, self.seq_len, self.window_tokens]
+        fps = [str(ds.fingerprint) for ds in datasets]
+        ident = [ALGORITHM_VERSION, fps, list(self.weights), self.seed, self.seq_len, self.window_tokens]
         self.fingerprint: str = xxhash.xxh3_128_hexdigest(json.dumps(ident).encode())
 
         self._cache_size = max(1, int(cache_windows))
         self._cache: OrderedDict[Anchor, Future] = OrderedDict()
         self._lock = threading.Lock()
         # Anchors known to lie on the chain from start_anchor: every `_stride`-th window, plus recent ones.
-        self._chain: dict[int, Anchor] = {0: self.start_anchor()}
+        # Kept sorted by window; first rows are then non-decreasing too, so a bisect finds the best.
+        self._chain: list[Anchor] = [self.start_anchor()]
+        self._chain_windows: list[int] = [0]
+        self._chain_rows: list[int] = [0]
         self._stride = 16
         self._recent: OrderedDict[Anchor, None] = OrderedDict({self.start_anchor(): None})
 
@@ -232,11 +246,20 @@ class StreamPlan:
                 while len(self._recent) > 256:
                     self._recent.popitem(last=False)
                 if nxt.window % self._stride == 0:
-                    self._chain[nxt.window] = nxt
-                    if len(self._chain) > self._CHAIN_CAP:
-                        self._stride *= 2
-                        self._chain = {k: v for k, v in self._chain.items() if k % self._stride == 0}
+                    self._remember(nxt)
         return nxt
+
+    def _remember(self, anchor: Anchor) -> None:
+        """Add an anchor known to be on the chain from the start to the seek index (lock held)."""
+        k = bisect_left(self._chain_windows, anchor.window)
+        if k < len(self._chain) and self._chain_windows[k] == anchor.window:
+            return
+        self._chain.insert(k, anchor)
+        if len(self._chain) > self._CHAIN_CAP:  # keep every other stride: bounded memory, longer scans
+            self._stride *= 2
+            self._chain = [a for a in self._chain if a.window % self._stride == 0]
+        self._chain_windows = [a.window for a in self._chain]
+        self._chain_rows = [a.first_row for a in self._chain]
 
     def seek(self, row: int, anchor: Anchor | None = None) -> Anchor:
         """Anchor of the window holding global row `row`, scanning forward from `anchor` (or the start).
@@ -250,12 +273,17 @@ class StreamPlan:
         self._check_anchor(anchor)
         if anchor.first_row > row:
             raise ValueError(f"anchor of window {anchor.window} starts at row {anchor.first_row}, after row {row}")
+        if row < self.window(anchor).next_anchor.first_row:
+            return anchor  # the common case: the row is in the anchor's own window
         with self._lock:
-            if anchor in self._recent or self._chain.get(anchor.window) == anchor:
-                best = [a for a in self._chain.values() if anchor.window <= a.window and a.first_row <= row]
-                if best:
-                    anchor = max(best, key=lambda a: a.window)
+            k = bisect_left(self._chain_windows, anchor.window)
+            on_chain = anchor in self._recent or (k < len(self._chain) and self._chain[k] == anchor)
+            if on_chain:
+                best = bisect_right(self._chain_rows, row) - 1
+                if best >= 0 and self._chain[best].window > anchor.window:
+                    anchor = self._chain[best]
                 self._recent[anchor] = None
+                self._recent.move_to_end(anchor)
         while True:
             win = self.window(anchor)
             if row < win.next_anchor.first_row:
@@ -276,28 +304,35 @@ class StreamPlan:
         self._check_anchor(anchor)
         if int(ids[0]) < anchor.first_row:
             raise ValueError(f"row {int(ids[0])} is before the anchor's first row {anchor.first_row}")
-        # Gather the segments of each asked row, window by window.
-        parts_row, parts_seg, wins = [], [], []
+        seg_row, seg_ds, seg_doc, seg_off, seg_len, anchor = self._segments(ids, anchor)
+        real, seg_next, seg_hash = self._read_segments(seg_ds, seg_doc, seg_off, seg_len)
+        batch = build_microbatch(real, seg_row, seg_len, seg_next, seg_hash, ids, self.seq_len, self.pad_id)
+        return batch, anchor
+
+    def _segments(self, ids: np.ndarray, anchor: Anchor):
+        """Segment tables of rows `ids` (batch row, dataset, document, offset, length), window by window."""
+        parts: list[tuple[np.ndarray, ...]] = []
         i = 0
         while i < ids.size:
             anchor = self.seek(int(ids[i]), anchor)
             win = self.window(anchor)
             j = int(np.searchsorted(ids, win.next_anchor.first_row, side="left"))
             local = ids[i:j] - anchor.first_row
-            starts, ends = win.row_ptr[local], win.row_ptr[local + 1]
-            counts = ends - starts
-            seg = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()), dtype=np.int64)
-            parts_row.append(np.repeat(np.arange(i, j, dtype=np.int64), counts))
-            parts_seg.append((len(wins), seg))
-            wins.append(win)
+            starts = win.row_ptr[local]
+            counts = win.row_ptr[local + 1] - starts
+            # Segment indices of these rows: each row's range starts..starts+count, concatenated.
+            seg = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
+            rows = np.repeat(np.arange(i, j, dtype=np.int64), counts)
+            parts.append((rows, win.seg_dataset[seg], win.seg_doc[seg], win.seg_offset[seg], win.seg_len[seg]))
             i = j
-        seg_row = np.concatenate(parts_row)
-        pick = lambda f: np.concatenate([getattr(wins[k], f)[s] for k, s in parts_seg])  # noqa: E731
-        seg_ds, seg_doc, seg_off, seg_len = pick("seg_dataset"), pick("seg_doc"), pick("seg_offset"), pick("seg_len")
+        cols = [np.concatenate(c) for c in zip(*parts)]
+        return (*cols, anchor)
 
-        # One read per dataset, then one slice per segment (never per token).
-        seg_hash = np.empty(seg_doc.size, dtype=np.uint64)
-        doc_tokens: list[Any] = [None] * seg_doc.size
+    def _read_segments(self, seg_ds, seg_doc, seg_off, seg_len):
+        """Tokens of the segments back to back (int32), the label after each segment, its document hash."""
+        n = seg_doc.size
+        seg_hash = np.empty(n, dtype=np.uint64)
+        doc_tokens: list[Any] = [None] * n
         for d, ds in enumerate(self.datasets):
             where = np.flatnonzero(seg_ds == d)
             if where.size == 0:
@@ -306,16 +341,16 @@ class StreamPlan:
             toks = ds.read_many(uniq)
             lens = np.fromiter((len(t) for t in toks), dtype=np.int64, count=len(toks))
             if not np.array_equal(lens, self._lengths[d][uniq]):
-                raise RuntimeError(f"dataset {getattr(ds, 'name', d)!r}: documents read back with lengths that differ from its index")
+                raise RuntimeError(
+                    f"dataset {getattr(ds, 'name', d)!r} returned documents whose lengths differ from its index"
+                )
             for k, u in zip(where.tolist(), inv.tolist()):
                 doc_tokens[k] = toks[u]
             seg_hash[where] = self._hashes[d][seg_doc[where]]
-        offs, lens_l = seg_off.tolist(), seg_len.tolist()
-        pieces, seg_next = [], np.full(seg_doc.size, IGNORE_INDEX, dtype=np.int64)
-        for k, (t, o, n) in enumerate(zip(doc_tokens, offs, lens_l)):
-            pieces.append(t[o : o + n])
-            if o + n < len(t):  # a non-final piece: its last label is the document's next token
-                seg_next[k] = t[o + n]
-        real = np.concatenate(pieces, dtype=np.int32, casting="unsafe")
-        batch = build_microbatch(real, seg_row, seg_len, seg_next, seg_hash, ids, self.seq_len, self.pad_id)
-        return batch, anchor
+        pieces, seg_next = [], np.full(n, IGNORE_INDEX, dtype=np.int64)
+        for k, (t, o, ln) in enumerate(zip(doc_tokens, seg_off.tolist(), seg_len.tolist())):
+            pieces.append(t[o : o + ln])
+            if o + ln < len(t):  # a non-final piece: its last label is the document's next token
+                seg_next[k] = t[o + ln]
+        real = np.concatenate(pieces, dtype=np.int32, casting="unsafe") if pieces else np.empty(0, np.int32)
+        return real, seg_next, seg_hash
