@@ -23,6 +23,7 @@ OUTPUT (no manifest.json).
 from __future__ import annotations
 
 import array
+import ctypes
 import datetime
 import json
 import os
@@ -37,7 +38,7 @@ import xxhash
 
 from .progress import Progress
 from .shards import (FORMAT_VERSION, INDEX_DTYPE, INDEX_NAME, MANIFEST_NAME, ShardWriter,
-                     dataset_fingerprint, file_checksum, fsync_path)
+                     dataset_fingerprint, file_checksum, fsync_path, manifest_checksum)
 from .tokenizer import load_tokenizer
 
 JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
@@ -186,12 +187,27 @@ def _write_file(path: pathlib.Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _publish(tmp: pathlib.Path, output: pathlib.Path, overwrite: bool) -> None:
     """Rename the finished `tmp` folder to `output`, swapping out an old one if allowed."""
     fsync_path(tmp)
     if output.exists():
         if not overwrite:
             raise BuildError(f"output {str(output)!r} appeared during the build; pass --overwrite to replace it")
+        if _exchange(tmp, output):  # readers see the old or the new dataset, never neither
+            fsync_path(output.parent)
+            shutil.rmtree(tmp)  # now the old dataset
+            return
         old = output.parent / f"{output.name}.old-{os.getpid()}"
         os.rename(output, old)
         try:
@@ -230,6 +246,7 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
     try:
         manifest = _build_into(tmp, files, tok, text_field, shard_size_mb, strict, progress, t0)
         manifest["build"].update(inputs=[str(i) for i in inputs], text_field=text_field, glob=glob)
+        manifest["manifest_checksum"] = manifest_checksum(manifest)
         _write_file(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2).encode() + b"\n")
         _publish(tmp, output, overwrite)
     except BaseException:
@@ -293,7 +310,7 @@ def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, text_field: s
         os.fsync(f.fileno())
     desc = tok.describe()
     if desc["kind"] == "hf":  # keep the dataset self-contained: readers can decode without the original
-        shutil.copyfile(desc["path"], tmp / "tokenizer.json")
+        _write_file(tmp / "tokenizer.json", pathlib.Path(desc["path"]).read_bytes())
     lengths = index["length"]
     manifest = {
         "format_version": FORMAT_VERSION,

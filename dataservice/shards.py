@@ -78,6 +78,13 @@ def dataset_fingerprint(manifest: dict) -> str:
     return h.hexdigest()
 
 
+def manifest_checksum(manifest: dict) -> str:
+    """xxh3_128 hex of the manifest's canonical JSON without its own `manifest_checksum`
+    field, so an edited count or histogram is caught too."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_checksum"}
+    return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
 def open_shard_reader(path: pathlib.Path) -> lmdb.Environment:
     """Read-only LMDB env of one shard that never writes a file (no lock.mdb)."""
     return lmdb.open(
@@ -402,6 +409,8 @@ def verify_dataset(path: pathlib.Path, manifest: dict) -> list[str]:
             got = hashlib.sha256(tpath.read_bytes()).hexdigest()
             if got != tok.get("sha256"):
                 problems.append(f"{tpath}: sha256 {got} does not match the manifest's {tok.get('sha256')}")
+    if "manifest_checksum" in manifest and manifest_checksum(manifest) != manifest["manifest_checksum"]:
+        problems.append(f"{path / MANIFEST_NAME}: contents do not match its manifest_checksum (edited or damaged)")
     try:
         fp = dataset_fingerprint(manifest)
     except (KeyError, TypeError) as e:

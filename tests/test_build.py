@@ -171,6 +171,11 @@ def test_inspect_ok_then_detects_flipped_bytes(tmp_path):
     res = json.loads(r.stdout)
     assert r.returncode == 1 and not res["ok"]
     assert len(res["verification_problems"]) == 1 and "index.npy" in res["verification_problems"][0]
+    flip_byte(out / "index.npy", 0.9)  # restore, then edit a count in the manifest
+    mpath = out / "manifest.json"
+    mpath.write_text(mpath.read_text().replace('"duplicates_dropped": 0', '"duplicates_dropped": 1'))
+    r = cli("inspect", out)
+    assert r.returncode == 1 and "manifest.json" in r.stderr and "manifest_checksum" in r.stderr
 
 
 def test_existing_output_refused_unless_overwrite(tmp_path):
