@@ -73,7 +73,8 @@ def test_bfd_is_fast():
     t0 = time.perf_counter()
     row_of, n_rows = best_fit_decreasing(lengths, 8192)
     dt = time.perf_counter() - t0
-    print(f"\nBFD: {lengths.size} pieces into {n_rows} rows in {dt * 1e3:.0f} ms ({dt / lengths.size * 1e6:.2f} us/piece)")
+    print(f"\nBFD: {lengths.size} pieces into {n_rows} rows in {dt * 1e3:.0f} ms "
+          f"({dt / lengths.size * 1e6:.2f} us/piece)")
     assert np.bincount(row_of, weights=lengths).max() <= 8192
     assert dt < 5.0
 

@@ -25,7 +25,8 @@ from dataservice.shards import ShardedDataset
 class LengthsOnly:
     """In-memory stand-in for ShardedDataset: random tokens, long-tail lengths, eos at each end."""
 
-    def __init__(self, name: str, n: int, seed: int, median: float = 600, vocab: int = 1000, pad: int = 0, eos: int = 1):
+    def __init__(self, name: str, n: int, seed: int, median: float = 600, vocab: int = 1000,
+                 pad: int = 0, eos: int = 1):
         rng = np.random.default_rng(seed)
         self.name, self.vocab_size, self.pad_id, self.eos_id = name, vocab, pad, eos
         self.lengths = np.clip(np.round(np.exp(rng.normal(np.log(median), 1.3, n))), 2, 50_000).astype(np.uint32)
@@ -34,7 +35,8 @@ class LengthsOnly:
         self.num_tokens = int(self._off[-1])
         self._flat = rng.integers(2, vocab, self.num_tokens).astype(np.uint16)
         self._flat[self._off[1:] - 1] = eos
-        self.hashes = np.array([xxhash.xxh3_64_intdigest(t.tobytes()) for t in self.read_many(range(n))], dtype=np.uint64)
+        docs = self.read_many(range(n))
+        self.hashes = np.array([xxhash.xxh3_64_intdigest(t.tobytes()) for t in docs], dtype=np.uint64)
         self.fingerprint = xxhash.xxh3_128_hexdigest(f"{name}-{seed}".encode())
 
     def read_many(self, docs):
@@ -86,7 +88,8 @@ def test_rows_for_disjoint_complete(dp_size):
 
 def test_rows_of_a_step_do_not_depend_on_dp_size():
     for step in (0, 3, 10):
-        sets = {n: sorted(np.concatenate([rows_for(step, r, n, 24 // n) for r in range(n)]).tolist()) for n in (1, 2, 3, 4, 8)}
+        sets = {n: sorted(np.concatenate([rows_for(step, r, n, 24 // n) for r in range(n)]).tolist())
+                for n in (1, 2, 3, 4, 8)}
         assert all(v == sets[1] for v in sets.values())
     with pytest.raises(ValueError, match="dp_rank=2 must be < dp_size=2"):
         rows_for(0, 2, 2, 1)
@@ -114,7 +117,8 @@ def test_blend_proportions_by_tokens(three):
     per = segment_tokens_by_dataset(plan, 10_000)
     share = per / per.sum()
     rel = np.abs(share - [0.6, 0.3, 0.1]) / [0.6, 0.3, 0.1]
-    print(f"\nblend over 10k rows of 1024: shares {np.round(share, 5).tolist()}, relative errors {np.round(rel, 5).tolist()}")
+    print(f"\nblend over 10k rows of 1024: shares {np.round(share, 5).tolist()}, "
+          f"relative errors {np.round(rel, 5).tolist()}")
     assert rel.max() < 0.01
 
 
@@ -157,14 +161,16 @@ def test_window_follows_the_documented_recipe(three):
     """Window w = blend by quota, shuffle documents by rng(seed, w), split + BFD, shuffle rows by rng(seed, w, 1)."""
     plan = StreamPlan(three, [0.5, 0.3, 0.2], seed=21, seq_len=2048, window_tokens=32 * 2048)
     anchor = plan.next_anchor(plan.next_anchor(plan.start_anchor()))
-    docs, positions, carries = blend_window(plan._streams, anchor.positions, anchor.carries, window_quotas(plan._shares, 2))
+    quotas = window_quotas(plan._shares, 2)
+    docs, positions, carries = blend_window(plan._streams, anchor.positions, anchor.carries, quotas)
     ds_of = np.concatenate([np.full(len(d), i) for i, d in enumerate(docs)])
     doc = np.concatenate(docs)
     ln = np.concatenate([three[i].lengths[d] for i, d in enumerate(docs)]).astype(np.int64)
     mix = np.random.default_rng([21, 2]).permutation(doc.size)
     ref = pack_rows(ln[mix], 2048, np.random.default_rng([21, 2, 1]))
     win = plan.window(anchor)
-    assert np.array_equal(win.seg_doc, doc[mix][ref.seg_item]) and np.array_equal(win.seg_dataset, ds_of[mix][ref.seg_item])
+    assert np.array_equal(win.seg_doc, doc[mix][ref.seg_item])
+    assert np.array_equal(win.seg_dataset, ds_of[mix][ref.seg_item])
     assert np.array_equal(win.row_ptr, ref.row_ptr) and np.array_equal(win.seg_offset, ref.seg_offset)
     assert win.next_anchor == Anchor(3, anchor.first_row + ref.num_rows, positions, carries)
 
@@ -200,7 +206,8 @@ def test_anchor_round_trip_and_bad_dicts():
     a = Anchor(12, 3456, (1, 2 ** 40, 3), (0, 17, 5))
     assert Anchor.from_dict(json.loads(json.dumps(a.to_dict())), num_datasets=3) == a
     for bad, msg in [({"window": 1}, "missing field"), ({**a.to_dict(), "first_row": -1}, "first_row=-1"),
-                     ({**a.to_dict(), "carries": [0]}, "equal length"), ({**a.to_dict(), "positions": [0, 1.5, 2]}, "integers"),
+                     ({**a.to_dict(), "carries": [0]}, "equal length"),
+                     ({**a.to_dict(), "positions": [0, 1.5, 2]}, "integers"),
                      ("x", "must be a dict")]:
         with pytest.raises(ValueError, match=msg):
             Anchor.from_dict(bad)
@@ -214,8 +221,8 @@ def test_anchor_round_trip_and_bad_dicts():
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("plan")
-    paths = [build_dataset([make_corpus(root, 1500, seed=s, min_len=8, max_len=3000)], root / f"ds{s}", shard_size_mb=1)
-             for s in (1, 2)]
+    paths = [build_dataset([make_corpus(root, 1500, seed=s, min_len=8, max_len=3000)], root / f"ds{s}",
+                           shard_size_mb=1) for s in (1, 2)]
     return [ShardedDataset.open(p) for p in paths]
 
 
@@ -246,11 +253,13 @@ def check_batch(plan: StreamPlan, mb, start_anchor: Anchor) -> None:
         for s in range(int(win.row_ptr[r]), int(win.row_ptr[r + 1])):
             lo, hi, i = real_segs[k]
             k += 1
-            ds, doc, off, n = plan.datasets[int(win.seg_dataset[s])], int(win.seg_doc[s]), int(win.seg_offset[s]), int(win.seg_len[s])
-            full = ds.read_many([doc])[0].astype(np.int64)
+            ds = plan.datasets[int(win.seg_dataset[s])]
+            doc, off, n = int(win.seg_doc[s]), int(win.seg_offset[s]), int(win.seg_len[s])
+            stored = ds.read_many([doc])[0]
+            full = stored.astype(np.int64)
             assert b * S <= lo and hi <= (b + 1) * S and hi - lo == n
             assert np.array_equal(mb.tokens[lo:hi], full[off : off + n])
-            assert mb.doc_hashes[i] == ds.hashes[doc] == xxhash.xxh3_64_intdigest(full.astype(ds.read_many([doc])[0].dtype).tobytes())
+            assert mb.doc_hashes[i] == ds.hashes[doc] == xxhash.xxh3_64_intdigest(stored.tobytes())
             if off + n == full.size:  # the document's end: eos, and nothing predicted past it
                 assert full[-1] == plan.eos_id and mb.labels[hi - 1] == IGNORE_INDEX
             else:  # a non-final piece keeps the document's true next token
@@ -331,7 +340,8 @@ def test_threads_get_the_same_batches(built):
 
 
 def test_rows_throughput_at_8192(tmp_path):
-    path = build_dataset([make_corpus(tmp_path, 2500, seed=5, min_len=100, max_len=50_000)], tmp_path / "long", shard_size_mb=8)
+    corpus = make_corpus(tmp_path, 2500, seed=5, min_len=100, max_len=50_000)
+    path = build_dataset([corpus], tmp_path / "long", shard_size_mb=8)
     ds = ShardedDataset.open(path)
     plan = StreamPlan([ds], [1.0], seed=0, seq_len=8192)
     for B in (1, 8):
