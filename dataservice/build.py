@@ -89,6 +89,20 @@ def _problem(counts: _Counts, kind: str, where: str, strict: bool) -> None:
         counts.first_problems.append(f"{where}: {kind}")
 
 
+_JSON = json.JSONDecoder()
+
+
+def _parse_json_line(text: str):
+    """json.loads for one line, skipping its per-call set-up in the common case."""
+    try:
+        obj, end = _JSON.raw_decode(text)
+        if end == len(text) or text[end:].isspace():
+            return obj
+    except ValueError:
+        pass
+    return json.loads(text)  # exact semantics (leading blanks, error) for the rare rest
+
+
 def _documents(files: list[pathlib.Path], text_field: str, strict: bool,
                counts: _Counts) -> Iterator[tuple[str, bytes]]:
     """(text, its UTF-8 bytes) of every usable document; problems go into `counts`."""
@@ -97,35 +111,30 @@ def _documents(files: list[pathlib.Path], text_field: str, strict: bool,
         if path.suffix.lower() in JSONL_SUFFIXES:
             with open(path, "rb") as f:
                 for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    where = f"{path}:{lineno}"
                     try:
-                        line_text = line.decode("utf-8")
+                        obj = _parse_json_line(line.decode("utf-8"))
                     except UnicodeDecodeError:
-                        _problem(counts, "invalid_utf8", where, strict)
+                        _problem(counts, "invalid_utf8", f"{path}:{lineno}", strict)
                         continue
-                    try:
-                        obj = json.loads(line_text)
                     except ValueError:
-                        _problem(counts, "broken_json", where, strict)
+                        if line.strip():  # blank lines are not documents, just skipped
+                            _problem(counts, "broken_json", f"{path}:{lineno}", strict)
                         continue
                     text = obj.get(text_field) if isinstance(obj, dict) else None
                     if not isinstance(text, str):
-                        _problem(counts, "missing_field", f"{where} (field {text_field!r})", strict)
+                        _problem(counts, "missing_field", f"{path}:{lineno} (field {text_field!r})", strict)
                         continue
                     try:
                         raw = text.encode("utf-8")
                     except UnicodeEncodeError:  # JSON escapes can spell lone surrogates
-                        _problem(counts, "invalid_utf8", where, strict)
+                        _problem(counts, "invalid_utf8", f"{path}:{lineno}", strict)
                         continue
                     if not text or text.isspace():
-                        _problem(counts, "empty", where, strict)
+                        _problem(counts, "empty", f"{path}:{lineno}", strict)
                         continue
                     yield text, raw
         else:
             raw = path.read_bytes()
-            where = f"{path}:1"
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -133,9 +142,28 @@ def _documents(files: list[pathlib.Path], text_field: str, strict: bool,
                 _problem(counts, "invalid_utf8", f"{path}:{line}", strict)
                 continue
             if not text or text.isspace():
-                _problem(counts, "empty", where, strict)
+                _problem(counts, "empty", f"{path}:1", strict)
                 continue
             yield text, raw
+
+
+def _encode_flat(batch: list[tuple[str, bytes]], tok) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens of a batch of documents, each followed by eos, in one flat array, and the
+    end offset of each document in it."""
+    if tok.kind == "byte":  # ids are the bytes: one vectorised scatter, no per-document arrays
+        raws = [raw for _, raw in batch]
+        lens = np.fromiter(map(len, raws), np.int64, count=len(raws))
+        ends = np.cumsum(lens + 1)
+        flat = np.empty(int(ends[-1]), tok.dtype)
+        is_text = np.ones(flat.shape[0], bool)
+        is_text[ends - 1] = False
+        flat[is_text] = np.frombuffer(b"".join(raws), np.uint8)
+        flat[ends - 1] = tok.eos_id
+        return flat, ends
+    ids = tok.encode_batch([text for text, _ in batch])
+    eos = np.array([tok.eos_id], tok.dtype)
+    ends = np.cumsum(np.fromiter((len(a) + 1 for a in ids), np.int64, count=len(ids)))
+    return np.concatenate([part for a in ids for part in (a, eos)]), ends
 
 
 def _batches(docs: Iterable[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes]]]:
@@ -263,31 +291,35 @@ def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, text_field: s
     seen: set[int] = set()
     idx_hash, idx_len = array.array("Q"), array.array("I")
     idx_shard, idx_key = array.array("I"), array.array("Q")
-    eos, dtype = tok.eos_id, tok.dtype
-    is_byte = tok.kind == "byte"
+    dtype = tok.dtype
     bar = Progress(enabled=show_progress)
     total_tokens = 0
     try:
         for batch in _batches(_documents(files, text_field, strict, counts)):
-            ids_list = [np.frombuffer(raw, np.uint8) for _, raw in batch] if is_byte \
-                else tok.encode_batch([text for text, _ in batch])
-            for ids in ids_list:
-                n = ids.shape[0] + 1
-                value = np.empty(n, dtype)
-                value[:-1] = ids
-                value[-1] = eos
-                data = value.tobytes()
-                h = xxhash.xxh3_64_intdigest(data)
+            flat, ends = _encode_flat(batch, tok)
+            view = memoryview(flat).cast("B")  # zero-copy per-document values
+            isz = flat.itemsize
+            starts = np.concatenate(([0], ends[:-1]))
+            keep, values, hashes = [], [], []
+            for i, (b0, b1) in enumerate(zip((starts * isz).tolist(), (ends * isz).tolist())):
+                value = view[b0:b1]
+                h = xxhash.xxh3_64_intdigest(value)
                 if h in seen:
                     counts.duplicates_dropped += 1
                     continue
                 seen.add(h)
-                shard, key = writer.add(data, n)
-                idx_hash.append(h)
-                idx_len.append(n)
-                idx_shard.append(shard)
-                idx_key.append(key)
-                total_tokens += n
+                keep.append(i)
+                values.append(value)
+                hashes.append(h)
+            if not values:
+                continue
+            lens = (ends - starts)[keep]
+            shard, key = writer.add_batch(values, lens)
+            idx_hash.extend(hashes)
+            idx_len.frombytes(lens.astype(np.uint32).tobytes())
+            idx_shard.frombytes(shard.astype(np.uint32).tobytes())
+            idx_key.frombytes(key.astype(np.uint64).tobytes())
+            total_tokens += int(lens.sum())
             bar.update(len(idx_len), total_tokens, writer.bytes_written)
         if not idx_len:
             raise BuildError(f"no documents to store: {counts.files} input file(s) gave only problems "

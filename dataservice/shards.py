@@ -198,6 +198,26 @@ class ShardWriter:
             self._commit()
         return len(self.shards), key
 
+    def add_batch(self, values: list, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store several documents' values (bytes-like, kept until committed); returns the
+        (shard numbers, keys) arrays. Far from any bound the batch is appended in one step."""
+        n = len(values)
+        nbytes = np.fromiter(map(len, values), np.int64, count=n)
+        small = nbytes + 16 <= (self._psize - 16) // 2
+        raw = np.where(small, nbytes + 18, -(-(nbytes + 16) // self._psize) * self._psize + 26)
+        total = int(raw.sum())
+        if self._env is not None:
+            pending = (self._pending_raw + total) * self._ratio + self._txn_overhead()
+            if pending < self.txn_bytes and 2 * pending < self.shard_bytes - self._used:
+                first = self._docs
+                self._pending.extend(zip([encode_key(k) for k in range(first, first + n)], values))
+                self._pending_raw += total
+                self._docs += n
+                self._tokens += int(tokens.sum())
+                return np.full(n, len(self.shards), np.uint32), np.arange(first, first + n, dtype=np.uint64)
+        placed = np.array([self.add(v, t) for v, t in zip(values, tokens.tolist())], np.uint64).reshape(n, 2)
+        return placed[:, 0].astype(np.uint32), placed[:, 1]
+
     def _finish_shard(self) -> None:
         self._commit()
         env, self._env = self._env, None
