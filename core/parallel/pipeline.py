@@ -1,0 +1,362 @@
+"""Pipeline parallelism: split the plain GPT into stages and run a 1F1B or interleaved step.
+
+`build_pipeline_stage(model, mesh, config)` deletes from the plain model what this pipeline
+rank does not own and returns a `PipelineStage` whose `chunks` are GPT modules (one per
+virtual stage; v > 1 only with the interleaved schedule). Layer keys stay the global layer
+indices, so parameter names (and checkpoints) are those of the plain model.
+
+`run_pipeline_step(stage, micro_batches, loss_fn, mesh, config, loss_divisor)` runs the
+forwards and backwards of all micro-batches of one optimizer step in the schedule's order,
+leaving gradients accumulated in `.grad`; it returns the step's loss sum on every rank.
+
+Activations between stages are [T_local, dim] where T_local is the micro-batch's token count
+(`tokens.numel()`, already this rank's share under context parallelism) divided by tp under
+sequence parallelism: every rank of a pipeline reads the same micro-batches from the data
+service, so the receiver allocates its buffer from its own copy of the batch and no shape is
+exchanged. The sender checks the shape and dtype it produced against that rule, so a
+mismatch fails with a message instead of corrupting a transfer. Transfers are
+`dist.batch_isend_irecv` batches in the order `core.parallel.schedules.plan_step` fixes.
+
+Order with other steps: module-replacing steps (`apply_tp`, recompute, ...) go either on the
+plain model before this split or on each chunk after it; with v > 1 the pruned `model`
+itself is only a container of this rank's modules and must not be run or re-parallelised.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from core.config import Config
+from core.mesh import ParallelMesh
+from core.parallel.schedules import (
+    Action,
+    Message,
+    Post,
+    check_schedule,
+    partition_layers,
+    plan_step,
+    theoretical_bubble,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PipelineStage:
+    """This pipeline rank's share of the model and what the schedule needs to know about it."""
+
+    chunks: list[nn.Module]  # chunk c is virtual stage c * pp + pp_rank
+    layer_ids: list[list[int]]  # global layer indices of each chunk
+    pp: int
+    pp_rank: int
+    virtual: int
+    schedule: str
+    peers: list[int]  # global ranks of this pipeline, by pp coordinate
+    tied_group: Any = None  # first+last stage group for a tied embedding, when pp > 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual
+
+    def stage_of(self, chunk: int) -> int:
+        return chunk * self.pp + self.pp_rank
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Global (plain-model) names of this rank's parameters, each once."""
+        seen: set[int] = set()
+        for chunk in self.chunks:
+            for name, param in chunk.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The chunks' state dicts merged (their keys are disjoint global names)."""
+        merged: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks:
+            merged.update(chunk.state_dict())
+        return merged
+
+
+@dataclass
+class PipelineStepResult:
+    """One step's loss and bubble: theoretical, and measured as this rank's idle share."""
+
+    loss_sum: torch.Tensor  # float32 scalar: the sum of loss_fn over all micro-batches, on every rank
+    theoretical_bubble: float
+    idle_fraction: float  # this rank: 1 - compute time / step time
+    mean_idle_fraction: float  # the mean of idle_fraction over the pipeline's ranks
+    compute_s: float
+    step_s: float
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "pp_bubble_theory": self.theoretical_bubble,
+            "pp_idle": self.idle_fraction,
+            "pp_idle_mean": self.mean_idle_fraction,
+        }
+
+
+def _chunk_of(model: nn.Module, layer_ids: range, embed: bool, head: bool) -> nn.Module:
+    """A module of the model's class sharing its submodules: only `layer_ids`, and the
+    embedding / norm+output only where asked. The model itself is left as it is."""
+    chunk = copy.copy(model)
+    chunk._modules = dict(model._modules)  # its own table, so the assignments below stay local
+    chunk.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+    if not embed:
+        chunk.tok_embeddings = None
+    if not head:
+        chunk.norm = None
+        chunk.output = None
+    return chunk
+
+
+def build_pipeline_stage(model: nn.Module, mesh: ParallelMesh, config: Config) -> PipelineStage:
+    """Split the plain model for this rank (see the module docstring). Collective over all
+    ranks when the embedding is tied and pp > 1 (it creates the first/last-stage groups)."""
+    p = config.parallel
+    pp, virtual = p.pp, p.pp_virtual_stages
+    check_schedule(p.pp_schedule, pp, virtual)
+    if mesh.size("pp") != pp:
+        raise ValueError(f"the mesh has pp={mesh.size('pp')} but parallel.pp={pp}; build both from the same config")
+    num_layers = len(model.layers)
+    if sorted(model.layers.keys(), key=int) != [str(i) for i in range(num_layers)]:
+        raise ValueError("build_pipeline_stage needs the whole plain model (layers '0'..'L-1'); was it split already?")
+    rank = mesh.coordinate("pp")
+    ranges = partition_layers(num_layers, pp * virtual, p.pp_first_stage_layers, p.pp_last_stage_layers)
+    stages = [c * pp + rank for c in range(virtual)]
+    last = pp * virtual - 1
+    tied = model.tok_embeddings is not None and model.output is not None and model.output.weight is model.tok_embeddings.weight
+
+    tied_group = None
+    if tied and pp > 1:
+        # One group per (dp, cp, tp) position joins its first and last stage, which hold the
+        # two copies of the tied weight; every rank creates every group, in the same order.
+        full = mesh.mesh.mesh.reshape(pp, -1)
+        for first_rank, last_rank in zip(full[0].tolist(), full[-1].tolist()):
+            group = dist.new_group([first_rank, last_rank])
+            if dist.get_rank() in (first_rank, last_rank):
+                tied_group = group
+
+    owned = {str(i) for s in stages for i in ranges[s]}
+    for key in [k for k in model.layers.keys() if k not in owned]:
+        del model.layers[key]
+    if 0 not in stages:
+        model.tok_embeddings = None
+    if last not in stages:
+        model.norm = None
+        model.output = None
+    if virtual == 1:
+        chunks = [model]
+    else:
+        chunks = [_chunk_of(model, ranges[s], s == 0, s == last) for s in stages]
+    peers = dist.get_process_group_ranks(mesh.group("pp")) if mesh.distributed else [0]
+    stage = PipelineStage(chunks, [list(ranges[s]) for s in stages], pp, rank, virtual, p.pp_schedule, peers, tied_group)
+    log.info(
+        "pipeline rank %d/%d (%s, v=%d): stages %s, layers %s",
+        rank, pp, p.pp_schedule, virtual, stages, stage.layer_ids,
+    )
+    return stage
+
+
+def _hidden_shape(micro, config: Config, mesh: ParallelMesh) -> tuple[int, int]:
+    tokens = micro.tokens.shape[0]
+    tp = mesh.size("tp")
+    if config.parallel.sequence_parallel and tp > 1:
+        tokens //= tp
+    return tokens, config.model.dim
+
+
+def _tied_weights(stage: PipelineStage) -> list[nn.Parameter]:
+    """The copies of the tied embedding this rank holds (first and/or last stage)."""
+    weights = []
+    for c, chunk in enumerate(stage.chunks):
+        s = stage.stage_of(c)
+        if s == 0 and chunk.tok_embeddings is not None:
+            weights.append(chunk.tok_embeddings.weight)
+        if s == stage.num_stages - 1 and chunk.output is not None:
+            # Counted once for the global grad norm: the first stage holds the other copy.
+            chunk.output.weight.pp_tied_duplicate = True
+            weights.append(chunk.output.weight)
+    return weights
+
+
+class _Clock:
+    """Compute time vs step time; CUDA events on GPU (kernels run asynchronously)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[Any, Any]] = []
+        self.start = self._now()
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def span(self):
+        clock = self
+
+        class _Span:
+            def __enter__(self):
+                self.begin = clock._now()
+
+            def __exit__(self, *exc):
+                clock.spans.append((self.begin, clock._now()))
+
+        return _Span()
+
+    def finish(self) -> tuple[float, float]:
+        end = self._now()
+        if self.cuda:
+            end.synchronize()
+            busy = sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
+            return busy, self.start.elapsed_time(end) / 1e3
+        return sum(b - a for a, b in self.spans), end - self.start
+
+
+def run_pipeline_step(
+    stage: PipelineStage,
+    micro_batches: Sequence[Any],
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor | tuple[torch.Tensor, Any]],
+    mesh: ParallelMesh,
+    config: Config,
+    loss_divisor: float,
+    forward_context: Callable[[], ContextManager] | None = None,
+    backward_context: Callable[[int, bool], ContextManager] | None = None,
+) -> PipelineStepResult:
+    """Forward and backward every micro-batch through the pipeline; gradients accumulate in
+    `.grad` (the caller zeroes them between optimizer steps and reduces them over dp after).
+
+    micro_batches: objects with `.tokens`, `.labels`, `.position_ids` [T] and `.meta`
+    (`core.data.StepInputs`), the same list on every rank of the pipeline.
+    loss_fn(output, micro) -> loss sum (or a (sum, count) tuple) on the last stage; each
+    micro-batch's sum is divided by `loss_divisor` (the global label count) before backward.
+    forward_context: wraps each forward (e.g. autocast). backward_context(chunk, last):
+    wraps each backward; `last` marks a chunk's final backward of the step (e.g. to let a
+    data-parallel wrapper start its reduction only then).
+    Collective over the pipeline group; one call per optimizer step is the intended use."""
+    m = len(micro_batches)
+    plan = plan_step(stage.schedule, stage.pp, stage.virtual, m)
+    program = plan.programs[stage.pp_rank]
+    last_stage = stage.num_stages - 1
+    divisor = float(max(loss_divisor, 1.0))
+    param = next(p for c in stage.chunks for p in c.parameters() if p.is_floating_point())
+    device, dtype = param.device, param.dtype
+    group = mesh.group("pp")
+    forward_context = forward_context or nullcontext
+    final_backward = {a.chunk: a for a in program if isinstance(a, Action) and a.kind == "B"}
+    tied = _tied_weights(stage) if stage.tied_group is not None else []
+    tied_before = [w.grad.clone() if w.grad is not None else None for w in tied]
+
+    recv_work: dict[Any, tuple[torch.Tensor, Any]] = {}
+    to_send: dict[Any, torch.Tensor] = {}
+    send_work: list[tuple[Any, torch.Tensor]] = []
+    saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    clock = _Clock(device)
+
+    def received(message) -> torch.Tensor:
+        buffer, work = recv_work.pop(message)
+        work.wait()
+        return buffer
+
+    for item in program:
+        if isinstance(item, Post):
+            ops, meta = [], []
+            for peer, message in item.sends:
+                tensor = to_send.pop(message)
+                ops.append(dist.P2POp(dist.isend, tensor, stage.peers[peer], group))
+                meta.append((None, tensor))
+            for peer, message in item.recvs:
+                shape = _hidden_shape(micro_batches[message.micro], config, mesh)
+                buffer = torch.empty(shape, dtype=dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, buffer, stage.peers[peer], group))
+                meta.append((message, buffer))
+            for work, (message, tensor) in zip(dist.batch_isend_irecv(ops), meta):
+                if message is None:
+                    send_work.append((work, tensor))  # the tensor must live until sent
+                else:
+                    recv_work[message] = (tensor, work)
+            continue
+
+        s, micro = stage.stage_of(item.chunk), micro_batches[item.micro]
+        chunk = stage.chunks[item.chunk]
+        if item.kind == "F":
+            x = micro.tokens if s == 0 else received(Message("act", s, item.micro)).requires_grad_()
+            with clock.span(), forward_context():
+                out = chunk(x, micro.position_ids, micro.meta)
+                if s == last_stage:
+                    part = loss_fn(out, micro)
+                    part = part[0] if isinstance(part, tuple) else part
+                    loss_sum += part.detach().float()
+                    out = part / divisor
+            if s != last_stage:
+                _check_activation(out, _hidden_shape(micro, config, mesh), dtype, s)
+                to_send[Message("act", s + 1, item.micro)] = out.detach().contiguous()
+            saved[(item.chunk, item.micro)] = (x if s > 0 else None, out)
+        else:
+            x, out = saved.pop((item.chunk, item.micro))
+            grad = None if s == last_stage else received(Message("grad", s, item.micro))
+            ctx = backward_context(item.chunk, item is final_backward[item.chunk]) if backward_context else nullcontext()
+            with clock.span(), ctx:
+                torch.autograd.backward(out, grad)
+            if s > 0:
+                to_send[Message("grad", s - 1, item.micro)] = x.grad.contiguous()
+            del x, out, grad
+
+    for work, _ in send_work:
+        work.wait()
+    compute_s, step_s = clock.finish()
+    _sync_tied_grads(tied, tied_before, stage.tied_group)
+
+    idle = 1.0 - compute_s / step_s if step_s > 0 else 0.0
+    # One all-reduce tells every pipeline rank the loss (only the last stage has it) and the
+    # ranks' mean idle share.
+    summary = torch.stack([loss_sum.double(), torch.tensor(idle, dtype=torch.float64, device=device)])
+    if group is not None and stage.pp > 1:
+        dist.all_reduce(summary, group=group)
+    result = PipelineStepResult(
+        loss_sum=summary[0].float(),
+        theoretical_bubble=theoretical_bubble(stage.pp, m, stage.virtual),
+        idle_fraction=idle,
+        mean_idle_fraction=float(summary[1]) / stage.pp,
+        compute_s=compute_s,
+        step_s=step_s,
+    )
+    log.debug("pipeline step: bubble theory %.3f, idle here %.3f, idle mean %.3f",
+              result.theoretical_bubble, idle, result.mean_idle_fraction)
+    return result
+
+
+def _check_activation(out: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, stage: int) -> None:
+    if tuple(out.shape) != shape or out.dtype != dtype:
+        raise RuntimeError(
+            f"pipeline stage {stage} produced an activation of shape {tuple(out.shape)} and dtype {out.dtype}, "
+            f"but the next stage expects {shape} {dtype} (tokens of the micro-batch / tp under sequence "
+            f"parallelism, model.dim, the parameters' dtype); does a step between stages change the hidden state?"
+        )
+
+
+@torch.no_grad()
+def _sync_tied_grads(weights: list[nn.Parameter], before: list[torch.Tensor | None], group) -> None:
+    """Add this step's gradient of each copy of the tied embedding to the other copy (only
+    this step's part, so gradients accumulated before the call are not counted twice)."""
+    for weight, prior in zip(weights, before):
+        step_grad = torch.zeros_like(weight) if weight.grad is None else weight.grad - (prior if prior is not None else 0)
+        dist.all_reduce(step_grad, group=group)
+        weight.grad = step_grad if prior is None else prior + step_grad
