@@ -122,8 +122,45 @@ def client_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+class _Channels:
+    """One gRPC channel per replica address, shared by the client and its prefetch thread."""
+
+    def __init__(self, options: list[tuple[str, int]]) -> None:
+        self._options, self._lock, self._open = options, threading.Lock(), {}
+
+    def get(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._open:
+                self._open[address] = grpc.insecure_channel(address, options=self._options)
+            return self._open[address]
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._open = list(self._open.values()), {}
+        for channel in channels:
+            channel.close()
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What the prefetch thread needs, copied so that it holds no reference to the DataClient
+    (a client dropped without close() is then collected, and its __del__ stops the thread)."""
+
+    addresses: tuple[str, ...]
+    request: dict
+    prefetch: int
+    max_batches: int
+    max_retries: int
+    backoff: float
+    max_backoff: float
+
+
 class DataClient:
-    """Iterate packed micro-batches for one data-parallel rank from one or more replicas."""
+    """Iterate packed micro-batches for one data-parallel rank from one or more replicas.
+
+    One consumer thread at a time: `next()`, `state_dict()` and `load_state_dict()` are
+    meant to be called from the training loop, not concurrently.
+    """
 
     def __init__(
         self,
@@ -157,10 +194,9 @@ class DataClient:
             blend=[pb2.DatasetWeight(name=k, weight=v) for k, v in (blend or {}).items()],
         )
         self._blend = dict(blend or {})
-        self._prefetch, self._max_batches = prefetch, max_batches
-        self._max_retries, self._backoff, self._max_backoff = max_retries, backoff, max_backoff
-        self._options = client_options(max_receive_bytes)
-        self._channels: dict[str, grpc.Channel] = {}
+        self._settings = _Settings(tuple(self.addresses), self._request, prefetch, max_batches,
+                                   max_retries, backoff, max_backoff)
+        self._channels = _Channels(client_options(max_receive_bytes))
         self._delivered_token = resume_token or ""
         self._delivered = 0
         self._worker: _Prefetcher | None = None
@@ -175,7 +211,7 @@ class DataClient:
         if self._closed:
             raise RuntimeError("DataClient is closed")
         if self._worker is None:
-            self._worker = _Prefetcher(self, self._delivered_token, self._delivered)
+            self._worker = _Prefetcher(self._settings, self._channels, self._delivered_token, self._delivered)
         item = self._worker.get()
         if item is _END:
             raise StopIteration
@@ -189,11 +225,6 @@ class DataClient:
     def address(self) -> str | None:
         """The replica the current (or last) stream was read from; None before the first."""
         return self._worker.address if self._worker is not None else None
-
-    def _channel(self, address: str) -> grpc.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address, options=self._options)
-        return self._channels[address]
 
     # ---- state ------------------------------------------------------------------------
 
@@ -225,7 +256,7 @@ class DataClient:
         errors = []
         for address in self.addresses:
             try:
-                reply = pb2_grpc.DataServiceStub(self._channel(address)).GetInfo(
+                reply = pb2_grpc.DataServiceStub(self._channels.get(address)).GetInfo(
                     pb2.InfoRequest(), timeout=timeout
                 )
             except grpc.RpcError as err:
@@ -249,17 +280,15 @@ class DataClient:
             }
         raise DataServiceError("GetInfo failed on every replica: " + "; ".join(errors))
 
-    def _stop_worker(self) -> None:
+    def _stop_worker(self, wait: bool = True) -> None:
         if self._worker is not None:
-            self._worker.stop()
+            self._worker.stop(wait)
             self._worker = None
 
     def close(self) -> None:
         """Stop prefetching and close the channels."""
         self._stop_worker()
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
+        self._channels.close()
         self._closed = True
 
     def __enter__(self) -> "DataClient":
@@ -269,8 +298,8 @@ class DataClient:
         self.close()
 
     def __del__(self) -> None:
-        try:
-            self._stop_worker()
+        try:  # no join: the collector may run this on any thread, the prefetch thread included
+            self._stop_worker(wait=False)
         except Exception:
             pass
 
@@ -278,23 +307,31 @@ class DataClient:
 class _Prefetcher:
     """One background reader: stream -> Batch -> bounded queue, with reconnect and failover."""
 
-    def __init__(self, client: DataClient, token: str, delivered: int) -> None:
-        self._client = client
-        self._queue: queue.Queue = queue.Queue(maxsize=client._prefetch)
+    def __init__(self, settings: _Settings, channels: _Channels, token: str, delivered: int) -> None:
+        self._settings, self._channels = settings, channels
+        self._queue: queue.Queue = queue.Queue(maxsize=settings.prefetch)
         self._stopped = threading.Event()
         self._call = None
+        self._final = None  # the end or the error, kept so that later get()s repeat it
         self.address: str | None = None
         self._lock = threading.Lock()
         self._token = token  # of the last batch RECEIVED: where a reconnect starts
-        self._remaining = client._max_batches - delivered if client._max_batches else 0
-        if client._max_batches and self._remaining <= 0:
+        self._remaining = settings.max_batches - delivered if settings.max_batches else 0
+        self._thread = None
+        if settings.max_batches and self._remaining <= 0:
             self._queue.put(_END)
             return
         self._thread = threading.Thread(target=self._run, name="DataClient-prefetch", daemon=True)
         self._thread.start()
 
     def get(self):
-        return self._queue.get()
+        """The next Batch, or _END, or the exception that ended the stream (again and again)."""
+        if self._final is not None:
+            return self._final
+        item = self._queue.get()
+        if item is _END or isinstance(item, BaseException):
+            self._final = item
+        return item
 
     def _put(self, item) -> bool:
         while not self._stopped.is_set():
@@ -306,16 +343,16 @@ class _Prefetcher:
         return False
 
     def _run(self) -> None:
-        c = self._client
+        c = self._settings
         failures, index, tried = 0, 0, []
         while not self._stopped.is_set():
             address = c.addresses[index % len(c.addresses)]
-            request = pb2.StreamRequest(resume_token=self._token, max_batches=self._remaining, **c._request)
+            request = pb2.StreamRequest(resume_token=self._token, max_batches=self._remaining, **c.request)
             try:
                 with self._lock:
                     if self._stopped.is_set():
                         return
-                    self._call = pb2_grpc.DataServiceStub(c._channel(address)).StreamBatches(request)
+                    self._call = pb2_grpc.DataServiceStub(self._channels.get(address)).StreamBatches(request)
                     self.address = address
                 for msg in self._call:
                     failures, tried = 0, []
@@ -339,23 +376,22 @@ class _Prefetcher:
                     return
                 failures += 1
                 tried.append(f"{address} ({code.name}: {details})")
-                if failures > c._max_retries:
+                if failures > c.max_retries:
                     self._put(DataServiceError(
-                        f"no data service replica answered after {c._max_retries} retries; tried "
+                        f"no data service replica answered after {c.max_retries} retries; tried "
                         + "; ".join(tried), code))
                     return
                 index += 1
-                delay = min(c._max_backoff, c._backoff * 2 ** (failures - 1))
+                delay = min(c.max_backoff, c.backoff * 2 ** (failures - 1))
                 self._stopped.wait(delay * (1 + 0.25 * random.random()))  # jitter: replicas see no herd
             except Exception as err:  # a malformed message, a bug: give it to the caller
                 self._put(err)
                 return
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
         with self._lock:
             self._stopped.set()
             if self._call is not None:
                 self._call.cancel()
-        thread = getattr(self, "_thread", None)
-        if thread is not None:
-            thread.join(timeout=10)
+        if wait and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)

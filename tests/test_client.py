@@ -6,6 +6,7 @@ a resumed or failed-over stream must equal it batch for batch (no duplicate, no 
 
 from __future__ import annotations
 
+import gc
 import json
 import select
 import signal
@@ -174,3 +175,17 @@ def test_info_and_elastic_resume_through_the_client(server, data):
         same(list(resumed), list(full)[2:])
     with DataClient(server, resume_token=token, max_batches=1, **layout) as resumed:
         assert next(resumed).row_ids.tolist() == [12 + 2, 12 + 2 + 3]  # step 2: rows 12 + rank + j*3
+
+
+def test_end_repeats_and_a_dropped_client_stops_its_thread(server):
+    with DataClient(server, max_batches=2, **REQ) as client:
+        assert len(list(client)) == 2
+        with pytest.raises(StopIteration):  # again, without blocking
+            next(client)
+    dropped = DataClient(server, **REQ)  # unbounded stream, never closed
+    next(dropped)
+    thread = dropped._worker._thread
+    del dropped
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()
