@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -47,14 +48,15 @@ def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve datasets to trainers over gRPC",
                        description="Open datasets and stream packed micro-batches to trainers. Prints "
                                    "'serving on HOST:PORT' once listening; stops on SIGTERM/SIGINT.")
-    p.add_argument("--data", action="append", required=True, metavar="DIR[:WEIGHT]",
-                   help="dataset folder with an optional blend weight (default 1); repeat for a blend")
+    p.add_argument("--data", action="extend", nargs="+", required=True, metavar="DIR[:WEIGHT]",
+                   help="dataset folder(s), each with an optional blend weight (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one (default: 0)")
     p.add_argument("--workers", type=int, default=128,
                    help="worker threads; each stream holds one (default: 128)")
-    p.add_argument("--token-secret", default=None,
-                   help="HMAC secret of resume tokens; give every replica the same (default: project-wide)")
+    p.add_argument("--token-secret", default=os.environ.get("TESSERA_TOKEN_SECRET"),
+                   help="HMAC secret of resume tokens; give every replica the same (default: "
+                        "$TESSERA_TOKEN_SECRET, which keeps it out of the process list, else project-wide)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds streams get to end on shutdown (default: 5)")
     p.set_defaults(func=run_serve)

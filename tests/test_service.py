@@ -65,8 +65,8 @@ def server(opened, data):
 def start_process(data_specs, *extra, timeout=60.0):
     """Start `python -m dataservice.cli serve` and return (process, address) from its first line."""
     cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--port", "0", *extra]
-    for spec in data_specs:
-        cmd += ["--data", str(spec)]
+    for spec in data_specs:  # a spec with spaces is several folders after one --data
+        cmd += ["--data", *str(spec).split(" ")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     line = proc.stdout.readline() if ready else ""
@@ -174,7 +174,8 @@ def test_every_batch_keeps_the_invariants(server, opened):
 
 
 def test_two_server_processes_send_identical_bytes(data):
-    procs = [start_process([data["a"], f"{data['b']}:3"]) for _ in range(2)]
+    # One process takes both datasets after one --data, the other a --data each.
+    procs = [start_process([f"{data['a']} {data['b']}:3"]), start_process([data["a"], f"{data['b']}:3"])]
     try:
         streams = [[m.SerializeToString() for m in fetch(addr, 8, dp_rank=1, dp_size=2, seed=7)]
                    for _, addr in procs]
@@ -267,11 +268,14 @@ def test_bad_request_gets_invalid_argument_and_server_keeps_serving(server, bad,
             "other-seq-len": dict(resume_token=token, seq_len=128),
             "other-blend": dict(resume_token=token, blend={"a": 1.0}),
         }[bad]
+    live = stub(server).StreamBatches(request(max_batches=2))
+    first = next(live)
     with pytest.raises(grpc.RpcError) as err:
         fetch(server, 1, **bad)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
-    assert len(fetch(server, 2)) == 2  # the server is fine
+    assert next(live).step == first.step + 1  # a stream that was open keeps flowing
+    assert len(fetch(server, 2)) == 2  # and new ones start
 
 
 def test_token_signed_with_another_secret_is_refused(opened, data):
