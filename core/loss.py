@@ -23,8 +23,9 @@ IGNORE_INDEX = -100
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of labelled tokens; logits may be a vocab shard.
 
-    Memory: the only [T, V_local] fp32 tensor is the shifted logits, turned into softmax
-    probabilities in place and saved; the backward turns it into the gradient in place."""
+    Memory: the only [T, V_local] fp32 tensor is the shifted logits, exponentiated in place
+    and saved; the backward turns it into the gradient in place (fp32 logits) or writes the
+    gradient straight into a tensor of the logits' dtype (bf16/fp16)."""
 
     @staticmethod
     def forward(ctx, logits, labels, group):
@@ -45,15 +46,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = local.masked_fill(~mine, 0)
         target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
 
-        probs = shifted.exp_()  # in place: shifted is not needed any more
-        stats = torch.stack((probs.sum(dim=-1), target))
+        exp = shifted.exp_()  # in place: shifted is not needed any more
+        stats = torch.stack((exp.sum(dim=-1), target))
         if group_size(group) > 1:
             dist.all_reduce(stats, group=group)
         sum_exp, target = stats
         per_token = (sum_exp.log() - target).masked_fill(~labelled, 0.0)
-        probs.div_(sum_exp.unsqueeze(-1))
 
-        ctx.save_for_backward(probs, local, mine, labelled)
+        # Unnormalised exp is saved; the division by sum_exp is folded into the backward's
+        # single pass, which saves a read-write of the [T, V_local] fp32 tensor.
+        ctx.save_for_backward(exp, sum_exp, local, mine, labelled)
         ctx.logits_dtype = logits.dtype
         ctx.used = False
         return per_token.sum()
@@ -61,14 +63,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         if ctx.used:
-            raise RuntimeError("vocab-parallel cross-entropy reuses its saved softmax in place: backward runs once (no retain_graph)")
+            raise RuntimeError("vocab-parallel cross-entropy reuses its saved exp in place: backward runs once (no retain_graph)")
         ctx.used = True
-        probs, local, mine, labelled = ctx.saved_tensors
-        grad = probs  # d(loss)/d(logit) = softmax - one_hot(target), for labelled tokens only
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local] -= mine.to(grad.dtype)
-        grad.mul_((labelled.to(grad.dtype) * grad_loss).unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None
+        exp, sum_exp, local, mine, labelled = ctx.saved_tensors
+        # d(loss)/d(logit) = (exp - sum_exp * one_hot(target)) / sum_exp for labelled tokens.
+        # The one-hot is subtracted in fp32, before any rounding to the logits' dtype, so the
+        # target entry (softmax - 1, often tiny) keeps its precision.
+        rows = torch.arange(exp.shape[0], device=exp.device)
+        exp[rows, local] -= sum_exp * mine.to(exp.dtype)
+        coef = (labelled.to(exp.dtype) * grad_loss / sum_exp).unsqueeze(-1)
+        if ctx.logits_dtype == exp.dtype:
+            return exp.mul_(coef), None, None
+        grad = torch.empty(exp.shape, dtype=ctx.logits_dtype, device=exp.device)
+        return torch.mul(exp, coef, out=grad), None, None  # scale and round in one pass
 
 
 def cross_entropy_sum(
