@@ -1,0 +1,49 @@
+"""Autograd-aware all-to-all with uneven splits (the one collective core.parallel.comm lacks).
+
+Forward sends rows [sum(in_splits[:j]), +in_splits[j]) of x to rank j of the group and
+receives out_splits[i] rows from rank i; backward is the same exchange with the split lists
+swapped. Split sizes are Python ints: NCCL and gloo need them on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Uneven all-to-all of rows of x (see module doc); identity without a group."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    if len(out_splits) != dist.get_world_size(group) or len(in_splits) != len(out_splits):
+        raise ValueError(f"all_to_all: {len(in_splits)}/{len(out_splits)} splits for a group of {dist.get_world_size(group)}")
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """counts [ep, n] (row j: what this rank sends to rank j) -> [ep, n] (row i: what rank i
+    sends to this rank). Plain tensor exchange, no autograd."""
+    if group is None or dist.get_world_size(group) == 1:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out

@@ -1,0 +1,99 @@
+"""Routed experts: SwiGLU weights stacked per rank [E_local, ...] and one grouped GEMM.
+
+`grouped_mm(x, w, offsets)` is the single entry point for the grouped matrix product, so the
+CUTLASS kernels in csrc/ can replace it in one place:
+
+- CUDA, bf16, sm_90+, 16-byte aligned rows: `torch._grouped_mm`, with the group offsets a
+  device tensor (no host sync; its autograd gives both backward GEMMs).
+- anywhere else (CPU, fp32, older GPUs): an exact per-group loop over experts (not tokens),
+  one matmul per expert; it reads the offsets on the host. The fallback is logged once.
+
+Weights are stored [E, in, out] so every GEMM is x @ w[e] without a transpose.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+_reported: set[str] = set()
+
+
+def _report_once(reason: str) -> None:
+    if reason not in _reported:
+        _reported.add(reason)
+        log.info("moe grouped_mm: per-expert loop fallback (%s)", reason)
+
+
+def _native_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """None when torch._grouped_mm can run these operands, else why not."""
+    if not x.is_cuda:
+        return f"device {x.device.type}"
+    if not hasattr(torch, "_grouped_mm"):
+        return "torch._grouped_mm missing"
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return f"dtype {x.dtype}/{w.dtype} (needs bf16)"
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return "GPU older than sm_90"
+    if x.shape[-1] % 8 or w.shape[-1] % 8:
+        return f"dims {x.shape[-1]}x{w.shape[-1]} not multiples of 8 (16-byte rows)"
+    return None
+
+
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Reference: rows [offsets[g-1], offsets[g]) of x times w[g], one matmul per group."""
+    ends = offsets.tolist()
+    outs, start = [], 0
+    for g, end in enumerate(ends):
+        outs.append(x[start:end] @ w[g])
+        start = end
+    if start < x.shape[0]:  # rows past the last offset belong to no group: zeros
+        outs.append(x.new_zeros(x.shape[0] - start, w.shape[-1]))
+    return torch.cat(outs, dim=0)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [N, K] with rows grouped by expert, w [G, K, M], offsets int32 [G] cumulative group
+    ends (offsets[-1] == N) -> [N, M] where rows of group g are multiplied by w[g]."""
+    reason = _native_reason(x, w)
+    if reason is None:
+        return torch._grouped_mm(x, w, offs=offsets)
+    _report_once(reason)
+    return grouped_mm_loop(x, w, offsets)
+
+
+def offsets_from_counts(tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative ends of the expert groups, on the counts' device (no host sync)."""
+    return torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: w2_e(silu(x w1_e) * (x w3_e)) for the rows routed to expert e.
+
+    Parameters carry `expert_parallel = True`: their gradients are reduced over the
+    expert-data-parallel group ("edp"), not "dp_cp". `moe.parallel.apply_ep` keeps only this
+    rank's experts (and with expert tensor parallelism a slice of the hidden size)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, mm=grouped_mm):
+        super().__init__()
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        for param in (self.w1, self.w3, self.w2):
+            nn.init.normal_(param, 0.0, 0.02)
+            param.expert_parallel = True
+        self.mm = mm  # the bench swaps in grouped_mm_loop as its baseline
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] grouped by expert; tokens_per_expert [E_local] sums to N."""
+        offsets = offsets_from_counts(tokens_per_expert)
+        h = F.silu(self.mm(x, self.w1, offsets)) * self.mm(x, self.w3, offsets)
+        return self.mm(h, self.w2, offsets)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}"

@@ -1,0 +1,288 @@
+"""The MoE feed-forward layer: router -> dispatcher -> grouped experts -> combine (+ shared).
+
+`MoELayer(cfg, layer_id)` is what `core.model.TransformerBlock` puts in `feed_forward` on MoE
+layers; it is called as `layer(x)` with x [T, dim] and returns [T, dim]. It is a plain
+single-rank module until `moe.parallel.apply_ep` gives it an expert-parallel dispatcher and
+(with TP) its tensor-parallel mode.
+
+Auxiliary losses without changing the model's signature. The balancing loss and z-loss are
+added to the objective through the backward pass: an autograd function passes the layer's
+output through unchanged and, in backward, hands the loss term the gradient `scale`
+(Megatron's trick). With the training loop's main loss = sum(token CE) / global token count
+over all micro-batches and data-parallel ranks, and gradients summed over those ranks, the
+objective becomes
+
+    main loss + mean over the N local losses of (aux_coeff * aux + z_coeff * z)
+
+where N = micro-batches per step x dp x cp ranks (x tp under tensor parallelism: the layer
+accounts for tp itself). The loop states its N once: `set_moe_loss_scale(model, accum * dp * cp)`;
+the default N = 1 is right for one process and one micro-batch.
+
+Per-sequence balancing needs the sequence boundaries of the tokens in x: the loop calls
+`set_moe_sequences(model, cu_seqlens)` before each forward (any boundaries it chooses: rows
+or documents).
+
+Metrics: `moe_metrics(model)` returns this rank's statistics since its last call and resets
+them (see its docstring); `update_expert_bias(model, mesh)` runs the auxiliary-loss-free
+balancing step once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from core.config import ModelConfig
+from core.model import FeedForward
+from core.parallel.comm import (
+    all_gather_tokens,
+    copy_to_group,
+    reduce_from_group,
+    reduce_scatter_tokens,
+    split_tokens,
+)
+from moe.dispatcher import build_dispatcher
+from moe.experts import GroupedExperts
+from moe.router import Routing, TopKRouter, check_moe_config, load_balancing_loss, sequence_load_balancing_loss, z_loss
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `out`; in backward gives `loss` the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, out, loss, scale):
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+def _in_recompute() -> bool:
+    """True while activation checkpointing re-runs a forward inside backward: statistics
+    must not count those tokens twice."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+class MoELayer(nn.Module):
+    """Routed SwiGLU experts (plus optional always-on shared experts) for one block."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        moe = cfg.moe
+        check_moe_config(moe)
+        hidden = moe.ffn_dim or cfg.ffn_dim
+        self.layer_id, self.moe = layer_id, moe
+        self.router = TopKRouter(cfg.dim, moe)
+        self.experts = GroupedExperts(moe.num_experts, cfg.dim, hidden)
+        self.shared_experts = None
+        if moe.num_shared_experts > 0:
+            self.shared_experts = FeedForward(cfg.dim, moe.shared_ffn_dim or moe.num_shared_experts * hidden)
+        self.dispatcher = build_dispatcher(moe.dispatcher, moe.num_experts)
+        # Tensor parallelism (set by moe.parallel.apply_ep): "none", "split" (each TP rank
+        # routes its own token shard, experts replicated) or "sharded" (TP ranks share
+        # the tokens, expert hidden sizes split).
+        self.tp_mode, self.tp_group, self.tp_size, self.sequence_parallel = "none", None, 1, False
+        self.aux_loss_divisor = 1.0
+        self.cu_seqlens: torch.Tensor | None = None
+        self.overlap_shared = True
+        self._side_stream = None
+        self.register_buffer("_bias_load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+        self._stats: dict[str, torch.Tensor] = {}
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, token_offset = self._enter_tp(x)
+        routing = self.router(x)
+        loss, parts = self._aux_loss(routing, token_offset, x.shape[0])
+        shared = self._shared_start(x)
+        expert_in, tokens_per_expert = self.dispatcher.dispatch(x, routing)
+        y = self.dispatcher.combine(self.experts(expert_in, tokens_per_expert))
+        if shared is not None:
+            y = y + self._shared_finish(*shared)
+        if loss is not None and torch.is_grad_enabled() and loss.requires_grad:
+            y = _AttachLoss.apply(y, loss, 1.0 / (self.aux_loss_divisor * self.tp_size))
+        if self.training and not _in_recompute():
+            self._record(routing, parts)
+        return self._leave_tp(y)
+
+    def _enter_tp(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's tokens for routing, and where they start in the micro-batch."""
+        if self.tp_mode == "split":
+            rank = dist.get_rank(self.tp_group)
+            if self.sequence_parallel:  # x already is this rank's shard
+                return x, rank * x.shape[0]
+            local = split_tokens(x, self.tp_group)
+            return local, rank * local.shape[0]
+        if self.tp_mode == "sharded":
+            return (all_gather_tokens(x, self.tp_group) if self.sequence_parallel else copy_to_group(x, self.tp_group)), 0
+        return x, 0
+
+    def _leave_tp(self, y: torch.Tensor) -> torch.Tensor:
+        if self.tp_mode == "split" and not self.sequence_parallel:
+            return all_gather_tokens(y, self.tp_group, reduce_grad=False)
+        if self.tp_mode == "sharded":
+            return reduce_scatter_tokens(y, self.tp_group) if self.sequence_parallel else reduce_from_group(y, self.tp_group)
+        return y
+
+    def _aux_loss(self, routing: Routing, token_offset: int, num_tokens: int):
+        moe, parts = self.moe, {}
+        loss = None
+        if moe.aux_loss_coeff > 0:
+            k = moe.top_k
+            if moe.aux_loss_per_sequence:
+                cu = self._local_boundaries(token_offset, num_tokens)
+                parts["aux_loss"] = sequence_load_balancing_loss(routing.probs, routing.indices, cu, k)
+            else:
+                parts["aux_loss"] = load_balancing_loss(routing.probs, routing.tokens_per_expert, k)
+            loss = moe.aux_loss_coeff * parts["aux_loss"]
+        if moe.z_loss_coeff > 0:
+            parts["z_loss"] = z_loss(routing.logits)
+            term = moe.z_loss_coeff * parts["z_loss"]
+            loss = term if loss is None else loss + term
+        return loss, parts
+
+    def _local_boundaries(self, start: int, n: int) -> torch.Tensor:
+        cu = self.cu_seqlens
+        if cu is None:
+            raise ValueError(
+                f"MoE layer {self.layer_id}: model.moe.aux_loss_per_sequence needs the sequence boundaries; "
+                "call moe.layer.set_moe_sequences(model, cu_seqlens) before the forward"
+            )
+        cu = cu.to(device=self.router.weight.device, dtype=torch.int64)
+        total = int(cu[-1])
+        # In "split" TP mode x holds one TP shard of the micro-batch the boundaries cover.
+        expected = n * self.tp_size if self.tp_mode == "split" else n
+        if total != expected:
+            raise ValueError(
+                f"MoE layer {self.layer_id}: cu_seqlens covers {total} tokens but {expected} were expected; "
+                "pass the boundaries of this rank's micro-batch to set_moe_sequences"
+            )
+        return torch.unique_consecutive((cu - start).clamp(0, n))
+
+    def _shared_start(self, x: torch.Tensor):
+        """Start the shared experts; on GPU on a side stream so they overlap the dispatch."""
+        if self.shared_experts is None:
+            return None
+        if not (x.is_cuda and self.overlap_shared):
+            return self.shared_experts(x), None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=x.device)
+        side, main = self._side_stream, torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            x.record_stream(side)
+            out = self.shared_experts(x)
+        return out, side
+
+    def _shared_finish(self, out: torch.Tensor, side) -> torch.Tensor:
+        if side is not None:
+            main = torch.cuda.current_stream(out.device)
+            main.wait_stream(side)
+            out.record_stream(main)
+        return out
+
+    # ------------------------------------------------------------- statistics
+    @torch.no_grad()
+    def _record(self, routing: Routing, parts: dict[str, torch.Tensor]) -> None:
+        counts = routing.tokens_per_expert
+        self._bias_load += counts
+        s = self._stats
+        if not s:
+            s.update(tokens_per_expert=torch.zeros_like(counts), forwards=torch.zeros((), device=counts.device),
+                     assignments=torch.zeros((), device=counts.device), dropped=torch.zeros((), device=counts.device))
+        s["tokens_per_expert"] += counts
+        s["forwards"] += 1
+        s["assignments"] += routing.indices.numel()
+        if routing.keep is not None:
+            s["dropped"] += (~routing.keep).sum()
+        for name, value in parts.items():
+            s[name] = s.get(name, torch.zeros((), device=counts.device)) + value.detach().float()
+
+    def pop_stats(self) -> dict:
+        """This rank's statistics since the last call (see `moe_metrics`); resets them."""
+        s, self._stats = self._stats, {}
+        if not s:
+            return {}
+        forwards = float(s["forwards"])
+        counts = s["tokens_per_expert"].tolist()
+        mean = sum(counts) / len(counts)
+        out = {
+            "tokens_per_expert": counts,
+            "max_mean_load": (max(counts) / mean) if mean > 0 else 0.0,
+            "dropped_frac": float(s["dropped"]) / max(float(s["assignments"]), 1.0),
+        }
+        for name in ("aux_loss", "z_loss"):
+            if name in s:
+                out[name] = float(s[name]) / forwards
+        return out
+
+
+# --------------------------------------------------------------- model-level API
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def set_moe_loss_scale(model: nn.Module, num_losses: int | float) -> None:
+    """Tell every MoE layer how many local aux losses one optimizer step sums:
+    micro-batches per step x dp x cp (see the module docstring)."""
+    if num_losses <= 0:
+        raise ValueError(f"set_moe_loss_scale: num_losses must be > 0 (micro-batches x dp x cp), got {num_losses}")
+    for layer in moe_layers(model):
+        layer.aux_loss_divisor = float(num_losses)
+
+
+def set_moe_sequences(model: nn.Module, cu_seqlens: torch.Tensor | None) -> None:
+    """Sequence boundaries [S + 1] of the next micro-batch, for per-sequence balancing."""
+    for layer in moe_layers(model):
+        layer.cu_seqlens = cu_seqlens
+
+
+def moe_metrics(model: nn.Module) -> dict:
+    """Per MoE layer, over the forwards since the last call, on this rank's tokens (no
+    collectives, so any rank may call it alone); the training loop merges the dict into
+    its metrics record each step:
+
+      moe/layer{i}/tokens_per_expert  list of assignments per expert (all E, before drops)
+      moe/layer{i}/max_mean_load      max / mean of that list (1.0 = perfectly balanced)
+      moe/layer{i}/aux_loss           balancing loss, mean over forwards (1.0 = balanced), without coeff
+      moe/layer{i}/z_loss             router z-loss, mean over forwards, without coeff
+      moe/layer{i}/dropped_frac       fraction of assignments dropped by capacity (0 dropless)
+      moe/max_mean_load               worst layer's max_mean_load
+      moe/aux_loss_term               sum over layers of aux_coeff*aux_loss + z_coeff*z_loss
+    """
+    metrics, worst, term = {}, 0.0, 0.0
+    for layer in moe_layers(model):
+        stats = layer.pop_stats()
+        for name, value in stats.items():
+            metrics[f"moe/layer{layer.layer_id}/{name}"] = value
+        if stats:
+            worst = max(worst, stats["max_mean_load"])
+            term += layer.moe.aux_loss_coeff * stats.get("aux_loss", 0.0) + layer.moe.z_loss_coeff * stats.get("z_loss", 0.0)
+    if metrics:
+        metrics["moe/max_mean_load"] = worst
+        metrics["moe/aux_loss_term"] = term
+    return metrics
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, mesh=None) -> None:
+    """Auxiliary-loss-free balancing step (DeepSeek-V3): for layers with bias_update_rate > 0,
+    sum the loads seen since the last call over the data-parallel ranks (dp x cp, and tp whose
+    ranks may see different tokens), then bias_e += rate * sign(mean load - load_e).
+    Call once per optimizer step on every rank of a pipeline stage."""
+    layers = [m for m in moe_layers(model) if m.moe.bias_update_rate > 0]
+    if not layers:
+        return
+    loads = torch.stack([m._bias_load for m in layers])  # one collective for all layers
+    if mesh is not None:
+        for name in ("dp_cp", "tp"):
+            if mesh.size(name) > 1:
+                dist.all_reduce(loads, group=mesh.group(name))
+    for layer, load in zip(layers, loads):
+        load = load.float()
+        layer.router.expert_bias += layer.moe.bias_update_rate * torch.sign(load.mean() - load)
+        layer._bias_load.zero_()

@@ -1,0 +1,189 @@
+"""Routers: which experts each token uses, with what combine weight, and the balancing losses.
+
+Scores are always computed in fp32 (the router's logits decide discrete choices: bf16
+rounding flips near-ties and makes runs irreproducible across layouts).
+
+Scoring (`MoEConfig.router`):
+- "softmax": p = softmax(logits); the top-k of p are chosen; with `normalize_topk` the k
+  weights are renormalised to sum to 1 (Mixtral), else they are the raw probabilities.
+- "sigmoid": s = sigmoid(logits) (DeepSeek-V3); the top-k of s are chosen and their weights
+  are s / sum(top-k s) (or raw s without `normalize_topk`).
+Either way the weights are multiplied by `routed_scaling_factor`.
+
+Group-limited routing (`n_groups` > 1): experts are split into n_groups equal groups; a
+group's score is the sum of its best max(1, top_k // topk_groups) expert scores; each token
+may only pick experts from its `topk_groups` best groups (DeepSeek-V2/V3 device-limited
+routing).
+
+Auxiliary-loss-free balancing: a per-expert `expert_bias` (a buffer, fp32) is added to the
+scores used for *selection* only; combine weights come from the unbiased scores. The bias is
+moved by `update_expert_bias` (moe/layer.py) from the loads observed over an optimizer step.
+
+Capacity (`capacity_factor` > 0): each expert keeps at most ceil(cf * T * k / E) of this
+rank's assignments, the highest-weight ones; the rest are dropped (weight 0, not sent).
+Dropless (cf = 0) is the default.
+
+Losses, all on this rank's tokens of one micro-batch:
+- switch load balancing: E / (k T^2) * sum_e count_e * sum_t p_te, which is 1.0 when loads and
+  probabilities are uniform; p are the softmax probabilities, or for sigmoid scoring the
+  scores normalised over all experts. The per-sequence variant (DeepSeek-V3) computes the same
+  within each sequence and averages over sequences.
+- router z-loss: mean_t logsumexp(logits_t)^2 (ST-MoE), keeps logits small.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.config import MoEConfig
+
+
+@dataclass
+class Routing:
+    """The router's decision for T tokens with top-k experts each."""
+
+    indices: torch.Tensor  # [T, k] int64 expert ids
+    weights: torch.Tensor  # [T, k] fp32 combine weights; 0 where dropped
+    probs: torch.Tensor  # [T, E] fp32, each row sums to 1: input of the balancing loss
+    logits: torch.Tensor  # [T, E] fp32
+    keep: torch.Tensor | None  # [T, k] bool, False where capacity dropped it; None: dropless
+    tokens_per_expert: torch.Tensor  # [E] int64 assignments chosen (before dropping)
+
+
+def check_moe_config(moe: MoEConfig, where: str = "model.moe") -> None:
+    """Raise ValueError naming the bad field and the accepted values."""
+    e, k = moe.num_experts, moe.top_k
+    if e < 1:
+        raise ValueError(f"{where}.num_experts must be >= 1 for an MoE layer, got {e}")
+    if not 1 <= k <= e:
+        raise ValueError(f"{where}.top_k={k} must be between 1 and num_experts={e}")
+    if moe.router not in ("softmax", "sigmoid"):
+        raise ValueError(f"{where}.router={moe.router!r} must be 'softmax' or 'sigmoid'")
+    if moe.n_groups < 1 or e % moe.n_groups:
+        raise ValueError(f"{where}.n_groups={moe.n_groups} must be >= 1 and divide num_experts={e}")
+    if not 1 <= moe.topk_groups <= moe.n_groups:
+        raise ValueError(f"{where}.topk_groups={moe.topk_groups} must be between 1 and n_groups={moe.n_groups}")
+    if k > moe.topk_groups * (e // moe.n_groups):
+        raise ValueError(
+            f"{where}.top_k={k} exceeds the experts reachable in topk_groups={moe.topk_groups} groups of "
+            f"{e // moe.n_groups}; raise topk_groups or lower top_k"
+        )
+    if moe.capacity_factor < 0:
+        raise ValueError(f"{where}.capacity_factor={moe.capacity_factor} must be >= 0 (0: dropless)")
+    for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+        if getattr(moe, name) < 0:
+            raise ValueError(f"{where}.{name}={getattr(moe, name)} must be >= 0")
+    if moe.dispatcher not in ("alltoall", "allgather"):
+        raise ValueError(f"{where}.dispatcher={moe.dispatcher!r} must be 'alltoall' or 'allgather'")
+
+
+def limit_to_groups(scores: torch.Tensor, n_groups: int, topk_groups: int, top_k: int) -> torch.Tensor:
+    """Scores with experts outside each token's `topk_groups` best groups set to -inf."""
+    if n_groups == 1 or topk_groups == n_groups:
+        return scores
+    t, e = scores.shape
+    grouped = scores.view(t, n_groups, e // n_groups)
+    per_group = min(max(1, top_k // topk_groups), e // n_groups)
+    group_scores = grouped.topk(per_group, dim=-1).values.sum(-1)  # [T, G]
+    best = group_scores.topk(topk_groups, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(t, e)
+
+
+def route(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(indices [T,k], weights [T,k], probs [T,E]) from fp32 logits [T,E] (see module doc)."""
+    k = moe.top_k
+    if moe.router == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+        probs = scores
+    else:
+        scores = torch.sigmoid(logits)
+        probs = scores / scores.sum(-1, keepdim=True)
+    choice = scores if bias is None else scores + bias  # the bias steers selection only
+    choice = limit_to_groups(choice, moe.n_groups, moe.topk_groups, k)
+    indices = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if moe.normalize_topk and k > 1:
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
+    return indices, weights, probs
+
+
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert [E] (int64) without a host sync (bincount would need one)."""
+    flat = indices.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def capacity_keep(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
+    """[T,k] bool: True for the assignments each expert keeps within its capacity.
+
+    Capacity = ceil(cf * T * k / E). Within an expert the highest-weight assignments win
+    (ties: earlier token first), so a token's first choice survives before others' last."""
+    t, k = indices.shape
+    capacity = math.ceil(capacity_factor * t * k / num_experts)
+    flat_e, flat_w = indices.reshape(-1), weights.detach().reshape(-1)
+    by_weight = torch.argsort(flat_w, descending=True, stable=True)
+    order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]  # by expert, then weight
+    counts = expert_counts(flat_e, num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(t * k, device=flat_e.device) - starts[flat_e[order]]
+    keep = torch.empty(t * k, dtype=torch.bool, device=flat_e.device)
+    keep[order] = rank_in_expert < capacity
+    return keep.view(t, k)
+
+
+def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch loss over all T tokens of the micro-batch (1.0 when perfectly uniform)."""
+    t, e = probs.shape
+    return (probs.sum(0) * tokens_per_expert.to(probs.dtype)).sum() * (e / (top_k * max(t, 1) ** 2))
+
+
+def sequence_load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, cu_seqlens: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The switch loss within each sequence [cu[i], cu[i+1]), averaged over sequences."""
+    t, e = probs.shape
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    nseq = lengths.numel()
+    seq_id = torch.repeat_interleave(torch.arange(nseq, device=probs.device), lengths, output_size=t)
+    counts = torch.zeros(nseq * e, dtype=probs.dtype, device=probs.device)
+    counts.index_add_(0, (seq_id.unsqueeze(1) * e + indices).reshape(-1), torch.ones(indices.numel(), dtype=probs.dtype, device=probs.device))
+    prob_sums = torch.zeros(nseq, e, dtype=probs.dtype, device=probs.device).index_add(0, seq_id, probs)
+    n = lengths.to(probs.dtype).clamp_min(1)
+    per_seq = (counts.view(nseq, e) * prob_sums).sum(-1) * e / (top_k * n * n)
+    return per_seq.mean()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+class TopKRouter(nn.Module):
+    """Linear gate [E, dim] -> fp32 logits -> `Routing` (scoring, groups, bias, capacity)."""
+
+    def __init__(self, dim: int, moe: MoEConfig):
+        super().__init__()
+        check_moe_config(moe)
+        self.moe = moe
+        self.num_experts = moe.num_experts
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, dim))
+        nn.init.normal_(self.weight, 0.0, 0.02)
+        # Always present (zeros when balancing by aux loss) so checkpoints have one layout.
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = F.linear(x.float(), self.weight.float())
+        bias = self.expert_bias if self.moe.bias_update_rate > 0 else None
+        indices, weights, probs = route(logits, self.moe, bias)
+        counts = expert_counts(indices, self.num_experts)
+        keep = None
+        if self.moe.capacity_factor > 0:
+            keep = capacity_keep(indices, weights, self.num_experts, self.moe.capacity_factor)
+            weights = weights * keep
+        return Routing(indices, weights, probs, logits, keep, counts)

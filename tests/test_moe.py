@@ -1,0 +1,319 @@
+"""MoE pieces on one process: grouped GEMM, routers, capacity, losses, the layer, metrics.
+
+References: `grouped_mm` against per-group float64 matmuls; the MoE layer against a dense
+evaluation that runs EVERY expert on EVERY token (einsum) and combines by the router's
+choice — no permutation code shared with the layer. These run in float64, so the layer's
+only differences are summation order: 1e-10 relative.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.config import ModelConfig, MoEConfig
+from core.model import AttentionMeta, build_model
+from moe.dispatcher import AllGatherDispatcher, sort_by_expert
+from moe.experts import grouped_mm, grouped_mm_loop
+from moe.layer import MoELayer, moe_metrics, set_moe_loss_scale, set_moe_sequences, update_expert_bias
+from moe.router import (
+    capacity_keep,
+    check_moe_config,
+    expert_counts,
+    load_balancing_loss,
+    route,
+    sequence_load_balancing_loss,
+    z_loss,
+)
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny ops: on the shared 2-core machine extra intra-op threads only spin (measured 50x slower).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _cfg(**moe) -> ModelConfig:
+    base = dict(num_experts=8, top_k=2, ffn_dim=16, aux_loss_coeff=0.0)
+    base.update(moe)
+    return ModelConfig(vocab_size=64, dim=24, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=32, moe=MoEConfig(**base))
+
+
+def _layer(**moe) -> MoELayer:
+    torch.manual_seed(3)
+    layer = MoELayer(_cfg(**moe), layer_id=1).double()
+    with torch.no_grad():  # make routing decisive and the experts distinct
+        layer.router.weight.normal_(0, 1.0)
+        for p in layer.experts.parameters():
+            p.normal_(0, 0.3)
+    return layer
+
+
+def dense_reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, then the router's weighted choice (plus shared experts)."""
+    r = layer.router(x)
+    e = layer.experts
+    h = F.silu(torch.einsum("td,edh->teh", x, e.w1)) * torch.einsum("td,edh->teh", x, e.w3)
+    all_out = torch.einsum("teh,ehd->ted", h, e.w2)  # [T, E, D]
+    chosen = all_out.gather(1, r.indices.unsqueeze(-1).expand(-1, -1, x.shape[1]))
+    y = (chosen * r.weights.to(x.dtype).unsqueeze(-1)).sum(1)
+    return y + layer.shared_experts(x) if layer.shared_experts is not None else y
+
+
+# ------------------------------------------------------------------ grouped GEMM
+def test_grouped_mm_matches_per_group_matmul_with_empty_groups():
+    torch.manual_seed(0)
+    x, w = torch.randn(11, 8, dtype=torch.float64, requires_grad=True), torch.randn(4, 8, 5, dtype=torch.float64, requires_grad=True)
+    counts = torch.tensor([3, 0, 8, 0])
+    out = grouped_mm(x, w, torch.cumsum(counts, 0, dtype=torch.int32))
+    expected = torch.cat([x[:3] @ w[0], x[3:11] @ w[2]])
+    torch.testing.assert_close(out, expected, **TIGHT)
+    out.square().sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    expected.square().sum().backward()
+    torch.testing.assert_close(gx, x.grad, **TIGHT)
+    torch.testing.assert_close(gw, w.grad, **TIGHT)
+    assert gw[1].abs().sum() == 0 and gw[3].abs().sum() == 0  # empty groups get no gradient
+
+
+def test_grouped_mm_loop_zero_fills_rows_past_last_group():
+    x, w = torch.ones(5, 2), torch.ones(2, 2, 3)
+    out = grouped_mm_loop(x, w, torch.tensor([1, 3], dtype=torch.int32))
+    assert out.shape == (5, 3) and out[3:].abs().sum() == 0 and out[:3].eq(2).all()
+
+
+# ------------------------------------------------------------------ routers
+def test_softmax_topk_normalised_and_raw():
+    torch.manual_seed(0)
+    logits = torch.randn(50, 8)
+    idx, w, probs = route(logits, MoEConfig(num_experts=8, top_k=3, normalize_topk=True))
+    torch.testing.assert_close(w.sum(-1), torch.ones(50))
+    assert torch.equal(idx, logits.topk(3).indices)
+    idx2, w2, _ = route(logits, MoEConfig(num_experts=8, top_k=3, normalize_topk=False))
+    torch.testing.assert_close(w2, torch.softmax(logits, -1).gather(1, idx2))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(50))
+
+
+def test_sigmoid_group_limited_routing_matches_brute_force():
+    # DeepSeek-V3 style: 16 experts in 4 groups, tokens use their 2 best groups, top-4.
+    torch.manual_seed(1)
+    moe = MoEConfig(num_experts=16, top_k=4, router="sigmoid", n_groups=4, topk_groups=2, routed_scaling_factor=2.5)
+    logits = torch.randn(64, 16)
+    idx, w, probs = route(logits, moe)
+    s = torch.sigmoid(logits)
+    for t in range(64):  # brute force over the 6 group pairs (test only; not a hot path)
+        group_score = s[t].view(4, 4).topk(2, dim=-1).values.sum(-1)
+        best = set(group_score.topk(2).indices.tolist())
+        allowed = [e for e in range(16) if e // 4 in best]
+        expected = sorted(sorted(allowed, key=lambda e: -s[t, e].item())[:4])
+        assert sorted(idx[t].tolist()) == expected
+    torch.testing.assert_close(w.sum(-1), torch.full((64,), 2.5))
+    torch.testing.assert_close(probs, s / s.sum(-1, keepdim=True))
+
+
+def test_bias_steers_selection_not_weights():
+    torch.manual_seed(2)
+    logits = torch.randn(40, 8)
+    moe = MoEConfig(num_experts=8, top_k=2, router="sigmoid", normalize_topk=False)
+    bias = torch.zeros(8)
+    bias[5] = 10.0  # expert 5 wins every token's selection
+    idx, w, _ = route(logits, moe, bias)
+    assert (idx == 5).any(-1).all()
+    torch.testing.assert_close(w, torch.sigmoid(logits).gather(1, idx))  # unbiased scores
+
+
+def test_capacity_keeps_highest_weights_within_capacity():
+    torch.manual_seed(3)
+    idx, w, _ = route(torch.randn(30, 4) + torch.tensor([3.0, 0, 0, 0]), MoEConfig(num_experts=4, top_k=2))
+    keep = capacity_keep(idx, w, 4, capacity_factor=1.0)  # capacity = ceil(30*2/4) = 15
+    kept_counts = expert_counts(idx[keep], 4)
+    assert kept_counts.max() <= 15 and kept_counts[0] == 15  # expert 0 is overloaded
+    for e in range(4):
+        kept_w, dropped_w = w[(idx == e) & keep], w[(idx == e) & ~keep]
+        if dropped_w.numel():
+            assert kept_w.min() >= dropped_w.max()
+
+
+def test_balancing_losses_values():
+    t, e, k = 64, 8, 2
+    uniform = torch.full((t, e), 1.0 / e)
+    idx = torch.arange(t * k).view(t, k) % e  # every expert exactly t*k/e times
+    assert math.isclose(load_balancing_loss(uniform, expert_counts(idx, e), k).item(), 1.0, rel_tol=1e-6)
+    torch.manual_seed(4)
+    probs = torch.softmax(torch.randn(t, e), -1)
+    idx = probs.topk(k).indices
+    whole = load_balancing_loss(probs, expert_counts(idx, e), k)
+    one_seq = sequence_load_balancing_loss(probs, idx, torch.tensor([0, t]), k)
+    torch.testing.assert_close(one_seq, whole)
+    halves = sequence_load_balancing_loss(probs, idx, torch.tensor([0, 20, t]), k)
+    expected = (load_balancing_loss(probs[:20], expert_counts(idx[:20], e), k)
+                + load_balancing_loss(probs[20:], expert_counts(idx[20:], e), k)) / 2
+    torch.testing.assert_close(halves, expected)
+    logits = torch.randn(t, e)
+    torch.testing.assert_close(z_loss(logits), (logits.exp().sum(-1).log() ** 2).mean())
+
+
+def test_bad_config_errors_name_the_field():
+    for kwargs, match in [
+        (dict(num_experts=4, top_k=5), "top_k=5 must be between 1 and num_experts=4"),
+        (dict(num_experts=8, router="relu"), "router='relu' must be 'softmax' or 'sigmoid'"),
+        (dict(num_experts=8, n_groups=3), "n_groups=3 must be >= 1 and divide num_experts=8"),
+        (dict(num_experts=8, top_k=4, n_groups=4, topk_groups=1), "top_k=4 exceeds"),
+        (dict(num_experts=8, dispatcher="ring"), "dispatcher='ring'"),
+        (dict(num_experts=8, capacity_factor=-1.0), "capacity_factor=-1.0 must be >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            check_moe_config(MoEConfig(**kwargs))
+
+
+# ------------------------------------------------------------------ the layer
+@pytest.mark.parametrize("moe", [
+    dict(),
+    dict(router="sigmoid", n_groups=4, topk_groups=2, top_k=4, num_shared_experts=1, routed_scaling_factor=2.0),
+    dict(normalize_topk=False, top_k=1),
+])
+def test_layer_equals_dense_reference_forward_and_backward(moe):
+    layer = _layer(**moe)
+    torch.manual_seed(5)
+    x = torch.randn(37, 24, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    gx = x.grad.clone()
+    layer.zero_grad()
+    x.grad = None
+    ref = dense_reference(layer, x)
+    (ref * g).sum().backward()
+    torch.testing.assert_close(y, ref, **TIGHT)
+    torch.testing.assert_close(gx, x.grad, **TIGHT)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TIGHT, msg=lambda m: f"{name}: {m}")
+    assert grads["router.weight"].abs().sum() > 0
+
+
+def test_capacity_drops_are_excluded_and_reported():
+    layer = _layer(capacity_factor=0.5, top_k=2)
+    torch.manual_seed(6)
+    x = torch.randn(40, 24, dtype=torch.float64)
+    y = layer(x)
+    r = layer.router(x)
+    assert r.keep is not None and (~r.keep).any()
+    ref = dense_reference(layer, x)  # weights of dropped assignments are already 0
+    torch.testing.assert_close(y, ref, **TIGHT)
+    order, counts = sort_by_expert(r.indices, r.keep, 8)
+    assert int(counts.sum()) == int(r.keep.sum()) == order.numel()
+    stats = moe_metrics(torch.nn.ModuleList([layer]))
+    capacity = math.ceil(0.5 * 40 * 2 / 8)
+    assert max(expert_counts(r.indices[r.keep], 8).tolist()) <= capacity
+    assert math.isclose(stats["moe/layer1/dropped_frac"], 2 * float((~r.keep).sum()) / (2 * 80))  # 2 forwards
+
+
+def test_allgather_dispatcher_single_rank_equals_alltoall():
+    layer = _layer(top_k=3)
+    x = torch.randn(19, 24, dtype=torch.float64)
+    y = layer(x)
+    layer.dispatcher = AllGatherDispatcher(8)
+    torch.testing.assert_close(layer(x), y, **TIGHT)
+
+
+def test_aux_loss_gradient_is_coeff_over_num_losses():
+    # Reference: the explicit objective out.sum() + coeff/N * aux + zc/N * z, differentiated
+    # by autograd; the layer must give the same gradient without returning the loss.
+    coeff, zc, n = 0.3, 0.05, 6
+    layer = _layer(aux_loss_coeff=coeff, z_loss_coeff=zc)
+    set_moe_loss_scale(torch.nn.ModuleList([layer]), n)
+    x = torch.randn(30, 24, dtype=torch.float64)
+    layer(x).sum().backward()
+    got = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    r = layer.router(x)
+    aux = load_balancing_loss(r.probs, r.tokens_per_expert, 2)
+    (dense_reference(layer, x).sum() + (coeff * aux + zc * z_loss(r.logits)) / n).backward()
+    # The router computes in fp32 by design; the two objectives add the same fp32 terms in
+    # another order, hence fp32 tolerance here.
+    torch.testing.assert_close(got, layer.router.weight.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="num_losses must be > 0"):
+        set_moe_loss_scale(torch.nn.ModuleList([layer]), 0)
+
+
+def test_per_sequence_aux_loss_needs_and_uses_boundaries():
+    layer = _layer(aux_loss_coeff=0.1, aux_loss_per_sequence=True)
+    model = torch.nn.ModuleList([layer])
+    x = torch.randn(30, 24, dtype=torch.float64)
+    with pytest.raises(ValueError, match="set_moe_sequences"):
+        layer(x)
+    set_moe_sequences(model, torch.tensor([0, 12, 30], dtype=torch.int32))
+    layer(x)
+    r = layer.router(x)
+    expected = sequence_load_balancing_loss(r.probs, r.indices, torch.tensor([0, 12, 30]), 2)
+    assert math.isclose(moe_metrics(model)["moe/layer1/aux_loss"], expected.item(), rel_tol=1e-9)
+    set_moe_sequences(model, torch.tensor([0, 29], dtype=torch.int32))
+    with pytest.raises(ValueError, match="covers 29 tokens but 30 were expected"):
+        layer(x)
+
+
+def test_moe_metrics_keys_values_and_reset():
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=3, num_heads=4, num_kv_heads=2, ffn_dim=64,
+                      moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=16, first_k_dense=1, z_loss_coeff=1e-3))
+    model = build_model(cfg, seed=0)
+    t = 24
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, t], dtype=torch.int32), max_seqlen=t)
+    for _ in range(2):  # two micro-batches
+        model(torch.randint(0, 64, (t,)), torch.arange(t), meta)
+    m = moe_metrics(model)
+    assert "moe/layer0/max_mean_load" not in m  # first_k_dense=1: layer 0 is dense
+    for i in (1, 2):
+        counts = m[f"moe/layer{i}/tokens_per_expert"]
+        assert sum(counts) == 2 * t * 2  # every token's 2 choices, both micro-batches
+        assert m[f"moe/layer{i}/max_mean_load"] == max(counts) / (sum(counts) / 4)
+        assert m[f"moe/layer{i}/dropped_frac"] == 0.0
+        assert m[f"moe/layer{i}/aux_loss"] > 0 and m[f"moe/layer{i}/z_loss"] > 0
+    assert m["moe/max_mean_load"] == max(m["moe/layer1/max_mean_load"], m["moe/layer2/max_mean_load"])
+    assert moe_metrics(model) == {}  # reset after reading
+    model.eval()
+    model(torch.randint(0, 64, (t,)), torch.arange(t), meta)
+    assert moe_metrics(model) == {}  # evaluation forwards are not counted
+
+
+def test_aux_loss_free_bias_balances_skewed_input():
+    """A frozen router on inputs skewed towards two experts; only the bias moves (rate 0.01,
+    300 steps of 256 tokens, top-2 of 8). Reference: the same run with bias_update_rate=0.
+    Loads are read through moe_metrics; 'window' sums the last 50 steps' loads (one step's
+    512 assignments carry sampling noise of about +-18% per expert)."""
+    def run(rate: float, steps: int = 300) -> tuple[float, float, float]:
+        torch.manual_seed(8)
+        layer = MoELayer(_cfg(num_experts=8, top_k=2, router="sigmoid", bias_update_rate=rate), layer_id=0)
+        model = torch.nn.ModuleList([layer])
+        with torch.no_grad():
+            layer.router.weight.normal_(0, 0.2)
+            layer.router.weight[:2] += 0.5  # experts 0 and 1 like the common input direction
+        g = torch.Generator().manual_seed(9)
+        per_step, counts = [], []
+        for _ in range(steps):
+            x = torch.randn(256, 24, generator=g) * 0.5 + 1.0  # skewed: a large shared mean
+            with torch.no_grad():
+                layer(x)
+            m = moe_metrics(model)
+            per_step.append(m["moe/layer0/max_mean_load"])
+            counts.append(torch.tensor(m["moe/layer0/tokens_per_expert"]))
+            update_expert_bias(model)
+        window = torch.stack(counts[-50:]).sum(0).float()
+        return per_step[0], sum(per_step[-50:]) / 50, (window.max() / window.mean()).item()
+
+    start, last_steps, window = run(rate=0.01)
+    frozen = run(rate=0.0)
+    print(f"\naux-loss-free balancing, max/mean load: first step {start:.2f}, last 50 steps "
+          f"{last_steps:.2f} per step, {window:.3f} over the window; without bias {frozen[0]:.2f} -> "
+          f"{frozen[1]:.2f} / {frozen[2]:.3f}")
+    assert start > 3.0 and frozen[1] > 3.0 and frozen[2] > 3.0  # the input really is skewed (max 4.0)
+    assert window < 1.1 and last_steps < 2.0
