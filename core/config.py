@@ -81,7 +81,8 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 20
+    max_steps: int = 20  # the schedule's length
+    stop_at_step: int = 0  # > 0: leave after this step (a job slot's end); resume continues the schedule
     seed: int = 1234
     seq_len: int = 256
     micro_batch_size: int = 2

@@ -88,7 +88,8 @@ def train(config: Config, resume: bool = False) -> list[dict]:
     data_iter = iter(stream)
     step = start_step
     try:
-        while step < t.max_steps:
+        last_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
+        while step < last_step:
             step_start = time.perf_counter()
             micro = [to_inputs(next(data_iter), device) for _ in range(accum)]
             local_labels = float(sum(m.num_labels for m in micro))
@@ -125,7 +126,7 @@ def train(config: Config, resume: bool = False) -> list[dict]:
             else:
                 writer.history.append(record)
             interval = config.checkpoint.interval
-            if (interval and step % interval == 0) or (step == t.max_steps and config.checkpoint.save_at_end):
+            if (interval and step % interval == 0) or (step == last_step and config.checkpoint.save_at_end):
                 _save(ckpt_dir, step, model, optimizer, scheduler, mesh, stream, config)
     finally:
         stream.close()

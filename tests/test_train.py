@@ -1,0 +1,105 @@
+"""End to end: `tessera-train` on a real data service, under several layouts.
+
+Reference: the single-process run (tp=1, dp=1) on the same config and data. Every layout
+reads the same global rows per step (the data service's elastic order) and divides the
+summed token loss by the global label count, so per-step losses must agree. Tolerance:
+fp32 on CPU, differences only from reduction order (TP splits matmuls and the softmax
+normaliser; DP sums gradients in another order), compounded over a few AdamW steps:
+2e-4 relative.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dataservice.build import build_dataset, make_corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "launch" / "configs" / "tiny_dense.toml"
+SMALL = [
+    "model.dim=64", "model.num_layers=2", "model.ffn_dim=128", "train.seq_len=64",
+    "train.micro_batch_size=2", "train.global_batch_size=8", "train.max_steps=4",
+    "train.warmup_steps=1", "train.plot=false",
+]
+RTOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("train-data")
+    corpus = make_corpus(tmp, n_docs=300, seed=3, min_len=16, max_len=600)
+    return build_dataset([corpus], tmp / "shards")
+
+
+def run_train(run_dir: Path, dataset: Path, nproc: int, *extra: str, resume: bool = False, check: bool = True):
+    cmd = [sys.executable, "-m", "core.cli", "--config", str(CONFIG)]
+    for item in [*SMALL, f"data.dataset={dataset}", f"train.run_dir={run_dir}", *extra]:
+        cmd += ["--set", item]
+    if nproc > 1:
+        cmd += ["--nproc-per-node", str(nproc)]
+    if resume:
+        cmd.append("--resume")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"tessera-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, dataset) -> dict[int, float]:
+    run_dir = tmp_path_factory.mktemp("ref")
+    run_train(run_dir, dataset, 1)
+    return losses(run_dir)
+
+
+def test_single_process_writes_metrics_checkpoint_and_loss_falls(tmp_path, dataset):
+    run_dir = tmp_path / "run"
+    run_train(run_dir, dataset, 1, "train.max_steps=12", "train.plot=true", "train.lr=1e-2")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gb"):
+        assert key in records[0]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
+    assert (run_dir / "loss.png").stat().st_size > 1000
+    assert (run_dir / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.parametrize("layout", [("tp", 2, 1), ("dp", 1, 2), ("tp2dp2", 2, 2)], ids=lambda l: l[0])
+def test_parallel_layouts_match_single_process(tmp_path, dataset, reference, layout):
+    _, tp, dp = layout
+    run_dir = tmp_path / "run"
+    run_train(run_dir, dataset, tp * dp, f"parallel.tp={tp}")
+    got = losses(run_dir)
+    assert got.keys() == reference.keys()
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, rel=RTOL), (step, got, reference)
+
+
+def test_resume_on_another_layout_continues_the_loss_trajectory(tmp_path, dataset, reference):
+    # Save at tp=2 x dp=2 after step 2, resume at tp=1 x dp=4: steps 3-4 equal the uninterrupted run.
+    run_dir = tmp_path / "run"
+    run_train(run_dir, dataset, 4, "parallel.tp=2", "train.stop_at_step=2")
+    run_train(run_dir, dataset, 4, "parallel.tp=1", resume=True)
+    got = losses(run_dir)
+    for step in (3, 4):
+        assert got[step] == pytest.approx(reference[step], rel=RTOL), (step, got, reference)
+
+
+def test_cli_misuse_exits_2_with_one_clear_line(tmp_path, dataset):
+    proc = run_train(tmp_path, dataset, 1, "model.num_heads=3", check=False)
+    assert proc.returncode == 2
+    assert "tessera-train: error:" in proc.stderr and "num_heads" in proc.stderr
+    proc = run_train(tmp_path, dataset, 1, "model.no_such_key=1", check=False)
+    assert proc.returncode == 2 and "unknown config key 'model.no_such_key'" in proc.stderr
