@@ -41,7 +41,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = logits - row_max.unsqueeze(-1)
 
         labelled = labels != IGNORE_INDEX
-        local = labels - vocab_start
+        local = labels.long() - vocab_start
         mine = labelled & (local >= 0) & (local < vocab_local)
         local = local.masked_fill(~mine, 0)
         target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
