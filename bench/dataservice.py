@@ -129,9 +129,11 @@ def run_streams(address: str, n: int, args) -> dict:
     }
 
 
-def start_server(path: Path, workers: int) -> tuple[subprocess.Popen, str]:
+def start_server(path: Path, workers: int, log: Path) -> tuple[subprocess.Popen, str]:
+    """A `serve` process; its log goes to `log` (a pipe nobody reads would block it)."""
     proc = subprocess.Popen([sys.executable, "-m", "dataservice.cli", "serve", "--data", str(path), "--port", "0",
-                             "--workers", str(workers)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                             "--workers", str(workers)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=open(log, "w"), text=True)
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     line = proc.stdout.readline() if ready else ""
     if not line.startswith("serving on "):
@@ -163,7 +165,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
         path = args.data or make_dataset(Path(tmp), args.docs)
         base = plan_baseline(path, args.seq_len, args.micro_batch_size, 100)
-        server, address = start_server(path, args.workers)
+        server, address = start_server(path, args.workers, Path(tmp) / "server.log")
         try:
             rows = [run_streams(address, n, args) for n in args.streams]
         finally:

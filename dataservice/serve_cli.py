@@ -8,6 +8,7 @@ stays one idea per file. Each `run_*` takes parsed args and returns the exit cod
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -81,6 +82,8 @@ def run_serve(args) -> int:
                              token_secret=args.token_secret)
     except (ValueError, FileNotFoundError, DatasetError, OSError) as err:
         return _fail(prog, str(err))
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -238,20 +238,29 @@ class DataServicer(pb2_grpc.DataServiceServicer):
     # ---- RPCs -------------------------------------------------------------------------
 
     def StreamBatches(self, request, context):
+        who = f"{request.consumer or '?'}@{context.peer()} dp {request.dp_rank}/{request.dp_size}"
         try:
             stream = self.resolve(request)
         except RequestError as err:
+            log.info("refused %s: %s", who, err)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not self._stream_slots.acquire(blocking=False):
+            log.warning("refused %s: all %d stream slots busy", who, self._max_streams)
             context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"this replica already serves {self._max_streams} streams (its limit); retry on "
                 "another replica or start this one with more --workers",
             )
+        log.info("stream %s: B %d, seq_len %d, seed %d, from step %d", who, stream.micro_batch_size,
+                 stream.seq_len, request.seed, stream.start_step)
+        sent = 0
         try:
-            yield from self._batches(stream, request.max_batches, context)
+            for message in self._batches(stream, request.max_batches, context):
+                yield message
+                sent += 1
         finally:
             self._stream_slots.release()
+            log.info("stream %s ended after %d batches", who, sent)
 
     def _batches(self, stream: _Stream, max_batches: int, context) -> Iterable:
         b, n = stream.micro_batch_size, stream.dp_size

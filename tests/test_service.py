@@ -12,6 +12,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -67,12 +68,15 @@ def start_process(data_specs, *extra, timeout=60.0):
     cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--port", "0", *extra]
     for spec in data_specs:  # a spec with spaces is several folders after one --data
         cmd += ["--data", *str(spec).split(" ")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: an unread pipe would block its logging
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     line = proc.stdout.readline() if ready else ""
     if not line.startswith("serving on "):
         proc.kill()
-        raise AssertionError(f"server did not start: {line!r} {proc.stderr.read()}")
+        proc.wait()
+        log.seek(0)
+        raise AssertionError(f"server did not start: {line!r} {log.read()}")
     return proc, line.split()[-1]
 
 
