@@ -37,7 +37,9 @@ def _sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_len: int,
     if q.is_cuda:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        # The math backend last: it is the only one for fp32 with grouped-query attention.
+        backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        with sdpa_kernel(backends, set_priority=True):
             out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -96,12 +98,13 @@ def varlen_attention(
     total = q.shape[0]
     num_segments = cu_seqlens.numel() - 1
     uniform = num_segments > 0 and max_seqlen * num_segments == total
-    if q.is_cuda:
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         if uniform:
             _report_once("attention: dense causal SDPA (cuDNN preferred)")
             return _sdpa_dense(q, k, v, max_seqlen, scale)
         _report_once("attention: varlen_attn (packed documents)")
         return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+    # CPU, or fp32 on CUDA (FlashAttention varlen takes 16-bit inputs only): exact paths.
     if uniform:
         return _sdpa_dense(q, k, v, max_seqlen, scale)
     return _reference_varlen(q, k, v, cu_seqlens, scale)
