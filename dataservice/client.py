@@ -17,7 +17,6 @@ from __future__ import annotations
 import queue
 import random
 import threading
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Sequence

@@ -7,7 +7,6 @@ addressed by rows_for(step, dp_rank, dp_size, B); nothing here depends on an ear
 from __future__ import annotations
 
 import json
-import os
 import select
 import signal
 import subprocess
