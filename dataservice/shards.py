@@ -119,7 +119,7 @@ class ShardWriter:
         self.shards: list[dict] = []  # finished shards: name, documents, tokens, bytes, checksum
         self.bytes_finished = 0
         self._env: lmdb.Environment | None = None
-        self._pending: list[tuple[bytes, bytes]] = []
+        self._pending: list[tuple] = []  # (first key, buffer, start offsets, end offsets)
         self._pending_raw = 0  # estimated bytes of the uncommitted values
         self._depth = 1
         self._used = 0  # bytes of data.mdb in use after the last commit
@@ -153,6 +153,13 @@ class ShardWriter:
         self._depth = 1
         self._docs = self._tokens = 0
 
+    def _items(self):
+        # Values are produced as slices only while committing, so the pending list holds one
+        # entry per batch rather than millions of objects for the garbage collector to scan.
+        for first, buf, starts, ends in self._pending:
+            for key, (a, b) in enumerate(zip(starts, ends), first):
+                yield encode_key(key), buf[a:b]
+
     def _commit(self) -> None:
         if not self._pending:
             return
@@ -160,7 +167,7 @@ class ShardWriter:
         while True:
             try:
                 with env.begin(write=True) as txn:
-                    txn.cursor().putmulti(self._pending, append=True)
+                    txn.cursor().putmulti(self._items(), append=True)
                 break
             except lmdb.MapFullError:  # a document larger than the map: grow it and retry
                 env.set_mapsize(env.info()["map_size"] * 2)
@@ -176,9 +183,8 @@ class ShardWriter:
         # Pages a commit adds beyond the values: copied branch/leaf path and a freelist page.
         return (self._depth + 2) * self._psize
 
-    def add(self, value: bytes, tokens: int) -> tuple[int, int]:
-        """Store one document's value; returns its (shard number, key)."""
-        raw = self._estimate(len(value))
+    def _add_one(self, buf: memoryview, a: int, b: int, tokens: int) -> tuple[int, int]:
+        raw = self._estimate(b - a)
         if self._env is None:
             self._open_shard()
         elif self._docs and self._used + (self._pending_raw + raw) * self._ratio + self._txn_overhead() > self.shard_bytes:
@@ -187,7 +193,7 @@ class ShardWriter:
                 self._finish_shard()
                 self._open_shard()
         key = self._docs
-        self._pending.append((encode_key(key), value))
+        self._pending.append((key, buf, (a,), (b,)))
         self._pending_raw += raw
         self._docs += 1
         self._tokens += tokens
@@ -198,11 +204,19 @@ class ShardWriter:
             self._commit()
         return len(self.shards), key
 
-    def add_batch(self, values: list, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store several documents' values (bytes-like, kept until committed); returns the
-        (shard numbers, keys) arrays. Far from any bound the batch is appended in one step."""
-        n = len(values)
-        nbytes = np.fromiter(map(len, values), np.int64, count=n)
+    def add(self, value, tokens: int) -> tuple[int, int]:
+        """Store one document's value (bytes-like, kept until committed); returns its
+        (shard number, key)."""
+        buf = memoryview(value).cast("B")
+        return self._add_one(buf, 0, len(buf), tokens)
+
+    def add_batch(self, buf, starts: np.ndarray, ends: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store documents `buf[starts[i]:ends[i]]` (byte offsets into one bytes-like buffer,
+        kept until committed); returns the (shard numbers, keys) arrays. Far from any bound
+        the whole batch is appended in one step."""
+        buf = memoryview(buf).cast("B")
+        n = len(starts)
+        nbytes = np.asarray(ends, np.int64) - np.asarray(starts, np.int64)
         small = nbytes + 16 <= (self._psize - 16) // 2
         raw = np.where(small, nbytes + 18, -(-(nbytes + 16) // self._psize) * self._psize + 26)
         total = int(raw.sum())
@@ -210,12 +224,14 @@ class ShardWriter:
             pending = (self._pending_raw + total) * self._ratio + self._txn_overhead()
             if pending < self.txn_bytes and 2 * pending < self.shard_bytes - self._used:
                 first = self._docs
-                self._pending.extend(zip([encode_key(k) for k in range(first, first + n)], values))
+                self._pending.append((first, buf, np.asarray(starts).tolist(), np.asarray(ends).tolist()))
                 self._pending_raw += total
                 self._docs += n
                 self._tokens += int(tokens.sum())
                 return np.full(n, len(self.shards), np.uint32), np.arange(first, first + n, dtype=np.uint64)
-        placed = np.array([self.add(v, t) for v, t in zip(values, tokens.tolist())], np.uint64).reshape(n, 2)
+        placed = [self._add_one(buf, a, b, t) for a, b, t in
+                  zip(np.asarray(starts).tolist(), np.asarray(ends).tolist(), np.asarray(tokens).tolist())]
+        placed = np.array(placed, np.uint64).reshape(n, 2)
         return placed[:, 0].astype(np.uint32), placed[:, 1]
 
     def _finish_shard(self) -> None:
