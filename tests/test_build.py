@@ -71,6 +71,14 @@ def test_duplicates_are_dropped_and_counted(tmp_path):
     assert len(set(ds.hashes.tolist())) == 2
 
 
+def test_duplicates_across_many_batches(tmp_path):
+    corpus = make_corpus(tmp_path, 5000, seed=9, min_len=4, max_len=200)
+    out = build_dataset([corpus, corpus, corpus], tmp_path / "ds", shard_size_mb=0.5)
+    ds = ShardedDataset.open(out)
+    assert ds.num_documents == 5000 and ds.manifest["counts"]["duplicates_dropped"] == 10_000
+    assert np.unique(ds.hashes).size == 5000
+
+
 def bad_inputs(tmp_path):
     jl = write_jsonl(tmp_path / "bad.jsonl", [
         {"text": "good one"},

@@ -205,3 +205,20 @@ def test_open_refuses_broken_datasets(tmp_path, damage, match):
         mpath.write_text(json.dumps(m))
     with pytest.raises(DatasetError, match=match):
         ShardedDataset.open(out)
+
+
+def test_large_vocabulary_uses_uint32(tmp_path):
+    """A tokenizer.json with more than 65536 ids stores uint32 tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(70_000)]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"text": "w1 w69999 w65536 nope"}) + "\n")
+    out = build_dataset([corpus], tmp_path / "ds", tokenizer=str(tmp_path))
+    ds = ShardedDataset.open(out, verify=True)
+    assert ds.manifest["token_dtype"] == "uint32" and ds.vocab_size == 70_004
+    got = ds.read(0)
+    assert got.dtype == np.uint32 and got.tolist() == [5, 70_003, 65_540, 3, 2]
