@@ -1,0 +1,150 @@
+"""AdamW over the data-parallel layout (plain or ZeRO-1), warmup + cosine LR, global grad clipping.
+
+`AdamW(dp, ...)` updates each `ParamSlot`'s fp32 master chunk from its reduced gradient
+(`slot.shard_grad`) with torch's AdamW arithmetic (decoupled weight decay, bias-corrected
+moments), then `dp.gather_params()` writes the new weights into the model. With
+`distributed_optimizer` the masters and both moments cover only this rank's chunk, so optimizer
+memory per rank falls as 1/dp_cp; otherwise every rank holds them whole.
+
+Weight decay: applied to every parameter with >= 2 dims (linear weights, embeddings, output
+head, stacked experts); not to 1-D params (norm gains, biases). This is Megatron-LM's and
+nanoGPT's rule; decaying embeddings too is their common practice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from core.mesh import ParallelMesh
+from core.parallel.data import DataParallel
+
+
+def uses_weight_decay(param: torch.Tensor) -> bool:
+    """Decay matrices and embeddings, not norm gains or biases."""
+    return param.dim() >= 2
+
+
+class AdamW:
+    """AdamW on fp32 master chunks owned by a `DataParallel` handle (ZeRO-1 when it shards)."""
+
+    def __init__(self, dp: DataParallel, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1):
+        for name, value, ok in (
+            ("lr", lr, lr >= 0), ("eps", eps, eps >= 0), ("weight_decay", weight_decay, weight_decay >= 0),
+            ("beta1", betas[0], 0 <= betas[0] < 1), ("beta2", betas[1], 0 <= betas[1] < 1),
+        ):
+            if not ok or not math.isfinite(value):
+                raise ValueError(f"AdamW {name}={value} is out of range (lr, eps, weight_decay >= 0; 0 <= beta < 1)")
+        self.dp = dp
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.step_count = 0
+        self.exp_avg = [torch.zeros_like(s.master) for s in dp.slots]
+        self.exp_avg_sq = [torch.zeros_like(s.master) for s in dp.slots]
+        decay = [uses_weight_decay(s.param) for s in dp.slots]
+        self._groups = [[i for i, d in enumerate(decay) if d], [i for i, d in enumerate(decay) if not d]]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One update of the local master chunks, then the params are refreshed everywhere."""
+        self.dp.finish_grad_sync()
+        self.step_count += 1
+        beta1, beta2 = self.betas
+        bias1 = 1 - beta1**self.step_count
+        bias2_sqrt = math.sqrt(1 - beta2**self.step_count)
+        slots = self.dp.slots
+        for group, wd in zip(self._groups, (self.weight_decay, 0.0)):
+            if not group:
+                continue
+            params = [slots[i].master for i in group]
+            grads = [slots[i].shard_grad for i in group]
+            m = [self.exp_avg[i] for i in group]
+            v = [self.exp_avg_sq[i] for i in group]
+            if wd:
+                torch._foreach_mul_(params, 1 - self.lr * wd)
+            torch._foreach_lerp_(m, grads, 1 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, bias2_sqrt)
+            torch._foreach_add_(denom, self.eps)
+            torch._foreach_addcdiv_(params, m, denom, value=-self.lr / bias1)
+        self.dp.gather_params()
+
+    def zero_grad(self) -> None:
+        self.dp.zero_grad()
+
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for optimizer state: both moments, plus fp32 masters where they
+        are not the params themselves."""
+        moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
+        masters = sum(s.master.numel() * 4 for s in self.dp.slots if not s.master_is_param)
+        return moments + masters
+
+
+class WarmupCosine:
+    """Linear warmup from lr/warmup to lr over `warmup_steps`, then cosine to `min_lr` at
+    `max_steps` (held after). Call `step()` after each optimizer step, like torch's schedulers."""
+
+    def __init__(self, optimizer: AdamW, lr: float, min_lr: float, warmup_steps: int, max_steps: int):
+        if not 0 <= min_lr <= lr:
+            raise ValueError(f"min_lr={min_lr} must lie between 0 and lr={lr}")
+        if warmup_steps < 0 or max_steps < 1:
+            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and max_steps={max_steps} >= 1")
+        self.optimizer, self.lr, self.min_lr = optimizer, lr, min_lr
+        self.warmup_steps, self.max_steps = warmup_steps, max_steps
+        self.last_step = 0
+        optimizer.lr = self.lr_at(0)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of the optimizer step with 0-based index `step`."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def step(self) -> None:
+        self.last_step += 1
+        self.optimizer.lr = self.lr_at(self.last_step)
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step, "lr": self.lr, "min_lr": self.min_lr,
+                "warmup_steps": self.warmup_steps, "max_steps": self.max_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the position; the schedule's shape stays as configured now."""
+        self.last_step = int(state["last_step"])
+        self.optimizer.lr = self.lr_at(self.last_step)
+
+
+@torch.no_grad()
+def clip_grad_norm_(dp: DataParallel, max_norm: float | None, mesh: ParallelMesh) -> torch.Tensor:
+    """Scale every reduced gradient so the global L2 norm is at most `max_norm`; return the
+    norm before clipping (a tensor: no host sync). Each unique gradient element is counted
+    once over the whole mesh: TP-replicated params on tp rank 0 only, unsharded grads on rank 0
+    of their reduction group only (ZeRO chunks, TP shards, expert shards and pipeline stages are
+    disjoint). One all-reduce over all ranks."""
+    dp.finish_grad_sync()
+    tp_rank = mesh.coordinate("tp")
+    counted = [
+        s.shard_grad for s in dp.slots
+        if s.counts_in_norm and (getattr(s.param, "tp_shard_dim", None) is not None or tp_rank == 0)
+    ]
+    if counted:
+        total = torch.stack(torch._foreach_norm(counted)).square().sum()
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=dp.device)
+    if mesh.distributed:
+        dist.all_reduce(total)
+    total = total.sqrt()
+    if max_norm is not None and max_norm > 0:
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(dp.local_grads(), scale)
+    return total
+
+
+def build_optimizer(dp: DataParallel, train) -> tuple[AdamW, WarmupCosine]:
+    """AdamW and its schedule from a `TrainConfig`."""
+    optimizer = AdamW(dp, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, weight_decay=train.weight_decay)
+    return optimizer, WarmupCosine(optimizer, train.lr, train.min_lr, train.warmup_steps, train.max_steps)

@@ -1,0 +1,397 @@
+"""Data parallelism: bucketed gradient reduction overlapped with backward, fp32 main grads, ZeRO-1 layout.
+
+`apply_data_parallel(model, mesh, ...)` returns a `DataParallel` handle; the model stays a plain
+module. Each parameter gets a post-accumulate-grad hook that adds its gradient into an fp32
+`main_grad` (a view into its bucket's flat buffer) and frees `param.grad`. When the last
+gradient of a bucket arrives on a synchronising micro-batch, the bucket's collective is launched
+asynchronously, so communication overlaps the rest of backward; `finish_grad_sync()` waits for
+all of them before clipping and the optimizer step. Buckets launch strictly in order on every
+rank, so collectives on overlapping groups can never be issued in different orders.
+
+Reduction groups: dense params over "dp_cp" (data x context ranks), expert params
+(`param.expert_parallel`) over "edp". Gradients are SUMMED by default (`grad_reduce="sum"`): the
+training loss is already divided by the global token count; "mean" divides by the group size.
+
+Distributed optimizer (ZeRO-1, `shard_optimizer=True`): each parameter is chunked like
+`torch.chunk` along a dim that tensor (or expert) parallelism does not already split
+(`zero_shard_dim`), so every optimizer state is a valid DTensor shard of a (dp, tp) mesh. A
+bucket's gradients are packed rank-major (rank j's chunks of all the bucket's params contiguous,
+padded to rank 0's length) and reduce-scattered in one collective; after the step,
+`gather_params()` all-gathers the updated chunks the same way.
+
+Precision: params may be cast to `param_dtype` (bf16 on GPU); fp32 master weights are kept per
+local chunk (`slot.master`). With fp32 params the master IS the param's own chunk (a view), so
+nothing is duplicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from core.mesh import ParallelMesh
+
+GRAD_REDUCE_OPS = ("sum", "mean")
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def chunk_bounds(size: int, parts: int) -> list[tuple[int, int]]:
+    """(start, length) of each of `parts` chunks of `size`, as torch.chunk / DTensor Shard cut
+    them: ceil-sized chunks, a shorter last one, then empty ones."""
+    step = -(-size // parts) if size else 0
+    out = []
+    for j in range(parts):
+        start = min(j * step, size)
+        out.append((start, min(size, start + step) - start))
+    return out
+
+
+def zero_shard_dim(param: torch.Tensor) -> int | None:
+    """The dim ZeRO-1 chunks a parameter along: the first one that tensor parallelism
+    (`tp_shard_dim`) and expert parallelism (`ep_shard_dim`, default 0) leave whole."""
+    taken = {getattr(param, "tp_shard_dim", None)}
+    if getattr(param, "expert_parallel", False):
+        taken.add(getattr(param, "ep_shard_dim", 0))
+    for dim in range(param.dim()):
+        if dim not in taken:
+            return dim
+    return None
+
+
+class ParamSlot:
+    """One parameter's place in the layout: its grads, its chunk, its fp32 master."""
+
+    def __init__(self, name: str, param: nn.Parameter, group_name: str, group_size: int, group_rank: int, sharded: bool):
+        self.name, self.param, self.group_name = name, param, group_name
+        self.group_size, self.group_rank = group_size, group_rank
+        self.shard_dim = zero_shard_dim(param) if sharded else None
+        if sharded and self.shard_dim is None:
+            raise ValueError(
+                f"parameter '{name}' of shape {tuple(param.shape)} has no dim left for the distributed optimizer "
+                f"(tp_shard_dim={getattr(param, 'tp_shard_dim', None)}); use parallel.distributed_optimizer=false"
+            )
+        size = param.shape[self.shard_dim] if sharded else 0
+        # Without sharding the "chunk" of every rank is the whole parameter.
+        self.bounds = chunk_bounds(size, group_size) if sharded else [(0, -1)] * group_size
+        self.sharded = sharded
+        self.ready = False
+        self.bucket: Bucket | None = None
+        self.offset = 0  # into bucket.grad_buffer
+        self.region_offsets: list[int] = []  # into each rank's region of the packed layout
+        self.main_grad: torch.Tensor | None = None
+        self.shard_grad: torch.Tensor | None = None  # the grad the optimizer reads (reduced)
+        self.master: torch.Tensor | None = None  # fp32 weights of this rank's chunk
+        self.master_is_param = False
+
+    def chunk(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s chunk of a param-shaped tensor (a view)."""
+        if not self.sharded:
+            return tensor
+        start, length = self.bounds[rank]
+        return tensor.narrow(self.shard_dim, start, length)
+
+    def chunk_shape(self, rank: int) -> torch.Size:
+        if not self.sharded:
+            return self.param.shape
+        shape = list(self.param.shape)
+        shape[self.shard_dim] = self.bounds[rank][1]
+        return torch.Size(shape)
+
+    @property
+    def counts_in_norm(self) -> bool:
+        """Whether this rank's `shard_grad` holds gradient elements no other rank counts:
+        TP-replicated params count on tp rank 0 only (decided by the caller), replicated
+        (unsharded) grads on group rank 0 only."""
+        return self.sharded or self.group_rank == 0
+
+
+class Bucket:
+    """Consecutive params of one reduction group and dtype, reduced by one collective."""
+
+    def __init__(self, slots: list[ParamSlot], group: dist.ProcessGroup | None, device: torch.device):
+        self.slots, self.group = slots, group
+        first = slots[0]
+        self.size, self.rank, self.sharded = first.group_size, first.group_rank, first.sharded and first.group_size > 1
+        self.param_dtype = first.param.dtype
+        offset = 0
+        for slot in slots:
+            slot.offset, slot.bucket = offset, self
+            offset += slot.param.numel()
+        self.grad_buffer = torch.zeros(offset, dtype=torch.float32, device=device)
+        for slot in slots:
+            slot.main_grad = self.grad_buffer[slot.offset:slot.offset + slot.param.numel()].view(slot.param.shape)
+        if self.sharded:
+            region_lengths = [0] * self.size
+            for slot in slots:
+                slot.region_offsets = list(region_lengths)
+                for j in range(self.size):
+                    region_lengths[j] += math.prod(slot.chunk_shape(j))
+            self.region = region_lengths[0]  # torch.chunk puts the largest chunks first
+            self.shard_buffer = torch.zeros(self.region, dtype=torch.float32, device=device)
+            for slot in slots:
+                slot.shard_grad = self._region_view(self.shard_buffer, slot, self.rank, 0)
+        else:
+            self.region = offset
+            self.shard_buffer = self.grad_buffer
+            for slot in slots:
+                slot.region_offsets = [slot.offset] * self.size
+                slot.shard_grad = slot.main_grad
+        self.pending = len(slots)
+        self.work = None
+        self.packed: torch.Tensor | None = None  # kept alive until the collective finished
+        self.fallback = False
+
+    def _region_view(self, flat: torch.Tensor, slot: ParamSlot, rank: int, base: int) -> torch.Tensor:
+        shape = slot.chunk_shape(rank)
+        start = base + slot.region_offsets[rank]
+        return flat[start:start + math.prod(shape)].view(shape)
+
+    def pack_grads(self, packed: torch.Tensor) -> None:
+        """Copy rank j's chunk of every main_grad into region j of `packed` (rank-major)."""
+        dst, src = [], []
+        for j in range(self.size):
+            for slot in self.slots:
+                if slot.bounds[j][1]:
+                    dst.append(self._region_view(packed, slot, j, j * self.region))
+                    src.append(slot.chunk(slot.main_grad, j))
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def pack_masters(self, send: torch.Tensor) -> None:
+        """This rank's master chunks, cast to the param dtype, into one send buffer."""
+        pairs = [(self._region_view(send, s, self.rank, 0), s.master) for s in self.slots if s.bounds[self.rank][1]]
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [m for _, m in pairs])
+
+    def unpack_params(self, flat: torch.Tensor, skip_rank: int | None) -> None:
+        """The inverse for parameters: every rank region of `flat` into the params' chunks."""
+        dst, src = [], []
+        for j in range(self.size):
+            if j == skip_rank:
+                continue
+            for slot in self.slots:
+                if slot.bounds[j][1]:
+                    dst.append(slot.chunk(slot.param.data, j))
+                    src.append(self._region_view(flat, slot, j, j * self.region))
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+
+class DataParallel:
+    """Handle returned by `apply_data_parallel`; owns hooks, buckets and fp32 master chunks."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: ParallelMesh,
+        *,
+        bucket_mb: float = 25.0,
+        shard_optimizer: bool = True,
+        param_dtype: torch.dtype = torch.float32,
+        grad_reduce: str = "sum",
+    ):
+        if grad_reduce not in GRAD_REDUCE_OPS:
+            raise ValueError(f"grad_reduce={grad_reduce!r} must be one of {', '.join(GRAD_REDUCE_OPS)}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb={bucket_mb} must be a positive number of megabytes (e.g. 25)")
+        if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"param_dtype={param_dtype} must be torch.float32, torch.bfloat16 or torch.float16")
+        self.model, self.mesh = model, mesh
+        self.shard_optimizer, self.param_dtype, self.grad_reduce = shard_optimizer, param_dtype, grad_reduce
+        self.sync_grads = True  # False: accumulate only (earlier micro-batches); see no_sync()
+        self.use_reduce_scatter = True  # False: all_reduce + slice (gloo builds without reduce_scatter)
+        self.stats = {"launched_in_backward": 0, "launched_at_finish": 0}
+        self._finished = False
+        self._next = 0
+        self.slots = self._make_slots(model)
+        if not self.slots:
+            raise ValueError("the model has no parameters that require gradients")
+        self.device = self.slots[0].param.device
+        self.buckets = self._make_buckets(int(bucket_mb * 2**20))
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._hook(slot)) for slot in self.slots]
+
+    # ------------------------------------------------------------------ layout
+    def _make_slots(self, model: nn.Module) -> list[ParamSlot]:
+        slots = []
+        for name, param in model.named_parameters():  # deduplicated: tied weights once
+            if not param.requires_grad:
+                continue
+            group_name = "edp" if getattr(param, "expert_parallel", False) else "dp_cp"
+            group = self.mesh.group(group_name)
+            size = dist.get_world_size(group) if group is not None else 1
+            rank = dist.get_rank(group) if group is not None else 0
+            slot = ParamSlot(name, param, group_name, size, rank, self.shard_optimizer and size > 1)
+            # fp32 masters come from the fp32 init values, before params are cast down.
+            with torch.no_grad():
+                if self.param_dtype == torch.float32 and param.dtype == torch.float32:
+                    slot.master, slot.master_is_param = slot.chunk(param.data, rank), True
+                else:
+                    slot.master = slot.chunk(param.data, rank).float().clone()
+                    param.data = param.data.to(self.param_dtype)
+            slots.append(slot)
+        return slots
+
+    def _make_buckets(self, cap_bytes: int) -> list[Bucket]:
+        # Backward produces grads roughly in reverse registration order: bucket in that order.
+        buckets, open_ = [], {}
+        for slot in reversed(self.slots):
+            key = (slot.group_name, slot.param.dtype)
+            members = open_.setdefault(key, [])
+            members.append(slot)
+            if sum(s.param.numel() for s in members) * 4 >= cap_bytes:
+                buckets.append(Bucket(members, self.mesh.group(slot.group_name), self.device))
+                open_[key] = []
+        for key, members in open_.items():
+            if members:
+                buckets.append(Bucket(members, self.mesh.group(key[0]), self.device))
+        return buckets
+
+    # ------------------------------------------------------------------ backward
+    def _hook(self, slot: ParamSlot):
+        def on_grad(param: torch.Tensor) -> None:
+            if param.grad is None:
+                return
+            slot.main_grad.add_(param.grad)  # fp32 accumulation whatever the param dtype
+            param.grad = None
+            if not self.sync_grads:
+                return
+            if slot.ready or self._finished:
+                raise RuntimeError(
+                    f"gradient of '{slot.name}' arrived twice in synchronised backward passes: run earlier "
+                    "micro-batches under DataParallel.no_sync() and call zero_grad() after each optimizer step"
+                )
+            slot.ready = True
+            slot.bucket.pending -= 1
+            while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+                self._launch(self.buckets[self._next])
+                self._next += 1
+                self.stats["launched_in_backward"] += 1
+
+        return on_grad
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches inside accumulate into main_grad without any communication."""
+        previous, self.sync_grads = self.sync_grads, False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.grad_reduce == "mean" and bucket.size > 1:
+            bucket.grad_buffer.div_(bucket.size)
+        if bucket.size == 1:
+            return
+        if not bucket.sharded:
+            bucket.work = dist.all_reduce(bucket.grad_buffer, group=bucket.group, async_op=True)
+            return
+        packed = torch.empty(bucket.size * bucket.region, dtype=torch.float32, device=self.device)
+        bucket.pack_grads(packed)
+        bucket.packed = packed
+        if self.use_reduce_scatter:
+            try:
+                bucket.work = _reduce_scatter(bucket.shard_buffer, packed, group=bucket.group, async_op=True)
+                return
+            except (RuntimeError, NotImplementedError):
+                if dist.get_backend(bucket.group) != "gloo":
+                    raise
+                self.use_reduce_scatter = False  # this gloo build lacks it: same on every rank
+        bucket.fallback = True
+        bucket.work = dist.all_reduce(packed, group=bucket.group, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Launch buckets whose params got no grad this step, wait for every collective, sum
+        sequence-parallel partial grads over TP. Idempotent until the next zero_grad()."""
+        if self._finished:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+            self.stats["launched_at_finish"] += 1
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()  # on NCCL: the compute stream waits, the host does not
+                bucket.work = None
+            if bucket.fallback:
+                start = bucket.rank * bucket.region
+                bucket.shard_buffer.copy_(bucket.packed[start:start + bucket.region])
+                bucket.fallback = False
+            bucket.packed = None
+        self._sum_sequence_parallel_grads()
+        self._finished = True
+
+    def _sum_sequence_parallel_grads(self) -> None:
+        # LayerNorm-like weights under sequence parallelism see only this TP rank's tokens; their
+        # (already DP-reduced) grads are partial sums over TP. Chunks match across TP ranks.
+        grads = [s.shard_grad for s in self.slots if getattr(s.param, "sequence_parallel_partial", False)]
+        if not grads or self.mesh.tp == 1 or not self.mesh.distributed:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.mesh.group("tp"))
+        torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+    def zero_grad(self) -> None:
+        """Clear main grads and per-step bookkeeping; call after each optimizer step."""
+        if not self._finished and self._next:
+            raise RuntimeError("zero_grad() called while gradient collectives are in flight: call finish_grad_sync() first")
+        for bucket in self.buckets:
+            bucket.grad_buffer.zero_()
+            bucket.pending = len(bucket.slots)
+        for slot in self.slots:
+            slot.ready = False
+            slot.param.grad = None
+        self._next, self._finished = 0, False
+
+    # ------------------------------------------------------------------ after the step
+    def gather_params(self) -> None:
+        """Write the updated fp32 master chunks back into the (possibly bf16) params: an
+        all-gather per sharded bucket, a local copy otherwise."""
+        in_flight = []
+        for bucket in self.buckets:
+            if not bucket.sharded:
+                pairs = [(s.param.data, s.master) for s in bucket.slots if not s.master_is_param]
+                if pairs:
+                    torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+                continue
+            send = torch.empty(bucket.region, dtype=bucket.param_dtype, device=self.device)
+            bucket.pack_masters(send)
+            recv = torch.empty(bucket.size * bucket.region, dtype=bucket.param_dtype, device=self.device)
+            in_flight.append((bucket, recv, _all_gather(recv, send, group=bucket.group, async_op=True)))
+        for bucket, recv, work in in_flight:
+            work.wait()
+            skip = bucket.rank if all(s.master_is_param for s in bucket.slots) else None
+            bucket.unpack_params(recv, skip)
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The reduced gradients this rank's optimizer consumes (ZeRO chunks or full grads)."""
+        return [slot.shard_grad for slot in self.slots]
+
+    def remove(self) -> None:
+        """Detach the hooks (the model is left with its current params)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    *,
+    bucket_mb: float = 25.0,
+    distributed_optimizer: bool = True,
+    param_dtype: torch.dtype = torch.float32,
+    grad_reduce: str = "sum",
+) -> DataParallel:
+    """Attach bucketed, overlapped gradient reduction (and the ZeRO-1 layout when
+    `distributed_optimizer`) to a plain model; returns the handle the optimizer uses."""
+    return DataParallel(
+        model, mesh, bucket_mb=bucket_mb, shard_optimizer=distributed_optimizer,
+        param_dtype=param_dtype, grad_reduce=grad_reduce,
+    )

@@ -1,0 +1,375 @@
+"""Data parallelism and the optimizer against the single-process reference (gloo, CPU, fp32).
+
+Reference: `build_model(cfg, seed)` trained in one process on the whole global batch with
+torch.optim.AdamW (same decay rule, same warmup-cosine LR) and torch.nn.utils.clip_grad_norm_.
+Each DP rank takes its share of the rows; loss = sum CE / global token count, so summed
+gradients equal the reference's.
+
+Tolerance: the only difference is the order in which fp32 partial gradients are added (per-rank
+sums, then the collective), ~1e-7 relative per gradient. Adam divides by sqrt(v), which can
+amplify that on near-zero gradients, so parameters are compared at atol=rtol=1e-5 after a few
+steps (observed max differences are ~1e-7); the clipped norm at rtol=1e-5.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from core.config import ModelConfig
+from core.mesh import ParallelMesh
+from core.model import AttentionMeta, build_model
+from core.optim import AdamW, WarmupCosine, clip_grad_norm_, uses_weight_decay
+from core.parallel.data import apply_data_parallel, chunk_bounds, zero_shard_dim
+from tests.distributed import run_distributed
+
+CFG = dict(vocab_size=66, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=54)  # 66, 54: uneven ZeRO chunks
+NUMEL = sum(p.numel() for p in build_model(ModelConfig(**CFG), seed=7).parameters())
+ROWS, SEQ = 8, 12
+HYPER = dict(lr=1e-2, min_lr=1e-3, warmup=2, max_steps=6, wd=0.1, betas=(0.9, 0.95), eps=1e-8)
+
+
+def global_batch(step: int, rows: int = ROWS, seq: int = SEQ, vocab: int = CFG["vocab_size"]):
+    """Random rows (one document each) with ~15% of labels ignored, so ranks' token counts differ."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (rows, seq + 1), generator=g)
+    labels = tokens[:, 1:].clone()
+    labels[torch.rand(rows, seq, generator=g) < 0.15] = -100
+    return tokens[:, :-1], labels
+
+
+def batch_loss(model, inputs, labels, global_count):
+    """Sum cross entropy over a packed micro-batch of rows, divided by the global label count."""
+    rows, seq = inputs.shape
+    meta = AttentionMeta(cu_seqlens=torch.arange(rows + 1, dtype=torch.int32) * seq, max_seqlen=seq)
+    logits = model(inputs.reshape(-1), torch.arange(seq).repeat(rows), meta)
+    return F.cross_entropy(logits.float(), labels.reshape(-1), ignore_index=-100, reduction="sum") / global_count
+
+
+def reference_run(steps: int, clip: float | None, start_params=None):
+    """Single process, torch.optim.AdamW: (losses, grad norms, final params)."""
+    model = build_model(ModelConfig(**CFG), seed=7)
+    decay = [p for p in model.parameters() if uses_weight_decay(p)]
+    no_decay = [p for p in model.parameters() if not uses_weight_decay(p)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": HYPER["wd"]}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
+    sched = WarmupCosine(SimpleNamespace(lr=0.0), HYPER["lr"], HYPER["min_lr"], HYPER["warmup"], HYPER["max_steps"])
+    losses, norms = [], []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = sched.lr_at(step)
+        inputs, labels = global_batch(step)
+        loss = batch_loss(model, inputs, labels, (labels != -100).sum())
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def make_trainer(mesh, *, zero=True, bucket_mb=0.01, param_dtype=torch.float32):
+    model = build_model(ModelConfig(**CFG), seed=7)
+    dp = apply_data_parallel(model, mesh, bucket_mb=bucket_mb, distributed_optimizer=zero, param_dtype=param_dtype)
+    opt = AdamW(dp, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["wd"])
+    sched = WarmupCosine(opt, HYPER["lr"], HYPER["min_lr"], HYPER["warmup"], HYPER["max_steps"])
+    return model, dp, opt, sched
+
+
+def train_steps(model, dp, opt, sched, mesh, steps, *, accum=1, clip=None, start=0):
+    """DP training: rank takes rows [r*B/dp, (r+1)*B/dp), split into `accum` micro-batches;
+    only the last one synchronises. Returns (global losses, grad norms)."""
+    dp_size, dp_rank = mesh.size("dp_cp"), mesh.coordinate("dp")
+    losses, norms = [], []
+    for step in range(start, start + steps):
+        inputs, labels = global_batch(step)
+        count = (labels != -100).sum()
+        rows = ROWS // dp_size
+        mine_in, mine_lab = inputs[dp_rank * rows:(dp_rank + 1) * rows], labels[dp_rank * rows:(dp_rank + 1) * rows]
+        micro = rows // accum
+        total = torch.zeros(())
+        for k in range(accum):
+            sync = contextlib.nullcontext() if k == accum - 1 else dp.no_sync()
+            with sync:
+                loss = batch_loss(model, mine_in[k * micro:(k + 1) * micro], mine_lab[k * micro:(k + 1) * micro], count)
+                loss.backward()
+            total += loss.detach()
+        dp.finish_grad_sync()
+        norms.append(float(clip_grad_norm_(dp, clip, mesh)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if mesh.distributed:
+            dist.all_reduce(total, group=mesh.group("dp_cp"))
+        losses.append(float(total))
+    return losses, norms
+
+
+def full_params(model):
+    # numpy, not tensors: tensors cross the result queue by shared-memory handles that die with the worker.
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------------------- workers
+def _dp_worker(rank, world, variants):
+    mesh = ParallelMesh.build(dp=world)
+    out = {}
+    for name, kw in variants.items():
+        model, dp, opt, sched = make_trainer(mesh, zero=kw.get("zero", True), bucket_mb=kw.get("bucket_mb", 0.01))
+        if kw.get("fallback"):
+            dp.use_reduce_scatter = False
+        losses, norms = train_steps(model, dp, opt, sched, mesh, kw["steps"], accum=kw.get("accum", 1), clip=kw.get("clip"))
+        out[name] = dict(losses=losses, norms=norms, params=full_params(model) if rank == 0 else None,
+                         state_bytes=opt.state_bytes(), buckets=len(dp.buckets), stats=dict(dp.stats))
+        dp.remove()
+    # bf16 params: fp32 masters are separate copies (only bytes measured; no training on CPU).
+    out["bf16_state_bytes"] = make_trainer(mesh, param_dtype=torch.bfloat16)[2].state_bytes()
+    return out
+
+
+def _check_state_bytes(results, dp):
+    """ZeRO-1 state per rank is 1/dp of the unsharded state, up to uneven chunking (a rank
+    holds at most ceil(dim/dp) rows of a param), and the ranks' shares sum to it exactly."""
+    for key, per_elem in (("zero", 8), ("bf16_state_bytes", 12)):
+        shares = [r[key]["state_bytes"] if key == "zero" else r[key] for r in results]
+        assert sum(shares) == per_elem * NUMEL, (key, shares)
+        assert max(shares) <= per_elem * NUMEL / dp * 1.1, (key, shares)
+        print(f"optimizer state bytes per rank, dp={dp}, {'fp32' if per_elem == 8 else 'bf16'}: {shares}")
+
+
+def _check_against_reference(result, steps, clip):
+    ref_losses, ref_norms, ref_params = reference_run(steps, clip)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=1e-7)
+    worst = max(float((torch.from_numpy(result["params"][n]) - ref).abs().max()) for n, ref in ref_params.items())
+    print(f"max |param - reference| after {steps} steps: {worst:.2e}")
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(torch.from_numpy(result["params"][name]), ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_dp2_plain_zero_accumulation_and_fallback_match_single_process():
+    variants = {
+        "zero": dict(steps=4),
+        "plain": dict(steps=4, zero=False),
+        "zero_accum2": dict(steps=4, accum=2, clip=0.3),
+        "zero_allreduce_fallback": dict(steps=3, fallback=True),
+    }
+    results = run_distributed(_dp_worker, 2, variants)
+    for name, kw in variants.items():
+        _check_against_reference(results[0][name], kw["steps"], kw.get("clip"))
+        assert results[0][name]["losses"] == results[1][name]["losses"]
+    # Several buckets, all launched from backward hooks (overlap), none left to finish.
+    stats = results[0]["zero"]["stats"]
+    assert results[0]["zero"]["buckets"] >= 4
+    assert stats["launched_in_backward"] == 4 * results[0]["zero"]["buckets"] and stats["launched_at_finish"] == 0
+    # Clipping really clipped (norm above max) and still matched the reference.
+    assert min(results[0]["zero_accum2"]["norms"]) > 0.3
+    _check_state_bytes(results, 2)
+
+
+DP4_VARIANTS = {"zero": dict(steps=3, clip=0.2), "plain": dict(steps=1, zero=False)}
+
+
+def _world4_worker(rank, world):
+    """One spawn of 4 processes serves three tests (process start-up dominates their cost)."""
+    return {"dp4": _dp_worker(rank, world, DP4_VARIANTS), "tp": _toy_tp_worker(rank, world), "expert": _expert_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_distributed(_world4_worker, 4)
+
+
+def test_dp4_zero_with_clipping_matches_single_process_and_state_shrinks(world4):
+    results = [r["dp4"] for r in world4]
+    _check_against_reference(results[0]["zero"], 3, 0.2)
+    _check_against_reference(results[0]["plain"], 1, None)
+    assert min(results[0]["zero"]["norms"]) > 0.2
+    assert results[0]["plain"]["state_bytes"] == 8 * NUMEL  # unsharded: every rank holds it all
+    _check_state_bytes(results, 4)
+
+
+def test_optimizer_state_bytes_at_dp1():
+    # fp32: two fp32 moments per element, the master is the param itself; bf16 adds an fp32
+    # master copy. dp=2 and dp=4 are measured in the spawned tests above (1/dp of these).
+    mesh = ParallelMesh.build()
+    assert make_trainer(mesh)[2].state_bytes() == 8 * NUMEL
+    assert make_trainer(mesh, param_dtype=torch.bfloat16)[2].state_bytes() == 12 * NUMEL
+    print(f"optimizer state bytes per rank, dp=1: fp32 {8 * NUMEL}, bf16 {12 * NUMEL} ({NUMEL} params)")
+
+
+# ---------------------------------------------------------------- TP / SP / expert attributes
+class ToyTP(nn.Module):
+    """Pieces p of a global batch use row-slice t = p % 2 of W [4,3] and column-slice t of
+    V [3,4]; g [3] scales inputs (a norm-like weight). Under tp=2 each rank holds slice t =
+    tp rank (tp_shard_dim 0 / 1) and its tokens, so g's grads are sequence-parallel partials."""
+
+    def __init__(self, tp: int, tp_rank: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        w, v, gain = torch.randn(4, 3, generator=g), torch.randn(3, 4, generator=g), 1 + 0.1 * torch.randn(3, generator=g)
+        rows = slice(2 * tp_rank, 2 * tp_rank + 2) if tp == 2 else slice(None)
+        self.w, self.v, self.g = nn.Parameter(w[rows].clone()), nn.Parameter(v[:, rows].clone()), nn.Parameter(gain)
+        self.w.tp_shard_dim, self.w.tp_full_shape = 0, (4, 3)
+        self.v.tp_shard_dim, self.v.tp_full_shape = 1, (3, 4)
+        self.g.tp_shard_dim, self.g.sequence_parallel_partial = None, tp > 1
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor, piece: int) -> torch.Tensor:
+        t = piece % 2
+        w = self.w if self.tp == 2 else self.w[2 * t:2 * t + 2]
+        v = self.v if self.tp == 2 else self.v[:, 2 * t:2 * t + 2]
+        return torch.tanh(v @ torch.tanh(w @ (self.g * x).T)).sum()
+
+
+def toy_pieces(step: int):
+    g = torch.Generator().manual_seed(50 + step)
+    return [torch.randn(5, 3, generator=g) for _ in range(4)]
+
+
+def toy_train(model, dp, opt, mesh, steps, start=0, clip=0.5):
+    """Rank (d, t) handles piece 2d + t at tp=2; rank d handles piece d at tp=1 (dp=4)."""
+    losses = []
+    piece = 2 * mesh.coordinate("dp") + mesh.coordinate("tp") if mesh.tp == 2 else mesh.coordinate("dp")
+    for step in range(start, start + steps):
+        loss = model(toy_pieces(step)[piece], piece)
+        loss.backward()
+        clip_grad_norm_(dp, clip, mesh)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total))
+    return losses
+
+
+def toy_reference(steps, clip=0.5):
+    model = ToyTP(1, 0)
+    opt = torch.optim.AdamW([{"params": [model.w, model.v], "weight_decay": 0.1}, {"params": [model.g], "weight_decay": 0.0}],
+                            lr=0.05, betas=(0.9, 0.95))
+    losses = []
+    for step in range(steps):
+        loss = sum(model(x, p) for p, x in enumerate(toy_pieces(step)))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, model
+
+
+def _toy_tp_worker(rank, world):
+    mesh = ParallelMesh.build(dp=2, tp=2)
+    model = ToyTP(2, mesh.coordinate("tp"))
+    dp = apply_data_parallel(model, mesh)
+    # ZeRO dims avoid the TP dims: w (tp dim 0) -> 1, v (tp dim 1) -> 0, g -> 0.
+    assert [s.shard_dim for s in dp.slots] == [1, 0, 0]
+    opt = AdamW(dp, lr=0.05, weight_decay=0.1)
+    losses = toy_train(model, dp, opt, mesh, 3)
+    return losses, *(p.detach().numpy().copy() for p in (model.w, model.v, model.g))
+
+
+def test_tp_sharded_and_sequence_parallel_params_reduce_and_clip_like_single_process(world4):
+    ref_losses, ref = toy_reference(3)
+    results = [r["tp"] for r in world4]
+    for rank, (losses, *params) in enumerate(results):
+        w, v, g = map(torch.from_numpy, params)
+        t = rank % 2
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w, ref.w.detach()[2 * t:2 * t + 2], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v, ref.v.detach()[:, 2 * t:2 * t + 2], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g, ref.g.detach(), rtol=1e-5, atol=1e-6)
+
+
+class ToyExpert(nn.Module):
+    """Dense w [4,3], norm-like g [3], and one expert row x [1,3] of a global X [2,3] sharded
+    over ep (ep_shard_dim 0); rank with expert index e uses X[e]."""
+
+    def __init__(self, experts: slice):
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.w, self.g = nn.Parameter(torch.randn(4, 3, generator=g)), nn.Parameter(torch.ones(3))
+        self.x = nn.Parameter(torch.randn(2, 3, generator=g)[experts].clone())
+        self.x.expert_parallel = experts != slice(None)
+
+    def forward(self, inp: torch.Tensor, expert: int) -> torch.Tensor:
+        x = self.x[expert] if self.x.shape[0] == 2 else self.x[0]
+        h = inp * self.g
+        return torch.tanh(h @ self.w.T).sum() + (torch.tanh(h) * x).sum() ** 2
+
+
+def _expert_worker(rank, world):
+    mesh = ParallelMesh.build(dp=4, ep=2)
+    e = mesh.coordinate("ep")
+    model = ToyExpert(slice(e, e + 1))
+    dp = apply_data_parallel(model, mesh)
+    assert [(s.group_name, s.group_size, s.shard_dim) for s in dp.slots] == [("dp_cp", 4, 0), ("dp_cp", 4, 0), ("edp", 2, 1)]
+    opt = AdamW(dp, lr=0.05, weight_decay=0.1)
+    norms = []
+    for step in range(3):
+        inp = toy_pieces(step)[rank]
+        model(inp, e).backward()
+        norms.append(float(clip_grad_norm_(dp, 0.5, mesh)))
+        opt.step()
+        opt.zero_grad()
+    return norms, *(p.detach().numpy().copy() for p in (model.w, model.x))
+
+
+def test_expert_params_reduce_over_edp_and_count_once_in_the_norm(world4):
+    ref = ToyExpert(slice(None))
+    opt = torch.optim.AdamW([{"params": [ref.w, ref.x], "weight_decay": 0.1}, {"params": [ref.g], "weight_decay": 0.0}],
+                            lr=0.05, betas=(0.9, 0.95))
+    ref_norms = []
+    for step in range(3):
+        # ep index of dp rank i is i % 2 (MoE folding: expert rank = i % ep).
+        sum(ref(x, i % 2) for i, x in enumerate(toy_pieces(step))).backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+    results = [r["expert"] for r in world4]
+    for rank, (norms, *params) in enumerate(results):
+        w, x = map(torch.from_numpy, params)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w, ref.w.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x, ref.x.detach()[rank % 2:rank % 2 + 1], rtol=1e-5, atol=1e-6)
+    assert max(ref_norms) > 0.5  # clipping was active
+
+
+# ------------------------------------------------------------------------------- units
+def test_chunking_layout_and_errors():
+    assert chunk_bounds(5, 4) == [(0, 2), (2, 2), (4, 1), (5, 0)]  # torch.chunk + trailing empty
+    assert [n for _, n in chunk_bounds(66, 4)] == [17, 17, 17, 15]
+    p = nn.Parameter(torch.zeros(4, 6))
+    assert zero_shard_dim(p) == 0
+    p.tp_shard_dim = 0
+    assert zero_shard_dim(p) == 1
+    bias = nn.Parameter(torch.zeros(4))
+    bias.tp_shard_dim = 0
+    assert zero_shard_dim(bias) is None
+    mesh = ParallelMesh.build()
+    with pytest.raises(ValueError, match="grad_reduce='avg' must be one of sum, mean"):
+        apply_data_parallel(nn.Linear(2, 2), mesh, grad_reduce="avg")
+    with pytest.raises(ValueError, match="bucket_mb=0 must be a positive"):
+        apply_data_parallel(nn.Linear(2, 2), mesh, bucket_mb=0)
+    with pytest.raises(ValueError, match="min_lr=1.0 must lie between 0 and lr=0.1"):
+        WarmupCosine(SimpleNamespace(lr=0), 0.1, 1.0, 0, 10)
+
+
+def test_schedule_and_accumulation_errors_single_process():
+    sched = WarmupCosine(SimpleNamespace(lr=0.0), 1.0, 0.1, 4, 14)
+    assert [round(sched.lr_at(s), 6) for s in (0, 3, 4, 9, 14, 20)] == [0.25, 1.0, 1.0, 0.55, 0.1, 0.1]
+    sched.step()
+    sched.step()
+    assert sched.optimizer.lr == 0.75 and sched.state_dict()["last_step"] == 2
+    # Without no_sync on the first micro-batch, the second would reduce twice: a clear error.
+    model, dp, opt, _ = make_trainer(ParallelMesh.build())
+    inputs, labels = global_batch(0)
+    batch_loss(model, inputs[:4], labels[:4], 100).backward()
+    with pytest.raises(RuntimeError, match="arrived twice.*no_sync"):
+        batch_loss(model, inputs[4:], labels[4:], 100).backward()
