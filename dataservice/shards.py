@@ -287,6 +287,8 @@ def load_manifest(path: pathlib.Path) -> dict:
     for key in ("tokenizer", "token_dtype", "shards", "index_checksum", "fingerprint", "counts"):
         if key not in manifest:
             raise DatasetError(f"{str(mpath)!r} lacks the field {key!r}")
+    if manifest["token_dtype"] not in ("uint16", "uint32"):
+        raise DatasetError(f"{str(mpath)!r} has token_dtype {manifest['token_dtype']!r}; expected 'uint16' or 'uint32'")
     return manifest
 
 
