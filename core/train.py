@@ -79,6 +79,10 @@ def train(config: Config, resume: bool = False) -> list[dict]:
     stream = open_stream(config, mesh, address, resume_token)
 
     accum = grad_accum_steps(config)
+    if config.model.moe.num_experts:
+        from moe.layer import set_moe_loss_scale
+
+        set_moe_loss_scale(model, accum * mesh.size("dp_cp"))
     tp_group = mesh.group("tp") if p.tp > 1 else None
     reduce_group = mesh.group("dp_cp") if mesh.size("dp_cp") > 1 else None
     writer = MetricsWriter(run_dir, enabled=rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard)
@@ -97,12 +101,15 @@ def train(config: Config, resume: bool = False) -> list[dict]:
             global_labels, global_tokens = _all_reduce_sum([local_labels, local_tokens], reduce_group, device)
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
             for i, m in enumerate(micro):
-                with grads.sync_context(last=i == accum - 1), autocast:
-                    logits = model(m.tokens, m.position_ids, m.meta)
-                    part, _ = cross_entropy_sum(logits, m.labels, tp_group)
-                (part / max(global_labels, 1.0)).backward()
+                _set_sequences(model, m.meta.cu_seqlens)
+                with grads.sync_context(last=i == accum - 1):
+                    with autocast:
+                        logits = model(m.tokens, m.position_ids, m.meta)
+                        part, _ = cross_entropy_sum(logits, m.labels, tp_group)
+                    (part / max(global_labels, 1.0)).backward()
                 loss_sum += part.detach()
             grad_norm = grads.finish_and_clip(t.grad_clip)
+            lr = optimizer.lr
             optimizer.step()
             scheduler.step()
             grads.zero_grad()
@@ -115,7 +122,7 @@ def train(config: Config, resume: bool = False) -> list[dict]:
                 "step": step,
                 "loss": loss,
                 "grad_norm": float(grad_norm),
-                "lr": scheduler.last_lr,
+                "lr": lr,
                 "tokens_per_s": global_tokens / elapsed,
                 "mfu": (flops_token * global_tokens / elapsed / (peak * world)) if peak else None,
                 "mem_gb": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else _rss_gb(),
@@ -149,11 +156,18 @@ def _save(ckpt_dir, step, model, optimizer, scheduler, mesh, stream, config) -> 
         print(f"checkpoint: {path}", flush=True)
 
 
+def _set_sequences(model, cu_seqlens) -> None:
+    if model.cfg.moe.num_experts:
+        from moe.layer import set_moe_sequences
+
+        set_moe_sequences(model, cu_seqlens)
+
+
 def _moe_metrics(model) -> dict:
-    try:
-        from moe.layer import moe_metrics
-    except ImportError:
+    if not model.cfg.moe.num_experts:
         return {}
+    from moe.layer import moe_metrics
+
     return moe_metrics(model)
 
 

@@ -1,0 +1,85 @@
+"""Where the parallelisms compose: one function applies each step to the plain model in order.
+
+    tensor (+sequence) -> experts -> context -> recompute -> device/compile -> data (+ZeRO-1)
+
+Each step is a function of its own module that rewrites the plain model in place; this
+file only fixes their order and hands the training loop what it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from core.config import Config
+from core.mesh import ParallelMesh
+from core.parallel.recompute import apply_recompute
+
+
+@dataclass
+class GradControl:
+    """The loop's handle on gradients: when to communicate, when to clip, when to clear."""
+
+    dp: "object"  # core.parallel.data.DataParallel
+    mesh: ParallelMesh
+    model: nn.Module
+
+    uses_autocast: bool = False  # params are already in the compute dtype
+
+    def sync_context(self, last: bool):
+        """Micro-batches before the last accumulate without communication."""
+        return contextlib.nullcontext() if last else self.dp.no_sync()
+
+    def finish_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Wait for the reductions, then clip by the global norm over every parallel group."""
+        from core.optim import clip_grad_norm_
+
+        self.dp.finish_grad_sync()
+        _after_grad_sync(self.model, self.mesh)
+        return clip_grad_norm_(self.dp, max_norm, self.mesh)
+
+    def zero_grad(self) -> None:
+        self.dp.zero_grad()
+
+
+def _after_grad_sync(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Expert-bias updates read loads that are final only once the step's grads are in."""
+    try:
+        from moe.layer import moe_layers, update_expert_bias
+    except ImportError:
+        return
+    if moe_layers(model):
+        update_expert_bias(model, mesh)
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: torch.device, precision: str):
+    """Apply every configured parallelism; returns (model, optimizer, scheduler, grads)."""
+    from core.optim import build_optimizer
+    from core.parallel.data import apply_data_parallel
+
+    p, t = config.parallel, config.train
+    if mesh.tp > 1:
+        from core.parallel.tensor import apply_tp
+
+        apply_tp(model, mesh, sequence_parallel=p.sequence_parallel)
+    if config.model.moe.num_experts:
+        from moe.parallel import apply_ep
+
+        apply_ep(model, mesh, etp=p.etp, sequence_parallel=p.sequence_parallel)
+    if mesh.cp > 1:
+        from core.parallel.context import apply_cp
+
+        apply_cp(model, mesh)
+    apply_recompute(model, t.recompute)
+    model.to(device)
+    if t.compile:
+        for block in model.layers.values():
+            block.compile()
+    param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
+    dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
+                             param_dtype=param_dtype)
+    optimizer, scheduler = build_optimizer(dp, t)
+    return model, optimizer, scheduler, GradControl(dp, mesh, model)
