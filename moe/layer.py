@@ -14,11 +14,14 @@ objective becomes
 
     main loss + mean over the N local losses of (aux_coeff * aux + z_coeff * z)
 
-where N = micro-batches per step x dp x cp ranks (x tp under tensor parallelism: the layer
-accounts for tp itself). The loop states its N once: `set_moe_loss_scale(model, accum * dp * cp)`;
-the default N = 1 is right for one process and one micro-batch.
+where N = micro-batches per step x dp x cp ranks, and each local loss is that of one
+micro-batch on one data-parallel rank (the same as the single-process model computes on that
+micro-batch). Tensor parallelism needs no change to N: the layer divides the work itself.
+The loop states its N once: `set_moe_loss_scale(model, accum * dp * cp)`; the default
+N = 1 is right for one process and one micro-batch.
 
-Per-sequence balancing needs the sequence boundaries of the tokens in x: the loop calls
+Per-sequence balancing needs the sequence boundaries of the micro-batch this rank runs (the
+model's `meta.cu_seqlens`, also under sequence parallelism): the loop calls
 `set_moe_sequences(model, cu_seqlens)` before each forward (any boundaries it chooses: rows
 or documents).
 
@@ -37,6 +40,7 @@ from core.config import ModelConfig
 from core.model import FeedForward
 from core.parallel.comm import (
     all_gather_tokens,
+    all_reduce,
     copy_to_group,
     reduce_from_group,
     reduce_scatter_tokens,
@@ -44,7 +48,7 @@ from core.parallel.comm import (
 )
 from moe.dispatcher import build_dispatcher
 from moe.experts import GroupedExperts
-from moe.router import Routing, TopKRouter, check_moe_config, load_balancing_loss, sequence_load_balancing_loss, z_loss
+from moe.router import Routing, TopKRouter, balancing_loss_from_stats, balancing_stats, check_moe_config, sequence_ids
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -104,7 +108,9 @@ class MoELayer(nn.Module):
         if shared is not None:
             y = y + self._shared_finish(*shared)
         if loss is not None and torch.is_grad_enabled() and loss.requires_grad:
-            y = _AttachLoss.apply(y, loss, 1.0 / (self.aux_loss_divisor * self.tp_size))
+            # "sharded" TP: every TP rank holds the same whole loss, the TP sum counts it once.
+            tp_share = self.tp_size if self.tp_mode == "sharded" else 1
+            y = _AttachLoss.apply(y, loss, 1.0 / (self.aux_loss_divisor * tp_share))
         if self.training and not _in_recompute():
             self._record(routing, parts)
         return self._leave_tp(y)
@@ -128,40 +134,62 @@ class MoELayer(nn.Module):
             return reduce_scatter_tokens(y, self.tp_group) if self.sequence_parallel else reduce_from_group(y, self.tp_group)
         return y
 
-    def _aux_loss(self, routing: Routing, token_offset: int, num_tokens: int):
+    def _aux_loss(self, routing: Routing, token_offset: int, n: int):
+        """(the loss term to attach or None, detached values for the metrics).
+
+        In "split" TP mode x is one shard of the micro-batch: the counts (and, for the
+        metrics, the other sums) are summed over TP in one small all-reduce, and each rank's
+        term is its share of the whole micro-batch's loss; the shares add up over TP, so the
+        result equals the single-process loss on the micro-batch."""
         moe, parts = self.moe, {}
-        loss = None
-        if moe.aux_loss_coeff > 0:
-            k = moe.top_k
+        aux_on, z_on = moe.aux_loss_coeff > 0, moe.z_loss_coeff > 0
+        if not (aux_on or z_on):
+            return None, parts
+        split = self.tp_mode == "split"
+        total = n * self.tp_size if split else n
+        device = routing.probs.device
+        sums = []
+        if aux_on:
             if moe.aux_loss_per_sequence:
-                cu = self._local_boundaries(token_offset, num_tokens)
-                parts["aux_loss"] = sequence_load_balancing_loss(routing.probs, routing.indices, cu, k)
+                cu = self._boundaries(total).to(device)
             else:
-                parts["aux_loss"] = load_balancing_loss(routing.probs, routing.tokens_per_expert, k)
-            loss = moe.aux_loss_coeff * parts["aux_loss"]
-        if moe.z_loss_coeff > 0:
-            parts["z_loss"] = z_loss(routing.logits)
-            term = moe.z_loss_coeff * parts["z_loss"]
+                cu = torch.tensor([0, total], device=device)
+            nseq = cu.numel() - 1
+            counts, prob_sums = balancing_stats(routing.probs, routing.indices, sequence_ids(cu, token_offset, n), nseq)
+            sums += [counts.reshape(-1), prob_sums.detach().reshape(-1)]
+        if z_on:
+            z_sum = torch.logsumexp(routing.logits, dim=-1).square().sum()
+            sums.append(z_sum.detach().view(1))
+        full = torch.cat(sums)
+        if split:
+            full = all_reduce(full, self.tp_group)
+        loss = None
+        if aux_on:
+            e = self.moe.num_experts
+            counts_full = full[: nseq * e].view(nseq, e)
+            lengths = cu[1:] - cu[:-1]
+            loss = moe.aux_loss_coeff * balancing_loss_from_stats(counts_full, prob_sums, lengths, moe.top_k)
+            parts["aux_loss"] = balancing_loss_from_stats(counts_full, full[nseq * e: 2 * nseq * e].view(nseq, e), lengths, moe.top_k)
+        if z_on:
+            term = moe.z_loss_coeff * z_sum / total
             loss = term if loss is None else loss + term
+            parts["z_loss"] = full[-1] / total
         return loss, parts
 
-    def _local_boundaries(self, start: int, n: int) -> torch.Tensor:
+    def _boundaries(self, total: int) -> torch.Tensor:
         cu = self.cu_seqlens
         if cu is None:
             raise ValueError(
                 f"MoE layer {self.layer_id}: model.moe.aux_loss_per_sequence needs the sequence boundaries; "
                 "call moe.layer.set_moe_sequences(model, cu_seqlens) before the forward"
             )
-        cu = cu.to(device=self.router.weight.device, dtype=torch.int64)
-        total = int(cu[-1])
-        # In "split" TP mode x holds one TP shard of the micro-batch the boundaries cover.
-        expected = n * self.tp_size if self.tp_mode == "split" else n
-        if total != expected:
+        cu = cu.to(dtype=torch.int64)
+        if int(cu[-1]) != total:
             raise ValueError(
-                f"MoE layer {self.layer_id}: cu_seqlens covers {total} tokens but {expected} were expected; "
+                f"MoE layer {self.layer_id}: cu_seqlens covers {int(cu[-1])} tokens but the micro-batch has {total}; "
                 "pass the boundaries of this rank's micro-batch to set_moe_sequences"
             )
-        return torch.unique_consecutive((cu - start).clamp(0, n))
+        return cu
 
     def _shared_start(self, x: torch.Tensor):
         """Start the shared experts; on GPU on a side stream so they overlap the dispatch."""

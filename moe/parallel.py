@@ -12,7 +12,9 @@ With tensor parallelism (tp > 1), two expert layouts:
   shard, or a 1/tp slice of the replicated tokens) through an ep group of its TP coordinate;
   experts are replicated over TP. Router, expert and shared-expert parameters then see
   different tokens on each TP rank: they carry `sequence_parallel_partial = True`, so
-  `core.parallel.tensor.sync_sequence_parallel_grads` sums them over TP. No TP traffic.
+  `core.parallel.tensor.sync_sequence_parallel_grads` sums them over TP. The only TP traffic
+  is one all-reduce of the balancing statistics (2 x E floats), so the aux loss is that of
+  the whole micro-batch. Capacity, if set, applies to each TP rank's share of the tokens.
 - etp = tp ("sharded"): TP ranks gather the same tokens, route them identically, and each
   computes a 1/tp slice of every expert's (and the shared experts') hidden size; the partial
   outputs are all-reduced (or reduce-scattered under SP) once, after the combine. The router's

@@ -145,18 +145,36 @@ def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, to
     return (probs.sum(0) * tokens_per_expert.to(probs.dtype)).sum() * (e / (top_k * max(t, 1) ** 2))
 
 
+def balancing_stats(probs: torch.Tensor, indices: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (sequence, expert): assignments [S, E] and sums of probabilities [S, E] over the
+    given tokens. Both are sums over tokens, so shards of a sequence add up (TP "split")."""
+    t, e = probs.shape
+    counts = torch.zeros(num_seqs * e, dtype=probs.dtype, device=probs.device)
+    flat = (seq_ids.unsqueeze(1) * e + indices).reshape(-1)
+    counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=probs.dtype, device=probs.device))
+    prob_sums = torch.zeros(num_seqs, e, dtype=probs.dtype, device=probs.device).index_add(0, seq_ids, probs)
+    return counts.view(num_seqs, e), prob_sums
+
+
+def balancing_loss_from_stats(counts: torch.Tensor, prob_sums: torch.Tensor, lengths: torch.Tensor, top_k: int) -> torch.Tensor:
+    """mean over sequences s of E / (k n_s^2) * sum_e counts[s, e] * prob_sums[s, e]. Linear in
+    prob_sums: with the full counts, the losses of token shards sum to the full loss."""
+    e = counts.shape[1]
+    n = lengths.to(prob_sums.dtype).clamp_min(1)
+    return ((counts * prob_sums).sum(-1) * (e / top_k) / (n * n)).mean()
+
+
+def sequence_ids(cu_seqlens: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """Sequence index of tokens start .. start+n-1 of a micro-batch with boundaries cu_seqlens."""
+    positions = torch.arange(start, start + n, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+
+
 def sequence_load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, cu_seqlens: torch.Tensor, top_k: int) -> torch.Tensor:
     """The switch loss within each sequence [cu[i], cu[i+1]), averaged over sequences."""
-    t, e = probs.shape
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    nseq = lengths.numel()
-    seq_id = torch.repeat_interleave(torch.arange(nseq, device=probs.device), lengths, output_size=t)
-    counts = torch.zeros(nseq * e, dtype=probs.dtype, device=probs.device)
-    counts.index_add_(0, (seq_id.unsqueeze(1) * e + indices).reshape(-1), torch.ones(indices.numel(), dtype=probs.dtype, device=probs.device))
-    prob_sums = torch.zeros(nseq, e, dtype=probs.dtype, device=probs.device).index_add(0, seq_id, probs)
-    n = lengths.to(probs.dtype).clamp_min(1)
-    per_seq = (counts.view(nseq, e) * prob_sums).sum(-1) * e / (top_k * n * n)
-    return per_seq.mean()
+    cu = cu_seqlens.to(device=probs.device, dtype=torch.int64)
+    counts, prob_sums = balancing_stats(probs, indices, sequence_ids(cu, 0, probs.shape[0]), cu.numel() - 1)
+    return balancing_loss_from_stats(counts, prob_sums, cu[1:] - cu[:-1], top_k)
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
