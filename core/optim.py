@@ -124,12 +124,15 @@ def clip_grad_norm_(dp: DataParallel, max_norm: float | None, mesh: ParallelMesh
     norm before clipping (a tensor: no host sync). Each unique gradient element is counted
     once over the whole mesh: TP-replicated params on tp rank 0 only, unsharded grads on rank 0
     of their reduction group only (ZeRO chunks, TP shards, expert shards and pipeline stages are
-    disjoint). One all-reduce over all ranks."""
+    disjoint; the last stage's copy of a tied embedding, tagged `pp_tied_duplicate`, is skipped).
+    One all-reduce over all ranks."""
     dp.finish_grad_sync()
     tp_rank = mesh.coordinate("tp")
     counted = [
         s.shard_grad for s in dp.slots
-        if s.counts_in_norm and (getattr(s.param, "tp_shard_dim", None) is not None or tp_rank == 0)
+        if s.counts_in_norm
+        and (getattr(s.param, "tp_shard_dim", None) is not None or tp_rank == 0)
+        and not getattr(s.param, "pp_tied_duplicate", False)  # the first stage counts the tied weight
     ]
     if counted:
         total = torch.stack(torch._foreach_norm(counted)).square().sum()

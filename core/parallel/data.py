@@ -19,6 +19,11 @@ bucket's gradients are packed rank-major (rank j's chunks of all the bucket's pa
 padded to rank 0's length) and reduce-scattered in one collective; after the step,
 `gather_params()` all-gathers the updated chunks the same way.
 
+Other sums: params tagged `sequence_parallel_partial` get their reduced grads summed over TP
+(here, on main grads: `core.parallel.tensor.sync_sequence_parallel_grads` reads `.grad`, which
+this step frees), and copies of a weight tied across pipeline stages tagged `pp_tied_group`
+(the first/last-stage process group) over that group.
+
 Precision: params may be cast to `param_dtype` (bf16 on GPU); fp32 master weights are kept per
 local chunk (`slot.master`). With fp32 params the master IS the param's own chunk (a view), so
 nothing is duplicated.
@@ -325,6 +330,7 @@ class DataParallel:
                 bucket.fallback = False
             bucket.packed = None
         self._sum_sequence_parallel_grads()
+        self._sum_tied_copies()
         self._finished = True
 
     def _sum_sequence_parallel_grads(self) -> None:
@@ -336,6 +342,20 @@ class DataParallel:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.mesh.group("tp"))
         torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+    def _sum_tied_copies(self) -> None:
+        # A weight tied across pipeline stages (embedding on the first, output head on the last)
+        # lives as one copy per stage, tagged `pp_tied_group`: each copy's grad becomes the sum.
+        # Both copies have the same shape and dp group, so their ZeRO chunks line up.
+        by_group: dict = {}
+        for slot in self.slots:
+            group = getattr(slot.param, "pp_tied_group", None)
+            if group is not None:
+                by_group.setdefault(group, []).append(slot.shard_grad)
+        for group, grads in by_group.items():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def zero_grad(self) -> None:
         """Clear main grads and per-step bookkeeping; call after each optimizer step."""

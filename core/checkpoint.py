@@ -1,0 +1,266 @@
+"""Sharded, reshardable, atomic checkpoints on `torch.distributed.checkpoint` (DCP).
+
+What is saved (one flat DCP state dict, keys by parameter name, so any layout can load it):
+- `model.<name>`: the param as a DTensor on the tp mesh (`Shard(tp_shard_dim)` with global
+  shape `tp_full_shape`, else `Replicate`); expert params also `Shard(ep_shard_dim)` over ep.
+  Copies that are replicated across dp are written once (DCP deduplicates).
+- `optim.<name>.{master,exp_avg,exp_avg_sq}`: fp32 DTensors on the (dp_cp, tp) mesh
+  ((edp, ep, tp) for experts) with `Shard(zero_shard_dim)` over dp when the optimizer is
+  distributed, `Replicate` otherwise. A different tp/dp layout (or plain vs ZeRO) reshards on load.
+- `meta` (one pickled blob from rank 0): step, optimizer step count, scheduler state, the
+  caller's `extra` dict (e.g. the data client's resume token; rank 0's value is kept and every
+  rank gets it back), and the layout it was saved with.
+- `rng.pp{p}.dp{d}.cp{c}.tp{t}.{cpu,cuda}`: each rank's torch generator states, keyed by mesh
+  coordinates. On load a rank restores the state saved at its own coordinates when that
+  coordinate existed in the saved layout (same layout: everything; dp 2 -> 4: dp ranks 0-1), and
+  keeps its current generators otherwise; `load_checkpoint` logs how many ranks were restored.
+
+Atomicity: ranks write `DIR/step_000010.tmp/`; after a barrier rank 0 renames it to
+`DIR/step_000010/`, rewrites `DIR/latest` by temp file + os.replace, and prunes to the `keep`
+newest. A save killed at any point leaves `latest` and the previous checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from core.mesh import ParallelMesh
+from core.parallel.data import ParamSlot
+
+log = logging.getLogger(__name__)
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+FORMAT_VERSION = 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------- DTensor views
+def _meshes(mesh: ParallelMesh) -> dict:
+    """The device meshes the DTensors live on, sliced to this rank's pipeline stage."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not mesh.distributed:
+        return {}
+    dp_cp, tp = mesh.submesh("dp", "cp"), mesh.mesh["tp"]
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    dense = concatenate([dp_cp, tp]) if concatenate else mesh.mesh["dp_cp", "tp"]
+    return {"tp": tp, "dense": dense, "expert_model": mesh.expert_mesh["ep", "tp"], "expert": mesh.expert_mesh["edp", "ep", "tp"]}
+
+
+def _global_shape(param: torch.Tensor, mesh: ParallelMesh) -> list[int]:
+    """Shape before every split: `ep_full_shape` for experts, else `tp_full_shape`."""
+    if getattr(param, "expert_parallel", False):
+        if getattr(param, "ep_full_shape", None) is not None:
+            return list(param.ep_full_shape)
+        shape = list(getattr(param, "tp_full_shape", None) or param.shape)
+        shape[getattr(param, "ep_shard_dim", 0)] *= mesh.ep
+        return shape
+    return list(getattr(param, "tp_full_shape", None) or param.shape)
+
+
+def _placements(param: torch.Tensor, zero_dim: int | None, with_dp: bool) -> list:
+    from torch.distributed.tensor import Replicate, Shard
+
+    tp_dim = getattr(param, "tp_shard_dim", None)
+    out = [Shard(tp_dim) if tp_dim is not None else Replicate()]
+    if getattr(param, "expert_parallel", False):
+        out.insert(0, Shard(getattr(param, "ep_shard_dim", 0)))
+    if with_dp:
+        out.insert(0, Shard(zero_dim) if zero_dim is not None else Replicate())
+    return out
+
+
+def _as_global(local: torch.Tensor, param: torch.Tensor, mesh: ParallelMesh, meshes: dict, zero_dim: int | None, with_dp: bool):
+    """`local` as the DTensor whose global tensor is the full (un-TP, un-EP, un-ZeRO) param."""
+    if not mesh.distributed:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    expert = getattr(param, "expert_parallel", False)
+    device_mesh = meshes[("expert" if with_dp else "expert_model") if expert else ("dense" if with_dp else "tp")]
+    shape = _global_shape(param, mesh)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, device_mesh, _placements(param, zero_dim, with_dp), run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _rng_key(mesh: ParallelMesh) -> str:
+    return "rng." + ".".join(f"{n}{mesh.coordinate(n)}" for n in ("pp", "dp", "cp", "tp"))
+
+
+def _slot_entries(optimizer) -> list[tuple[ParamSlot, str, torch.Tensor]]:
+    out = []
+    for i, slot in enumerate(optimizer.dp.slots):
+        out += [(slot, "master", slot.master), (slot, "exp_avg", optimizer.exp_avg[i]), (slot, "exp_avg_sq", optimizer.exp_avg_sq[i])]
+    return out
+
+
+# ---------------------------------------------------------------------------- save
+def save_checkpoint(directory, step: int, model: nn.Module, optimizer, scheduler, mesh: ParallelMesh, extra: dict | None = None, keep: int = 2) -> Path:
+    """Collective: write a sharded checkpoint of step `step` atomically; returns its folder."""
+    if keep < 1:
+        raise ValueError(f"keep={keep} must be >= 1 (the number of newest checkpoints to keep)")
+    root = Path(directory)
+    name = f"step_{int(step):06d}"
+    final, tmp = root / name, root / (name + ".tmp")
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step_*.tmp"):  # leftovers of saves that died
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+
+    meshes = _meshes(mesh)
+    state: dict = {}
+    for pname, param in model.named_parameters():
+        state[f"model.{pname}"] = _as_global(param.detach(), param, mesh, meshes, None, with_dp=False)
+    for bname, buf in model.named_buffers():
+        state[f"buffer.{bname}"] = buf
+    if optimizer is not None:
+        for slot, kind, tensor in _slot_entries(optimizer):
+            state[f"optim.{slot.name}.{kind}"] = _as_global(tensor.detach().contiguous(), slot.param, mesh, meshes, slot.shard_dim, with_dp=True)
+    state[_rng_key(mesh) + ".cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state[_rng_key(mesh) + ".cuda"] = torch.cuda.get_rng_state()
+    if _rank() == 0:
+        meta = {
+            "format": FORMAT_VERSION, "step": int(step), "extra": extra or {},
+            "optimizer_step": optimizer.step_count if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "layout": {n: mesh.size(n) for n in ("pp", "dp", "cp", "tp", "ep")},
+        }
+        state["meta"] = pickle.dumps(meta)
+    dcp.save(state, checkpoint_id=str(tmp))
+    _barrier()
+
+    if _rank() == 0:
+        if final.exists():  # re-saving a step: keep the old copy until the new one is in place
+            old = root / (name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+        pointer = root / f"latest.tmp.{os.getpid()}"
+        with open(pointer, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer, root / "latest")
+        _fsync_dir(root)
+        _prune(root, keep, name)
+    _barrier()
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _complete_steps(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    for child in root.iterdir() if root.is_dir() else []:
+        match = _STEP_DIR.match(child.name)
+        if match and (child / ".metadata").is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def _prune(root: Path, keep: int, current: str) -> None:
+    for _, path in _complete_steps(root)[:-keep]:
+        if path.name != current:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def latest_checkpoint(directory) -> Path | None:
+    """The checkpoint `DIR/latest` names if it is complete; else the newest complete
+    `step_*` folder; None when there is none."""
+    root = Path(directory)
+    pointer = root / "latest"
+    if pointer.is_file():
+        path = root / pointer.read_text().strip()
+        if (path / ".metadata").is_file():
+            return path
+    steps = _complete_steps(root)
+    return steps[-1][1] if steps else None
+
+
+# ---------------------------------------------------------------------------- load
+def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: ParallelMesh) -> tuple[int, dict]:
+    """Collective: load a checkpoint saved at any tp/dp layout into this one; returns (step, extra)."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"'{path}' is not a complete checkpoint (no .metadata); latest_checkpoint(dir) finds one")
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    meshes = _meshes(mesh)
+    state: dict = {"meta": b""}
+    for pname, param in model.named_parameters():
+        _require(saved, f"model.{pname}", path)
+        state[f"model.{pname}"] = _as_global(param.data, param, mesh, meshes, None, with_dp=False)
+    for bname, buf in model.named_buffers():
+        if f"buffer.{bname}" in saved:
+            state[f"buffer.{bname}"] = buf
+    aliased = []  # fp32 masters that are views of the params: load into a temporary, copy after
+    if optimizer is not None:
+        for slot, kind, tensor in _slot_entries(optimizer):
+            key = f"optim.{slot.name}.{kind}"
+            _require(saved, key, path)
+            target = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            if target is not tensor:
+                aliased.append((tensor, target))
+            state[key] = _as_global(target, slot.param, mesh, meshes, slot.shard_dim, with_dp=True)
+    rng = _rng_key(mesh)
+    for kind in ("cpu", "cuda"):
+        if f"{rng}.{kind}" in saved and (kind == "cpu" or torch.cuda.is_available()):
+            state[f"{rng}.{kind}"] = torch.empty(saved[f"{rng}.{kind}"].size, dtype=torch.uint8)
+    dcp.load(state, checkpoint_id=str(path))
+
+    meta = pickle.loads(state["meta"])
+    if optimizer is not None:
+        with torch.no_grad():
+            for tensor, loaded in aliased:
+                tensor.copy_(loaded)
+            optimizer.dp.gather_params()  # params = masters on every rank, whatever was saved
+        optimizer.step_count = meta["optimizer_step"] or 0
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    restored = 0
+    if f"{rng}.cpu" in state:
+        torch.set_rng_state(state[f"{rng}.cpu"])
+        restored = 1
+    if f"{rng}.cuda" in state:
+        torch.cuda.set_rng_state(state[f"{rng}.cuda"])
+    if mesh.distributed:
+        count = torch.tensor([restored], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(count)
+        restored = int(count)
+    if _rank() == 0:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        log.info("loaded %s (saved at layout %s); RNG state restored on %d of %d ranks", path, meta["layout"], restored, world)
+    return meta["step"], meta["extra"]
+
+
+def _require(saved, key: str, path: Path) -> None:
+    if key not in saved:
+        raise KeyError(f"checkpoint '{path}' has no entry '{key}': was it saved from a different model?")

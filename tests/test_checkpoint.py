@@ -1,0 +1,208 @@
+"""Checkpoints: save at one layout, load at another, keep training; a killed save loses nothing.
+
+Reference for "continues": the uninterrupted run on the same global batches (the single-process
+AdamW run of tests.test_data_parallel). Tolerance as there (fp32, reduction order only):
+rtol 1e-5 on losses. Layouts: dp=2 (ZeRO-1) -> dp=4 (ZeRO-1 and plain AdamW) -> dp=1 (no
+process group); tensor-parallel resharding dp=2 x tp=2 -> dp=4 x tp=1 -> dp=1 on a toy model
+whose params carry the same `tp_shard_dim` / `tp_full_shape` tags as core.parallel.tensor's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from core.mesh import ParallelMesh
+from core.optim import AdamW
+from core.parallel.data import apply_data_parallel
+from tests.distributed import free_port, run_distributed
+from tests.test_data_parallel import ToyTP, make_trainer, reference_run, toy_reference, toy_train, train_steps
+
+RTOL = 1e-5
+
+
+def _save_dp2(rank, world, root):
+    mesh = ParallelMesh.build(dp=2)
+    model, dp, opt, sched = make_trainer(mesh)
+    first, _ = train_steps(model, dp, opt, sched, mesh, 3)
+    path = save_checkpoint(root, 3, model, opt, sched, mesh, {"resume_token": "token-at-3"})
+    return first, str(path)
+
+
+def _scramble(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.5)
+
+
+def _load_gpt_and_continue(mesh, path, zero=True):
+    model, dp, opt, sched = make_trainer(mesh, zero=zero)
+    _scramble(model)  # whatever the model held must be replaced by the checkpoint
+    step, extra = load_checkpoint(path, model, opt, sched, mesh)
+    assert (step, extra, opt.step_count, sched.last_step) == (3, {"resume_token": "token-at-3"}, 3, 3)
+    losses, _ = train_steps(model, dp, opt, sched, mesh, 3, start=3)
+    dp.remove()
+    return losses
+
+
+def _toy_trainer(mesh, tp):
+    model = ToyTP(tp, mesh.coordinate("tp"))
+    dp = apply_data_parallel(model, mesh)
+    return model, dp, AdamW(dp, lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _world4(rank, world, gpt_path, toy_root):
+    out = {}
+    # Toy TP model: train 3 steps at dp=2 x tp=2 and save ...
+    mesh_tp = ParallelMesh.build(dp=2, tp=2)
+    model, dp, opt = _toy_trainer(mesh_tp, 2)
+    out["toy_first"] = toy_train(model, dp, opt, mesh_tp, 3)
+    out["toy_path"] = str(save_checkpoint(toy_root, 3, model, opt, None, mesh_tp, {"k": 1}))
+    dp.remove()
+    # ... and continue at dp=4 x tp=1 (the ZeRO chunk of w along dim 1 is empty on rank 3).
+    mesh_dp = ParallelMesh.build(dp=4)
+    model, dp, opt = _toy_trainer(mesh_dp, 1)
+    _scramble(model)
+    assert load_checkpoint(out["toy_path"], model, opt, None, mesh_dp) == (3, {"k": 1})
+    assert [s.bounds[3][1] for s in dp.slots] == [0, 0, 0]  # w: 3 cols, v: 3 rows, g: 3 over 4 ranks
+    out["toy_next"] = toy_train(model, dp, opt, mesh_dp, 3, start=3)
+    dp.remove()
+    # GPT saved at dp=2: continue at dp=4 with ZeRO-1 and with plain AdamW.
+    out["gpt_zero"] = _load_gpt_and_continue(mesh_dp, gpt_path, zero=True)
+    out["gpt_plain"] = _load_gpt_and_continue(mesh_dp, gpt_path, zero=False)
+    return out
+
+
+def test_save_at_one_layout_load_at_others_and_continue(tmp_path):
+    ref_losses, _, _ = reference_run(6, None)
+    first, gpt_path = run_distributed(_save_dp2, 2, str(tmp_path / "gpt"))[0]
+    torch.testing.assert_close(torch.tensor(first), torch.tensor(ref_losses[:3]), rtol=RTOL, atol=0)
+    assert latest_checkpoint(tmp_path / "gpt") == Path(gpt_path)
+
+    toy_ref, _ = toy_reference(6)
+    results = run_distributed(_world4, 4, gpt_path, str(tmp_path / "toy"))
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["toy_first"]), torch.tensor(toy_ref[:3]), rtol=RTOL, atol=0)
+        torch.testing.assert_close(torch.tensor(r["toy_next"]), torch.tensor(toy_ref[3:]), rtol=RTOL, atol=0)
+        for key in ("gpt_zero", "gpt_plain"):
+            torch.testing.assert_close(torch.tensor(r[key]), torch.tensor(ref_losses[3:]), rtol=RTOL, atol=0)
+
+    # dp=1 in this very process, without any process group: the same files load as full tensors.
+    assert _load_gpt_and_continue(ParallelMesh.build(), gpt_path) == _approx(ref_losses[3:])
+    mesh = ParallelMesh.build()
+    model = ToyTP(1, 0)
+    dp = apply_data_parallel(model, mesh)
+    opt = AdamW(dp, lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
+    load_checkpoint(results[0]["toy_path"], model, opt, None, mesh)
+    _, ref_model = toy_reference(3)
+    for name in ("w", "v", "g"):
+        torch.testing.assert_close(getattr(model, name).detach(), getattr(ref_model, name).detach(), rtol=1e-5, atol=1e-6)
+
+
+def _approx(values):
+    import pytest
+
+    return pytest.approx(values, rel=RTOL)
+
+
+# ------------------------------------------------------------------- a save that dies
+def _killed_worker(rank, world, port, root, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = ParallelMesh.build(dp=world)
+    model, dp, opt, sched = make_trainer(mesh)
+    torch.manual_seed(100 + rank)
+    losses, _ = train_steps(model, dp, opt, sched, mesh, 2)
+    save_checkpoint(root, 2, model, opt, sched, mesh, {"resume_token": "token-at-2"})
+    draw = torch.rand(3).tolist()  # what the generator gives right after the good checkpoint
+    losses += train_steps(model, dp, opt, sched, mesh, 1, start=2)[0]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"draw": draw, "losses": losses}))
+    if rank == 0:  # die after writing this rank's shard files, before the checkpoint is complete
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        write = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            result = write(self, plan, planner)
+            result.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        FileSystemWriter.write_data = write_then_die
+    save_checkpoint(root, 3, model, opt, sched, mesh, {"resume_token": "token-at-3"})
+
+
+def _resume_worker(rank, world, root):
+    mesh = ParallelMesh.build(dp=world)
+    model, dp, opt, sched = make_trainer(mesh)
+    path = latest_checkpoint(root)
+    step, extra = load_checkpoint(path, model, opt, sched, mesh)
+    draw = torch.rand(3).tolist()
+    losses, _ = train_steps(model, dp, opt, sched, mesh, 1, start=step)
+    save_checkpoint(root, 3, model, opt, sched, mesh, {"resume_token": "token-at-3"}, keep=1)
+    return step, extra, draw, losses
+
+
+def test_killed_save_keeps_the_previous_checkpoint_which_loads(tmp_path):
+    root, out_dir = tmp_path / "ckpt", tmp_path / "out"
+    out_dir.mkdir()
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_killed_worker, args=(r, 2, port, str(root), str(out_dir))) for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=120)
+    for p in procs[1:]:  # the survivor waits in a collective for the dead rank: end it
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert procs[0].exitcode == -signal.SIGKILL, procs[0].exitcode
+
+    assert (root / "step_000003.tmp").is_dir() and not (root / "step_000003").exists()
+    assert (root / "latest").read_text().strip() == "step_000002"
+    assert latest_checkpoint(root) == root / "step_000002"
+
+    before = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    results = run_distributed(_resume_worker, 2, str(root))
+    ref_losses, _, _ = reference_run(3, None)
+    for r, (step, extra, draw, losses) in enumerate(results):
+        assert (step, extra) == (2, {"resume_token": "token-at-2"})
+        assert draw == before[r]["draw"]  # same layout: each rank's generator restored
+        assert losses == _approx(before[r]["losses"][2:]) and losses == _approx(ref_losses[2:])
+    # The next good save replaced the debris; keep=1 pruned step 2.
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003"]
+    assert latest_checkpoint(root) == root / "step_000003"
+
+
+# ------------------------------------------------------------------- single process
+def test_latest_pointer_keep_and_errors(tmp_path):
+    mesh = ParallelMesh.build()
+    model, dp, opt, sched = make_trainer(mesh)
+    assert latest_checkpoint(tmp_path) is None
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, opt, sched, mesh, {"resume_token": step}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002", "step_000003"]
+    # A missing pointer falls back to the newest complete folder; debris is never chosen.
+    (tmp_path / "latest").unlink()
+    (tmp_path / "step_000009.tmp").mkdir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_000003"
+    try:
+        load_checkpoint(tmp_path / "step_000009.tmp", model, opt, sched, mesh)
+    except FileNotFoundError as err:
+        assert "not a complete checkpoint" in str(err)
+    else:
+        raise AssertionError("loading an incomplete checkpoint must fail")
+    try:
+        save_checkpoint(tmp_path, 4, model, opt, sched, mesh, None, keep=0)
+    except ValueError as err:
+        assert "keep=0 must be >= 1" in str(err)
+    else:
+        raise AssertionError("keep=0 must be refused")
