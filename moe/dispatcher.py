@@ -11,8 +11,9 @@ Both dispatchers keep what `combine` needs between the two calls, so one layer c
   3. all-to-all the token rows with uneven splits;
   4. local grouping: rows arrive ordered (source rank, local expert); a stable argsort by
      local expert makes each expert's rows contiguous for the grouped GEMM;
-  and the reverse for combine: ungroup, all-to-all back, then unpermute into [T, k, dim],
-  multiply by the combine weights in fp32 and sum over k (no atomics: deterministic).
+  and the reverse for combine: ungroup, all-to-all back, multiply by the combine weights,
+  unpermute into [T, k, dim] and sum over k (a reduction, no atomics: deterministic; the
+  backward of the permute sums the k row gradients the same way).
 
 `AllGatherDispatcher` (small EP, e.g. within a node): all-gather every rank's tokens and
 routing, compute the local experts' share of every token, and reduce-scatter the partial
@@ -52,15 +53,50 @@ def sort_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor | None, num_expe
     return order, counts[:num_experts]
 
 
+def _scatter_rows(rows: torch.Tensor, order: torch.Tensor, slots: int) -> torch.Tensor:
+    """[slots, dim] with rows[i] at slot order[i] and zeros in slots no row fills. When every
+    slot is filled (dropless) this is a gather by the inverse permutation: no zero fill."""
+    if order.numel() == slots:
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(slots, device=order.device)
+        return rows.index_select(0, inverse)
+    return rows.new_zeros(slots, rows.shape[1]).index_copy(0, order, rows)
+
+
+class _Permute(torch.autograd.Function):
+    """rows[i] = x[order[i] // k]. Backward sums each token's k row gradients with a
+    reduction over k, not atomics: deterministic, and accumulated in fp32 even for bf16."""
+
+    @staticmethod
+    def forward(ctx, x, order, k):
+        ctx.save_for_backward(order)
+        ctx.k, ctx.tokens = k, x.shape[0]
+        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        full = _scatter_rows(grad, order, ctx.tokens * ctx.k)
+        return full.view(ctx.tokens, ctx.k, -1).sum(1), None, None
+
+
+def permute(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """The token row of every assignment in `order` (assignment id = token * k + choice)."""
+    return _Permute.apply(x, order, k)
+
+
 def weighted_unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """sum_k weights[t, k] * rows[assignment (t, k)] -> [num_tokens, dim]; missing (dropped)
-    assignments count as zero. rows are in `order`'s order."""
+    assignments count as zero. rows are in `order`'s order.
+
+    The weights are fp32; for bf16 rows they are rounded to bf16 for the product (one
+    rounding, the product itself is computed in fp32), and the sum over k accumulates in
+    fp32 inside the reduction."""
     k = weights.shape[1]
-    acc = torch.promote_types(rows.dtype, torch.float32)  # bf16 rows: weigh and sum in fp32
-    w = weights.reshape(-1).index_select(0, order).to(acc)
-    weighted = (rows.to(acc) * w.unsqueeze(1)).to(rows.dtype)
-    full = rows.new_zeros(num_tokens * k, rows.shape[1]).index_copy(0, order, weighted)
-    return full.view(num_tokens, k, -1).sum(1, dtype=acc).to(rows.dtype)
+    w = weights.reshape(-1).index_select(0, order)
+    weighted = rows * w.to(rows.dtype).unsqueeze(1)
+    full = _scatter_rows(weighted, order, num_tokens * k)
+    return full.view(num_tokens, k, -1).sum(1)
 
 
 class AllToAllDispatcher:
@@ -79,7 +115,7 @@ class AllToAllDispatcher:
         """-> (rows grouped by local expert [N, dim], tokens per local expert [E_local])."""
         t, k = routing.indices.shape
         order, counts = sort_by_expert(routing.indices, routing.keep, self.num_experts)
-        permuted = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+        permuted = permute(x, order, k)
         state = {"order": order, "tokens": t, "weights": routing.weights}
         self._state = state
         if self.ep == 1:
@@ -142,7 +178,7 @@ class AllGatherDispatcher:
         mine = (local >= 0) & (local < self.num_local)
         order, counts = sort_by_expert(local.clamp(0, self.num_local), mine, self.num_local)
         self._state = {"order": order, "weights": weights, "tokens": t, "rows": x.shape[0]}
-        return x.index_select(0, torch.div(order, k, rounding_mode="floor")), counts
+        return permute(x, order, k), counts
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         state, self._state = self._state, None
