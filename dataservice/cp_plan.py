@@ -166,7 +166,7 @@ def plan_step(doc_lens, num_ranks: int, token_budget: int, cost: CostModel, *, m
             f"raise token_budget to at least that or use more ranks"
         )
     gmin = np.argmax(costs.fits, axis=1) if lens.size else np.zeros(0, dtype=np.int64)
-    lower = _lower_bound(lens, costs, gmin, n, cost)
+    lower = _lower_bound(lens, costs, n, budget, cost)
     best = None
     for fraction in (math.inf, 1.0, 0.5, 0.25, 0.125):
         gi = _promote(costs, gmin, n, fraction)
@@ -189,17 +189,20 @@ def plan_static(doc_lens, num_ranks: int, cp_size: int, token_budget: int, cost:
         raise ValueError(f"a document of {int(lens[~costs.fits[:, -1]].max())} tokens does not fit cp_size={cp} "
                          f"under the token budget of {budget} per rank")
     gi = np.full(lens.size, len(sizes) - 1, dtype=np.int64)
-    return _schedule(lens, gi, costs, n, budget, cost, _lower_bound(lens, costs, gi, n, cost))
+    return _schedule(lens, gi, costs, n, budget, cost, _lower_bound(lens, costs, n, budget, cost))
 
 
-def _lower_bound(lens, costs: _Costs, gmin, n: int, cost: CostModel) -> float:
-    """max(total work at g=1 spread evenly, the longest single document at its best size)."""
+def _lower_bound(lens, costs: _Costs, n: int, budget: int, cost: CostModel) -> float:
+    """max(the work spread evenly, the longest single document at its best size). The work:
+    every document at g=1 (splitting only pads it), plus one per-micro-batch cost for every
+    `budget` tokens (a micro-batch holds at most that many per member)."""
     if not lens.size:
         return 0.0
-    work = float((cost.per_token * lens + cost.per_pair * lens.astype(np.float64) ** 2).sum()) / n
+    work = float((cost.per_token * lens + cost.per_pair * lens.astype(np.float64) ** 2).sum())
+    work = (work + cost.per_microbatch * math.ceil(int(lens.sum()) / budget)) / n
     sizes = np.asarray(costs.sizes, dtype=np.float64)
     p = costs.padded
-    own = (cost.per_token * p + cost.per_pair * p * p) / sizes + (sizes - 1) * cost.ring_step
+    own = (cost.per_token * p + cost.per_pair * p * p) / sizes + (sizes - 1) * cost.ring_step + cost.per_microbatch
     own = np.where(costs.fits, own, np.inf).min(axis=1)
     return max(work, float(own.max()))
 

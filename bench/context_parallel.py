@@ -1,0 +1,311 @@
+"""Context-parallel benchmarks: ring attention scaling, dynamic vs static CP, cost calibration.
+
+Run under torchrun (GPU: NCCL, bf16, FlashAttention varlen blocks):
+    torchrun --nproc-per-node 4 bench/context_parallel.py --mode all
+CPU smoke test (gloo, fp32, tiny sizes, exact dense blocks):
+    torchrun --nproc-per-node 2 bench/context_parallel.py --smoke
+
+Modes (one JSON line per measurement on rank 0):
+- check: ring attention vs `core.attention.varlen_attention` on the whole packed batch
+  (outputs and q/k/v grads, GQA, odd document lengths).
+- attention: ring attention forward+backward, one document of S tokens, CP = 1, 2, 4 (every
+  CP size dividing the world; groups of consecutive ranks run at once). Reported:
+  `eff_issue` = t(CP=1 on S/cp) / t(CP=cp on S) (the issue's definition; ideal 1/cp for
+  attention alone, since CP=cp on S does cp times the pairs of CP=1 on S/cp per rank),
+  `eff_work` = cp * t(CP=1 on S/cp) / t(CP=cp on S) (the same, normalised by work; ideal 1),
+  `eff_strong` = t(CP=1 on S) / (cp * t(CP=cp on S)) (ideal 1).
+- calibrate: fits the planner's CostModel on one GPU (least squares over micro-batches of
+  short and long documents) and the ring terms from a measured neighbour exchange.
+- dynamic: a long-tail mix of document lengths, planned by `plan_step` (dynamic) and by
+  `plan_static` (every micro-batch on the whole world), both run on the same documents
+  with a small GPT forward+backward; tokens/s of each and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from core.attention import varlen_attention  # noqa: E402
+from core.config import ModelConfig  # noqa: E402
+from core.loss import cross_entropy_sum  # noqa: E402
+from core.model import AttentionMeta, build_model  # noqa: E402
+from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs, shard_for_cp  # noqa: E402
+from core.parallel.ring_attention import ring_attention  # noqa: E402
+from dataservice.cp_plan import CostModel, H100_COST, plan_static, plan_step  # noqa: E402
+
+
+def emit(record: dict) -> None:
+    if dist.get_rank() == 0:
+        print(json.dumps(record), flush=True)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, warmup: int, iters: int, group=None) -> float:
+    """Mean seconds of fn() over iters after warmup, the slowest rank of `group` (or world)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    t = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def consecutive_groups(cp: int):
+    """Groups of cp consecutive ranks (a collective: every rank makes every group)."""
+    world, mine = dist.get_world_size(), None
+    for start in range(0, world, cp):
+        g = dist.new_group(list(range(start, start + cp)))
+        if start <= dist.get_rank() < start + cp:
+            mine = g
+    return mine
+
+
+def qkv(n, heads, kv_heads, dim, dtype, device, grad=True):
+    return [torch.randn(n, h, dim, dtype=dtype, device=device).requires_grad_(grad) for h in (heads, kv_heads, kv_heads)]
+
+
+def mode_check(args, device, dtype):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    lengths = [1023, 17, 4097, 1, 2500, 333] if not args.smoke else [13, 5, 1, 22]
+    cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device=device)
+    torch.manual_seed(0)
+    q, k, v = qkv(sum(lengths), args.heads, args.kv_heads, args.head_dim, dtype, device)
+    dout = torch.randn_like(q)
+    ref = varlen_attention(q, k, v, cu, max(lengths))
+    ref.backward(dout)
+    ids = torch.arange(sum(lengths), device=device)
+    s = shard_for_cp(ids, ids, ids, cu, rank, world)
+    real, src = s.source >= 0, s.source.clamp(min=0)
+    loc = [x.detach()[src].clone().requires_grad_() for x in (q, k, v)]
+    out = ring_attention(*loc, s.meta.extra["cp"], dist.group.WORLD)
+    out.backward(torch.where(real[:, None, None], dout[src], 0))
+    errs = {}
+    for name, a, b in [("out", out, ref), ("dq", loc[0].grad, q.grad), ("dk", loc[1].grad, k.grad), ("dv", loc[2].grad, v.grad)]:
+        a, b = a.detach()[real].float(), b.detach()[s.source[real]].float()
+        errs[name] = float((a - b).abs().max() / b.abs().max())
+    t = torch.tensor(list(errs.values()), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    emit({"mode": "check", "cp": world, "dtype": str(dtype), "max_rel_err": dict(zip(errs, t.tolist()))})
+
+
+def mode_attention(args, device, dtype):
+    world = dist.get_world_size()
+    sizes = [c for c in (1, 2, 4, 8) if c <= world and world % c == 0]
+    groups = {c: consecutive_groups(c) if c > 1 else None for c in sizes}
+    times: dict[tuple[int, int], float] = {}
+
+    def run(cp: int, seq: int) -> float:
+        key = (cp, seq)
+        if key not in times:
+            group = groups[cp]
+            rank = dist.get_rank(group) if group is not None else 0
+            ids = torch.arange(seq, device=device)
+            cu = torch.tensor([0, seq], dtype=torch.int32, device=device)
+            s = shard_for_cp(ids, ids, ids, cu, rank, cp)
+            q, k, v = qkv(s.tokens.numel(), args.heads, args.kv_heads, args.head_dim, dtype, device)
+            dout = torch.randn_like(q)
+
+            def step():
+                out = (ring_attention(q, k, v, s.meta.extra["cp"], group) if cp > 1
+                       else varlen_attention(q, k, v, s.meta.cu_seqlens, s.meta.max_seqlen))
+                out.backward(dout)
+
+            times[key] = timed(step, device, args.warmup, args.iters)
+        return times[key]
+
+    for seq in args.seqs:
+        for cp in sizes:
+            if cp == 1 or seq % (2 * cp):
+                continue
+            t_cp, t_part = run(cp, seq), run(1, seq // cp)
+            t_full = run(1, seq) if not args.no_strong else float("nan")
+            emit({"mode": "attention", "seq": seq, "cp": cp, "t_cp_s": t_cp, "t_cp1_part_s": t_part, "t_cp1_full_s": t_full,
+                  "eff_issue": t_part / t_cp, "eff_work": cp * t_part / t_cp, "eff_strong": t_full / (cp * t_cp),
+                  "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": str(dtype)})
+
+
+def model_config(args) -> ModelConfig:
+    if args.smoke:
+        return ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
+    return ModelConfig(vocab_size=32000, dim=args.heads * args.head_dim, num_layers=args.layers, num_heads=args.heads,
+                       num_kv_heads=args.kv_heads, ffn_dim=int(args.heads * args.head_dim * 8 / 3) // 64 * 64)
+
+
+def make_step(model_cfg, lengths, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = int(sum(lengths))
+    tokens = torch.randint(0, model_cfg.vocab_size, (total,), generator=g)
+    cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32)
+    starts = torch.repeat_interleave(cu[:-1].long(), torch.as_tensor(lengths))
+    positions = torch.arange(total) - starts
+    labels = torch.roll(tokens, -1)
+    labels[cu[1:].long() - 1] = -100
+    return [t.to(device) for t in (tokens, labels, positions, cu)]
+
+
+def run_plan(model, plan, step, subgroups, device, dtype) -> float:
+    tokens, labels, positions, cu = step
+
+    def once():
+        for entry in plan.for_rank(subgroups.index):
+            s = dynamic_cp_inputs(entry, tokens, labels, positions, cu, subgroups)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss, _ = cross_entropy_sum(model(s.tokens, s.position_ids, s.meta), s.labels)
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return timed(once, device, 1, max(1, args_iters_dynamic))
+
+
+args_iters_dynamic = 3
+
+
+def mode_calibrate(args, device, dtype):
+    """Least-squares fit of t = per_microbatch + per_token*T + per_pair*sum(L^2) on one GPU."""
+    cfg = model_config(args)
+    model = build_model(cfg, seed=0).to(device)
+    short = 512 if not args.smoke else 8
+    rows, ts = [], []
+    for total in args.calib_tokens:
+        for doc in sorted({short, total // 4, total}):
+            lengths = [doc] * (total // doc)
+            step = make_step(cfg, lengths, device)
+            meta = AttentionMeta(step[3], doc)
+
+            def once():
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    loss, _ = cross_entropy_sum(model(step[0], step[2], meta), step[1])
+                loss.backward()
+
+            t = timed(once, device, args.warmup, args.iters)
+            rows.append([1.0, total, float(sum(x * x for x in lengths))])
+            ts.append(t)
+            emit({"mode": "calibrate_point", "tokens": total, "doc_len": doc, "t_s": t})
+    coef, *_ = np.linalg.lstsq(np.asarray(rows), np.asarray(ts), rcond=None)
+    fit = np.asarray(rows) @ coef
+    # Ring traffic per token per ring step, forward+backward: K/V (bf16) forward; K/V and
+    # dK/dV (fp32) backward = 2*Hkv*D*(2+2+4) bytes, per layer.
+    bytes_per_token = 2 * args.kv_heads * args.head_dim * 8 * cfg.num_layers
+    bw, lat = p2p_bandwidth(device, args)
+    cost = {"per_microbatch": max(0.0, float(coef[0])), "per_token": max(0.0, float(coef[1])),
+            "per_pair": max(0.0, float(coef[2])), "ring_per_token": bytes_per_token / bw if bw else 0.0,
+            "ring_step": 3 * lat * cfg.num_layers}  # 1 exchange forward, 2 backward, per layer
+    emit({"mode": "calibrate", "cost": cost, "max_fit_err": float(np.max(np.abs(fit - ts) / ts)), "p2p_GBps": bw / 1e9,
+          "p2p_latency_us": lat * 1e6, "model": {"dim": cfg.dim, "layers": cfg.num_layers, "heads": cfg.num_heads,
+                                                   "kv_heads": cfg.num_kv_heads, "ffn": cfg.ffn_dim}})
+    return CostModel(**cost)
+
+
+def p2p_bandwidth(device, args) -> tuple[float, float]:
+    """Ring exchange bandwidth (bytes/s each way) and latency (s) over the whole world."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        return 0.0, 0.0
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    out = {}
+    for n in (1024, (64 << 20) if not args.smoke else 1 << 16):
+        send, recv = torch.ones(n // 4, device=device), torch.empty(n // 4, device=device)
+
+        def once():
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]):
+                w.wait()
+
+        out[n] = timed(once, device, 3, 20)
+    lat = out[1024]
+    big = max(out)
+    return big / max(out[big] - lat, 1e-9), lat
+
+
+def mode_dynamic(args, device, dtype, cost: CostModel):
+    world = dist.get_world_size()
+    cfg = model_config(args)
+    rng = np.random.default_rng(args.seed)
+    budget = args.budget
+    lengths = []
+    while sum(lengths) < world * budget * args.steps_tokens:  # a long tail: lognormal, capped
+        lengths.append(int(min(max(1, rng.lognormal(args.mix_mu, args.mix_sigma)), world * budget)))
+    step = make_step(cfg, lengths, device, seed=args.seed)
+    model = apply_cp(build_model(cfg, seed=0).to(device), None)
+    from core.mesh import ParallelMesh
+
+    subgroups = CPSubgroups.build(ParallelMesh.build(cp=world))
+    plans = {"dynamic": plan_step(lengths, world, budget, cost), f"static_cp{world}": plan_static(lengths, world, world, budget, cost)}
+    total = float(sum(lengths))
+    res = {}
+    for name, plan in plans.items():
+        t = run_plan(model, plan, step, subgroups, device, dtype)
+        res[name] = t
+        emit({"mode": "dynamic", "plan": name, "step_s": t, "tokens_per_s": total / t, "modelled_s": plan.makespan,
+              "microbatches": len(plan.microbatches), "group_sizes": sorted({m.group_size for m in plan.microbatches}),
+              "docs": len(lengths), "tokens": int(total), "max_doc": max(lengths), "budget": budget})
+    emit({"mode": "dynamic_vs_static", "speedup": res[f"static_cp{world}"] / res["dynamic"], "world": world})
+
+
+def main():
+    global args_iters_dynamic
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="all", choices=["all", "check", "attention", "calibrate", "dynamic"])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU/gloo friendly")
+    p.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768, 131072])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--no-strong", action="store_true", help="skip CP=1 on the whole sequence")
+    p.add_argument("--calib-tokens", type=int, nargs="+", default=[16384, 32768, 65536])
+    p.add_argument("--budget", type=int, default=32768, help="tokens per rank per micro-batch (dynamic mode)")
+    p.add_argument("--steps-tokens", type=float, default=2.0, help="step tokens = this * world * budget")
+    p.add_argument("--mix-mu", type=float, default=7.5)
+    p.add_argument("--mix-sigma", type=float, default=1.6)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    use_cuda = torch.cuda.is_available() and not args.smoke
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if use_cuda else torch.float32
+    if args.smoke:
+        args.seqs, args.heads, args.kv_heads, args.head_dim = [64, 128], 4, 2, 8
+        args.calib_tokens, args.budget, args.warmup, args.iters = [64, 128], 64, 1, 1
+        args.mix_mu, args.mix_sigma, args_iters_dynamic = 3.0, 1.0, 1
+    emit({"device": torch.cuda.get_device_name() if use_cuda else "cpu", "world": dist.get_world_size(),
+          "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")})
+    try:
+        if args.mode in ("all", "check"):
+            mode_check(args, device, dtype)
+        if args.mode in ("all", "attention"):
+            mode_attention(args, device, dtype)
+        cost = H100_COST
+        if args.mode in ("all", "calibrate"):
+            cost = mode_calibrate(args, device, dtype)
+        if args.mode in ("all", "dynamic"):
+            mode_dynamic(args, device, dtype, cost)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
