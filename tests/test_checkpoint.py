@@ -3,8 +3,10 @@
 Reference for "continues": the uninterrupted run on the same global batches (the single-process
 AdamW run of tests.test_data_parallel). Tolerance as there (fp32, reduction order only):
 rtol 1e-5 on losses. Layouts: dp=2 (ZeRO-1) -> dp=4 (ZeRO-1 and plain AdamW) -> dp=1 (no
-process group); tensor-parallel resharding dp=2 x tp=2 -> dp=4 x tp=1 -> dp=1 on a toy model
-whose params carry the same `tp_shard_dim` / `tp_full_shape` tags as core.parallel.tensor's.
+process group); tensor-parallel resharding dp=2 x tp=2 -> dp=4 x tp=1 with the real
+`apply_tp` GPT (sequence parallel, grads clipped), and dp=2 x tp=2 -> dp=4 x tp=1 -> dp=1 on a
+toy model whose params carry the same `tp_shard_dim` / `tp_full_shape` tags, small enough to
+give empty ZeRO chunks.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tests.distributed import free_port, run_distributed
 from tests.test_data_parallel import ToyTP, make_trainer, reference_run, toy_reference, toy_train, train_steps
 
 RTOL = 1e-5
+TP_CLIP = 0.3  # below the norms of these steps: clipping is active in the TP run
 
 
 def _save_dp2(rank, world, root):
@@ -42,14 +45,14 @@ def _scramble(model):
             p.fill_(0.5)
 
 
-def _load_gpt_and_continue(mesh, path, zero=True):
+def _load_gpt_and_continue(mesh, path, zero=True, clip=None):
     model, dp, opt, sched = make_trainer(mesh, zero=zero)
     _scramble(model)  # whatever the model held must be replaced by the checkpoint
     step, extra = load_checkpoint(path, model, opt, sched, mesh)
     assert (step, extra, opt.step_count, sched.last_step) == (3, {"resume_token": "token-at-3"}, 3, 3)
-    losses, _ = train_steps(model, dp, opt, sched, mesh, 3, start=3)
+    losses, norms = train_steps(model, dp, opt, sched, mesh, 3, start=3, clip=clip)
     dp.remove()
-    return losses
+    return (losses, norms) if clip else losses
 
 
 def _toy_trainer(mesh, tp):
@@ -58,8 +61,16 @@ def _toy_trainer(mesh, tp):
     return model, dp, AdamW(dp, lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def _world4(rank, world, gpt_path, toy_root):
+def _world4(rank, world, gpt_path, toy_root, tp_root):
     out = {}
+    # The real tensor-parallel GPT (core.parallel.tensor.apply_tp, sequence parallel, vocab-
+    # parallel loss) with ZeRO-1 and clipping at dp=2 x tp=2, saved, continued at dp=4 x tp=1.
+    mesh_tp = ParallelMesh.build(dp=2, tp=2)
+    model, dp, opt, sched = make_trainer(mesh_tp)
+    out["gpt_tp_first"] = train_steps(model, dp, opt, sched, mesh_tp, 3, clip=TP_CLIP)
+    save_checkpoint(tp_root, 3, model, opt, sched, mesh_tp, {"resume_token": "token-at-3"})
+    dp.remove()
+    out["gpt_tp_next"] = _load_gpt_and_continue(ParallelMesh.build(dp=4), latest_checkpoint(tp_root), clip=TP_CLIP)
     # Toy TP model: train 3 steps at dp=2 x tp=2 and save ...
     mesh_tp = ParallelMesh.build(dp=2, tp=2)
     model, dp, opt = _toy_trainer(mesh_tp, 2)
@@ -87,8 +98,14 @@ def test_save_at_one_layout_load_at_others_and_continue(tmp_path):
     assert latest_checkpoint(tmp_path / "gpt") == Path(gpt_path)
 
     toy_ref, _ = toy_reference(6)
-    results = run_distributed(_world4, 4, gpt_path, str(tmp_path / "toy"))
+    clip_losses, clip_norms, _ = reference_run(6, TP_CLIP)
+    assert min(clip_norms) > TP_CLIP
+    results = run_distributed(_world4, 4, gpt_path, str(tmp_path / "toy"), str(tmp_path / "tp"))
     for r in results:
+        losses = r["gpt_tp_first"][0] + r["gpt_tp_next"][0]
+        norms = r["gpt_tp_first"][1] + r["gpt_tp_next"][1]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(clip_losses), rtol=RTOL, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(clip_norms), rtol=RTOL, atol=0)
         torch.testing.assert_close(torch.tensor(r["toy_first"]), torch.tensor(toy_ref[:3]), rtol=RTOL, atol=0)
         torch.testing.assert_close(torch.tensor(r["toy_next"]), torch.tensor(toy_ref[3:]), rtol=RTOL, atol=0)
         for key in ("gpt_zero", "gpt_plain"):

@@ -44,11 +44,16 @@ def global_batch(step: int, rows: int = ROWS, seq: int = SEQ, vocab: int = CFG["
     return tokens[:, :-1], labels
 
 
-def batch_loss(model, inputs, labels, global_count):
-    """Sum cross entropy over a packed micro-batch of rows, divided by the global label count."""
+def batch_loss(model, inputs, labels, global_count, tp_group=None):
+    """Sum cross entropy over a packed micro-batch of rows, divided by the global label count
+    (vocab-parallel cross entropy when the model is tensor-parallel)."""
     rows, seq = inputs.shape
     meta = AttentionMeta(cu_seqlens=torch.arange(rows + 1, dtype=torch.int32) * seq, max_seqlen=seq)
     logits = model(inputs.reshape(-1), torch.arange(seq).repeat(rows), meta)
+    if tp_group is not None:
+        from core.loss import cross_entropy_sum
+
+        return cross_entropy_sum(logits, labels.reshape(-1), tp_group)[0] / global_count
     return F.cross_entropy(logits.float(), labels.reshape(-1), ignore_index=-100, reduction="sum") / global_count
 
 
@@ -76,6 +81,10 @@ def reference_run(steps: int, clip: float | None, start_params=None):
 
 def make_trainer(mesh, *, zero=True, bucket_mb=0.01, param_dtype=torch.float32):
     model = build_model(ModelConfig(**CFG), seed=7)
+    if mesh.tp > 1:
+        from core.parallel.tensor import apply_tp
+
+        apply_tp(model, mesh, sequence_parallel=True)
     dp = apply_data_parallel(model, mesh, bucket_mb=bucket_mb, distributed_optimizer=zero, param_dtype=param_dtype)
     opt = AdamW(dp, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["wd"])
     sched = WarmupCosine(opt, HYPER["lr"], HYPER["min_lr"], HYPER["warmup"], HYPER["max_steps"])
@@ -86,6 +95,7 @@ def train_steps(model, dp, opt, sched, mesh, steps, *, accum=1, clip=None, start
     """DP training: rank takes rows [r*B/dp, (r+1)*B/dp), split into `accum` micro-batches;
     only the last one synchronises. Returns (global losses, grad norms)."""
     dp_size, dp_rank = mesh.size("dp_cp"), mesh.coordinate("dp")
+    tp_group = mesh.group("tp") if mesh.tp > 1 else None
     losses, norms = [], []
     for step in range(start, start + steps):
         inputs, labels = global_batch(step)
@@ -97,7 +107,7 @@ def train_steps(model, dp, opt, sched, mesh, steps, *, accum=1, clip=None, start
         for k in range(accum):
             sync = contextlib.nullcontext() if k == accum - 1 else dp.no_sync()
             with sync:
-                loss = batch_loss(model, mine_in[k * micro:(k + 1) * micro], mine_lab[k * micro:(k + 1) * micro], count)
+                loss = batch_loss(model, mine_in[k * micro:(k + 1) * micro], mine_lab[k * micro:(k + 1) * micro], count, tp_group)
                 loss.backward()
             total += loss.detach()
         dp.finish_grad_sync()

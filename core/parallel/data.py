@@ -244,15 +244,16 @@ class DataParallel:
 
     def _make_buckets(self, cap_bytes: int) -> list[Bucket]:
         # Backward produces grads roughly in reverse registration order: bucket in that order.
-        buckets, open_ = [], {}
+        buckets, open_ = [], {}  # (group, dtype) -> [slots, fp32 bytes]
         for slot in reversed(self.slots):
             key = (slot.group_name, slot.param.dtype)
-            members = open_.setdefault(key, [])
-            members.append(slot)
-            if sum(s.param.numel() for s in members) * 4 >= cap_bytes:
-                buckets.append(Bucket(members, self.mesh.group(slot.group_name), self.device))
-                open_[key] = []
-        for key, members in open_.items():
+            entry = open_.setdefault(key, [[], 0])
+            entry[0].append(slot)
+            entry[1] += slot.param.numel() * 4
+            if entry[1] >= cap_bytes:
+                buckets.append(Bucket(entry[0], self.mesh.group(slot.group_name), self.device))
+                open_[key] = [[], 0]
+        for key, (members, _) in open_.items():
             if members:
                 buckets.append(Bucket(members, self.mesh.group(key[0]), self.device))
         return buckets
