@@ -41,8 +41,8 @@ from core.config import ModelConfig  # noqa: E402
 from core.loss import cross_entropy_sum  # noqa: E402
 from core.model import AttentionMeta, build_model  # noqa: E402
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs, shard_for_cp  # noqa: E402
-from core.parallel.ring_attention import ring_attention  # noqa: E402
-from dataservice.cp_plan import CostModel, H100_COST, plan_static, plan_step  # noqa: E402
+from core.parallel.ring_attention import block_backward, block_forward, ring_attention  # noqa: E402
+from dataservice.cp_plan import CostModel, H200_COST, plan_static, plan_step  # noqa: E402
 
 
 def emit(record: dict) -> None:
@@ -114,20 +114,26 @@ def mode_attention(args, device, dtype):
     groups = {c: consecutive_groups(c) if c > 1 else None for c in sizes}
     times: dict[tuple[int, int], float] = {}
 
-    def run(cp: int, seq: int) -> float:
-        key = (cp, seq)
+    def run(cp: int, seq: int, kernel: str = "model") -> float:
+        key = (cp, seq, kernel)
         if key not in times:
             group = groups[cp]
             rank = dist.get_rank(group) if group is not None else 0
             ids = torch.arange(seq, device=device)
-            cu = torch.tensor([0, seq], dtype=torch.int32, device=device)
+            doc = args.doc_len or seq
+            cu = torch.tensor(list(range(0, seq, doc)) + [seq], dtype=torch.int32, device=device)
             s = shard_for_cp(ids, ids, ids, cu, rank, cp)
             q, k, v = qkv(s.tokens.numel(), args.heads, args.kv_heads, args.head_dim, dtype, device)
             dout = torch.randn_like(q)
+            blocks = cp == 1 and kernel == "blocks"
 
             def step():
-                out = (ring_attention(q, k, v, s.meta.extra["cp"], group) if cp > 1
-                       else varlen_attention(q, k, v, s.meta.cu_seqlens, s.meta.max_seqlen))
+                if cp > 1:
+                    out = ring_attention(q, k, v, s.meta.extra["cp"], group)
+                elif blocks:  # the ring's own block kernel on one GPU: isolates the parallel cost
+                    out = _BlockAttention.apply(q, k, v, s.meta.cu_seqlens, s.meta.max_seqlen)
+                else:  # the model's default path (cuDNN SDPA for one document, flash varlen if packed)
+                    out = varlen_attention(q, k, v, s.meta.cu_seqlens, s.meta.max_seqlen)
                 out.backward(dout)
 
             times[key] = timed(step, device, args.warmup, args.iters)
@@ -137,11 +143,33 @@ def mode_attention(args, device, dtype):
         for cp in sizes:
             if cp == 1 or seq % (2 * cp):
                 continue
-            t_cp, t_part = run(cp, seq), run(1, seq // cp)
-            t_full = run(1, seq) if not args.no_strong else float("nan")
-            emit({"mode": "attention", "seq": seq, "cp": cp, "t_cp_s": t_cp, "t_cp1_part_s": t_part, "t_cp1_full_s": t_full,
-                  "eff_issue": t_part / t_cp, "eff_work": cp * t_part / t_cp, "eff_strong": t_full / (cp * t_cp),
-                  "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": str(dtype)})
+            t_cp = run(cp, seq)
+            for kernel in ("model", "blocks"):
+                t_part = run(1, seq // cp, kernel)
+                t_full = run(1, seq, kernel) if not args.no_strong else float("nan")
+                emit({"mode": "attention", "seq": seq, "doc_len": args.doc_len or seq, "cp": cp, "cp1_kernel": kernel,
+                      "t_cp_s": t_cp, "t_cp1_part_s": t_part, "t_cp1_full_s": t_full, "eff_issue": t_part / t_cp,
+                      "eff_work": cp * t_part / t_cp, "eff_strong": t_full / (cp * t_cp), "heads": args.heads,
+                      "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": str(dtype)})
+
+
+class _BlockAttention(torch.autograd.Function):
+    """Causal varlen attention through the ring's block kernels, on one rank."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len):
+        scale = q.shape[-1] ** -0.5
+        out, lse = block_forward(q, k, v, cu, cu, max_len, max_len, True, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, True, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def model_config(args) -> ModelConfig:
@@ -264,7 +292,7 @@ def mode_dynamic(args, device, dtype, cost: CostModel):
 def main():
     global args_iters_dynamic
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", default="all", choices=["all", "check", "attention", "calibrate", "dynamic"])
+    p.add_argument("--mode", nargs="+", default=["all"], choices=["all", "check", "attention", "calibrate", "dynamic"])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU/gloo friendly")
     p.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768, 131072])
     p.add_argument("--heads", type=int, default=32)
@@ -274,6 +302,7 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--no-strong", action="store_true", help="skip CP=1 on the whole sequence")
+    p.add_argument("--doc-len", type=int, default=0, help="attention mode: documents of this length (0: one document)")
     p.add_argument("--calib-tokens", type=int, nargs="+", default=[16384, 32768, 65536])
     p.add_argument("--budget", type=int, default=32768, help="tokens per rank per micro-batch (dynamic mode)")
     p.add_argument("--steps-tokens", type=float, default=2.0, help="step tokens = this * world * budget")
@@ -294,14 +323,14 @@ def main():
     emit({"device": torch.cuda.get_device_name() if use_cuda else "cpu", "world": dist.get_world_size(),
           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")})
     try:
-        if args.mode in ("all", "check"):
+        if {"all", "check"} & set(args.mode):
             mode_check(args, device, dtype)
-        if args.mode in ("all", "attention"):
+        if {"all", "attention"} & set(args.mode):
             mode_attention(args, device, dtype)
-        cost = H100_COST
-        if args.mode in ("all", "calibrate"):
+        cost = H200_COST
+        if {"all", "calibrate"} & set(args.mode):
             cost = mode_calibrate(args, device, dtype)
-        if args.mode in ("all", "dynamic"):
+        if {"all", "dynamic"} & set(args.mode):
             mode_dynamic(args, device, dtype, cost)
     finally:
         dist.destroy_process_group()

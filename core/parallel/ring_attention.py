@@ -137,13 +137,15 @@ def _flash_available(q: torch.Tensor) -> bool:
 
 def _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     window = (-1, 0) if causal else (-1, -1)
-    if "fn" in _VARLEN:
+    gqa = q.shape[1] != k.shape[1]
+    # The public wrapper first; the op under it where the wrapper cannot say GQA (torch 2.11).
+    if "fn" in _VARLEN and (not gqa or "enable_gqa" in _VARLEN["params"]):
         kwargs = {"return_aux": _VARLEN["aux"](lse=True), "scale": scale}
         if "window_size" in _VARLEN["params"]:
             kwargs["window_size"] = window
         else:
             kwargs["is_causal"] = causal
-        if q.shape[1] != k.shape[1]:
+        if gqa:
             kwargs["enable_gqa"] = True
         out, lse = _VARLEN["fn"](q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
     else:
