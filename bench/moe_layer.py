@@ -82,7 +82,7 @@ def make_layer(e: int, k: int, dim: int, hidden: int, device, dtype) -> MoELayer
     return MoELayer(cfg, layer_id=0).to(device=device, dtype=dtype)
 
 
-def bench_layer(name: str, shape, iters: int, device, dtype) -> None:
+def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = False) -> None:
     e, k, routed, dim, hidden = shape
     tokens = routed // k
     layer = make_layer(e, k, dim, hidden, device, dtype)
@@ -93,6 +93,17 @@ def bench_layer(name: str, shape, iters: int, device, dtype) -> None:
         layer(x).backward(grad)
 
     results = {"layer": timeit(layer_step, iters, 3, device)}
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            for _ in range(3):
+                layer_step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     # The GEMMs alone, on rows already grouped like the layer's last routing.
     counts = layer.router(x.detach()).tokens_per_expert
     rows = torch.randn(routed, dim, device=device, dtype=dtype, requires_grad=True)
@@ -176,6 +187,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--ep", action="store_true", help="expert-parallel dispatch mode (torchrun)")
+    parser.add_argument("--profile", action="store_true", help="layer mode: print a profiler table of 3 steps")
     args = parser.parse_args()
     table = TINY if args.tiny else SHAPES
     names = args.shapes.split(",")
@@ -193,7 +205,10 @@ def main() -> None:
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
     for n in names:
-        (bench_ep if args.ep else bench_layer)(n, table[n], args.iters, device, dtype)
+        if args.ep:
+            bench_ep(n, table[n], args.iters, device, dtype)
+        else:
+            bench_layer(n, table[n], args.iters, device, dtype, args.profile)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.ep:

@@ -47,12 +47,14 @@ def _native_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Reference: rows [offsets[g-1], offsets[g]) of x times w[g], one matmul per group."""
     ends = offsets.tolist()
-    outs, start = [], 0
-    for g, end in enumerate(ends):
-        outs.append(x[start:end] @ w[g])
-        start = end
-    if start < x.shape[0]:  # rows past the last offset belong to no group: zeros
-        outs.append(x.new_zeros(x.shape[0] - start, w.shape[-1]))
+    sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
+    rest = x.shape[0] - (ends[-1] if ends else 0)
+    # split (not slicing): its backward is one cat, where each slice's would be a full-size
+    # zero tensor per group.
+    pieces = x.split(sizes + [rest], dim=0)
+    outs = [piece @ w[g] for g, piece in enumerate(pieces[:-1])]
+    if rest:  # rows past the last offset belong to no group: zeros
+        outs.append(x.new_zeros(rest, w.shape[-1]))
     return torch.cat(outs, dim=0)
 
 
