@@ -50,8 +50,9 @@ def batch_loss(model, inputs, labels, global_count, tp_group=None):
     """Sum cross entropy over a packed micro-batch of rows, divided by the global label count
     (vocab-parallel cross entropy when the model is tensor-parallel)."""
     rows, seq = inputs.shape
-    meta = AttentionMeta(cu_seqlens=torch.arange(rows + 1, dtype=torch.int32) * seq, max_seqlen=seq)
-    logits = model(inputs.reshape(-1), torch.arange(seq).repeat(rows), meta)
+    dev = inputs.device
+    meta = AttentionMeta(cu_seqlens=torch.arange(rows + 1, dtype=torch.int32, device=dev) * seq, max_seqlen=seq)
+    logits = model(inputs.reshape(-1), torch.arange(seq, device=dev).repeat(rows), meta)
     if tp_group is not None:
         from core.loss import cross_entropy_sum
 
