@@ -11,9 +11,9 @@ Both dispatchers keep what `combine` needs between the two calls, so one layer c
   3. all-to-all the token rows with uneven splits;
   4. local grouping: rows arrive ordered (source rank, local expert); a stable argsort by
      local expert makes each expert's rows contiguous for the grouped GEMM;
-  and the reverse for combine: ungroup, all-to-all back, multiply by the combine weights,
-  unpermute into [T, k, dim] and sum over k (a reduction, no atomics: deterministic; the
-  backward of the permute sums the k row gradients the same way).
+  and the reverse for combine: ungroup, all-to-all back, unpermute into [T, k, dim] and
+  weigh-and-sum over k in one batched product (no atomics: deterministic; the backward of
+  the permute sums the k row gradients with a reduction too).
 
 `AllGatherDispatcher` (small EP, e.g. within a node): all-gather every rank's tokens and
 routing, compute the local experts' share of every token, and reduce-scatter the partial
@@ -53,13 +53,28 @@ def sort_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor | None, num_expe
     return order, counts[:num_experts]
 
 
+class _Reorder(torch.autograd.Function):
+    """rows.index_select(0, inverse) where inverse is a permutation; the backward gathers with
+    the forward permutation instead of index_add into zeros (no fill, no atomics)."""
+
+    @staticmethod
+    def forward(ctx, rows, order, inverse):
+        ctx.save_for_backward(order)
+        return rows.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order), None, None
+
+
 def _scatter_rows(rows: torch.Tensor, order: torch.Tensor, slots: int) -> torch.Tensor:
     """[slots, dim] with rows[i] at slot order[i] and zeros in slots no row fills. When every
     slot is filled (dropless) this is a gather by the inverse permutation: no zero fill."""
     if order.numel() == slots:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(slots, device=order.device)
-        return rows.index_select(0, inverse)
+        return _Reorder.apply(rows, order, inverse)
     return rows.new_zeros(slots, rows.shape[1]).index_copy(0, order, rows)
 
 
@@ -89,14 +104,11 @@ def weighted_unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.T
     """sum_k weights[t, k] * rows[assignment (t, k)] -> [num_tokens, dim]; missing (dropped)
     assignments count as zero. rows are in `order`'s order.
 
-    The weights are fp32; for bf16 rows they are rounded to bf16 for the product (one
-    rounding, the product itself is computed in fp32), and the sum over k accumulates in
-    fp32 inside the reduction."""
+    One batched [1, k] x [k, dim] product per token: the weighting and the sum over k in one
+    pass with fp32 accumulation. For bf16 rows the fp32 weights are rounded to bf16 first."""
     k = weights.shape[1]
-    w = weights.reshape(-1).index_select(0, order)
-    weighted = rows * w.to(rows.dtype).unsqueeze(1)
-    full = _scatter_rows(weighted, order, num_tokens * k)
-    return full.view(num_tokens, k, -1).sum(1)
+    slots = _scatter_rows(rows, order, num_tokens * k).view(num_tokens, k, -1)
+    return torch.bmm(weights.to(rows.dtype).unsqueeze(1), slots).squeeze(1)
 
 
 class AllToAllDispatcher:
@@ -128,8 +140,10 @@ class AllToAllDispatcher:
         local_ids = torch.arange(self.num_local, device=x.device).repeat(self.ep)
         local_ids = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(out_splits))
         regroup = torch.argsort(local_ids, stable=True)
-        state.update(in_splits=in_splits, out_splits=out_splits, regroup=regroup)
-        return received.index_select(0, regroup), recv.sum(0)
+        ungroup = torch.empty_like(regroup)
+        ungroup[regroup] = torch.arange(regroup.numel(), device=regroup.device)
+        state.update(in_splits=in_splits, out_splits=out_splits, regroup=regroup, ungroup=ungroup)
+        return _Reorder.apply(received, ungroup, regroup), recv.sum(0)
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """Expert outputs in dispatch's row order -> weighted sum per token [T, dim]."""
@@ -138,10 +152,8 @@ class AllToAllDispatcher:
             raise RuntimeError("combine() called without a matching dispatch()")
         rows = expert_out
         if self.ep > 1:
-            regroup = state["regroup"]
-            inverse = torch.empty_like(regroup)
-            inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
-            rows = all_to_all(rows.index_select(0, inverse), state["in_splits"], state["out_splits"], self.group)
+            rows = _Reorder.apply(rows, state["regroup"], state["ungroup"])
+            rows = all_to_all(rows, state["in_splits"], state["out_splits"], self.group)
         return weighted_unpermute(rows, state["order"], state["weights"], state["tokens"])
 
 
