@@ -43,24 +43,30 @@ def synthetic_batch(batch: int, seq: int, vocab: int, device):
     return tokens, labels, positions, AttentionMeta(cu_seqlens=cu, max_seqlen=seq)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def time_steps(step_fn, steps: int, warmup: int) -> float:
     for _ in range(warmup):
         step_fn()
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for _ in range(steps):
         step_fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - start) / steps
 
 
 def baseline_step_fn(cfg, batch, compile_model: bool):
-    model = build_model(cfg, seed=0).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    device = batch[0].device
+    model = build_model(cfg, seed=0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     run = torch.compile(model) if compile_model else model
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = run(batch[0], batch[2], batch[3])
         loss = torch.nn.functional.cross_entropy(logits.float(), batch[1])
         loss.backward()
@@ -79,8 +85,9 @@ def tessera_step_fn(cfg, batch, args):
     config.train.compile = args.compile
     config.train.precision = "bf16"
     config.parallel.dp = 1
-    mesh = ParallelMesh.build(device_type="cuda")
-    model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=0), mesh, config, torch.device("cuda"), "bf16")
+    device = batch[0].device
+    mesh = ParallelMesh.build(device_type=device.type)
+    model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=0), mesh, config, device, "bf16")
     count = batch[0].numel()
 
     def step():
@@ -107,16 +114,21 @@ def main() -> None:
     parser.add_argument("--compile-baseline", action="store_true")
     parser.add_argument("--recompute", default="none")
     parser.add_argument("--only", choices=["baseline", "tessera"], default=None)
+    parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = model_config(args.layers)
-    batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, "cuda")
+    if args.dim != 2048:
+        cfg.dim, cfg.ffn_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size = args.dim, args.dim * 2, 4, 2, 512
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, device)
     tokens = args.batch * args.seq
     results = {}
     for name in ("baseline", "tessera"):
         if args.only and name != args.only:
             continue
-        torch.cuda.reset_peak_memory_stats()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         if name == "baseline":
             step, model = baseline_step_fn(cfg, batch, args.compile_baseline)
         else:
@@ -129,17 +141,18 @@ def main() -> None:
             "step_ms": 1e3 * seconds,
             "tokens_per_s": tokens / seconds,
             "mfu": fpt * tokens / seconds / PEAK_FLOPS["bf16"],
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
             "params": total,
         }
         del model, step
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     for name, r in results.items():
         print(f"{name:9s} step {r['step_ms']:7.1f} ms  {r['tokens_per_s'] / 1e3:7.1f}k tok/s  "
               f"MFU {100 * r['mfu']:5.1f}%  peak {r['peak_mem_gib']:5.1f} GiB  params {r['params'] / 1e9:.3f}B")
     if len(results) == 2:
         print(f"tessera / baseline tokens/s: {results['tessera']['tokens_per_s'] / results['baseline']['tokens_per_s']:.3f}")
-    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+    print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args),
                       "results": results}))
 
 
