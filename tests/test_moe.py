@@ -361,3 +361,24 @@ def test_layer_bf16_on_gpu_matches_fp32_dense_reference():
     ref_layer.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
     ref = dense_reference(ref_layer, x.float())
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_full_recompute_same_grads_and_no_double_counting():
+    # Reference: the same model without recomputation. The recomputed forward inside
+    # backward must not count its tokens into the metrics or the bias loads again.
+    from core.parallel.recompute import apply_recompute
+
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64,
+                      moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=16, z_loss_coeff=1e-3, bias_update_rate=0.01))
+    t = 20
+    tokens, meta = torch.randint(0, 64, (t,)), AttentionMeta(cu_seqlens=torch.tensor([0, t], dtype=torch.int32), max_seqlen=t)
+    grads = []
+    for mode in ("none", "full"):
+        model = apply_recompute(build_model(cfg, seed=2), mode)
+        model(tokens, torch.arange(t), meta).square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        m = moe_metrics(model)
+        assert sum(m["moe/layer0/tokens_per_expert"]) == t * 2
+        assert int(model.layers["1"].feed_forward._bias_load.sum()) == t * 2
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
