@@ -18,8 +18,12 @@ The loss is summed in float32 on the last stage and in float64 here: `rel=1e-6`.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from core.config import Config
 from core.data import StepInputs
@@ -28,7 +32,7 @@ from core.mesh import ParallelMesh
 from core.model import AttentionMeta, build_model
 from core.parallel.pipeline import _check_activation, build_pipeline_stage, run_pipeline_step
 from core.parallel.schedules import Post, check_schedule, partition_layers, plan_step, theoretical_bubble
-from tests.distributed import run_distributed
+from tests.distributed import free_port, run_distributed
 
 SEED = 7
 TOKENS = 32  # micro_batch_size * seq_len = 2 * 16
@@ -46,12 +50,13 @@ def make_config(layers=4, pp=1, tp=1, schedule="1f1b", virtual=1, first=0, last=
     return cfg
 
 
-def make_micro_batches(count: int, vocab: int, seed: int = 3) -> list[StepInputs]:
-    """Packed micro-batches of random documents (lengths 3..12), labels -100 at document ends."""
+def make_micro_batches(count: int, vocab: int, seed: int = 3, doc_len: int = 0, device="cpu") -> list[StepInputs]:
+    """Packed micro-batches of random documents (lengths 3..12, or all `doc_len`), labels -100
+    at document ends."""
     g = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(count):
-        lengths = []
+        lengths = [doc_len] * (TOKENS // doc_len) if doc_len else []
         while sum(lengths) < TOKENS:
             lengths.append(min(int(torch.randint(3, 13, (1,), generator=g)), TOKENS - sum(lengths)))
         cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -59,18 +64,19 @@ def make_micro_batches(count: int, vocab: int, seed: int = 3) -> list[StepInputs
         labels = tokens.roll(-1)
         labels[cu[1:].long() - 1] = -100
         positions = torch.cat([torch.arange(n) for n in lengths])
-        meta = AttentionMeta(cu_seqlens=cu, max_seqlen=max(lengths))
-        batches.append(StepInputs(tokens, labels, positions, meta, TOKENS, int((labels != -100).sum())))
+        meta = AttentionMeta(cu_seqlens=cu.to(device), max_seqlen=max(lengths))
+        batches.append(StepInputs(tokens.to(device), labels.to(device), positions.to(device), meta, TOKENS,
+                                  int((labels != -100).sum())))
     return batches
 
 
-def reference(cfg: Config, micro: list[StepInputs]) -> tuple[float, dict[str, torch.Tensor]]:
+def reference(cfg: Config, micro: list[StepInputs], device="cpu") -> tuple[float, dict[str, torch.Tensor]]:
     """The plain model over the micro-batches in order, on one thread like the workers (the
     thread count changes how CPU kernels split their sums)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = build_model(cfg.model, seed=SEED)
+        model = build_model(cfg.model, seed=SEED).to(device)
         divisor = sum(mb.num_labels for mb in micro)
         total = 0.0
         for mb in micro:
@@ -79,21 +85,22 @@ def reference(cfg: Config, micro: list[StepInputs]) -> tuple[float, dict[str, to
             total += float(part.detach())
     finally:
         torch.set_num_threads(threads)
-    return total, {name: p.grad.clone() for name, p in model.named_parameters()}
+    return total, {name: p.grad.cpu() for name, p in model.named_parameters()}
 
 
-def _pipeline_cases(rank, world, cases):
+def _pipeline_cases(rank, world, cases, doc_len=0):
     from core.parallel.tensor import apply_tp, sync_sequence_parallel_grads
 
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     out = []
     for kwargs, num_micro in cases:
         cfg = make_config(**kwargs)
         p = cfg.parallel
         mesh = ParallelMesh.build(pp=p.pp, dp=world // (p.pp * p.tp), tp=p.tp)
-        stage = build_pipeline_stage(build_model(cfg.model, seed=SEED), mesh, cfg)
+        stage = build_pipeline_stage(build_model(cfg.model, seed=SEED).to(device), mesh, cfg)
         for chunk in stage.chunks:  # after the split, module-replacing steps go per chunk
             apply_tp(chunk, mesh, sequence_parallel=True)
-        micro = make_micro_batches(num_micro, cfg.model.vocab_size)
+        micro = make_micro_batches(num_micro, cfg.model.vocab_size, doc_len=doc_len, device=device)
         tp_group = mesh.group("tp") if p.tp > 1 else None
         result = run_pipeline_step(
             stage, micro, lambda logits, mb: cross_entropy_sum(logits, mb.labels, tp_group), mesh, cfg,
@@ -101,7 +108,9 @@ def _pipeline_cases(rank, world, cases):
         )
         for chunk in stage.chunks:
             sync_sequence_parallel_grads(chunk, mesh)
-        grads = {name: (prm.grad.clone(), getattr(prm, "tp_shard_dim", None)) for name, prm in stage.named_parameters()}
+        # numpy, pickled by value: a tensor would travel as a shared-memory handle that dies
+        # with this process, possibly before the parent has read it.
+        grads = {name: (prm.grad.cpu().numpy(), getattr(prm, "tp_shard_dim", None)) for name, prm in stage.named_parameters()}
         out.append({
             "loss": float(result.loss_sum), "grads": grads, "layers": stage.layer_ids,
             "tp_rank": mesh.coordinate("tp"), "metrics": result.metrics(),
@@ -151,6 +160,7 @@ def test_loss_and_every_gradient_match_single_process(runs, name):
     for rank_result in runs[name]:
         assert rank_result["loss"] == pytest.approx(ref_loss, rel=1e-6)  # known on every rank
         for pname, (grad, shard_dim) in rank_result["grads"].items():
+            grad = torch.from_numpy(grad)
             expected = _expected(ref_grads, pname, shard_dim, rank_result["tp_rank"], cfg.parallel.tp)
             torch.testing.assert_close(grad, expected, rtol=rtol, atol=atol, msg=lambda m: f"{name} {pname}: {m}")
             covered.add(pname)
@@ -229,7 +239,7 @@ def test_both_ends_of_every_link_agree_on_message_order(schedule, pp, v, m):
 
 def test_single_stage_runs_the_same_step_in_process():
     cfg = make_config(layers=2)
-    mesh = ParallelMesh.build()  # not distributed: pp = 1
+    mesh = ParallelMesh.build(device_type="cpu")  # not distributed: pp = 1
     model = build_model(cfg.model, seed=SEED)
     stage = build_pipeline_stage(model, mesh, cfg)
     assert stage.chunks == [model] and stage.layer_ids == [[0, 1]]
@@ -245,3 +255,57 @@ def test_single_stage_runs_the_same_step_in_process():
 def test_wrong_activation_shape_fails_with_a_message():
     with pytest.raises(RuntimeError, match=r"expects \(32, 64\)"):
         _check_activation(torch.zeros(16, 64), (32, 64), torch.float32, stage=1)
+
+
+# ---- NCCL on GPUs: the same contract where tags are ignored and P2P serialises on a stream ----
+
+
+def _nccl_worker(rank, world, port, cases, doc_len, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+        queue.put((rank, _pipeline_cases(rank, world, cases, doc_len)))
+    except BaseException as err:  # report to the parent instead of hanging it
+        queue.put((rank, repr(err)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+GPU_CASES = {
+    "pp2_1f1b": (dict(layers=4, pp=2), 4),
+    "pp2_interleaved_v2": (dict(layers=4, pp=2, schedule="interleaved", virtual=2), 6),
+    "pp2_tied": (dict(layers=4, pp=2, tie=True), 4),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_pipeline_matches_single_gpu():
+    """fp32 on CUDA; documents of equal length (16) because CUDA's packed-attention kernel
+    takes only bf16/fp16. Reference: the plain model on GPU 0. rtol 1e-4 / atol 1e-6: cuBLAS
+    may pick other algorithms for the stage shapes than for the whole model."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    cases = [(kw, m) for kw, m in GPU_CASES.values()]
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_worker, args=(r, 2, port, cases, 16, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get(timeout=300) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    for rank, value in results.items():
+        assert not isinstance(value, str), f"rank {rank} failed: {value}"
+    for i, (name, (kwargs, num_micro)) in enumerate(GPU_CASES.items()):
+        cfg = make_config(**kwargs)
+        micro = make_micro_batches(num_micro, cfg.model.vocab_size, doc_len=16, device="cuda")
+        ref_loss, ref_grads = reference(cfg, micro, device="cuda")
+        for rank in range(2):
+            got = results[rank][i]
+            assert got["loss"] == pytest.approx(ref_loss, rel=1e-5), name
+            for pname, (grad, _) in got["grads"].items():
+                grad = torch.from_numpy(grad)
+                expected = _expected(ref_grads, pname, None, 0, 1)
+                torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {pname}: {m}")

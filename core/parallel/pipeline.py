@@ -163,6 +163,10 @@ def build_pipeline_stage(model: nn.Module, mesh: ParallelMesh, config: Config) -
     else:
         chunks = [_chunk_of(model, ranges[s], s == 0, s == last) for s in stages]
     peers = dist.get_process_group_ranks(mesh.group("pp")) if mesh.distributed else [0]
+    if mesh.distributed and pp > 1:
+        # NCCL wants every rank of a group in its first operation; a schedule's first P2P
+        # batch joins only two ranks, so the pipeline group meets once here.
+        dist.all_reduce(torch.zeros(1, device=mesh.device_type), group=mesh.group("pp"))
     stage = PipelineStage(chunks, [list(ranges[s]) for s in stages], pp, rank, virtual, p.pp_schedule, peers, tied_group)
     log.info(
         "pipeline rank %d/%d (%s, v=%d): stages %s, layers %s",
@@ -191,6 +195,19 @@ def _tied_weights(stage: PipelineStage) -> list[nn.Parameter]:
             chunk.output.weight.pp_tied_duplicate = True
             weights.append(chunk.output.weight)
     return weights
+
+
+class _Batch:
+    """The works of one batch_isend_irecv, waited for once: a gloo send's wait consumes one
+    completion of its buffer, so waiting twice would block for ever."""
+
+    def __init__(self, works: list, sent: list[torch.Tensor]):
+        self.works, self.sent = works, sent  # the sent tensors must live until sent
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.sent = [], []
 
 
 class _Clock:
@@ -263,16 +280,16 @@ def run_pipeline_step(
     tied = _tied_weights(stage) if stage.tied_group is not None else []
     tied_before = [w.grad.clone() if w.grad is not None else None for w in tied]
 
-    recv_work: dict[Any, tuple[torch.Tensor, Any]] = {}
-    to_send: dict[Any, torch.Tensor] = {}
-    send_work: list[tuple[Any, torch.Tensor]] = []
+    recv_work: dict[Message, tuple[torch.Tensor, _Batch]] = {}  # buffer and the batch it came in
+    to_send: dict[Message, torch.Tensor] = {}
+    batches: list[_Batch] = []
     saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     clock = _Clock(device)
 
     def received(message) -> torch.Tensor:
-        buffer, work = recv_work.pop(message)
-        work.wait()
+        buffer, batch = recv_work.pop(message)
+        batch.wait()
         return buffer
 
     for item in program:
@@ -287,11 +304,13 @@ def run_pipeline_step(
                 buffer = torch.empty(shape, dtype=dtype, device=device)
                 ops.append(dist.P2POp(dist.irecv, buffer, stage.peers[peer], group))
                 meta.append((message, buffer))
-            for work, (message, tensor) in zip(dist.batch_isend_irecv(ops), meta):
-                if message is None:
-                    send_work.append((work, tensor))  # the tensor must live until sent
-                else:
-                    recv_work[message] = (tensor, work)
+            # NCCL coalesces a batch into one Work, gloo returns one per op: a receive waits
+            # for its whole batch (its sends were posted with it, so that costs nothing extra).
+            batch = _Batch(dist.batch_isend_irecv(ops), [t for msg, t in meta if msg is None])
+            batches.append(batch)
+            for message, tensor in meta:
+                if message is not None:
+                    recv_work[message] = (tensor, batch)
             continue
 
         s, micro = stage.stage_of(item.chunk), micro_batches[item.micro]
@@ -319,8 +338,8 @@ def run_pipeline_step(
                 to_send[Message("grad", s - 1, item.micro)] = x.grad.contiguous()
             del x, out, grad
 
-    for work, _ in send_work:
-        work.wait()
+    for batch in batches:
+        batch.wait()
     compute_s, step_s = clock.finish()
     _sync_tied_grads(tied, tied_before, stage.tied_group)
 
