@@ -56,12 +56,12 @@ class _AttachLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, loss, scale):
-        ctx.scale = scale
+        ctx.scale, ctx.loss_dtype = scale, loss.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+        return grad, torch.full((), ctx.scale, dtype=ctx.loss_dtype, device=grad.device), None
 
 
 def _in_recompute() -> bool:
