@@ -16,6 +16,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -93,16 +94,29 @@ def _world4(rank, world, gpt_path, toy_root, tp_root):
     return out
 
 
-def test_save_at_one_layout_load_at_others_and_continue(tmp_path):
+def _world4_all(rank, world, gpt_path, root):
+    """One spawn of 4 processes for the layout and the expert tests (start-up dominates)."""
+    out = _world4(rank, world, gpt_path, f"{root}/toy", f"{root}/tp")
+    out["moe"] = _moe_worker(rank, world, f"{root}/moe")
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    first, gpt_path = run_distributed(_save_dp2, 2, str(root / "gpt"))[0]
+    return root, first, gpt_path, run_distributed(_world4_all, 4, gpt_path, str(root))
+
+
+def test_save_at_one_layout_load_at_others_and_continue(saved):
+    root, first, gpt_path, results = saved
     ref_losses, _, _ = reference_run(6, None)
-    first, gpt_path = run_distributed(_save_dp2, 2, str(tmp_path / "gpt"))[0]
     torch.testing.assert_close(torch.tensor(first), torch.tensor(ref_losses[:3]), rtol=RTOL, atol=0)
-    assert latest_checkpoint(tmp_path / "gpt") == Path(gpt_path)
+    assert latest_checkpoint(root / "gpt") == Path(gpt_path)
 
     toy_ref, _ = toy_reference(6)
     clip_losses, clip_norms, _ = reference_run(6, TP_CLIP)
     assert min(clip_norms) > TP_CLIP
-    results = run_distributed(_world4, 4, gpt_path, str(tmp_path / "toy"), str(tmp_path / "tp"))
     for r in results:
         losses = r["gpt_tp_first"][0] + r["gpt_tp_next"][0]
         norms = r["gpt_tp_first"][1] + r["gpt_tp_next"][1]
@@ -126,8 +140,6 @@ def test_save_at_one_layout_load_at_others_and_continue(tmp_path):
 
 
 def _approx(values):
-    import pytest
-
     return pytest.approx(values, rel=RTOL)
 
 
@@ -284,10 +296,10 @@ def _moe_worker(rank, world, root):
     return out
 
 
-def test_expert_parallel_checkpoint_reshards_across_ep(tmp_path):
+def test_expert_parallel_checkpoint_reshards_across_ep(saved):
     """MoE (moe.parallel.apply_ep, expert params `expert_parallel`, ZeRO over edp): saved at
     ep=2, continued at ep=4 and ep=1; the two following losses equal the uninterrupted ep=2
     run's (the second one depends on the restored Adam moments)."""
-    for r in run_distributed(_moe_worker, 4, str(tmp_path)):
+    for r in (result["moe"] for result in saved[3]):
         for ep in ("ep4", "ep1"):
             torch.testing.assert_close(torch.tensor(r[ep]), torch.tensor(r["ep2"]), rtol=RTOL, atol=0)
