@@ -238,10 +238,48 @@ def mode_calibrate(args, device, dtype):
     cost = {"per_microbatch": max(0.0, float(coef[0])), "per_token": max(0.0, float(coef[1])),
             "per_pair": max(0.0, float(coef[2])), "ring_per_token": bytes_per_token / bw if bw else 0.0,
             "ring_step": 3 * lat * cfg.num_layers}  # 1 exchange forward, 2 backward, per layer
+    emit({"mode": "calibrate_exchange", "cost": dict(cost)})
+    if dist.get_world_size() >= 2 and not args.smoke:
+        cost.update(fit_ring_terms(args, device, dtype, cfg, model, CostModel(**cost)))
     emit({"mode": "calibrate", "cost": cost, "max_fit_err": float(np.max(np.abs(fit - ts) / ts)), "p2p_GBps": bw / 1e9,
           "p2p_latency_us": lat * 1e6, "model": {"dim": cfg.dim, "layers": cfg.num_layers, "heads": cfg.num_heads,
                                                    "kv_heads": cfg.num_kv_heads, "ffn": cfg.ffn_dim}})
     return CostModel(**cost)
+
+
+def fit_ring_terms(args, device, dtype, cfg, model, cost: CostModel) -> dict:
+    """ring_step and ring_per_token from whole-model micro-batches run over 2 ranks: what
+    they take beyond the model's no-ring time (a*T/2 + b*Q/2 + e), fitted on short documents
+    (attention hides little there), checked on one long-document point."""
+    group = consecutive_groups(2)
+    model = apply_cp(model, None)
+    points = [(32768, 512), (65536, 512), (65536, 8192)]
+    over, tokens, checks = [], [], []
+    for total, doc in points:
+        tok, lab, pos, cu = make_step(cfg, [doc] * (total // doc), device)
+        s = shard_for_cp(tok, lab, pos, cu, dist.get_rank(group), 2)
+        s.meta.extra["cp_group"] = group
+
+        def once():
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss, _ = cross_entropy_sum(model(s.tokens, s.position_ids, s.meta), s.labels)
+            loss.backward()
+
+        t = timed(once, device, args.warmup, args.iters)
+        plain = CostModel(cost.per_token, cost.per_pair, per_microbatch=cost.per_microbatch).time([doc] * (total // doc), 2)
+        emit({"mode": "calibrate_ring_point", "tokens": total, "doc_len": doc, "t_s": t, "no_ring_model_s": plain})
+        if doc == 512:
+            over.append(t - plain)
+            tokens.append(total / 2)
+        else:
+            checks.append((total, doc, t))
+    c = max(0.0, (over[1] - over[0]) / (tokens[1] - tokens[0]))
+    d = max(0.0, over[0] - c * tokens[0])
+    fitted = CostModel(cost.per_token, cost.per_pair, c, d, cost.per_microbatch)
+    for total, doc, t in checks:
+        emit({"mode": "calibrate_ring_check", "tokens": total, "doc_len": doc, "t_s": t,
+              "model_s": fitted.time([doc] * (total // doc), 2)})
+    return {"ring_per_token": c, "ring_step": d}
 
 
 def p2p_bandwidth(device, args) -> tuple[float, float]:
@@ -265,14 +303,19 @@ def p2p_bandwidth(device, args) -> tuple[float, float]:
 
 
 def mode_dynamic(args, device, dtype, cost: CostModel):
+    for seed in args.seeds:
+        dynamic_one(args, device, dtype, cost, seed)
+
+
+def dynamic_one(args, device, dtype, cost: CostModel, seed: int):
     world = dist.get_world_size()
     cfg = model_config(args)
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(seed)
     budget = args.budget
     lengths = []
     while sum(lengths) < world * budget * args.steps_tokens:  # a long tail: lognormal, capped
         lengths.append(int(min(max(1, rng.lognormal(args.mix_mu, args.mix_sigma)), world * budget)))
-    step = make_step(cfg, lengths, device, seed=args.seed)
+    step = make_step(cfg, lengths, device, seed=seed)
     model = apply_cp(build_model(cfg, seed=0).to(device), None)
     from core.mesh import ParallelMesh
 
@@ -286,7 +329,8 @@ def mode_dynamic(args, device, dtype, cost: CostModel):
         emit({"mode": "dynamic", "plan": name, "step_s": t, "tokens_per_s": total / t, "modelled_s": plan.makespan,
               "microbatches": len(plan.microbatches), "group_sizes": sorted({m.group_size for m in plan.microbatches}),
               "docs": len(lengths), "tokens": int(total), "max_doc": max(lengths), "budget": budget})
-    emit({"mode": "dynamic_vs_static", "speedup": res[f"static_cp{world}"] / res["dynamic"], "world": world})
+    emit({"mode": "dynamic_vs_static", "seed": seed, "speedup": res[f"static_cp{world}"] / res["dynamic"], "world": world,
+          "modelled_speedup": plans[f"static_cp{world}"].makespan / plans["dynamic"].makespan})
 
 
 def main():
@@ -308,7 +352,7 @@ def main():
     p.add_argument("--steps-tokens", type=float, default=2.0, help="step tokens = this * world * budget")
     p.add_argument("--mix-mu", type=float, default=7.5)
     p.add_argument("--mix-sigma", type=float, default=1.6)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="dynamic mode: one document mix per seed")
     args = p.parse_args()
     use_cuda = torch.cuda.is_available() and not args.smoke
     if use_cuda:

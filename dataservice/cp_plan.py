@@ -73,13 +73,15 @@ class CostModel:
         return t
 
 
-# Measured by `bench/context_parallel.py --mode calibrate` on an H200 (torch 2.11, bf16,
-# 2026-11-23) for a GPT of dim 4096, 4 layers, 32/8 heads of 128, SwiGLU 10880, vocab 32000:
-# forward+backward of one micro-batch, least squares over 9 (tokens, document length) points,
-# max error 1.3%. Ring terms from a measured neighbour exchange (296 GB/s, 45 us). Units:
-# seconds. Only the ratios steer the planner; they scale with the model (docs/dynamic_cp.md).
-H200_COST = CostModel(per_token=1.08e-5, per_pair=2.09e-10, ring_per_token=2.21e-7, ring_step=5.4e-4,
-                      per_microbatch=7.9e-3)
+# Measured by `bench/context_parallel.py --mode calibrate` on 2 x H200 (torch 2.11, bf16,
+# 2026-11-23) for a GPT of dim 4096, 4 layers, 32/8 heads of 128, SwiGLU 10880, vocab 32000,
+# forward+backward of one micro-batch. per_token, per_pair, per_microbatch: least squares over
+# 9 (tokens, document length) points on one GPU, max error 1.8%. Ring terms: what micro-batches
+# of 512-token documents took over 2 ranks beyond the no-ring model (2 points); a 65536-token
+# micro-batch of 8192-token documents then ran 14% over the model. Units: seconds. Only the
+# ratios steer the planner; they scale with the model (docs/dynamic_cp.md).
+H200_COST = CostModel(per_token=1.08e-5, per_pair=2.11e-10, ring_per_token=9.8e-7, ring_step=7.0e-3,
+                      per_microbatch=3.7e-3)
 
 
 @dataclass(frozen=True)
