@@ -4,8 +4,11 @@ and turn a packed batch into model inputs on the device."""
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -34,7 +37,10 @@ class LocalServer:
 
     def __init__(self, dataset: str, timeout: float = 120.0):
         cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--data", dataset, "--host", "127.0.0.1", "--port", "0"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        # The server's log goes to a file: a pipe nobody reads would fill and stall it, and
+        # the file's tail explains a failed start.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="tessera-dataservice-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout
         self.address = ""
@@ -46,7 +52,9 @@ class LocalServer:
                 self.address = line.split("serving on ", 1)[1].strip()
                 return
         self.stop()
-        raise RuntimeError(f"the data service for '{dataset}' did not start (exit code {self.proc.poll()})")
+        self.log.seek(0)
+        tail = self.log.read()[-2000:]
+        raise RuntimeError(f"the data service for '{dataset}' did not start (exit code {self.proc.poll()}):\n{tail}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -55,6 +63,8 @@ class LocalServer:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        with contextlib.suppress(OSError):
+            os.unlink(self.log.name)  # the open handle still reads it
 
 
 def resolve_address(config: Config) -> tuple[str, LocalServer | None]:

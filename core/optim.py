@@ -40,6 +40,7 @@ class AdamW:
         self.dp = dp
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.step_count = 0
+        self._step_tensor: torch.Tensor | None = None
         self.exp_avg = [torch.zeros_like(s.master) for s in dp.slots]
         self.exp_avg_sq = [torch.zeros_like(s.master) for s in dp.slots]
         decay = [uses_weight_decay(s.param) for s in dp.slots]
@@ -50,6 +51,33 @@ class AdamW:
         """One update of the local master chunks, then the params are refreshed everywhere."""
         self.dp.finish_grad_sync()
         self.step_count += 1
+        if self.dp.device.type == "cuda":
+            self._fused_step()
+        else:
+            self._foreach_step()
+        self.dp.gather_params()
+
+    def _fused_step(self) -> None:
+        """torch's fused AdamW kernel: one pass over master, grad and moments. The foreach
+        form below makes ~8 passes over fp32 state, which on a 1B model costs more than a
+        quarter of the step (memory bound)."""
+        if self._step_tensor is None:
+            self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.dp.device)
+        self._step_tensor.fill_(self.step_count)
+        slots = self.dp.slots
+        beta1, beta2 = self.betas
+        for group, wd in zip(self._groups, (self.weight_decay, 0.0)):
+            group = [i for i in group if slots[i].master.numel()]  # empty ZeRO chunks
+            if not group:
+                continue
+            torch._fused_adamw_(
+                [slots[i].master for i in group], [slots[i].shard_grad for i in group],
+                [self.exp_avg[i] for i in group], [self.exp_avg_sq[i] for i in group], [],
+                [self._step_tensor] * len(group),
+                lr=self.lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False,
+            )
+
+    def _foreach_step(self) -> None:
         beta1, beta2 = self.betas
         bias1 = 1 - beta1**self.step_count
         bias2_sqrt = math.sqrt(1 - beta2**self.step_count)
@@ -70,7 +98,6 @@ class AdamW:
             torch._foreach_div_(denom, bias2_sqrt)
             torch._foreach_add_(denom, self.eps)
             torch._foreach_addcdiv_(params, m, denom, value=-self.lr / bias1)
-        self.dp.gather_params()
 
     def zero_grad(self) -> None:
         self.dp.zero_grad()

@@ -45,7 +45,8 @@ def run_train(run_dir: Path, dataset: Path, nproc: int, *extra: str, resume: boo
         cmd += ["--nproc-per-node", str(nproc)]
     if resume:
         cmd.append("--resume")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"tessera-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
