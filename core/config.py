@@ -246,10 +246,13 @@ def resolve_layout(config: Config, world_size: int) -> Config:
             f"train.global_batch_size={t.global_batch_size} must be a multiple of "
             f"micro_batch_size*dp = {t.micro_batch_size}*{dp} = {rows_per_micro_step}"
         )
-    if t.seq_len % (2 * p.cp) and p.cp > 1:
-        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by 2*cp = {2 * p.cp}")
-    if p.sequence_parallel and p.tp > 1 and (t.micro_batch_size * t.seq_len // p.cp) % p.tp:
-        raise ConfigError("micro_batch_size*seq_len/cp must be divisible by parallel.tp for sequence parallelism")
+    # Under context parallelism each rank's token count varies per batch; the CP split pads
+    # it to a multiple of tp itself.
+    if p.sequence_parallel and p.tp > 1 and p.cp == 1 and (t.micro_batch_size * t.seq_len) % p.tp:
+        raise ConfigError("micro_batch_size*seq_len must be divisible by parallel.tp for sequence parallelism")
+    if p.pp > 1 and m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings with parallel.pp > 1 is not supported yet: the tied gradient "
+                          "sum across first and last stage is not wired into data-parallel reduction")
     for name, allowed in (
         ("precision", ("auto", "fp32", "bf16", "fp8")),
         ("recompute", ("none", "selective", "full")),

@@ -28,8 +28,8 @@ class StepInputs:
     labels: torch.Tensor  # [T] long, -100 ignored
     position_ids: torch.Tensor  # [T] long
     meta: AttentionMeta
-    num_tokens: int  # non-padding tokens (host int, from the message)
-    num_labels: int  # labels the loss counts
+    num_tokens: float  # non-padding tokens this rank accounts for (host number, from the message)
+    num_labels: float  # labels the loss counts, this rank's share
 
 
 class LocalServer:

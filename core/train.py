@@ -8,6 +8,7 @@ equals the single-process loss on the same rows whatever the layout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from contextlib import nullcontext
@@ -79,6 +80,9 @@ def train(config: Config, resume: bool = False) -> list[dict]:
     stream = open_stream(config, mesh, address, resume_token)
 
     accum = grad_accum_steps(config)
+    shard = _context_sharder(config, mesh)
+    if grads.pipeline is not None:
+        from core.parallel.pipeline import run_pipeline_step
     if config.model.moe.num_experts:
         from moe.layer import set_moe_loss_scale
 
@@ -95,19 +99,20 @@ def train(config: Config, resume: bool = False) -> list[dict]:
         last_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         while step < last_step:
             step_start = time.perf_counter()
-            micro = [to_inputs(next(data_iter), device) for _ in range(accum)]
+            micro = [shard(to_inputs(next(data_iter), device)) for _ in range(accum)]
             local_labels = float(sum(m.num_labels for m in micro))
             local_tokens = float(sum(m.num_tokens for m in micro))
             global_labels, global_tokens = _all_reduce_sum([local_labels, local_tokens], reduce_group, device)
-            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-            for i, m in enumerate(micro):
-                _set_sequences(model, m.meta.cu_seqlens)
-                with grads.sync_context(last=i == accum - 1):
-                    with autocast:
-                        logits = model(m.tokens, m.position_ids, m.meta)
-                        part, _ = cross_entropy_sum(logits, m.labels, tp_group)
-                    (part / max(global_labels, 1.0)).backward()
-                loss_sum += part.detach()
+            if grads.pipeline is not None:
+                # The schedule interleaves micro-batches' backwards: reduce once, at the end.
+                with grads.dp.no_sync():
+                    result = run_pipeline_step(
+                        grads.pipeline, micro, lambda out, mb: cross_entropy_sum(out, mb.labels, tp_group),
+                        mesh, config, global_labels, forward_context=lambda: autocast,
+                    )
+                loss_sum, extra_metrics = result.loss_sum, result.metrics()
+            else:
+                loss_sum, extra_metrics = _forward_backward(model, micro, grads, autocast, tp_group, global_labels), {}
             grad_norm = grads.finish_and_clip(t.grad_clip)
             lr = optimizer.lr
             optimizer.step()
@@ -127,6 +132,7 @@ def train(config: Config, resume: bool = False) -> list[dict]:
                 "mfu": (flops_token * global_tokens / elapsed / (peak * world)) if peak else None,
                 "mem_gb": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else _rss_gb(),
             }
+            record.update(extra_metrics)
             record.update(_moe_metrics(model))
             if step % t.log_interval == 0 or step == t.max_steps:
                 writer.log(record)
@@ -154,6 +160,41 @@ def _save(ckpt_dir, step, model, optimizer, scheduler, mesh, stream, config) -> 
     path = save_checkpoint(ckpt_dir, step, model, optimizer, scheduler, mesh, {"data": state}, keep=config.checkpoint.keep)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"checkpoint: {path}", flush=True)
+
+
+def _forward_backward(model, micro, grads, autocast, tp_group, global_labels: float) -> torch.Tensor:
+    """Gradient accumulation over this rank's micro-batches; returns the summed token loss."""
+    loss_sum = torch.zeros((), dtype=torch.float32, device=micro[0].tokens.device)
+    for i, m in enumerate(micro):
+        _set_sequences(model, m.meta.cu_seqlens)
+        with grads.sync_context(last=i == len(micro) - 1):
+            with autocast:
+                logits = model(m.tokens, m.position_ids, m.meta)
+                part, _ = cross_entropy_sum(logits, m.labels, tp_group)
+            (part / max(global_labels, 1.0)).backward()
+        loss_sum += part.detach()
+    return loss_sum
+
+
+def _context_sharder(config: Config, mesh: ParallelMesh):
+    """Each context-parallel rank keeps its zigzag share of every document of a micro-batch."""
+    cp = mesh.size("cp")
+    if cp == 1:
+        return lambda inputs: inputs
+    from core.parallel.context import shard_for_cp
+
+    tp = mesh.size("tp")
+    multiple_of = tp if config.parallel.sequence_parallel and tp > 1 else 1
+    rank = mesh.coordinate("cp")
+
+    def shard(m):
+        s = shard_for_cp(m.tokens, m.labels, m.position_ids, m.meta.cu_seqlens, rank, cp, multiple_of=multiple_of)
+        # Counts are summed over dp x cp ranks, and the cp ranks of a data-parallel rank share
+        # one micro-batch: each counts 1/cp of it (exact in floating point: cp is small).
+        return dataclasses.replace(m, tokens=s.tokens, labels=s.labels, position_ids=s.position_ids, meta=s.meta,
+                                   num_tokens=m.num_tokens / cp, num_labels=m.num_labels / cp)
+
+    return shard
 
 
 def _set_sequences(model, cu_seqlens) -> None:

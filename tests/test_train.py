@@ -77,11 +77,20 @@ def test_single_process_writes_metrics_checkpoint_and_loss_falls(tmp_path, datas
     assert (run_dir / "checkpoints" / "latest").exists()
 
 
-@pytest.mark.parametrize("layout", [("tp", 2, 1), ("dp", 1, 2), ("tp2dp2", 2, 2)], ids=lambda l: l[0])
-def test_parallel_layouts_match_single_process(tmp_path, dataset, reference, layout):
-    _, tp, dp = layout
+LAYOUTS = {
+    "tp2": (2, ["parallel.tp=2"]),
+    "dp2": (2, []),
+    "tp2xdp2": (4, ["parallel.tp=2"]),
+    "cp2xtp2": (4, ["parallel.cp=2", "parallel.tp=2"]),
+    "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_parallel_layouts_match_single_process(tmp_path, dataset, reference, name):
+    nproc, overrides = LAYOUTS[name]
     run_dir = tmp_path / "run"
-    run_train(run_dir, dataset, tp * dp, f"parallel.tp={tp}")
+    run_train(run_dir, dataset, nproc, *overrides)
     got = losses(run_dir)
     assert got.keys() == reference.keys()
     for step, loss in reference.items():

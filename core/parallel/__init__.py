@@ -1,6 +1,7 @@
 """Where the parallelisms compose: one function applies each step to the plain model in order.
 
-    tensor (+sequence) -> experts -> context -> recompute -> device/compile -> data (+ZeRO-1)
+    tensor (+sequence) -> experts -> context -> pipeline split -> recompute -> device/compile
+    -> data (+ZeRO-1)
 
 Each step is a function of its own module that rewrites the plain model in place; this
 file only fixes their order and hands the training loop what it needs.
@@ -26,6 +27,7 @@ class GradControl:
     dp: "object"  # core.parallel.data.DataParallel
     mesh: ParallelMesh
     model: nn.Module
+    pipeline: "object | None" = None  # core.parallel.pipeline.PipelineStage when pp > 1
 
     uses_autocast: bool = False  # params are already in the compute dtype
 
@@ -73,13 +75,22 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         from core.parallel.context import apply_cp
 
         apply_cp(model, mesh)
-    apply_recompute(model, t.recompute)
+    stage = None
+    chunks = [model]
+    if mesh.pp > 1:
+        from core.parallel.pipeline import build_pipeline_stage
+
+        stage = build_pipeline_stage(model, mesh, config)
+        chunks = stage.chunks
+    for chunk in chunks:
+        apply_recompute(chunk, t.recompute)
     model.to(device)
     if t.compile:
-        for block in model.layers.values():
-            block.compile()
+        for chunk in chunks:
+            for block in chunk.layers.values():
+                block.compile()
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=param_dtype)
     optimizer, scheduler = build_optimizer(dp, t)
-    return model, optimizer, scheduler, GradControl(dp, mesh, model)
+    return model, optimizer, scheduler, GradControl(dp, mesh, model, pipeline=stage)

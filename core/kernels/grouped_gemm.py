@@ -1,0 +1,283 @@
+"""Grouped GEMM for MoE experts as `torch.library` custom ops (namespace `tessera`).
+
+- `tessera::grouped_mm(x, w, offsets)`: x [N, K] with rows grouped by expert, w [G, K, M]
+  (contiguous, or a transposed view of a contiguous [G, M, K]), offsets int32 [G] cumulative
+  group ends on x's device -> [N, M]; rows of group g times w[g], rows past offsets[-1] zero.
+- `tessera::grouped_mm_wgrad(x, dy, offsets)`: [G, K, M] with entry g = x_g^T dy_g (zero for
+  empty groups), the weight gradient.
+
+Autograd: d x = grouped_mm(dy, w^T) and d w = grouped_mm_wgrad(x, dy), both with the same
+offsets. On an sm_90 GPU with libtessera_kernels.so built (csrc/), bf16 operands run the CUTLASS
+kernels; the per-group arrays are built on the device from `offsets`, so calls never sync the
+host and can be captured in CUDA graphs. Elsewhere the fallback is `torch._grouped_mm` (CUDA bf16,
+sm_90+) or an exact per-group loop (CPU, other dtypes), each reported once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import Tensor
+
+from core.kernels.library import KernelLibrary, kernel_library, report_once
+
+OP_FWD, OP_FWD_BT, OP_WGRAD = 0, 1, 2  # TESSERA_GG_* in csrc/include/tessera_kernels.h
+CONFIG_ENV, RASTER_ENV, SWIZZLE_ENV = "TESSERA_GG_CONFIG", "TESSERA_GG_RASTER", "TESSERA_GG_SWIZZLE"
+
+
+def _check_offsets(offsets: Tensor, groups: int, device: torch.device) -> None:
+    if offsets.dtype != torch.int32 or offsets.dim() != 1 or offsets.shape[0] != groups:
+        raise ValueError(f"offsets must be int32 [G={groups}], got {offsets.dtype} {list(offsets.shape)}")
+    if offsets.device != device:
+        raise ValueError(f"offsets on {offsets.device} but the operands are on {device}")
+
+
+def _check_mm(x: Tensor, w: Tensor, offsets: Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"grouped_mm needs x [N, K] and w [G, K, M], got x {list(x.shape)} and w {list(w.shape)}")
+    if x.dtype != w.dtype or x.device != w.device:
+        raise ValueError(f"x and w must share dtype and device, got {x.dtype}/{w.dtype} on {x.device}/{w.device}")
+    _check_offsets(offsets, w.shape[0], x.device)
+
+
+def _check_wgrad(x: Tensor, dy: Tensor, offsets: Tensor) -> None:
+    if x.dim() != 2 or dy.dim() != 2 or x.shape[0] != dy.shape[0]:
+        raise ValueError(f"grouped_mm_wgrad needs x [N, K] and dy [N, M], got {list(x.shape)} and {list(dy.shape)}")
+    if x.dtype != dy.dtype or x.device != dy.device:
+        raise ValueError(f"x and dy must share dtype and device, got {x.dtype}/{dy.dtype} on {x.device}/{dy.device}")
+    if offsets.dim() != 1:
+        raise ValueError(f"offsets must be 1-D int32 [G], got {list(offsets.shape)}")
+    _check_offsets(offsets, offsets.shape[0], x.device)
+
+
+# ---------------------------------------------------------------------------------------
+# Fallbacks: the exact loop (reference semantics) and torch._grouped_mm.
+# ---------------------------------------------------------------------------------------
+
+def grouped_mm_loop(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """Exact reference: one matmul per group (reads offsets on the host)."""
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        end = min(max(end, start), x.shape[0])
+        out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
+
+
+def grouped_mm_wgrad_loop(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
+    """Exact reference: dw[g] = x_g^T dy_g, zeros for empty groups."""
+    out = x.new_zeros(offsets.shape[0], x.shape[1], dy.shape[1])
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        end = min(max(end, start), x.shape[0])
+        out[g] = x[start:end].t() @ dy[start:end]
+        start = end
+    return out
+
+
+def _native_reason(*tensors: Tensor) -> str | None:
+    """None when torch._grouped_mm can run these bf16 operands, else why not."""
+    x = tensors[0]
+    if not x.is_cuda:
+        return f"device {x.device.type}"
+    if not hasattr(torch, "_grouped_mm"):
+        return "torch._grouped_mm missing"
+    if any(t.dtype != torch.bfloat16 for t in tensors):
+        return f"dtype {x.dtype} (needs bf16)"
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return "GPU older than sm_90"
+    if any(t.shape[-1] % 8 for t in tensors):
+        return "inner dims not multiples of 8 (16-byte rows)"
+    return None
+
+
+def _group_nonempty(offsets: Tensor) -> Tensor:
+    """bool [G]: groups with at least one row (device op, no sync)."""
+    starts = torch.cat((offsets.new_zeros(1), offsets[:-1]))
+    return offsets > starts
+
+
+def _report_loop(op: str, reason: str) -> None:
+    # On CPU the loop is the expected path (info); on a GPU it is a slow surprise (warning).
+    level = logging.INFO if reason.startswith("device") else logging.WARNING
+    report_once(f"{op}: per-group loop fallback ({reason})", level)
+
+
+def _fallback_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    reason = _native_reason(x, w)
+    if reason is None:
+        return torch._grouped_mm(x, w, offs=offsets)
+    _report_loop("grouped_mm", reason)
+    return grouped_mm_loop(x, w, offsets)
+
+
+def _fallback_wgrad(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
+    reason = _native_reason(x, dy)
+    if reason is None:
+        dw = torch._grouped_mm(x.t(), dy, offs=offsets)
+        # Empty groups must give exact zeros whatever the native kernel leaves there.
+        return torch.where(_group_nonempty(offsets)[:, None, None], dw, 0)
+    _report_loop("grouped_mm_wgrad", reason)
+    return grouped_mm_wgrad_loop(x, dy, offsets)
+
+
+# ---------------------------------------------------------------------------------------
+# CUTLASS path.
+# ---------------------------------------------------------------------------------------
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be an integer") from None
+
+
+def choose_config(lib: KernelLibrary, op: int, rows: int, groups: int, k: int, n: int) -> int:
+    """Configuration index for one call: TESSERA_GG_CONFIG if set, else a shape heuristic.
+
+    Heuristic (to be replaced by the H100 measurements of bench/kernels.py): groups of a few
+    hundred rows waste most in the padding of their last 128-row tile, so they take 64-row
+    tiles; an N that 256 does not divide takes 128-wide tiles; the rest the 128x256 tile."""
+    forced = _env_int(CONFIG_ENV, -1)
+    built = lib.gg_bf16_config_names()
+    if forced >= 0:
+        if forced >= len(built) or built[forced] is None:
+            raise ValueError(f"{CONFIG_ENV}={forced} is not built into {lib.path}; built: {built}")
+        return forced
+    if op == OP_WGRAD:
+        wanted = 0 if n % 256 == 0 else 1
+    elif rows < 1024 * groups:
+        wanted = 2
+    else:
+        wanted = 0 if n % 256 == 0 else 1
+    if wanted < len(built) and built[wanted] is not None:
+        return wanted
+    return next(i for i, name in enumerate(built) if name is not None)
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _cutlass_reason(x: Tensor, other: Tensor) -> str | None:
+    if x.dtype != torch.bfloat16:
+        return f"dtype {x.dtype} (CUTLASS kernels take bf16)"
+    if x.shape[1] % 8 or other.shape[-1] % 8:
+        return f"inner dims {x.shape[1]}, {other.shape[-1]} not multiples of 8"
+    if x.shape[0] >= 2**31:
+        return f"{x.shape[0]} rows exceed int32"
+    return None
+
+
+def run_grouped(lib: KernelLibrary, op: int, a: Tensor, b: Tensor, out: Tensor, offsets: Tensor,
+                config: int | None = None) -> Tensor:
+    """Launch one CUTLASS grouped GEMM into `out` on the current stream (see csrc/include).
+
+    `a`, `b`, `out` must be contiguous bf16 and 16-byte aligned; for OP_FWD_BT `b` is [G, n, k]."""
+    groups = offsets.shape[0]
+    rows, k = a.shape
+    n = out.shape[-1]
+    if config is None:
+        config = choose_config(lib, op, rows, groups, k, n)
+    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    ws_bytes = lib.gg_bf16_workspace_bytes(op, config, groups, device)
+    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=a.device)
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    rc = lib.gg_bf16(op, config, a.data_ptr(), b.data_ptr(), out.data_ptr(), offsets.data_ptr(), groups,
+                     rows, k, n, workspace.data_ptr(), ws_bytes, device, stream,
+                     _env_int(RASTER_ENV, 0), _env_int(SWIZZLE_ENV, 1))
+    lib.check(rc, f"tessera_gg_bf16(op={op}, config={config}, rows={rows}, k={k}, n={n}, groups={groups})")
+    return out
+
+
+def _weight_operand(w: Tensor) -> tuple[int, Tensor]:
+    """(op, tensor to pass): w [G, K, M] as stored, or its [G, M, K] storage when it is a transposed view."""
+    if w.is_contiguous():
+        return OP_FWD, w
+    wt = w.transpose(-2, -1)
+    if wt.is_contiguous():
+        return OP_FWD_BT, wt
+    return OP_FWD, w.contiguous()
+
+
+def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    _check_mm(x, w, offsets)
+    lib = kernel_library(x.device)
+    if lib is not None:
+        reason = _cutlass_reason(x, w)
+        if reason is None:
+            x = x.contiguous()
+            op, b = _weight_operand(w)
+            out = x.new_empty(x.shape[0], w.shape[-1])
+            if _aligned(x, b, offsets):
+                return run_grouped(lib, op, x, b, out, offsets)
+            reason = "operands not 16-byte aligned"
+        report_once(f"grouped_mm: CUTLASS kernel skipped ({reason})")
+    return _fallback_mm(x, w, offsets)
+
+
+def _wgrad_impl(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
+    _check_wgrad(x, dy, offsets)
+    lib = kernel_library(x.device)
+    if lib is not None:
+        reason = _cutlass_reason(x, dy)
+        if reason is None:
+            x, dy = x.contiguous(), dy.contiguous()
+            out = x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1])
+            if _aligned(x, dy):
+                return run_grouped(lib, OP_WGRAD, x, dy, out, offsets)
+            reason = "operands not 16-byte aligned"
+        report_once(f"grouped_mm_wgrad: CUTLASS kernel skipped ({reason})")
+    return _fallback_wgrad(x, dy, offsets)
+
+
+# ---------------------------------------------------------------------------------------
+# Custom ops, fake implementations, autograd.
+# ---------------------------------------------------------------------------------------
+
+@torch.library.custom_op("tessera::grouped_mm", mutates_args=())
+def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """x [N, K] grouped by rows, w [G, K, M], offsets int32 [G] cumulative ends -> [N, M]."""
+    return _mm_impl(x, w, offsets)
+
+
+@grouped_mm.register_fake
+def _(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    _check_mm(x, w, offsets)
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("tessera::grouped_mm_wgrad", mutates_args=())
+def grouped_mm_wgrad(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
+    """x [N, K], dy [N, M], offsets int32 [G] -> [G, K, M] with entry g = x_g^T dy_g."""
+    return _wgrad_impl(x, dy, offsets)
+
+
+@grouped_mm_wgrad.register_fake
+def _(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
+    _check_wgrad(x, dy, offsets)
+    return x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _backward(ctx, grad: Tensor):
+    x, w, offsets = ctx.saved_tensors
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = grouped_mm(grad, w.transpose(-2, -1), offsets)
+    if ctx.needs_input_grad[1]:
+        dw = grouped_mm_wgrad(x, grad, offsets)
+    return dx, dw, None
+
+
+grouped_mm.register_autograd(_backward, setup_context=_setup_context)

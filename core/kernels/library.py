@@ -1,0 +1,147 @@
+"""Finds and loads `libtessera_kernels.so` (built from csrc/ by `bash csrc/build.sh`) with ctypes.
+
+The library is plain C ABI over raw device pointers, independent of torch's C++ ABI, so the
+same file works under any torch version. Lookup: the `TESSERA_KERNELS_LIB` environment
+variable, else `csrc/build/libtessera_kernels.so` in this checkout. When it is missing, or the
+GPU is not an sm_90 Hopper, `kernel_library(device)` returns None and the reason is logged once;
+callers then use their PyTorch fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "TESSERA_KERNELS_LIB"
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "csrc" / "build" / "libtessera_kernels.so"
+ABI_VERSION = 1  # must equal TESSERA_ABI_VERSION in csrc/include/tessera_kernels.h
+BUILD_HINT = ("build it with `bash csrc/build.sh` (needs nvcc >= 12.3 and `pip install nvidia-cutlass`) "
+              "or set TESSERA_KERNELS_LIB")
+
+_c_int, _c_i64, _c_size, _c_ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_size_t, ctypes.c_void_p
+
+# (name, restype, argtypes) of every C function Python calls; must match the header.
+_SIGNATURES = [
+    ("tessera_abi_version", _c_int, []),
+    ("tessera_last_error", ctypes.c_char_p, []),
+    ("tessera_device_capability", _c_int, [_c_int]),
+    ("tessera_gg_bf16_num_configs", _c_int, []),
+    ("tessera_gg_bf16_config_name", ctypes.c_char_p, [_c_int]),
+    ("tessera_gg_bf16_workspace", _c_int, [_c_int, _c_int, _c_int, _c_int, ctypes.POINTER(_c_size)]),
+    ("tessera_gg_bf16", _c_int, [_c_int, _c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_i64,
+                                 _c_i64, _c_ptr, _c_size, _c_int, _c_ptr, _c_int, _c_int]),
+]
+
+
+class KernelError(RuntimeError):
+    """A kernel of libtessera_kernels.so returned an error code."""
+
+
+class KernelLibrary:
+    """The loaded library: typed ctypes functions plus `check(rc, what)` for their codes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.cdll = ctypes.CDLL(str(path))
+        for name, restype, argtypes in _SIGNATURES:
+            try:
+                fn = getattr(self.cdll, name)
+            except AttributeError as exc:
+                raise OSError(f"{path} lacks {name}: rebuild it with `bash csrc/build.sh`") from exc
+            fn.restype, fn.argtypes = restype, argtypes
+            setattr(self, name.removeprefix("tessera_"), fn)
+        if self.abi_version() != ABI_VERSION:
+            raise OSError(f"{path} has C ABI version {self.abi_version()}, this code needs {ABI_VERSION}: rebuild it")
+        self._workspace: dict[tuple, int] = {}
+
+    def last_error(self) -> str:
+        return (self.cdll.tessera_last_error() or b"").decode(errors="replace")
+
+    def check(self, rc: int, what: str) -> None:
+        """Raise KernelError naming `what` and the library's message when rc != 0."""
+        if rc != 0:
+            raise KernelError(f"{what} failed (code {rc}): {self.last_error()}")
+
+    def gg_bf16_config_names(self) -> list[str | None]:
+        """Names of the bf16 grouped GEMM configurations by index (None: not built)."""
+        names = [self.gg_bf16_config_name(i) for i in range(self.gg_bf16_num_configs())]
+        return [n.decode() if n else None for n in names]
+
+    def gg_bf16_workspace_bytes(self, op: int, config: int, groups: int, device: int) -> int:
+        """Workspace bytes of one grouped GEMM call (cached: a host query, no GPU work)."""
+        key = (op, config, groups, device)
+        size = self._workspace.get(key)
+        if size is None:
+            out = ctypes.c_size_t(0)
+            rc = self.gg_bf16_workspace(op, config, groups, device, ctypes.byref(out))
+            self.check(rc, "tessera_gg_bf16_workspace")
+            size = self._workspace[key] = out.value
+        return size
+
+
+_lock = threading.Lock()
+_loaded: dict[str, KernelLibrary | None] = {}
+_capability: dict[int, tuple[int, int]] = {}
+_reported: set[str] = set()
+
+
+def report_once(message: str, level: int = logging.WARNING) -> None:
+    """Log a fallback reason once per process (principle: every fallback is reported once)."""
+    if message not in _reported:
+        _reported.add(message)
+        log.log(level, "tessera kernels: %s", message)
+
+
+def library_path() -> Path:
+    """Where the library is looked for now (TESSERA_KERNELS_LIB or the default build path)."""
+    env = os.environ.get(ENV_VAR)
+    return Path(env) if env else DEFAULT_PATH
+
+
+def load_library() -> KernelLibrary | None:
+    """The library at `library_path()`, loaded once; None (reason logged once) when absent or broken."""
+    path = library_path()
+    key = str(path)
+    with _lock:
+        if key not in _loaded:
+            lib = None
+            if not path.is_file():
+                report_once(f"{path} not found: {BUILD_HINT}; using PyTorch fallbacks")
+            else:
+                try:
+                    lib = KernelLibrary(path)
+                except OSError as exc:
+                    report_once(f"cannot load {path} ({exc}); {BUILD_HINT}; using PyTorch fallbacks")
+            _loaded[key] = lib
+        return _loaded[key]
+
+
+def kernel_library(device: torch.device) -> KernelLibrary | None:
+    """The library when it can run on `device` (a CUDA sm_90 GPU), else None with the reason logged once."""
+    if device.type != "cuda":
+        return None
+    lib = load_library()
+    if lib is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _capability.get(index)
+    if cap is None:
+        cap = _capability[index] = torch.cuda.get_device_capability(index)
+    if cap != (9, 0):
+        report_once(f"GPU {index} is sm_{cap[0]}{cap[1]}, the library holds sm_90a code only; using PyTorch fallbacks")
+        return None
+    return lib
+
+
+def reset_for_tests() -> None:
+    """Forget loaded libraries and logged reasons (tests switch TESSERA_KERNELS_LIB)."""
+    with _lock:
+        _loaded.clear()
+        _reported.clear()
