@@ -49,10 +49,10 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
     ends = offsets.tolist()
     sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
     rest = x.shape[0] - (ends[-1] if ends else 0)
-    # split (not slicing): its backward is one cat, where each slice's would be a full-size
-    # zero tensor per group.
+    # split/unbind (not slicing/indexing): their backward is one cat/stack, where each
+    # slice's or index's would be a full-size zero tensor per group.
     pieces = x.split(sizes + [rest], dim=0)
-    outs = [piece @ w[g] for g, piece in enumerate(pieces[:-1])]
+    outs = [piece @ wg for piece, wg in zip(pieces[:-1], w.unbind(0))]
     if rest:  # rows past the last offset belong to no group: zeros
         outs.append(x.new_zeros(rest, w.shape[-1]))
     return torch.cat(outs, dim=0)
