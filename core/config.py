@@ -250,6 +250,18 @@ def resolve_layout(config: Config, world_size: int) -> Config:
     # it to a multiple of tp itself.
     if p.sequence_parallel and p.tp > 1 and p.cp == 1 and (t.micro_batch_size * t.seq_len) % p.tp:
         raise ConfigError("micro_batch_size*seq_len must be divisible by parallel.tp for sequence parallelism")
+    if p.pp > 1:
+        from core.parallel.schedules import check_schedule, partition_layers
+
+        try:
+            check_schedule(p.pp_schedule, p.pp, p.pp_virtual_stages)
+            partition_layers(m.num_layers, p.pp * p.pp_virtual_stages, p.pp_first_stage_layers, p.pp_last_stage_layers)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        accum = t.global_batch_size // rows_per_micro_step
+        if p.pp_schedule == "interleaved" and accum % p.pp:
+            raise ConfigError(f"the interleaved schedule needs micro-batches per step ({accum}) to be a multiple of "
+                              f"parallel.pp={p.pp}: raise train.global_batch_size")
     if p.pp > 1 and m.tie_embeddings:
         raise ConfigError("model.tie_embeddings with parallel.pp > 1 is not supported yet: the tied gradient "
                           "sum across first and last stage is not wired into data-parallel reduction")

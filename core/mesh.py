@@ -39,7 +39,9 @@ class ParallelMesh:
             raise ValueError(f"pp*dp*cp*tp = {pp}*{dp}*{cp}*{tp} = {pp * dp * cp * tp} != world size {world}")
         if (dp * cp) % ep:
             raise ValueError(f"ep={ep} must divide dp*cp={dp * cp}")
-        device_type = device_type or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+        if device_type is None:
+            nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+            device_type = "cuda" if nccl else "cpu"
         self = cls(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, device_type=device_type)
         if not dist.is_initialized():
             return self
