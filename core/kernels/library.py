@@ -61,13 +61,13 @@ class KernelLibrary:
             raise OSError(f"{path} has C ABI version {self.abi_version()}, this code needs {ABI_VERSION}: rebuild it")
         self._workspace: dict[tuple, int] = {}
 
-    def last_error(self) -> str:
-        return (self.cdll.tessera_last_error() or b"").decode(errors="replace")
+    def error_message(self) -> str:
+        return (self.last_error() or b"").decode(errors="replace")
 
     def check(self, rc: int, what: str) -> None:
         """Raise KernelError naming `what` and the library's message when rc != 0."""
         if rc != 0:
-            raise KernelError(f"{what} failed (code {rc}): {self.last_error()}")
+            raise KernelError(f"{what} failed (code {rc}): {self.error_message()}")
 
     def gg_bf16_config_names(self) -> list[str | None]:
         """Names of the bf16 grouped GEMM configurations by index (None: not built)."""

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Builds csrc/build/libtessera_kernels.so for sm_90a with nvcc and the CUTLASS headers.
+# No GPU and no torch needed. Usage: bash csrc/build.sh [--clean]
+#
+# Environment:
+#   CUTLASS_DIR         CUTLASS checkout or the nvidia-cutlass package's `source` folder
+#                       (must hold include/cutlass); default: found through Python.
+#   PYTHON              interpreter used to find the nvidia-cutlass package (default: the
+#                       repository's .venv/bin/python, else python3).
+#   NVCC                compiler (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc).
+#   JOBS                parallel compilations (default: number of CPUs).
+#   TESSERA_GG_CONFIGS  bf16 grouped GEMM configurations to build, e.g. "1" (default "0 1 2").
+#   TESSERA_FP8_CONFIGS FP8 blockwise GEMM configurations to build (default "0 1").
+#   TESSERA_PTXAS_VERBOSE=1  print registers / spills of every kernel.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+out="$here/build"
+obj="$out/obj"
+
+if [[ "${1:-}" == "--clean" ]]; then rm -rf "$out"; fi
+mkdir -p "$obj"
+
+die() { echo "csrc/build.sh: $*" >&2; exit 2; }
+
+nvcc_bin="${NVCC:-$(command -v nvcc || true)}"
+[[ -z "$nvcc_bin" && -x /usr/local/cuda/bin/nvcc ]] && nvcc_bin=/usr/local/cuda/bin/nvcc
+[[ -n "$nvcc_bin" ]] || die "nvcc not found: install the CUDA toolkit (>= 12.3) or set NVCC=/path/to/nvcc"
+
+if [[ -z "${CUTLASS_DIR:-}" ]]; then
+  py="${PYTHON:-}"
+  [[ -z "$py" && -x "$root/.venv/bin/python" ]] && py="$root/.venv/bin/python"
+  py="${py:-python3}"
+  # find_spec locates the package without importing it (its import needs extra packages).
+  CUTLASS_DIR="$("$py" -c 'import importlib.util as u, os; s = u.find_spec("cutlass_library"); print(os.path.join(os.path.dirname(s.origin), "source") if s else "")' 2>/dev/null || true)"
+fi
+[[ -n "${CUTLASS_DIR:-}" && -f "$CUTLASS_DIR/include/cutlass/cutlass.h" ]] ||
+  die "CUTLASS headers not found: pip install nvidia-cutlass (e.g. .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl) or set CUTLASS_DIR to a folder with include/cutlass (now '${CUTLASS_DIR:-}')"
+
+jobs="${JOBS:-$(nproc)}"
+gg_configs="${TESSERA_GG_CONFIGS:-0 1 2}"
+fp8_configs="${TESSERA_FP8_CONFIGS:-0 1}"
+
+flags=(-gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr
+       -Xcompiler=-fPIC,-fvisibility=hidden -DNDEBUG
+       -I"$here" -I"$CUTLASS_DIR/include" -I"$CUTLASS_DIR/tools/util/include")
+[[ "${TESSERA_PTXAS_VERBOSE:-0}" == 1 ]] && flags+=(-Xptxas=-v)
+
+# One line per object: "<object> <source> <extra flags...>".
+units=("api.o api.cu")
+for op in 0 1 2; do
+  for c in $gg_configs; do
+    units+=("gg_bf16_op${op}_c${c}.o grouped_gemm_bf16.cu -DTESSERA_GG_OP=$op -DTESSERA_GG_CONFIG=$c")
+  done
+done
+for src in "$here"/fp8_*.cu; do
+  [[ -e "$src" ]] || continue
+  base="$(basename "$src" .cu)"
+  if grep -q TESSERA_FP8_CONFIG "$src"; then
+    for c in $fp8_configs; do units+=("${base}_c${c}.o $(basename "$src") -DTESSERA_FP8_CONFIG=$c"); done
+  else
+    units+=("${base}.o $(basename "$src")")
+  fi
+done
+
+# An object is rebuilt when it is older than any source or header in csrc/.
+newest_src="$(find "$here" -maxdepth 2 \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name build.sh \) -not -path "$out/*" -printf '%T@\n' | sort -n | tail -1)"
+todo=()
+for u in "${units[@]}"; do
+  o="$obj/${u%% *}"
+  if [[ ! -f "$o" ]] || (( $(stat -c %Y "$o") < ${newest_src%.*} )); then todo+=("$u"); fi
+done
+
+start=$(date +%s)
+echo "csrc/build.sh: nvcc $("$nvcc_bin" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), CUTLASS $CUTLASS_DIR, ${#todo[@]}/${#units[@]} objects to build, $jobs jobs"
+export nvcc_bin obj here
+printf '%s\n' "${todo[@]}" | xargs -P "$jobs" -I{} bash -c '
+  set -f; read -r o src extra <<< "$1"; shift
+  t0=$(date +%s)
+  if ! "$nvcc_bin" "$@" $extra -c "$here/$src" -o "$obj/$o.tmp" > "$obj/$o.log" 2>&1; then
+    cat "$obj/$o.log" >&2; echo "csrc/build.sh: FAILED $o" >&2; exit 255
+  fi
+  mv "$obj/$o.tmp" "$obj/$o"; echo "  $o ($(( $(date +%s) - t0 )) s)"
+  grep -E "spill|registers" "$obj/$o.log" | grep -v " 0 bytes spill" | sed "s/^/    /" || true
+' _ {} "${flags[@]}" || die "compilation failed"
+
+objects=()
+for u in "${units[@]}"; do objects+=("$obj/${u%% *}"); done
+# cudart is linked statically: at run time the library needs the CUDA driver, glibc >= 2.34
+# and the system libstdc++ (GLIBCXX 3.4.11), whatever torch or CUDA toolkit the machine has.
+# (A static libstdc++/libgcc would pull arc4random and _dl_find_object: glibc 2.36.)
+"$nvcc_bin" -shared -cudart=static -gencode=arch=compute_90a,code=sm_90a -o "$out/libtessera_kernels.so.tmp" "${objects[@]}" \
+  -Xlinker=--exclude-libs,ALL
+mv "$out/libtessera_kernels.so.tmp" "$out/libtessera_kernels.so"
+echo "csrc/build.sh: built $out/libtessera_kernels.so in $(( $(date +%s) - start )) s"

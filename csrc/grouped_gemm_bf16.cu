@@ -1,0 +1,293 @@
+// Grouped GEMM for MoE experts: bf16 in, fp32 accumulate, bf16 out, on CUTLASS 3.x's
+// ptr-array grouped kernel for sm90a (TMA loads, warp-specialised WGMMA, persistent tiles).
+//
+// One translation unit = one (operation, configuration) pair, chosen by the build with
+// -DTESSERA_GG_OP=<0..2> -DTESSERA_GG_CONFIG=<0..>, so build.sh compiles the variants in
+// parallel and each registers itself in the table the C ABI dispatches on.
+//
+// Graph capture: the per-group problem sizes, pointers and strides are written on the
+// device by prepare_groups() from the int32 offsets (no host sync), into the caller's
+// workspace, then the CUTLASS kernel reads them; both go on the caller's stream.
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include <tuple>
+
+#include "common.cuh"
+
+#ifndef TESSERA_GG_OP
+#error "compile with -DTESSERA_GG_OP=<0 fwd | 1 fwd_bt | 2 wgrad>"
+#endif
+#ifndef TESSERA_GG_CONFIG
+#error "compile with -DTESSERA_GG_CONFIG=<index into Configs>"
+#endif
+
+namespace tessera::gg_bf16 {
+namespace {
+
+using namespace cute;
+
+// ---------------------------------------------------------------------------------------
+// Candidate configurations, all selectable at run time (config index = position below).
+// Measure them per MoE shape with bench/kernels.py; the Python side picks one per call.
+// ---------------------------------------------------------------------------------------
+
+// Two consumer warp groups share a 128x256 tile; a 2x1 cluster multicasts each weight tile
+// to both M neighbours. torch._grouped_mm's choice for large groups: the parity baseline.
+struct Coop128x256C2x1 {
+  static const char* name() { return "coop_128x256x64_c2x1"; }
+  using Tile = Shape<_128, _256, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+// Ping-pong: one warp group's epilogue overlaps the other's mainloop, which pays off when
+// K is short (fine-grained experts). 128-wide N divides 1408 and 2048 exactly, and no
+// cluster means no M-tile padding to a cluster multiple on small groups.
+struct Pingpong128x128C1 {
+  static const char* name() { return "pingpong_128x128x64_c1x1"; }
+  using Tile = Shape<_128, _128, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+// 64-row tiles halve the padding of the last M tile of each group, which dominates when
+// groups hold a few hundred rows (E=128 experts); 256-wide N keeps WGMMA efficient.
+struct Pingpong64x256C1 {
+  static const char* name() { return "pingpong_64x256x64_c1x1"; }
+  using Tile = Shape<_64, _256, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+using Configs = std::tuple<Coop128x256C2x1, Pingpong128x128C1, Pingpong64x256C1>;
+static_assert(TESSERA_GG_CONFIG < std::tuple_size_v<Configs>, "TESSERA_GG_CONFIG out of range");
+using Config = std::tuple_element_t<TESSERA_GG_CONFIG, Configs>;
+
+constexpr int kOp = TESSERA_GG_OP;
+static_assert(kOp >= 0 && kOp < TESSERA_GG_NUM_OPS, "TESSERA_GG_OP out of range");
+
+// ---------------------------------------------------------------------------------------
+// Operand layouts per operation, in CUTLASS's (M, N, K) terms:
+//   fwd:    M = rows of group, N = n, K = k; A = a_g row-major, B = b[g] (k x n, N-major)
+//   fwd_bt: same, B = b[g] stored n x k (K-major)
+//   wgrad:  M = k, N = n, K = rows of group; A = a_g^T (M-major), B = b_g (N-major)
+// ---------------------------------------------------------------------------------------
+using Element = cutlass::bfloat16_t;
+using Accumulator = float;
+using LayoutA = std::conditional_t<kOp == TESSERA_GG_WGRAD, cutlass::layout::ColumnMajor,
+                                   cutlass::layout::RowMajor>;
+using LayoutB = std::conditional_t<kOp == TESSERA_GG_FWD_BT, cutlass::layout::ColumnMajor,
+                                   cutlass::layout::RowMajor>;
+using LayoutD = cutlass::layout::RowMajor;
+constexpr int kAlignment = 16 / sizeof(Element);  // TMA moves 16-byte rows
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+using GroupShape = ProblemShape::UnderlyingProblemShape;
+
+// D = acc (alpha 1, no C operand: void source skips the C load entirely).
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile,
+    typename Config::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator,
+    Accumulator, void, LayoutD*, kAlignment, Element, LayoutD*, kAlignment,
+    typename Config::EpilogueSchedule,
+    cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
+
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element,
+    LayoutB*, kAlignment, Accumulator, typename Config::Tile, typename Config::Cluster,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+        sizeof(typename CollectiveEpilogue::SharedStorage))>,
+    typename Config::Schedule>::CollectiveOp;
+
+using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
+                                                    CollectiveEpilogue>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+using StrideA = typename Kernel::InternalStrideA;
+using StrideB = typename Kernel::InternalStrideB;
+using StrideD = typename Kernel::InternalStrideD;
+
+// A packed 2-D stride with leading dimension `ld`: whichever mode is not the static 1.
+template <class Stride>
+__device__ Stride leading(int64_t ld) {
+  Stride s{};
+  if constexpr (is_static<decltype(get<0>(s))>::value) {
+    get<1>(s) = ld;
+  } else {
+    get<0>(s) = ld;
+  }
+  return s;
+}
+
+// The per-group arrays CUTLASS reads, carved from the workspace.
+struct GroupArrays {
+  GroupShape* shapes;
+  const Element** ptr_a;
+  const Element** ptr_b;
+  Element** ptr_d;
+  StrideA* stride_a;
+  StrideB* stride_b;
+  StrideD* stride_d;
+  void* cutlass_workspace;
+};
+
+template <class P>
+GroupArrays carve(P&& c, int groups) {
+  GroupArrays g;
+  g.shapes = c.template take<GroupShape>(groups);
+  g.ptr_a = c.template take<const Element*>(groups);
+  g.ptr_b = c.template take<const Element*>(groups);
+  g.ptr_d = c.template take<Element*>(groups);
+  g.stride_a = c.template take<StrideA>(groups);
+  g.stride_b = c.template take<StrideB>(groups);
+  g.stride_d = c.template take<StrideD>(groups);
+  g.cutlass_workspace = c.template take<char>(0, 256);
+  return g;
+}
+
+Gemm::Arguments make_arguments(const GroupArrays& g, int groups, int device, int sms, int raster,
+                               int swizzle) {
+  Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = ProblemShape{groups, g.shapes, nullptr};  // sizes live on the device only
+  args.mainloop.ptr_A = g.ptr_a;
+  args.mainloop.dA = g.stride_a;
+  args.mainloop.ptr_B = g.ptr_b;
+  args.mainloop.dB = g.stride_b;
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.ptr_D = g.ptr_d;
+  args.epilogue.dD = g.stride_d;
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sms;
+  using Raster = typename Kernel::TileScheduler::RasterOrderOptions;
+  args.scheduler.raster_order = raster ? Raster::AlongN : Raster::AlongM;
+  args.scheduler.max_swizzle_size = swizzle;
+  return args;
+}
+
+size_t workspace_bytes(int groups, int sms) {
+  Carver counter(nullptr);
+  GroupArrays g = carve(counter, groups);
+  Gemm::Arguments args = make_arguments(g, groups, 0, sms, 0, 1);
+  return counter.used + Gemm::get_workspace_size(args);
+}
+
+// Group i covers rows [start_i, end_i) with end_i = offsets[i] clamped to [start_i, rows] and
+// start_i = end_{i-1}: exactly the loop reference's reading, so even decreasing offsets stay
+// in bounds and never make two groups overlap (they read as empty groups).
+//
+// Block 0 (one warp, a running-max scan over chunks of 32 groups) writes the per-group
+// arrays; the other blocks zero what no GEMM tile writes (fwd: rows past the last group;
+// wgrad: d[g] of empty groups), so the output is fully defined without a memset of it all.
+__global__ void prepare_groups(GroupArrays g, const int32_t* __restrict__ offsets, int groups,
+                               int64_t rows, int64_t k, int64_t n, const Element* a,
+                               const Element* b, Element* d) {
+  auto clamped = [&](int i) -> int64_t {
+    int64_t v = offsets[i];
+    return v < 0 ? 0 : (v > rows ? rows : v);
+  };
+  if (blockIdx.x == 0) {
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    int64_t carry = 0;  // end of the previous chunk's last group
+    for (int base = 0; base < groups; base += 32) {
+      const int i = base + lane;
+      int64_t end = i < groups ? clamped(i) : 0;
+      for (int delta = 1; delta < 32; delta <<= 1) {  // inclusive running max within the warp
+        int64_t other = __shfl_up_sync(0xffffffffu, end, delta);
+        if (lane >= delta && other > end) end = other;
+      }
+      if (carry > end) end = carry;
+      int64_t start = __shfl_up_sync(0xffffffffu, end, 1);
+      if (lane == 0) start = carry;
+      carry = __shfl_sync(0xffffffffu, end, 31);
+      if (i >= groups) continue;
+      const int count = static_cast<int>(end - start);
+      if constexpr (kOp == TESSERA_GG_WGRAD) {
+        g.shapes[i] = GroupShape{count ? static_cast<int>(k) : 0, static_cast<int>(n), count};
+        g.ptr_a[i] = a + start * k;
+        g.ptr_b[i] = b + start * n;
+        g.ptr_d[i] = d + i * k * n;
+        g.stride_a[i] = leading<StrideA>(k);
+        g.stride_b[i] = leading<StrideB>(n);
+      } else {
+        g.shapes[i] = GroupShape{count, static_cast<int>(n), static_cast<int>(k)};
+        g.ptr_a[i] = a + start * k;
+        g.ptr_b[i] = b + i * k * n;
+        g.ptr_d[i] = d + start * n;
+        g.stride_a[i] = leading<StrideA>(k);
+        g.stride_b[i] = leading<StrideB>(kOp == TESSERA_GG_FWD_BT ? k : n);
+      }
+      g.stride_d[i] = leading<StrideD>(n);
+    }
+    return;
+  }
+  // Zero-fill with 16-byte stores (k, n are multiples of 8 bf16, d is 16-byte aligned).
+  const int64_t worker = int64_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;
+  const int64_t workers = int64_t(gridDim.x - 1) * blockDim.x;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  int64_t running = 0;  // the same running max as above, walked by every thread
+  if constexpr (kOp == TESSERA_GG_WGRAD) {
+    const int64_t vecs = k * n / 8;
+    for (int i = 0; i < groups; ++i) {
+      const int64_t end = clamped(i);
+      if (end > running) {
+        running = end;
+        continue;
+      }
+      uint4* out = reinterpret_cast<uint4*>(d + i * k * n);
+      for (int64_t j = worker; j < vecs; j += workers) out[j] = zero;
+    }
+  } else {
+    for (int i = 0; i < groups; ++i) running = max(running, clamped(i));
+    uint4* out = reinterpret_cast<uint4*>(d + running * n);
+    const int64_t vecs = (rows - running) * n / 8;
+    for (int64_t j = worker; j < vecs; j += workers) out[j] = zero;
+  }
+}
+
+constexpr int kZeroBlocks = 64;  // enough to saturate HBM stores; idle blocks exit at once
+
+int run(const GroupedArgs& p) {
+  Carver carver(p.workspace);
+  GroupArrays g = carve(carver, p.groups);
+  prepare_groups<<<1 + kZeroBlocks, 256, 0, p.stream>>>(
+      g, p.offsets, p.groups, p.rows, p.k, p.n, static_cast<const Element*>(p.a),
+      static_cast<const Element*>(p.b), static_cast<Element*>(p.d));
+  TESSERA_CUDA_TRY(cudaGetLastError());
+
+  Gemm::Arguments args =
+      make_arguments(g, p.groups, p.device, sm_count(p.device), p.raster, p.swizzle);
+  Gemm gemm;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess)
+    return fail(TESSERA_ERR_CUTLASS, "%s: CUTLASS cannot implement (%s)", Config::name(),
+                cutlassGetStatusString(status));
+  status = gemm.initialize(args, g.cutlass_workspace, p.stream);
+  if (status != cutlass::Status::kSuccess)
+    return fail(TESSERA_ERR_CUTLASS, "%s: initialize failed (%s)", Config::name(),
+                cutlassGetStatusString(status));
+  status = gemm.run(p.stream);
+  if (status != cutlass::Status::kSuccess)
+    return fail(TESSERA_ERR_CUTLASS, "%s: launch failed (%s, %s)", Config::name(),
+                cutlassGetStatusString(status), cudaGetErrorString(cudaGetLastError()));
+  return TESSERA_OK;
+}
+
+const RegisterGroupedVariant registered(kOp, TESSERA_GG_CONFIG, Config::name(), &run,
+                                        &workspace_bytes);
+
+}  // namespace
+}  // namespace tessera::gg_bf16

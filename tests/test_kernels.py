@@ -1,0 +1,172 @@
+"""core.kernels: custom ops, fallbacks, autograd, and the compiled library's C ABI.
+
+Reference: a float64 gather formulation (each row times the weight of its group, found with
+searchsorted), independent of the per-group loop the fallback uses. On CPU the ops run the
+loop fallback; the CUTLASS path is checked on a GPU by tests/gpu_kernels_check.py (the `gpu`
+test below runs it when a Hopper GPU and the built library are present).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import subprocess
+
+import pytest
+import torch
+
+from core.kernels import grouped_mm, grouped_mm_wgrad, library
+from tests.gpu_kernels_check import group_ids, reference_mm, reference_wgrad, uneven_offsets
+
+LIB_PATH = library.DEFAULT_PATH
+built = pytest.mark.skipif(not LIB_PATH.is_file(), reason="csrc/build/libtessera_kernels.so not built")
+
+
+def _operands(rows, k, n, groups, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen, dtype=dtype)
+    w = torch.randn(groups, k, n, generator=gen, dtype=dtype)
+    return x, w
+
+
+def test_group_ids_reads_offsets_like_the_loop():
+    # A decreasing offset is an empty group; offsets past N are clamped; rows past the end: -1.
+    ids = group_ids(torch.tensor([2, 1, 4, 9], dtype=torch.int32), rows=6)
+    assert ids.tolist() == [0, 0, 2, 2, 3, 3]
+    ids = group_ids(torch.tensor([0, 3], dtype=torch.int32), rows=5)
+    assert ids.tolist() == [1, 1, 1, -1, -1]
+
+
+@pytest.mark.parametrize("groups,rows", [(1, 7), (5, 40), (8, 3)])
+def test_fallback_matches_float64_reference(groups, rows):
+    x, w = _operands(rows, 16, 24, groups)
+    offsets = uneven_offsets(rows, groups, torch.Generator().manual_seed(groups), empty=min(2, groups - 1))
+    out = grouped_mm(x, w, offsets)
+    ref = reference_mm(x.double(), w.double(), offsets)
+    assert out.dtype == torch.float32 and out.shape == (rows, 24)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_past_the_last_offset_are_zero():
+    x, w = _operands(10, 8, 8, 3)
+    out = grouped_mm(x, w, torch.tensor([2, 2, 6], dtype=torch.int32))
+    assert out[6:].abs().sum() == 0 and out[:6].abs().sum() > 0
+
+
+def test_transposed_weight_view_gives_the_same_product():
+    x, w = _operands(12, 16, 8, 3)
+    offsets = torch.tensor([4, 4, 12], dtype=torch.int32)
+    wt = w.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [G, M, K] storage
+    torch.testing.assert_close(grouped_mm(x, wt, offsets), grouped_mm(x, w, offsets))
+
+
+def test_wgrad_matches_reference_and_zeroes_empty_groups():
+    x, dy = _operands(30, 16, 8, 1)[0], torch.randn(30, 24, dtype=torch.float32)
+    offsets = torch.tensor([0, 10, 10, 25, 30], dtype=torch.int32)
+    dw = grouped_mm_wgrad(x, dy, offsets)
+    assert dw.shape == (5, 16, 24)
+    torch.testing.assert_close(dw.double(), reference_wgrad(x.double(), dy.double(), offsets), rtol=1e-5, atol=1e-5)
+    assert dw[0].abs().sum() == 0 and dw[2].abs().sum() == 0
+
+
+def test_autograd_matches_reference_gradients():
+    x, w = _operands(33, 16, 24, 4, dtype=torch.float64, seed=3)
+    offsets = torch.tensor([5, 5, 20, 30], dtype=torch.int32)  # an empty group, 3 rows past the end
+    dy = torch.randn(33, 24, dtype=torch.float64)
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    grouped_mm(xa, wa, offsets).backward(dy)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    reference_mm(xr, wr, offsets).backward(dy)
+    torch.testing.assert_close(xa.grad, xr.grad)
+    torch.testing.assert_close(wa.grad, wr.grad)
+    assert wa.grad[1].abs().sum() == 0  # the empty group's weight gets an exact zero gradient
+
+
+def test_gradcheck_in_double():
+    x, w = _operands(9, 4, 3, 3, dtype=torch.float64, seed=5)
+    offsets = torch.tensor([2, 2, 9], dtype=torch.int32)
+    x.requires_grad_()
+    w.requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: grouped_mm(a, b, offsets), (x, w))
+
+
+def test_opcheck_fake_and_autograd_registration():
+    # opcheck compares the fake (meta) implementation's shapes/strides with the real one and
+    # checks the schema and autograd registration, on the CPU fallback.
+    x, w = _operands(12, 8, 16, 3)
+    offsets = torch.tensor([3, 3, 10], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.tessera.grouped_mm.default, (x, w, offsets))
+    torch.library.opcheck(torch.ops.tessera.grouped_mm_wgrad.default, (x, torch.randn(12, 16), offsets))
+
+
+def test_meta_tensors_give_shapes_without_data():
+    x = torch.empty(100, 64, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(4, 64, 32, device="meta", dtype=torch.bfloat16)
+    offsets = torch.empty(4, device="meta", dtype=torch.int32)
+    assert grouped_mm(x, w, offsets).shape == (100, 32)
+    assert grouped_mm_wgrad(x, torch.empty(100, 48, device="meta", dtype=torch.bfloat16), offsets).shape == (4, 64, 48)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, w, o: (x, w, o.long()), "int32"),
+    (lambda x, w, o: (x, w, o[:2]), r"int32 \[G=3\]"),
+    (lambda x, w, o: (x[:, :4], w, o), r"x \[N, K\] and w \[G, K, M\]"),
+    (lambda x, w, o: (x, w.double(), o), "share dtype"),
+])
+def test_bad_inputs_get_clear_errors(bad, match):
+    x, w = _operands(6, 8, 8, 3)
+    offsets = torch.tensor([1, 2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        grouped_mm(*bad(x, w, offsets))
+
+
+def test_missing_library_is_reported_once(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv(library.ENV_VAR, str(tmp_path / "nope.so"))
+    library.reset_for_tests()
+    try:
+        with caplog.at_level(logging.WARNING, logger="core.kernels.library"):
+            assert library.load_library() is None
+            assert library.load_library() is None
+        messages = [r.getMessage() for r in caplog.records if "nope.so" in r.getMessage()]
+        assert len(messages) == 1 and "bash csrc/build.sh" in messages[0]
+    finally:
+        library.reset_for_tests()
+
+
+@built
+def test_built_library_loads_without_gpu_or_torch_dependencies():
+    lib = library.KernelLibrary(LIB_PATH)
+    assert lib.abi_version() == library.ABI_VERSION
+    names = lib.gg_bf16_config_names()
+    assert names and all(n is None or ("x" in n and "_c" in n) for n in names)
+    needed = subprocess.run(["readelf", "-d", str(LIB_PATH)], capture_output=True, text=True, check=True).stdout
+    libs = [line.split("[")[1].rstrip("]") for line in needed.splitlines() if "(NEEDED)" in line]
+    # cudart is static: only system libraries remain (no torch, no CUDA toolkit library).
+    system = ("libc.", "libm.", "libdl.", "libpthread.", "librt.", "ld-linux", "libstdc++.", "libgcc_s.")
+    assert all(name.startswith(system) for name in libs), libs
+    versions = subprocess.run(["objdump", "-T", str(LIB_PATH)], capture_output=True, text=True, check=True).stdout
+    glibc = {tuple(int(p) for p in v.split(".")) for v in re.findall(r"GLIBC_([0-9.]+)\)", versions)}
+    assert max(glibc) <= (2, 34), f"needs glibc {max(glibc)}: the GPU machines may have older"
+
+
+@built
+def test_c_abi_rejects_bad_arguments_with_a_message():
+    lib = library.KernelLibrary(LIB_PATH)
+    fake = ctypes.c_void_p(256)  # never dereferenced: argument checks come first
+    rc = lib.gg_bf16(0, 0, fake, fake, fake, fake, 4, 64, 7, 16, fake, 1 << 20, 0, None, 0, 1)
+    assert rc == 1 and "multiples of 8" in lib.error_message()
+    rc = lib.gg_bf16(9, 0, fake, fake, fake, fake, 4, 64, 8, 16, fake, 1 << 20, 0, None, 0, 1)
+    assert rc == 1 and "op 9" in lib.error_message()
+    rc = lib.gg_bf16(0, 0, fake, fake, fake, fake, 4, 64, 8, 16, fake, 1 << 20, 0, None, 0, 3)
+    assert rc == 1 and "swizzle=3" in lib.error_message()
+    if not torch.cuda.is_available():
+        assert lib.device_capability(0) == -1 and "no CUDA device" in lib.error_message()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernels_check():
+    from tests import gpu_kernels_check
+
+    assert gpu_kernels_check.main(["--quick"]) == 0
