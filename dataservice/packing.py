@@ -102,18 +102,8 @@ def best_fit_decreasing(piece_lengths: np.ndarray, capacity: int) -> tuple[np.nd
     return row_of, n_rows
 
 
-@dataclass(frozen=True, eq=False)
-class PackedRows:
-    """Rows of one window: segment s is tokens [seg_offset, seg_offset+seg_len) of item seg_item.
-
-    Segments of row r are ``row_ptr[r]:row_ptr[r+1]``, in placement order.
-    """
-
-    seg_item: np.ndarray  # int64 [segments]
-    seg_offset: np.ndarray  # int64 [segments]
-    seg_len: np.ndarray  # int64 [segments]
-    row_ptr: np.ndarray  # int64 [rows + 1]
-    seq_len: int
+class RowStats:
+    """Counts shared by every rows-of-segments layout (`row_ptr`, `seg_len`, `seq_len`)."""
 
     @property
     def num_rows(self) -> int:
@@ -127,6 +117,21 @@ class PackedRows:
     def efficiency(self) -> float:
         """Real tokens / (rows * seq_len); 1.0 for an empty window."""
         return self.num_tokens / (self.num_rows * self.seq_len) if self.num_rows else 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class PackedRows(RowStats):
+    """Rows of one window: segment s is tokens [seg_offset, seg_offset+seg_len) of item seg_item.
+
+    Segments of row r are ``row_ptr[r]:row_ptr[r+1]``, in placement order.
+    """
+
+    seg_item: np.ndarray  # int64 [segments]
+    seg_offset: np.ndarray  # int64 [segments]
+    seg_len: np.ndarray  # int64 [segments]
+    row_ptr: np.ndarray  # int64 [rows + 1]
+    seq_len: int
+
 
 
 def pack_rows(item_lengths: np.ndarray, seq_len: int, row_rng: np.random.Generator | None = None) -> PackedRows:

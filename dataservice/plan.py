@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from dataservice.packing import IGNORE_INDEX, MicroBatch, build_microbatch, pack_rows
+from dataservice.packing import IGNORE_INDEX, MicroBatch, RowStats, build_microbatch, pack_rows
 from dataservice.sampling import DocumentStream, blend_window, normalise_weights, window_quotas
 
 __all__ = [
@@ -98,7 +98,7 @@ class Anchor:
 
 
 @dataclass(frozen=True, eq=False)
-class PackedWindow:
+class PackedWindow(RowStats):
     """The packed rows of one window; segments of local row r are row_ptr[r]:row_ptr[r+1]."""
 
     anchor: Anchor
@@ -109,19 +109,6 @@ class PackedWindow:
     seg_len: np.ndarray  # int64 [segments]
     row_ptr: np.ndarray  # int64 [rows + 1]
     seq_len: int
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.row_ptr.size - 1)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.seg_len.sum())
-
-    @property
-    def efficiency(self) -> float:
-        """Real tokens / (rows * seq_len)."""
-        return self.num_tokens / (self.num_rows * self.seq_len) if self.num_rows else 1.0
 
 
 def _check_int(name: str, v: Any, lo: int, hi: int) -> int:

@@ -111,8 +111,8 @@ def weighted_unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.T
     return torch.bmm(weights.to(rows.dtype).unsqueeze(1), slots).squeeze(1)
 
 
-class AllToAllDispatcher:
-    """Permute -> count exchange -> uneven all-to-all -> local grouping, and back."""
+class _Dispatcher:
+    """What every dispatcher knows: the expert-parallel group and this rank's experts."""
 
     def __init__(self, num_experts: int, group=None):
         self.num_experts = num_experts
@@ -122,6 +122,10 @@ class AllToAllDispatcher:
             raise ValueError(f"ep={self.ep} must divide num_experts={num_experts}")
         self.num_local = num_experts // self.ep
         self._state: dict | None = None
+
+
+class AllToAllDispatcher(_Dispatcher):
+    """Permute -> count exchange -> uneven all-to-all -> local grouping, and back."""
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (rows grouped by local expert [N, dim], tokens per local expert [E_local])."""
@@ -157,17 +161,8 @@ class AllToAllDispatcher:
         return weighted_unpermute(rows, state["order"], state["weights"], state["tokens"])
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_Dispatcher):
     """Gather all tokens of the EP group, run the local experts on their share, reduce-scatter."""
-
-    def __init__(self, num_experts: int, group=None):
-        self.num_experts = num_experts
-        self.group = group
-        self.ep, self.ep_rank = _group_info(group)
-        if num_experts % self.ep:
-            raise ValueError(f"ep={self.ep} must divide num_experts={num_experts}")
-        self.num_local = num_experts // self.ep
-        self._state: dict | None = None
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         t, k = routing.indices.shape
