@@ -97,11 +97,13 @@ def test_parallel_layouts_match_single_process(tmp_path, dataset, reference, nam
         assert got[step] == pytest.approx(loss, rel=RTOL), (step, got, reference)
 
 
-def test_resume_on_another_layout_continues_the_loss_trajectory(tmp_path, dataset, reference):
-    # Save at tp=2 x dp=2 after step 2, resume at tp=1 x dp=4: steps 3-4 equal the uninterrupted run.
+@pytest.mark.parametrize("resume_tp", [1, 2], ids=["tp1xdp4", "same_layout"])
+def test_resume_continues_the_loss_trajectory(tmp_path, dataset, reference, resume_tp):
+    # Save at tp=2 x dp=2 after step 2, resume at tp=1 x dp=4 (resharding) or at the same
+    # layout: steps 3-4 equal the uninterrupted run.
     run_dir = tmp_path / "run"
     run_train(run_dir, dataset, 4, "parallel.tp=2", "train.stop_at_step=2")
-    run_train(run_dir, dataset, 4, "parallel.tp=1", resume=True)
+    run_train(run_dir, dataset, 4, f"parallel.tp={resume_tp}", resume=True)
     got = losses(run_dir)
     for step in (3, 4):
         assert got[step] == pytest.approx(reference[step], rel=RTOL), (step, got, reference)
