@@ -10,6 +10,11 @@ Requests the server refuses (INVALID_ARGUMENT, ...) surface at the caller's `nex
 `state_dict()` holds the token of the last batch DELIVERED to the caller, so a
 checkpoint taken after step k resumes at step k+1, on any replica, even with another
 dp_size or micro_batch_size when the row offset allows it.
+
+With dynamic context parallelism (`dynamic_cp=True`) each batch is one entry of this rank's
+plan for a global step (the `cp_*` fields; `ends_step` marks a step's last one), tensors are
+[1, tokens], `max_batches` counts steps, and a stream restarts at step boundaries: after a
+reconnect in the middle of a step the entries already received are dropped, not repeated.
 """
 
 from __future__ import annotations
@@ -64,16 +69,36 @@ class Batch:
     efficiency: float
     step: int
     resume_token: str
+    # Dynamic CP only (see protos/dataservice.proto); zero otherwise.
+    cp_group_start: int = 0
+    cp_group_size: int = 0              # 0 in an idle rank's message
+    cp_microbatch: int = 0              # index in the step's global execution order
+    cp_microbatches_in_step: int = 0    # this rank's entries in the step (0: idle this step)
+    cp_entry: int = 0                   # index of this batch among them
+    cp_step_microbatches: int = 0       # entries of the whole step; > 0 marks a dynamic-CP batch
+    cp_step_documents: int = 0
+    cp_tokens_per_rank: int = 0
+    cp_documents: torch.Tensor | None = None  # int32 [documents]: indices in the step's document list
 
     @property
     def max_seqlen(self) -> int:
         """Longest segment, as varlen attention kernels want it."""
         return int(self.seq_lens.max()) if self.seq_lens.numel() else 0
 
+    @property
+    def dynamic_cp(self) -> bool:
+        return self.cp_step_microbatches > 0
+
+    @property
+    def ends_step(self) -> bool:
+        """True on the last batch of a global step (every batch without dynamic CP)."""
+        return not self.dynamic_cp or self.cp_entry + 1 >= self.cp_microbatches_in_step
+
 
 def to_batch(msg) -> Batch:
     """Turn a PackedBatch message into a Batch: views on the message's bytes, labels widened."""
-    b, s = msg.micro_batch_size, msg.seq_len
+    dynamic = msg.cp_step_microbatches > 0
+    b, s = (1, len(msg.tokens) // 4) if dynamic else (msg.micro_batch_size, msg.seq_len)
 
     def view(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
@@ -91,6 +116,15 @@ def to_batch(msg) -> Batch:
         efficiency=float(msg.efficiency),
         step=int(msg.step),
         resume_token=msg.resume_token,
+        cp_group_start=int(msg.cp_group_start),
+        cp_group_size=int(msg.cp_group_size),
+        cp_microbatch=int(msg.cp_microbatch),
+        cp_microbatches_in_step=int(msg.cp_microbatches_in_step),
+        cp_entry=int(msg.cp_entry),
+        cp_step_microbatches=int(msg.cp_step_microbatches),
+        cp_step_documents=int(msg.cp_step_documents),
+        cp_tokens_per_rank=int(msg.cp_tokens_per_rank),
+        cp_documents=view(msg.cp_documents, torch.int32) if dynamic else None,
     )
 
 
@@ -179,6 +213,11 @@ class DataClient:
         backoff: float = 0.25,
         max_backoff: float = 8.0,
         max_receive_bytes: int = MAX_RECEIVE_BYTES,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        dynamic_cp: bool = False,
+        cp_token_budget: int = 0,
+        rows_per_step: int = 0,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
@@ -191,6 +230,8 @@ class DataClient:
             consumer=consumer, dp_rank=dp_rank, dp_size=dp_size, seq_len=seq_len,
             micro_batch_size=micro_batch_size, seed=seed,
             blend=[pb2.DatasetWeight(name=k, weight=v) for k, v in (blend or {}).items()],
+            cp_rank=cp_rank, cp_size=cp_size, dynamic_cp=dynamic_cp, cp_token_budget=cp_token_budget,
+            rows_per_step=rows_per_step,
         )
         self._blend = dict(blend or {})
         self._settings = _Settings(tuple(self.addresses), self._request, prefetch, max_batches,
@@ -217,7 +258,7 @@ class DataClient:
         if isinstance(item, BaseException):
             raise item
         self._delivered_token = item.resume_token
-        self._delivered += 1
+        self._delivered += int(item.ends_step)  # steps, under dynamic CP
         return item
 
     @property
@@ -238,6 +279,11 @@ class DataClient:
             "micro_batch_size": self._request["micro_batch_size"],
             "seed": self._request["seed"],
             "blend": dict(self._blend),
+            "cp_rank": self._request["cp_rank"],
+            "cp_size": self._request["cp_size"],
+            "dynamic_cp": self._request["dynamic_cp"],
+            "cp_token_budget": self._request["cp_token_budget"],
+            "rows_per_step": self._request["rows_per_step"],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -315,6 +361,9 @@ class _Prefetcher:
         self.address: str | None = None
         self._lock = threading.Lock()
         self._token = token  # of the last batch RECEIVED: where a reconnect starts
+        # Dynamic CP: (step, entries received) while inside a step; a reconnect replays the
+        # step from its start, and these entries are dropped.
+        self._partial: tuple[int, int] | None = None
         self._remaining = settings.max_batches - delivered if settings.max_batches else 0
         self._thread = None
         if settings.max_batches and self._remaining <= 0:
@@ -355,10 +404,15 @@ class _Prefetcher:
                     self.address = address
                 for msg in self._call:
                     failures, tried = 0, []
+                    if self._partial and msg.step == self._partial[0] and msg.cp_entry < self._partial[1]:
+                        continue  # received before the reconnect
                     batch = to_batch(msg)
                     self._token = msg.resume_token
+                    self._partial = None if batch.ends_step else (batch.step, batch.cp_entry + 1)
                     if not self._put(batch):
                         return
+                    if not batch.ends_step:
+                        continue  # max_batches counts steps under dynamic CP
                     if self._remaining:
                         self._remaining -= 1
                         if self._remaining == 0:

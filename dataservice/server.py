@@ -6,6 +6,9 @@ micro_batch_size) and where to start (a resume token), and any replica over the 
 shards answers it identically. Plans are cached by (blend, seed, seq_len) because
 building one may scan every document length; a stream holds a worker thread for its
 whole life, so the pool is sized for many concurrent trainers.
+
+With dynamic context parallelism (`StreamRequest.dynamic_cp`) a stream carries one rank's
+entries of each global step's CP plan instead of fixed micro-batches (dataservice.cp_stream).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import protos
+from dataservice.cp_plan import H200_COST, CostModel
+from dataservice.cp_stream import CPRequest, StepCache, check_cp_request, cp_messages
 from dataservice.plan import Anchor, StreamPlan, rows_for
 from dataservice.shards import ShardedDataset
 from dataservice.tokens import (
@@ -77,6 +82,7 @@ class _Stream:
     start_step: int
     anchor: Anchor
     identity: dict  # the fields a resume token carries besides row and anchor
+    cp: CPRequest | None = None  # dynamic CP: the stream carries plan entries, one step at a time
 
 
 class _PlanEntry:
@@ -95,6 +101,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         token_secret: str | bytes = DEFAULT_TOKEN_SECRET,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         max_streams: int = DEFAULT_WORKERS - _RESERVED_WORKERS,
+        cp_cost: CostModel = H200_COST,
     ) -> None:
         if not datasets:
             raise ValueError("the data service needs at least one dataset")
@@ -123,6 +130,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         self._default_blend = self._normalise([(n, d.weight) for n, d in self._datasets.items()])
         self._plans: OrderedDict[tuple, _PlanEntry] = OrderedDict()
         self._plans_lock = threading.Lock()
+        self._cp_steps = StepCache(cp_cost)
         self._stream_slots = threading.BoundedSemaphore(max_streams)
         self._max_streams = max_streams
         self.stopping = threading.Event()
@@ -205,16 +213,20 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                 f"{need} bytes per message, over this server's max message size of "
                 f"{self._max_message_bytes} bytes (max_message_bytes); lower micro_batch_size or seq_len"
             )
+        try:
+            cp = check_cp_request(request, self._max_message_bytes)
+        except ValueError as err:
+            raise RequestError(str(err)) from None
         blend = self._blend(request)
         plan = self._plan(blend, request.seed, request.seq_len)
         identity = dict(
             plan=plan.fingerprint, datasets=self._datasets_fp, blend=blend,
             seed=request.seed, seq_len=request.seq_len,
         )
-        per_step = request.micro_batch_size * request.dp_size
+        per_step = cp.rows_per_step if cp else request.micro_batch_size * request.dp_size
         if not request.resume_token:
             return _Stream(plan, request.dp_rank, request.dp_size, request.micro_batch_size, request.seq_len, 0,
-                           plan.start_anchor(), identity)
+                           plan.start_anchor(), identity, cp)
         try:
             token = ResumeToken.decode(request.resume_token, self._secret)
         except TokenError as err:
@@ -223,17 +235,18 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         if problem:
             raise RequestError(problem)
         if token.row % per_step:
+            layout = (f"rows_per_step {per_step}" if cp else
+                      f"micro_batch_size {request.micro_batch_size} x dp_size {request.dp_size} = {per_step} rows per step")
             raise RequestError(
                 f"resume token points at global row {token.row}, which is not a step boundary for "
-                f"micro_batch_size {request.micro_batch_size} x dp_size {request.dp_size} = {per_step} "
-                f"rows per step; pick a layout whose rows per step divide {token.row}"
+                f"{layout}; pick a layout whose rows per step divide {token.row}"
             )
         try:
             anchor = plan.seek(token.row, Anchor.from_dict(token.anchor, len(plan.datasets)))
         except (ValueError, KeyError, TypeError) as err:
             raise RequestError(f"resume token's anchor does not fit this plan: {err}") from None
         return _Stream(plan, request.dp_rank, request.dp_size, request.micro_batch_size,
-                       request.seq_len, token.row // per_step, anchor, identity)
+                       request.seq_len, token.row // per_step, anchor, identity, cp)
 
     # ---- RPCs -------------------------------------------------------------------------
 
@@ -263,6 +276,9 @@ class DataServicer(pb2_grpc.DataServiceServicer):
             log.info("stream %s ended after %d batches", who, sent)
 
     def _batches(self, stream: _Stream, max_batches: int, context) -> Iterable:
+        if stream.cp is not None:
+            yield from self._cp_batches(stream, max_batches, context)
+            return
         b, n = stream.micro_batch_size, stream.dp_size
         anchor, step, sent = stream.anchor, stream.start_step, 0
         while max_batches == 0 or sent < max_batches:
@@ -285,6 +301,36 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                 context.abort(grpc.StatusCode.INTERNAL, failure)
             token = ResumeToken(row=(step + 1) * b * n, anchor=anchor.to_dict(), **stream.identity)
             yield self._message(batch, step, b, stream.seq_len, token.encode(self._secret))
+            step += 1
+            sent += 1
+
+    def _cp_batches(self, stream: _Stream, max_steps: int, context) -> Iterable:
+        """Dynamic CP: per global step, this rank's plan entries (an idle message if none)."""
+        cp, anchor, step, sent = stream.cp, stream.anchor, stream.start_step, 0
+        while max_steps == 0 or sent < max_steps:
+            if self.stopping.is_set():
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "data service is shutting down; reconnect with the last resume token",
+                )
+            if not context.is_active():
+                return
+            try:
+                planned = self._cp_steps.get(stream.plan, step, anchor, cp)
+            except Exception as err:  # a bug or a broken shard: say so, keep the server up
+                log.exception("building dynamic-CP step %d failed", step)
+                failure = f"building dynamic-CP step {step} for dp_cp rank {cp.index}/{cp.num_ranks} failed: {err!r}"
+            else:
+                failure = None
+            if failure:
+                context.abort(grpc.StatusCode.INTERNAL, failure)
+            anchor = planned.last_anchor
+            # Mid-step messages resume at their step's first row: streams restart at step boundaries.
+            again = ResumeToken(row=step * cp.rows_per_step, anchor=planned.first_anchor.to_dict(),
+                                **stream.identity).encode(self._secret)
+            done = ResumeToken(row=(step + 1) * cp.rows_per_step, anchor=anchor.to_dict(),
+                               **stream.identity).encode(self._secret)
+            yield from cp_messages(planned, cp, stream.seq_len, again, done)
             step += 1
             sent += 1
 
@@ -399,10 +445,12 @@ def serve(
     workers: int = DEFAULT_WORKERS,
     token_secret: str | bytes | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    cp_cost: CostModel = H200_COST,
 ) -> tuple[DataServer, int]:
     """Start a data service in this process; returns (server, bound port). Port 0 picks a free one.
 
     `datasets`: paths, (path, weight) pairs, or already opened (ShardedDataset, path, weight).
+    `cp_cost`: the cost model of dynamic-CP plans (the trainer's model on its GPUs).
     """
     if workers < _RESERVED_WORKERS + 1:
         raise ValueError(f"workers is {workers}; it must be at least {_RESERVED_WORKERS + 1}")
@@ -414,6 +462,7 @@ def serve(
         token_secret=token_secret or DEFAULT_TOKEN_SECRET,
         max_message_bytes=max_message_bytes,
         max_streams=workers - _RESERVED_WORKERS,
+        cp_cost=cp_cost,
     )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dataservice"),
