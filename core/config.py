@@ -75,7 +75,9 @@ class ParallelConfig:
     pp_virtual_stages: int = 1
     pp_first_stage_layers: int = 0  # 0: even split
     pp_last_stage_layers: int = 0
-    dynamic_cp: bool = False
+    dynamic_cp: bool = False  # per step, a CP group size per micro-batch, planned by the data service
+    cp_token_budget: int = 0  # dynamic_cp: most tokens a rank holds in one micro-batch (after padding);
+    # 0: micro_batch_size*seq_len/cp, what a rank holds under static CP with the same settings
     dp: int = 0  # derived: world // (pp*cp*tp); a value given must match
 
 
@@ -246,9 +248,9 @@ def resolve_layout(config: Config, world_size: int) -> Config:
             f"train.global_batch_size={t.global_batch_size} must be a multiple of "
             f"micro_batch_size*dp = {t.micro_batch_size}*{dp} = {rows_per_micro_step}"
         )
-    # Under context parallelism each rank's token count varies per batch; the CP split pads
-    # it to a multiple of tp itself.
-    if p.sequence_parallel and p.tp > 1 and p.cp == 1 and (t.micro_batch_size * t.seq_len) % p.tp:
+    # Under (dynamic) context parallelism each rank's token count varies per batch; the CP
+    # split pads it to a multiple of tp itself.
+    if p.sequence_parallel and p.tp > 1 and p.cp == 1 and not p.dynamic_cp and (t.micro_batch_size * t.seq_len) % p.tp:
         raise ConfigError("micro_batch_size*seq_len must be divisible by parallel.tp for sequence parallelism")
     if p.pp > 1:
         from core.parallel.schedules import check_schedule, partition_layers
@@ -262,6 +264,8 @@ def resolve_layout(config: Config, world_size: int) -> Config:
         if p.pp_schedule == "interleaved" and accum % p.pp:
             raise ConfigError(f"the interleaved schedule needs micro-batches per step ({accum}) to be a multiple of "
                               f"parallel.pp={p.pp}: raise train.global_batch_size")
+    if p.dynamic_cp:
+        _check_dynamic_cp(config, dp)
     if p.pp > 1 and m.tie_embeddings:
         raise ConfigError("model.tie_embeddings with parallel.pp > 1 is not supported yet: the tied gradient "
                           "sum across first and last stage is not wired into data-parallel reduction")
@@ -275,6 +279,30 @@ def resolve_layout(config: Config, world_size: int) -> Config:
     if not math.isfinite(t.lr) or t.lr <= 0:
         raise ConfigError(f"train.lr must be a positive number, got {t.lr}")
     return config
+
+
+def _check_dynamic_cp(config: Config, dp: int) -> None:
+    p, t = config.parallel, config.train
+    if p.pp > 1:
+        raise ConfigError("parallel.dynamic_cp with parallel.pp > 1 is not supported: the pipeline schedule needs the "
+                          "same micro-batches on every stage and rank; use parallel.pp=1")
+    if config.model.moe.num_experts:
+        raise ConfigError("parallel.dynamic_cp with MoE (model.moe.num_experts > 0) is not supported yet: the "
+                          "auxiliary losses are scaled for a fixed number of micro-batches per rank")
+    if p.cp_token_budget < 0:
+        raise ConfigError(f"parallel.cp_token_budget must be >= 0 (0: the default), got {p.cp_token_budget}")
+    if p.cp_token_budget == 0:
+        p.cp_token_budget = max(1, t.micro_batch_size * t.seq_len // p.cp)
+    # A document piece has up to seq_len tokens; it must fit the largest aligned power-of-two
+    # group of the dp*cp ranks, padded to a multiple of 2g (the zigzag split).
+    g = 1 << ((dp * p.cp).bit_length() - 1)
+    need = t.seq_len if g == 1 else -(-t.seq_len // (2 * g)) * 2
+    if p.cp_token_budget < need:
+        raise ConfigError(
+            f"parallel.cp_token_budget={p.cp_token_budget} is too small: a document piece of train.seq_len="
+            f"{t.seq_len} tokens over the largest CP group of {g} of the dp*cp = {dp * p.cp} ranks needs {need} "
+            f"tokens per rank; give parallel.cp_token_budget >= {need}"
+        )
 
 
 def grad_accum_steps(config: Config) -> int:

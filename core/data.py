@@ -85,10 +85,14 @@ def resolve_address(config: Config) -> tuple[str, LocalServer | None]:
 
 def open_stream(config: Config, mesh: ParallelMesh, address: str, resume_token: str | None = None):
     """This rank's stream: every tp/cp/pp peer of a data-parallel rank reads the same rows
-    (the service is deterministic), so no broadcast inside the model-parallel group."""
+    (the service is deterministic), so no broadcast inside the model-parallel group. With
+    dynamic CP every tp/pp peer of a (dp, cp) rank reads the same plan entries."""
     from dataservice.client import DataClient
 
-    t = config.train
+    t, p = config.train, config.parallel
+    # Dynamic CP: the stream of this (dp, cp) rank carries its entries of each step's plan.
+    cp = dict(cp_rank=mesh.coordinate("cp"), cp_size=mesh.size("cp"), dynamic_cp=True,
+              cp_token_budget=p.cp_token_budget, rows_per_step=t.global_batch_size) if p.dynamic_cp else {}
     return DataClient(
         address.split(","),
         dp_rank=mesh.coordinate("dp"),
@@ -99,6 +103,7 @@ def open_stream(config: Config, mesh: ParallelMesh, address: str, resume_token: 
         consumer=config.data.consumer,
         prefetch=config.data.prefetch,
         resume_token=resume_token,
+        **cp,
     )
 
 

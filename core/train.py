@@ -62,6 +62,11 @@ def train(config: Config, resume: bool = False) -> list[dict]:
 
     model = build_model(config.model, seed=t.seed)
     total_params, embedding_params = count_params(model)
+    dynamic = None
+    if p.dynamic_cp:  # the step's plan comes from the data service; sub-groups are built once here
+        from core.dynamic_cp import DynamicCP
+
+        dynamic = DynamicCP.build(config, mesh, model)
     precision = _precision(config, device)
     model, optimizer, scheduler, grads = parallelize(model, mesh, config, device, precision)
 
@@ -99,7 +104,10 @@ def train(config: Config, resume: bool = False) -> list[dict]:
         last_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         while step < last_step:
             step_start = time.perf_counter()
-            micro = [shard(to_inputs(next(data_iter), device)) for _ in range(accum)]
+            if dynamic is not None:
+                micro = dynamic.next_step(data_iter, device)
+            else:
+                micro = [shard(to_inputs(next(data_iter), device)) for _ in range(accum)]
             local_labels = float(sum(m.num_labels for m in micro))
             local_tokens = float(sum(m.num_tokens for m in micro))
             global_labels, global_tokens = _all_reduce_sum([local_labels, local_tokens], reduce_group, device)
@@ -111,6 +119,9 @@ def train(config: Config, resume: bool = False) -> list[dict]:
                         mesh, config, global_labels, forward_context=lambda: autocast,
                     )
                 loss_sum, extra_metrics = result.loss_sum, result.metrics()
+            elif dynamic is not None:
+                loss_sum = dynamic.forward_backward(model, micro, grads, autocast, tp_group, global_labels, device)
+                extra_metrics = {}
             else:
                 loss_sum, extra_metrics = _forward_backward(model, micro, grads, autocast, tp_group, global_labels), {}
             grad_norm = grads.finish_and_clip(t.grad_clip)

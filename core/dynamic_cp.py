@@ -1,0 +1,98 @@
+"""Dynamic context parallelism in the training loop: run one global step's plan entries.
+
+The data service plans each global step (dataservice.cp_stream): its documents, the same
+whatever the layout, go to micro-batches, each on an aligned power-of-two sub-group of the
+dp*cp ranks. This rank's stream carries its entries in execution order, each with the
+entry's whole documents; here each entry is split over its sub-group (`dynamic_cp_inputs`)
+and run forward and backward. The loss is divided by the step's global label count as on
+every other layout, so loss and gradients equal the single-process run on the same rows.
+
+Gradients are reduced once, after the step's last micro-batch on every rank: ranks run
+different numbers of micro-batches (an idle rank none, its gradients stay zero), so
+overlapping the reduction with a "last" backward would launch it at different points of
+different ranks' ring exchanges.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple
+
+import torch
+from torch import nn
+
+from core.config import Config
+from core.data import StepInputs
+from core.loss import cross_entropy_sum
+from core.mesh import ParallelMesh
+from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs
+
+__all__ = ["DynamicCP"]
+
+
+class _Entry(NamedTuple):
+    """What `dynamic_cp_inputs` reads of a plan entry; `docs` index the batch's own documents."""
+
+    group_start: int
+    group_size: int
+    docs: torch.Tensor
+
+
+class DynamicCP:
+    """The loop's handle: sub-groups built once, a step's entries read and run."""
+
+    def __init__(self, config: Config, mesh: ParallelMesh, subgroups: CPSubgroups):
+        self.config, self.mesh, self.subgroups = config, mesh, subgroups
+        tp = mesh.size("tp")
+        self.multiple_of = tp if config.parallel.sequence_parallel and tp > 1 else 1
+
+    @classmethod
+    def build(cls, config: Config, mesh: ParallelMesh, model: nn.Module) -> "DynamicCP":
+        """Collective (builds every sub-group). Call before `parallelize`: the ring attention
+        module goes in even at cp == 1 (groups are made of data-parallel ranks then)."""
+        apply_cp(model, None)
+        return cls(config, mesh, CPSubgroups.build(mesh))
+
+    def next_step(self, batches: Iterator, device: torch.device) -> list[StepInputs]:
+        """This rank's micro-batches of the next global step (empty when it is idle), split."""
+        out: list[StepInputs] = []
+        step = None
+        while True:
+            batch = next(batches)
+            if not batch.dynamic_cp:
+                raise RuntimeError("parallel.dynamic_cp is set but the data service sent a batch without a CP plan; "
+                                   "is the server older than the trainer?")
+            if step is not None and batch.step != step:
+                raise RuntimeError(f"step {step} ended early: got a batch of step {batch.step} after entry "
+                                   f"{len(out)} of {batch.cp_microbatches_in_step}")
+            step = batch.step
+            if batch.cp_microbatches_in_step:
+                out.append(self._inputs(batch, device))
+            if batch.ends_step:
+                return out
+
+    def _inputs(self, batch, device: torch.device) -> StepInputs:
+        cu = batch.cu_seqlens.to(device, torch.int32)
+        entry = _Entry(batch.cp_group_start, batch.cp_group_size, torch.arange(cu.numel() - 1, device=device))
+        s = dynamic_cp_inputs(entry, batch.tokens.reshape(-1).to(device, torch.long),
+                              batch.labels.reshape(-1).to(device, torch.long),
+                              batch.position_ids.reshape(-1).to(device, torch.long), cu, self.subgroups,
+                              multiple_of=self.multiple_of)
+        # Every member of the group counts its own shard's labels: they sum to the entry's.
+        return StepInputs(s.tokens, s.labels, s.position_ids, s.meta,
+                          num_tokens=batch.num_tokens / batch.cp_group_size,
+                          num_labels=float((s.labels != -100).sum()))
+
+    @staticmethod
+    def forward_backward(model: nn.Module, micro: list[StepInputs], grads, autocast, tp_group,
+                         global_labels: float, device: torch.device) -> torch.Tensor:
+        """Accumulate this rank's micro-batches without communication; returns the summed token
+        loss. The loop's `finish_and_clip` then reduces every bucket (zeros from an idle rank)."""
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        with grads.dp.no_sync():
+            for m in micro:
+                with autocast:
+                    logits = model(m.tokens, m.position_ids, m.meta)
+                    part, _ = cross_entropy_sum(logits, m.labels, tp_group)
+                (part / max(global_labels, 1.0)).backward()
+                loss_sum += part.detach()
+        return loss_sum
