@@ -16,7 +16,7 @@ stdlib="$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"
 
 echo "== 1/3 building shards from $stdlib (**/*.py)"
 tessera-data build "$stdlib" --glob '**/*.py' --output "$work/stdlib-shards"
-tessera-data inspect "$work/stdlib-shards" | head -n 20
+tessera-data inspect "$work/stdlib-shards"
 
 gpus="$(python -c 'import torch; print(torch.cuda.device_count())')"
 nproc=4
