@@ -1,0 +1,68 @@
+"""End to end: `tessera-train` with dynamic context parallelism on a real data service.
+
+Reference: the single-process run of tests/test_train.py (same config, same data). With
+`parallel.dynamic_cp` the data service plans every global step over the dp*cp = 4 ranks and
+the trainer runs the plan on CP sub-groups; the step's documents are the rows' documents
+whatever the plan, and the loss is divided by the global label count, so per-step losses
+must equal the reference. Tolerance as in test_train (fp32, reduction order only): 2e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dataservice.client import DataClient
+from dataservice.server import serve
+from tests.test_train import RTOL, dataset, losses, reference, run_train  # noqa: F401 (fixtures)
+
+# seq_len 64 over 4 ranks: pieces of up to 16 tokens may run on one rank, up to 32 need a
+# group of 2, longer ones a group of 4 (the test checks the plans do mix them).
+DYNAMIC = ["parallel.cp=2", "parallel.dynamic_cp=true", "parallel.cp_token_budget=16"]
+
+
+def group_sizes(dataset) -> set[int]:
+    """CP group sizes in the first 4 steps' plans, read as dp_cp ranks 0-3 of the run read them."""
+    srv, port = serve([dataset])
+    sizes = set()
+    try:
+        for rank in range(4):
+            with DataClient(f"127.0.0.1:{port}", dp_rank=rank // 2, dp_size=2, cp_rank=rank % 2, cp_size=2,
+                            seq_len=64, micro_batch_size=2, seed=1234, dynamic_cp=True, cp_token_budget=16,
+                            rows_per_step=8, max_batches=4) as client:
+                sizes |= {b.cp_group_size for b in client if b.cp_group_size}
+    finally:
+        srv.stop(0)
+    return sizes
+
+
+def test_dynamic_cp_on_4_processes_matches_single_process_and_resumes(tmp_path, dataset, reference):
+    assert group_sizes(dataset) == {1, 2, 4}
+    # Steps 1-2, checkpoint, then steps 3-4 after a restart: the resume token lands on a step boundary.
+    run_dir = tmp_path / "run"
+    run_train(run_dir, dataset, 4, *DYNAMIC, "train.stop_at_step=2")
+    first = losses(run_dir)
+    run_train(run_dir, dataset, 4, *DYNAMIC, resume=True)
+    got = {**first, **losses(run_dir)}
+    assert got.keys() == reference.keys()
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, rel=RTOL), (step, got, reference)
+
+
+def test_budget_too_small_for_a_row_exits_2_with_one_clear_line(tmp_path, dataset):
+    proc = run_train(tmp_path, dataset, 1, "parallel.dynamic_cp=true", "parallel.cp_token_budget=10", check=False)
+    assert proc.returncode == 2
+    assert "tessera-train: error:" in proc.stderr and "parallel.cp_token_budget >= 64" in proc.stderr, proc.stderr
+
+
+def test_config_derives_the_budget_and_refuses_what_dynamic_cp_cannot_run():
+    from core.config import ConfigError, load_config, resolve_layout
+
+    dyn = ["parallel.cp=2", "parallel.dynamic_cp=true", "train.seq_len=256", "train.micro_batch_size=2"]
+    config = resolve_layout(load_config(None, dyn), 4)
+    assert config.parallel.cp_token_budget == 256  # micro_batch_size*seq_len/cp: static CP's per-rank tokens
+    for extra, message in ((["parallel.pp=2"], "parallel.pp > 1 is not supported"),
+                           (["model.moe.num_experts=4"], "MoE"),
+                           (["parallel.cp_token_budget=-1"], "must be >= 0"),
+                           (["parallel.cp_token_budget=63"], "needs 64 tokens per rank")):
+        with pytest.raises(ConfigError, match=message):
+            resolve_layout(load_config(None, dyn + extra), 8 if "parallel.pp=2" in extra else 4)
