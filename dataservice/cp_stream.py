@@ -84,9 +84,11 @@ def check_cp_request(request, max_message_bytes: int) -> CPRequest | None:
             f"which over the largest CP group of {g} of the {n} dp x cp ranks needs {need} tokens per rank: "
             f"give cp_token_budget >= {need}"
         )
-    # An entry holds at most g*budget tokens; each costs 12 bytes (tokens, labels, positions)
-    # and in the worst case is a document of its own (cu_seqlens, seq_lens, hashes, index: 24).
-    worst = 36 * _largest_group(n) * request.cp_token_budget + 8 * request.rows_per_step + 1024
+    # An entry holds at most g*budget tokens, and no more than the step's rows; each token costs
+    # 12 bytes (tokens, labels, positions) and in the worst case is a document of its own
+    # (cu_seqlens, seq_lens, hashes, index: 24 more).
+    most = min(_largest_group(n) * request.cp_token_budget, request.rows_per_step * request.seq_len)
+    worst = 36 * most + 8 * request.rows_per_step + 1024
     if worst > max_message_bytes:
         raise ValueError(
             f"cp_token_budget {request.cp_token_budget} over groups of up to {_largest_group(n)} ranks can need "
