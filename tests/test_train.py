@@ -22,6 +22,7 @@ from dataservice.build import build_dataset, make_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "launch" / "configs" / "tiny_dense.toml"
+MOE_CONFIG = ROOT / "launch" / "configs" / "tiny_moe.toml"
 SMALL = [
     "model.dim=64", "model.num_layers=2", "model.ffn_dim=128", "train.seq_len=64",
     "train.micro_batch_size=2", "train.global_batch_size=8", "train.max_steps=4",
@@ -37,8 +38,9 @@ def dataset(tmp_path_factory) -> Path:
     return build_dataset([corpus], tmp / "shards")
 
 
-def run_train(run_dir: Path, dataset: Path, nproc: int, *extra: str, resume: bool = False, check: bool = True):
-    cmd = [sys.executable, "-m", "core.cli", "--config", str(CONFIG)]
+def run_train(run_dir: Path, dataset: Path, nproc: int, *extra: str, resume: bool = False, check: bool = True,
+              config: Path = CONFIG):
+    cmd = [sys.executable, "-m", "core.cli", "--config", str(config)]
     for item in [*SMALL, f"data.dataset={dataset}", f"train.run_dir={run_dir}", *extra]:
         cmd += ["--set", item]
     if nproc > 1:
@@ -115,3 +117,30 @@ def test_cli_misuse_exits_2_with_one_clear_line(tmp_path, dataset):
     assert "tessera-train: error:" in proc.stderr and "num_heads" in proc.stderr
     proc = run_train(tmp_path, dataset, 1, "model.no_such_key=1", check=False)
     assert proc.returncode == 2 and "unknown config key 'model.no_such_key'" in proc.stderr
+
+
+MOE_LAYOUTS = {
+    "ep2xdp4": ["parallel.ep=2"],
+    "ep2xtp2": ["parallel.ep=2", "parallel.tp=2"],
+    "ep2xpp2": ["parallel.ep=2", "parallel.pp=2"],
+    "ep2xcp2": ["parallel.ep=2", "parallel.cp=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory, dataset) -> dict[int, float]:
+    run_dir = tmp_path_factory.mktemp("moe-ref")
+    run_train(run_dir, dataset, 1, "parallel.ep=1", config=MOE_CONFIG)
+    return losses(run_dir)
+
+
+@pytest.mark.parametrize("name", MOE_LAYOUTS)
+def test_moe_layouts_match_single_process(tmp_path, dataset, moe_reference, name):
+    # The MoE model (dropless top-2 of 8 experts, a shared expert, aux and z losses) with
+    # experts folded onto data-parallel ranks, under tensor, pipeline and context parallelism.
+    run_dir = tmp_path / "run"
+    run_train(run_dir, dataset, 4, *MOE_LAYOUTS[name], config=MOE_CONFIG)
+    got = losses(run_dir)
+    assert got.keys() == moe_reference.keys()
+    for step, loss in moe_reference.items():
+        assert got[step] == pytest.approx(loss, rel=RTOL), (step, got, moe_reference)
