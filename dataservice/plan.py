@@ -319,25 +319,26 @@ class StreamPlan:
         """Tokens of the segments back to back (int32), the label after each segment, its document hash."""
         n = seg_doc.size
         seg_hash = np.empty(n, dtype=np.uint64)
-        doc_tokens: list[Any] = [None] * n
+        spans: list[Any] = [None] * n  # each segment's tokens plus, if any, the next one
+        ends = np.empty(n, dtype=np.int64)
         for d, ds in enumerate(self.datasets):
             where = np.flatnonzero(seg_ds == d)
             if where.size == 0:
                 continue
-            uniq, inv = np.unique(seg_doc[where], return_inverse=True)
-            toks = ds.read_many(uniq)
-            lens = np.fromiter((len(t) for t in toks), dtype=np.int64, count=len(toks))
-            if not np.array_equal(lens, self._lengths[d][uniq]):
-                raise RuntimeError(
-                    f"dataset {getattr(ds, 'name', d)!r} returned documents whose lengths differ from its index"
-                )
-            for k, u in zip(where.tolist(), inv.tolist()):
-                doc_tokens[k] = toks[u]
-            seg_hash[where] = self._hashes[d][seg_doc[where]]
+            docs = seg_doc[where]
+            doc_len = self._lengths[d][docs].astype(np.int64)
+            ends[where] = doc_len
+            stops = np.minimum(seg_off[where] + seg_len[where] + 1, doc_len)
+            got = ds.read_spans(docs, seg_off[where], stops)
+            for k, toks in zip(where.tolist(), got):
+                spans[k] = toks
+            seg_hash[where] = self._hashes[d][docs]
         pieces, seg_next = [], np.full(n, IGNORE_INDEX, dtype=np.int64)
-        for k, (t, o, ln) in enumerate(zip(doc_tokens, seg_off.tolist(), seg_len.tolist())):
-            pieces.append(t[o : o + ln])
-            if o + ln < len(t):  # a non-final piece: its last label is the document's next token
-                seg_next[k] = t[o + ln]
+        for k, (t, o, ln, end) in enumerate(zip(spans, seg_off.tolist(), seg_len.tolist(), ends.tolist())):
+            if len(t) < ln:
+                raise RuntimeError(f"a document piece came back with {len(t)} of its {ln} tokens")
+            pieces.append(t[:ln])
+            if o + ln < end:  # a non-final piece: its last label is the document's next token
+                seg_next[k] = t[ln]
         real = np.concatenate(pieces, dtype=np.int32, casting="unsafe") if pieces else np.empty(0, np.int32)
         return real, seg_next, seg_hash

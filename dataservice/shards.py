@@ -405,6 +405,32 @@ class ShardedDataset:
                     out[p] = self._get(txn, int(docs[p]), int(shard), int(keys[p]))
         return out  # type: ignore[return-value]
 
+    def read_spans(self, docs: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+        """Tokens [start, stop) of each document, copied out of LMDB's memory map without
+        touching the rest: a piece of a long document costs its own length, not the document's."""
+        docs = np.asarray(docs, dtype=np.int64).reshape(-1)
+        if docs.size == 0:
+            return []
+        starts, stops = np.asarray(starts, np.int64).reshape(-1), np.asarray(stops, np.int64).reshape(-1)
+        if docs.min() < 0 or docs.max() >= self.num_documents:
+            bad = docs[(docs < 0) | (docs >= self.num_documents)][0]
+            raise IndexError(f"document {bad} out of range: dataset {self.name!r} has {self.num_documents}")
+        recs = self._index[docs]
+        if (starts < 0).any() or (stops < starts).any() or (stops > recs["length"]).any():
+            raise IndexError(f"a span lies outside its document in dataset {self.name!r}")
+        item = np.dtype(self.token_dtype).itemsize
+        out: list[np.ndarray | None] = [None] * docs.size
+        for shard in np.unique(recs["shard"]):
+            positions = np.flatnonzero(recs["shard"] == shard)
+            with self._env(int(shard)).begin(buffers=True) as txn:
+                for p in positions.tolist():
+                    buf = txn.get(encode_key(int(recs["key"][p])))
+                    if buf is None:
+                        raise DatasetError(f"document {int(docs[p])} is missing from {self._shard_names[int(shard)]}")
+                    out[p] = np.frombuffer(buf, dtype=self.token_dtype, count=int(stops[p] - starts[p]),
+                                           offset=int(starts[p]) * item).copy()
+        return out  # type: ignore[return-value]
+
     def verify(self) -> list[str]:
         """Every problem found by re-checking all checksums (empty list = all good)."""
         return verify_dataset(self.path, self.manifest)

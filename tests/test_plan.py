@@ -42,6 +42,10 @@ class LengthsOnly:
     def read_many(self, docs):
         return [self._flat[self._off[d] : self._off[d + 1]].copy() for d in np.asarray(docs, dtype=np.int64).tolist()]
 
+    def read_spans(self, docs, starts, stops):
+        return [self._flat[self._off[d] + a : self._off[d] + b].copy()
+                for d, a, b in zip(np.asarray(docs).tolist(), np.asarray(starts).tolist(), np.asarray(stops).tolist())]
+
 
 @pytest.fixture(scope="module")
 def three():

@@ -98,6 +98,21 @@ def test_read_many_order_and_bounds(corpus_ds):
         ds.read(5)
 
 
+def test_read_spans_equal_slices_of_whole_documents(corpus_ds):
+    _, out = corpus_ds
+    ds = ShardedDataset.open(out)
+    docs = np.array([2999, 0, 1500, 42, 42])
+    lengths = ds.lengths[docs].astype(np.int64)
+    starts = lengths // 3
+    stops = np.maximum(starts, lengths - 1)
+    whole = ds.read_many(docs)
+    for got, full, a, b in zip(ds.read_spans(docs, starts, stops), whole, starts, stops):
+        np.testing.assert_array_equal(got, full[a:b])
+    with pytest.raises(IndexError, match="outside its document"):
+        ds.read_spans([0], [0], [int(ds.lengths[0]) + 1])
+    ds.close()
+
+
 def test_concurrent_readers_agree(corpus_ds):
     _, out = corpus_ds
     ds = ShardedDataset.open(out)
