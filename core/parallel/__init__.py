@@ -1,6 +1,6 @@
 """Where the parallelisms compose: one function applies each step to the plain model in order.
 
-    tensor (+sequence) -> experts -> context -> pipeline split -> recompute -> device/compile
+    tensor (+sequence) -> experts -> context -> fp8 GEMMs -> pipeline split -> recompute -> device/compile
     -> data (+ZeRO-1)
 
 Each step is a function of its own module that rewrites the plain model in place; this
@@ -75,6 +75,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         from core.parallel.context import apply_cp
 
         apply_cp(model, mesh)
+    if precision == "fp8":  # after TP/EP: it reads the local shards' shapes
+        from core.fp8 import apply_fp8
+
+        apply_fp8(model)
     stage = None
     chunks = [model]
     if mesh.pp > 1:

@@ -92,6 +92,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.group, self.input_comm = group, input_comm
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.matmul = F.linear  # core.fp8.apply_fp8 swaps in its FP8 GEMM
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, rank: int, size: int, input_comm: str, name: str):
@@ -104,7 +105,7 @@ class ColumnParallelLinear(nn.Module):
             x = all_gather_tokens(x, self.group)
         elif self.input_comm == "copy":
             x = copy_to_group(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out_local={self.out_features}, input_comm={self.input_comm}"
@@ -121,6 +122,7 @@ class RowParallelLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.group, self.sequence_parallel = group, sequence_parallel
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.matmul = F.linear  # core.fp8.apply_fp8 swaps in its FP8 GEMM
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, rank: int, size: int, sequence_parallel: bool, name: str):
@@ -129,7 +131,7 @@ class RowParallelLinear(nn.Module):
         return cls(weight, bias, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        partial = self.matmul(x, self.weight)
         out = reduce_scatter_tokens(partial, self.group) if self.sequence_parallel else reduce_from_group(partial, self.group)
         return out + self.bias if self.bias is not None else out
 

@@ -1,0 +1,258 @@
+"""FP8 training recipe (`train.precision = "fp8"`): blockwise-scaled e4m3 GEMMs in the blocks.
+
+`apply_fp8(model)` makes every GEMM of the transformer blocks' linear layers (attention
+wq/wk/wv/wo, the dense SwiGLU w1/w2/w3, shared experts; plain `nn.Linear` or the tensor-parallel
+Column/RowParallelLinear) and of the routed experts (`GroupedExperts`) run in FP8, forward and
+backward. The tensor formats, DeepSeek-V3's fine-grained scheme (all e4m3, one scale per 1x128
+activation/gradient tile and per 128x128 weight block, fp32 accumulation):
+
+| GEMM                  | operand a (1x128 along the reduction dim) | operand b (128x128 blocks)  |
+|-----------------------|-------------------------------------------|-----------------------------|
+| forward y = x W^T     | x [M, K], per token                       | W [N, K]                    |
+| dgrad dx = dy W       | dy [M, N], per token                      | W^T [K, N]                  |
+| wgrad dW = dy^T x     | dy^T [N, M], per output channel           | x^T [K, M] (128 tokens)     |
+
+Outputs are bf16 (fp32 accumulation inside); x and W are kept in their own (bf16) precision
+for backward, so each backward GEMM quantises afresh along its own reduction dim. Master
+weights stay fp32 in the data-parallel step; embedding, output head, norms, router, softmax,
+attention and the loss are untouched (bf16 / fp32). docs/fp8.md says why for each choice.
+
+Routed experts: forward and dgrad are one grouped blockwise GEMM each (no host sync). The
+weight gradient needs a K-grouped FP8 GEMM, which csrc/ does not have: `expert_wgrad="fp8"`
+(default) runs one blockwise GEMM per expert (reads the group offsets on the host), "bf16" the
+bf16 grouped wgrad kernel (`TESSERA_FP8_EXPERT_WGRAD` sets the default).
+
+Shapes whose features are not multiples of 128 keep their bf16 GEMMs, listed once in the log.
+Without the kernel library (CPU, no sm_90) the quantisers and GEMMs run their exact PyTorch
+fallbacks: the same FP8 numerics, emulated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from core.kernels import fp8 as kfp8
+from core.kernels import grouped_mm_wgrad
+from core.kernels.library import kernel_library, report_once
+
+log = logging.getLogger(__name__)
+
+BLOCK = kfp8.BLOCK
+EXPERT_WGRAD_ENV = "TESSERA_FP8_EXPERT_WGRAD"
+EXPERT_WGRAD_MODES = ("fp8", "bf16")
+ROW_ALIGN = 16  # the kernels take reduction dims (here: token counts) in multiples of 16
+
+
+def _pad_rows(t: Tensor, multiple: int = ROW_ALIGN) -> Tensor:
+    """Zero rows up to a multiple: zeros change neither a block's amax nor a product's sum."""
+    extra = -t.shape[0] % multiple
+    return F.pad(t, (0, 0, 0, extra)) if extra else t
+
+
+def _note_device(x: Tensor) -> None:
+    if not torch.compiler.is_compiling() and kernel_library(x.device) is None:
+        report_once(f"fp8 recipe: GEMMs emulated by the PyTorch fallbacks on {x.device.type} "
+                    "(same e4m3 quantisation, fp32 matmuls)", logging.INFO)
+
+
+# ---------------------------------------------------------------------------------------
+# The GEMMs of one layer, as plain functions (tests call them directly).
+# ---------------------------------------------------------------------------------------
+
+def fp8_matmul_fwd(x: Tensor, w: Tensor) -> Tensor:
+    """bf16 x W^T for x [M, K] (1x128 scales) and W [N, K] (128x128 scales)."""
+    qx, sx = kfp8.quantize_1x128(x)
+    qw, sw = kfp8.quantize_128x128(w)
+    return kfp8.gemm_blockwise(qx, sx, qw, sw)
+
+
+def fp8_matmul_dgrad(dy: Tensor, w: Tensor) -> Tensor:
+    """bf16 dy W for dy [M, N] (1x128 along N) and W [N, K] (W^T quantised K-major: [K, N])."""
+    qd, sd = kfp8.quantize_1x128(dy)
+    qw, sw = kfp8.quantize_128x128(w, transpose=True)
+    return kfp8.gemm_blockwise(qd, sd, qw, sw)
+
+
+def fp8_matmul_wgrad(dy: Tensor, x: Tensor) -> Tensor:
+    """bf16 dy^T x [N, K] for dy [M, N], x [M, K]: the reduction runs over the M tokens, so dy^T
+    takes 1x128 scales along tokens (per output channel) and x^T 128x128 blocks (128 tokens x
+    128 input channels)."""
+    dy, x = _pad_rows(dy), _pad_rows(x)
+    qd, sd = kfp8.quantize_1x128(dy.t().contiguous())
+    qx, sx = kfp8.quantize_128x128(x, transpose=True)
+    return kfp8.gemm_blockwise(qd, sd, qx, sx)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x W^T with all three GEMMs in FP8; x [M, K] (2-D), W [N, K]."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        _note_device(x)
+        ctx.save_for_backward(x, weight)
+        return fp8_matmul_fwd(x, weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8_matmul_dgrad(dy, weight).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = fp8_matmul_wgrad(dy, x).to(weight.dtype)
+        return dx, dw
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Drop-in for `F.linear` (x [..., K], weight [N, K]) with FP8 GEMMs; the bias is added in
+    the output's precision."""
+    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    return y + bias if bias is not None else y
+
+
+# ---------------------------------------------------------------------------------------
+# Grouped (MoE expert) GEMMs.
+# ---------------------------------------------------------------------------------------
+
+def fp8_grouped_fwd(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """bf16 [rows, M_out]: rows of group g times w[g] for w [G, K, M_out] (experts' [in, out])."""
+    qx, sx = kfp8.quantize_1x128(x, offsets)
+    qw, sw = kfp8.quantize_128x128(w, transpose=True)  # [G, out, in]: K-major
+    return kfp8.grouped_mm_blockwise(qx, sx, qw, sw, offsets)
+
+
+def fp8_grouped_dgrad(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """bf16 [rows, K]: rows of group g of dy times w[g]^T (w [G, K, M_out] read K-major as is)."""
+    qd, sd = kfp8.quantize_1x128(dy, offsets)
+    qw, sw = kfp8.quantize_128x128(w)  # [G, in, out]: b [G, N=in, K=out]
+    return kfp8.grouped_mm_blockwise(qd, sd, qw, sw, offsets)
+
+
+def fp8_grouped_wgrad(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
+    """float32 [G, K, M_out] with entry g = x_g^T dy_g, one blockwise FP8 GEMM per non-empty group
+    (same scaling as `fp8_matmul_wgrad`: dy_g^T 1x128 along tokens, x_g^T 128x128)."""
+    out = x.new_zeros(offsets.shape[0], x.shape[1], dy.shape[1], dtype=torch.float32)
+    start = 0
+    for g, end in enumerate(offsets.tolist()):  # one host read per backward: no K-grouped FP8 kernel
+        end = min(max(end, start), x.shape[0])
+        if end > start:
+            out[g] = fp8_matmul_wgrad(dy[start:end], x[start:end]).t()
+        start = end
+    return out
+
+
+class _Fp8GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, offsets: Tensor, expert_wgrad: str) -> Tensor:
+        _note_device(x)
+        ctx.save_for_backward(x, w, offsets)
+        ctx.expert_wgrad = expert_wgrad
+        return fp8_grouped_fwd(x, w, offsets).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w, offsets = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8_grouped_dgrad(dy, w, offsets).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            if ctx.expert_wgrad == "fp8":
+                dw = fp8_grouped_wgrad(x, dy, offsets)
+            else:
+                dw = grouped_mm_wgrad(x.to(torch.bfloat16), dy.to(torch.bfloat16), offsets)
+            dw = dw.to(w.dtype)
+        return dx, dw, None, None
+
+
+class Fp8GroupedMM:
+    """`GroupedExperts.mm` replacement: grouped_mm(x, w, offsets) with FP8 GEMMs."""
+
+    def __init__(self, expert_wgrad: str = "fp8"):
+        if expert_wgrad not in EXPERT_WGRAD_MODES:
+            raise ValueError(f"expert_wgrad={expert_wgrad!r} must be one of {EXPERT_WGRAD_MODES}")
+        self.expert_wgrad = expert_wgrad
+
+    def __call__(self, x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+        return _Fp8GroupedMM.apply(x, w, offsets, self.expert_wgrad)
+
+    def __repr__(self) -> str:
+        return f"Fp8GroupedMM(expert_wgrad={self.expert_wgrad!r})"
+
+
+# ---------------------------------------------------------------------------------------
+# Applying the recipe to a model.
+# ---------------------------------------------------------------------------------------
+
+class Fp8Linear(nn.Linear):
+    """`nn.Linear` with FP8 GEMMs; it holds the original parameters, so names are unchanged."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        new = cls(linear.in_features, linear.out_features, bias=False, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_linear(x, self.weight, self.bias)
+
+
+def _fits(*dims: int) -> bool:
+    return all(d % BLOCK == 0 for d in dims)
+
+
+def apply_fp8(model: nn.Module, expert_wgrad: str | None = None) -> dict[str, str]:
+    """Switch the GEMMs of `model.layers` to FP8 in place; returns {module name: "fp8" | "bf16"}.
+
+    Touches the blocks' linear layers (`nn.Linear` -> `Fp8Linear`; tensor-parallel layers get
+    `matmul = fp8_linear`) and `GroupedExperts.mm`; everything outside the blocks (embedding,
+    output head, final norm) and the non-GEMM parts inside them (norms, router, attention core)
+    keep their precision. A layer whose local feature sizes are not multiples of 128 keeps its
+    bf16 GEMM; those are logged in one line. Apply after tensor/expert parallelism (it reads
+    the local shards' shapes) and before the pipeline split, recompute and compile."""
+    from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from moe.experts import GroupedExperts
+
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise ValueError(f"apply_fp8 needs a core.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
+    mode = expert_wgrad or os.environ.get(EXPERT_WGRAD_ENV) or "fp8"
+    grouped = Fp8GroupedMM(mode)
+    plan: dict[str, str] = {}
+    kept: list[str] = []
+    for layer_name, block in layers.items():
+        for name, module in list(block.named_modules()):
+            full = f"layers.{layer_name}.{name}"
+            if isinstance(module, Fp8Linear) or getattr(module, "matmul", None) is fp8_linear \
+                    or isinstance(getattr(module, "mm", None), Fp8GroupedMM):
+                raise ValueError(f"{full} already runs in FP8: apply_fp8 was applied twice")
+            if isinstance(module, nn.Linear):
+                ok = _fits(module.in_features, module.out_features)
+                if ok:
+                    parent, _, child = name.rpartition(".")
+                    setattr(block.get_submodule(parent), child, Fp8Linear.from_linear(module))
+                shape = [module.out_features, module.in_features]
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                shape = list(module.weight.shape)
+                ok = _fits(*shape)
+                if ok:
+                    module.matmul = fp8_linear
+            elif isinstance(module, GroupedExperts):
+                shape = list(module.w1.shape)
+                ok = _fits(*shape[1:])
+                if ok:
+                    module.mm = grouped
+            else:
+                continue
+            plan[full] = "fp8" if ok else "bf16"
+            if not ok:
+                kept.append(f"{full} {shape}")
+    if kept:
+        log.warning("fp8: %d of %d block GEMM layers keep bf16 (local feature sizes not multiples of %d): %s",
+                    len(kept), len(plan), BLOCK, ", ".join(kept))
+    log.info("fp8: %d block GEMM layers in FP8 (expert wgrad %s)", len(plan) - len(kept), mode)
+    return plan
