@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 _reported: set[str] = set()
 
 
-def _report_once(message: str) -> None:
+def report_once(message: str) -> None:
+    """Log which backend runs, once per distinct message (a fallback must be visible, not noisy)."""
     if message not in _reported:
         _reported.add(message)
         log.info(message)
@@ -100,9 +101,9 @@ def varlen_attention(
     uniform = num_segments > 0 and max_seqlen * num_segments == total
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         if uniform:
-            _report_once("attention: dense causal SDPA (cuDNN preferred)")
+            report_once("attention: dense causal SDPA (cuDNN preferred)")
             return _sdpa_dense(q, k, v, max_seqlen, scale)
-        _report_once("attention: varlen_attn (packed documents)")
+        report_once("attention: varlen_attn (packed documents)")
         return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
     # CPU, or fp32 on CUDA (FlashAttention varlen takes 16-bit inputs only): exact paths.
     if uniform:

@@ -22,7 +22,6 @@ from torch import nn
 
 from core.config import Config
 from core.data import StepInputs
-from core.loss import cross_entropy_sum
 from core.mesh import ParallelMesh
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs
 
@@ -81,18 +80,3 @@ class DynamicCP:
         return StepInputs(s.tokens, s.labels, s.position_ids, s.meta,
                           num_tokens=batch.num_tokens / batch.cp_group_size,
                           num_labels=float((s.labels != -100).sum()))
-
-    @staticmethod
-    def forward_backward(model: nn.Module, micro: list[StepInputs], grads, autocast, tp_group,
-                         global_labels: float, device: torch.device) -> torch.Tensor:
-        """Accumulate this rank's micro-batches without communication; returns the summed token
-        loss. The loop's `finish_and_clip` then reduces every bucket (zeros from an idle rank)."""
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        with grads.dp.no_sync():
-            for m in micro:
-                with autocast:
-                    logits = model(m.tokens, m.position_ids, m.meta)
-                    part, _ = cross_entropy_sum(logits, m.labels, tp_group)
-                (part / max(global_labels, 1.0)).backward()
-                loss_sum += part.detach()
-        return loss_sum

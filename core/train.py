@@ -8,10 +8,10 @@ equals the single-process loss on the same rows whatever the layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -97,7 +97,7 @@ def train(config: Config, resume: bool = False) -> list[dict]:
     writer = MetricsWriter(run_dir, enabled=rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard)
     flops_token = flops_per_token(total_params, embedding_params, config.model.num_layers, config.model.dim, t.seq_len)
     peak = PEAK_FLOPS.get(precision) if device.type == "cuda" else None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16" and grads.uses_autocast else nullcontext()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16" and grads.uses_autocast else contextlib.nullcontext()
     data_iter = iter(stream)
     step = start_step
     try:
@@ -119,11 +119,10 @@ def train(config: Config, resume: bool = False) -> list[dict]:
                         mesh, config, global_labels, forward_context=lambda: autocast,
                     )
                 loss_sum, extra_metrics = result.loss_sum, result.metrics()
-            elif dynamic is not None:
-                loss_sum = dynamic.forward_backward(model, micro, grads, autocast, tp_group, global_labels, device)
-                extra_metrics = {}
             else:
-                loss_sum, extra_metrics = _forward_backward(model, micro, grads, autocast, tp_group, global_labels), {}
+                loss_sum = _forward_backward(model, micro, grads, autocast, tp_group, global_labels, device,
+                                             overlap_reduction=dynamic is None)
+                extra_metrics = {}
             grad_norm = grads.finish_and_clip(t.grad_clip)
             lr = optimizer.lr
             optimizer.step()
@@ -173,17 +172,23 @@ def _save(ckpt_dir, step, model, optimizer, scheduler, mesh, stream, config) -> 
         print(f"checkpoint: {path}", flush=True)
 
 
-def _forward_backward(model, micro, grads, autocast, tp_group, global_labels: float) -> torch.Tensor:
-    """Gradient accumulation over this rank's micro-batches; returns the summed token loss."""
-    loss_sum = torch.zeros((), dtype=torch.float32, device=micro[0].tokens.device)
-    for i, m in enumerate(micro):
-        _set_sequences(model, m.meta.cu_seqlens)
-        with grads.sync_context(last=i == len(micro) - 1):
-            with autocast:
-                logits = model(m.tokens, m.position_ids, m.meta)
-                part, _ = cross_entropy_sum(logits, m.labels, tp_group)
-            (part / max(global_labels, 1.0)).backward()
-        loss_sum += part.detach()
+def _forward_backward(model, micro, grads, autocast, tp_group, global_labels: float, device: torch.device,
+                      overlap_reduction: bool = True) -> torch.Tensor:
+    """Gradient accumulation over this rank's micro-batches; returns the summed token loss.
+
+    overlap_reduction: start the gradient reduction during the last micro-batch's backward.
+    Off when ranks run different numbers of micro-batches (dynamic CP, where a rank may run
+    none): then `finish_and_clip` reduces every bucket once, after all of them."""
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    with contextlib.nullcontext() if overlap_reduction else grads.dp.no_sync():
+        for i, m in enumerate(micro):
+            _set_sequences(model, m.meta.cu_seqlens)
+            with grads.sync_context(last=i == len(micro) - 1):
+                with autocast:
+                    logits = model(m.tokens, m.position_ids, m.meta)
+                    part, _ = cross_entropy_sum(logits, m.labels, tp_group)
+                (part / max(global_labels, 1.0)).backward()
+            loss_sum += part.detach()
     return loss_sum
 
 

@@ -1,7 +1,8 @@
 """Run a function on N real processes joined by a gloo process group (CPU), collect results.
 
 Used by every multi-process test: `results = run_distributed(fn, world_size, *args)` calls
-`fn(rank, world_size, *args)` in each spawned process after init_process_group and returns
+`fn(rank, world_size, *args)` in each spawned process after init_process_group (gloo, or
+`backend="nccl"` with one GPU per process) and returns
 the per-rank return values (picklable) in rank order. An exception in any rank fails the
 call with that rank's traceback.
 """
@@ -23,14 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, backend):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)  # N processes share 2 cores; oversubscription only slows tests
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per process
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # report, then let the parent fail the test
@@ -40,11 +45,12 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo"):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

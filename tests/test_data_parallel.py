@@ -14,8 +14,6 @@ steps (observed max differences are ~1e-7); the clipped norm at rtol=1e-5.
 from __future__ import annotations
 
 import contextlib
-import os
-import traceback
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +27,7 @@ from core.mesh import ParallelMesh
 from core.model import AttentionMeta, build_model
 from core.optim import AdamW, WarmupCosine, clip_grad_norm_, uses_weight_decay
 from core.parallel.data import apply_data_parallel, chunk_bounds, zero_shard_dim
-from tests.distributed import free_port, run_distributed
+from tests.distributed import run_distributed
 
 CFG = dict(vocab_size=66, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=54)  # 66, 54: uneven ZeRO chunks
 NUMEL = sum(p.numel() for p in build_model(ModelConfig(**CFG), seed=7).parameters())
@@ -405,32 +403,8 @@ def test_schedule_and_accumulation_errors_single_process():
 
 
 # ------------------------------------------------------------------------------- GPU (NCCL)
-def _nccl_entry(rank, world, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        queue.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_nccl(fn, world, *args):
-    """Like tests.distributed.run_distributed, with NCCL and one GPU per process."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_nccl_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results = dict((rank, (status, value)) for rank, status, value in (queue.get(timeout=300) for _ in procs))
-    for proc in procs:
-        proc.join(timeout=30)
-    errors = [value for status, value in results.values() if status != "ok"]
-    assert not errors, "\n".join(errors)
-    return [results[r][1] for r in range(world)]
+    return run_distributed(fn, world, *args, backend="nccl")
 
 
 def _gpu_worker(rank, world, ckpt_dir):

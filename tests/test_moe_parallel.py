@@ -22,7 +22,6 @@ fixed seeds here have no such tie (the test would fail loudly, not pass wrongly)
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 

@@ -17,8 +17,6 @@ have no meaningful relative error). Measured errors are about 1e-7 relative.
 from __future__ import annotations
 
 import itertools
-import os
-import traceback
 
 import pytest
 import torch
@@ -31,7 +29,7 @@ from core.mesh import ParallelMesh
 from core.model import AttentionMeta, build_model
 from core.parallel import comm
 from core.parallel.tensor import apply_tp, sync_sequence_parallel_grads
-from tests.distributed import free_port, run_distributed
+from tests.distributed import run_distributed
 
 RTOL = 1e-5
 
@@ -245,20 +243,6 @@ def test_cross_entropy_sum_single_process():
         again.backward()
 
 
-def _nccl_worker(rank, world, port, fn, args, queue):
-    # tests/distributed.run_distributed is gloo-only; this is its NCCL twin, one GPU a rank.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.cuda.set_device(rank)
-    try:
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        queue.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _gpu_worker(rank, world):
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the parity check
     torch.backends.cudnn.allow_tf32 = False
@@ -272,16 +256,6 @@ def _gpu_worker(rank, world):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tensor_parallel_nccl_matches_single_process():
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue, port, world = ctx.Queue(), free_port(), 2
-    procs = [ctx.Process(target=_nccl_worker, args=(r, world, port, _gpu_worker, (), queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results = [queue.get(timeout=300) for _ in procs]
-    for proc in procs:
-        proc.join(timeout=30)
-    errors = [value for _, status, value in results if status != "ok"]
-    assert not errors, "\n".join(errors)
-    for _, _, (worst, fallbacks) in results:
+    for worst, fallbacks in run_distributed(_gpu_worker, 2, backend="nccl"):
         print(f"nccl tp=2: worst gradient error relative to max |grad| = {max(worst.values()):.2e}")
         assert fallbacks == [], "NCCL must use its native reduce-scatter"

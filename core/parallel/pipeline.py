@@ -28,7 +28,7 @@ import copy
 import logging
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch

@@ -23,21 +23,13 @@ which is what makes blockwise gradients exact). Otherwise an exact dense kernel 
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
-_reported: set[str] = set()
-
-
-def _report_once(message: str) -> None:
-    if message not in _reported:
-        _reported.add(message)
-        log.info(message)
+from core.attention import report_once
 
 
 @dataclass(frozen=True)
@@ -170,10 +162,10 @@ def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
 def block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     """Attention of one (query block, key block) pair: (out [Tq,H,D], lse [H,Tq] fp32/fp64)."""
     if _flash_available(q):
-        _report_once("ring attention: FlashAttention varlen blocks")
+        report_once("ring attention: FlashAttention varlen blocks")
         return _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
     if q.is_cuda:
-        _report_once("ring attention: exact dense blocks on CUDA (FlashAttention varlen unavailable or fp32)")
+        report_once("ring attention: exact dense blocks on CUDA (FlashAttention varlen unavailable or fp32)")
     return _dense_fwd(q, k, v, cu_q, cu_k, causal, scale)
 
 
