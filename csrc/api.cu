@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "common.cuh"
+#include "include/tessera_kernels.h"
 
 namespace tessera {
 
@@ -51,8 +52,8 @@ DeviceGuard::~DeviceGuard() {
     cudaSetDevice(previous);
 }
 
-GroupedVariant (&gg_bf16_table())[TESSERA_GG_NUM_OPS][kMaxConfigs] {
-  static GroupedVariant table[TESSERA_GG_NUM_OPS][kMaxConfigs];
+Variant (&variant_table())[kNumFamilies][kMaxOps][kMaxConfigs] {
+  static Variant table[kNumFamilies][kMaxOps][kMaxConfigs];
   return table;
 }
 
@@ -62,17 +63,75 @@ using namespace tessera;
 
 namespace {
 
-const GroupedVariant* find_variant(int op, int config) {
-  if (op < 0 || op >= TESSERA_GG_NUM_OPS) {
-    fail(TESSERA_ERR_INVALID, "grouped GEMM op %d is not one of 0 (fwd), 1 (fwd_bt), 2 (wgrad)", op);
+const char* const kFamilyNames[kNumFamilies] = {"bf16 grouped GEMM", "fp8 blockwise GEMM", "fp8 blockwise grouped GEMM"};
+
+const Variant* find_variant(int family, int op, int config) {
+  if (family < 0 || family >= kNumFamilies) {
+    fail(TESSERA_ERR_INVALID, "kernel family %d is not one of 0..%d", family, kNumFamilies - 1);
     return nullptr;
   }
-  if (config < 0 || config >= kMaxConfigs || !gg_bf16_table()[op][config].run) {
-    fail(TESSERA_ERR_UNSUPPORTED, "grouped GEMM config %d is not built into this library (%d built)",
-         config, tessera_gg_bf16_num_configs());
+  if (op < 0 || op >= kMaxOps) {
+    fail(TESSERA_ERR_INVALID, "%s op %d is not valid", kFamilyNames[family], op);
     return nullptr;
   }
-  return &gg_bf16_table()[op][config];
+  if (config < 0 || config >= kMaxConfigs || !variant_table()[family][op][config].run) {
+    fail(TESSERA_ERR_UNSUPPORTED, "%s op %d config %d is not built into this library (%d configs built)",
+         kFamilyNames[family], op, config, tessera_num_configs(family));
+    return nullptr;
+  }
+  return &variant_table()[family][op][config];
+}
+
+int query_workspace(int family, int op, int config, const GroupedArgs& sizes, size_t* bytes) {
+  const Variant* v = find_variant(family, op, config);
+  if (!v) return TESSERA_ERR_INVALID;
+  if (!bytes) return fail(TESSERA_ERR_INVALID, "bytes must be non-null");
+  int sms = sm_count(sizes.device);
+  if (sms <= 0) return fail(TESSERA_ERR_CUDA, "cannot query the SM count of CUDA device %d", sizes.device);
+  *bytes = v->workspace(sizes, sms);
+  return TESSERA_OK;
+}
+
+// Shared checks of every GEMM call, then the launch under a device guard.
+int launch(int family, const GroupedArgs& args, int config, int dim_align, const char* dims) {
+  const Variant* v = find_variant(family, args.op, config);
+  if (!v) return TESSERA_ERR_INVALID;
+  if (args.groups <= 0) return fail(TESSERA_ERR_INVALID, "num_groups=%d must be > 0", args.groups);
+  if (args.rows < 0 || args.k <= 0 || args.n <= 0 || args.rows > INT32_MAX || args.k > INT32_MAX ||
+      args.n > INT32_MAX)
+    return fail(TESSERA_ERR_INVALID, "sizes %s = %lld, %lld, %lld must be >= 0, > 0, > 0 and < 2^31", dims,
+                (long long)args.rows, (long long)args.k, (long long)args.n);
+  if (args.k % dim_align || args.n % dim_align)
+    return fail(TESSERA_ERR_INVALID, "k=%lld and n=%lld must be multiples of %d (16-byte rows for TMA)",
+                (long long)args.k, (long long)args.n, dim_align);
+  if (!args.a || !args.b || !args.d)
+    return fail(TESSERA_ERR_INVALID, "a null pointer among a, b, d");
+  if (!aligned16(args.a) || !aligned16(args.b) || !aligned16(args.d))
+    return fail(TESSERA_ERR_INVALID, "a, b and d must be 16-byte aligned (TMA)");
+  if (args.raster != 0 && args.raster != 1)
+    return fail(TESSERA_ERR_INVALID, "raster=%d must be 0 (along M) or 1 (along N)", args.raster);
+  if (args.swizzle != 1 && args.swizzle != 2 && args.swizzle != 4 && args.swizzle != 8)
+    return fail(TESSERA_ERR_INVALID, "swizzle=%d must be 1, 2, 4 or 8", args.swizzle);
+  int sms = sm_count(args.device);
+  if (sms <= 0) return fail(TESSERA_ERR_CUDA, "cannot query the SM count of CUDA device %d", args.device);
+  size_t need = v->workspace(args, sms);
+  if (need && (!args.workspace || args.workspace_bytes < need))
+    return fail(TESSERA_ERR_WORKSPACE, "workspace of %zu bytes is smaller than the %zu required",
+                args.workspace ? args.workspace_bytes : 0, need);
+  DeviceGuard guard(args.device);
+  if (guard.status) return guard.status;
+  return v->run(args);
+}
+
+GroupedArgs sizes_only(int groups, int64_t rows, int64_t k, int64_t n, int device) {
+  GroupedArgs a{};
+  a.groups = groups;
+  a.rows = rows;
+  a.k = k;
+  a.n = n;
+  a.device = device;
+  a.swizzle = 1;
+  return a;
 }
 
 }  // namespace
@@ -96,64 +155,66 @@ int tessera_device_capability(int device) {
   return major * 10 + minor;
 }
 
-int tessera_gg_bf16_num_configs(void) {
+int tessera_num_configs(int family) {
+  if (family < 0 || family >= kNumFamilies) return 0;
   int n = 0;
-  for (int op = 0; op < TESSERA_GG_NUM_OPS; ++op)
+  for (int op = 0; op < kMaxOps; ++op)
     for (int c = 0; c < kMaxConfigs; ++c)
-      if (gg_bf16_table()[op][c].run && c + 1 > n) n = c + 1;
+      if (variant_table()[family][op][c].run && c + 1 > n) n = c + 1;
   return n;
 }
 
-const char* tessera_gg_bf16_config_name(int config) {
-  if (config < 0 || config >= kMaxConfigs) return nullptr;
-  for (int op = 0; op < TESSERA_GG_NUM_OPS; ++op)
-    if (gg_bf16_table()[op][config].name) return gg_bf16_table()[op][config].name;
+const char* tessera_config_name(int family, int config) {
+  if (family < 0 || family >= kNumFamilies || config < 0 || config >= kMaxConfigs) return nullptr;
+  for (int op = 0; op < kMaxOps; ++op)
+    if (variant_table()[family][op][config].name) return variant_table()[family][op][config].name;
   return nullptr;
 }
 
 int tessera_gg_bf16_workspace(int op, int config, int num_groups, int device, size_t* bytes) {
-  const GroupedVariant* v = find_variant(op, config);
-  if (!v) return TESSERA_ERR_INVALID;
-  if (num_groups <= 0 || !bytes)
-    return fail(TESSERA_ERR_INVALID, "num_groups=%d must be > 0 and bytes non-null", num_groups);
-  int sms = sm_count(device);
-  if (sms <= 0) return fail(TESSERA_ERR_CUDA, "cannot query the SM count of CUDA device %d", device);
-  *bytes = v->workspace(num_groups, sms);
-  return TESSERA_OK;
+  if (num_groups <= 0) return fail(TESSERA_ERR_INVALID, "num_groups=%d must be > 0", num_groups);
+  return query_workspace(kFamilyGroupedBf16, op, config, sizes_only(num_groups, 0, 0, 0, device), bytes);
 }
 
-int tessera_gg_bf16(int op, int config, const void* a, const void* b, void* d,
-                    const int32_t* offsets, int num_groups, int64_t rows, int64_t k, int64_t n,
-                    void* workspace, size_t workspace_bytes, int device, void* stream,
-                    int raster, int swizzle) {
-  const GroupedVariant* v = find_variant(op, config);
-  if (!v) return TESSERA_ERR_INVALID;
-  if (num_groups <= 0) return fail(TESSERA_ERR_INVALID, "num_groups=%d must be > 0", num_groups);
-  if (rows < 0 || k <= 0 || n <= 0 || rows > INT32_MAX || k > INT32_MAX || n > INT32_MAX)
-    return fail(TESSERA_ERR_INVALID, "sizes rows=%lld k=%lld n=%lld must be >= 0, > 0, > 0 and < 2^31",
-                (long long)rows, (long long)k, (long long)n);
-  if (k % 8 || n % 8)
-    return fail(TESSERA_ERR_INVALID, "k=%lld and n=%lld must be multiples of 8 (16-byte bf16 rows for TMA)",
-                (long long)k, (long long)n);
-  if (!a || !b || !d || !offsets || !workspace)
-    return fail(TESSERA_ERR_INVALID, "a null pointer among a, b, d, offsets, workspace");
-  if (!aligned16(a) || !aligned16(b) || !aligned16(d))
-    return fail(TESSERA_ERR_INVALID, "a, b and d must be 16-byte aligned (TMA)");
-  if (raster != 0 && raster != 1)
-    return fail(TESSERA_ERR_INVALID, "raster=%d must be 0 (along M) or 1 (along N)", raster);
-  if (swizzle != 1 && swizzle != 2 && swizzle != 4 && swizzle != 8)
-    return fail(TESSERA_ERR_INVALID, "swizzle=%d must be 1, 2, 4 or 8", swizzle);
-  int sms = sm_count(device);
-  if (sms <= 0) return fail(TESSERA_ERR_CUDA, "cannot query the SM count of CUDA device %d", device);
-  size_t need = v->workspace(num_groups, sms);
-  if (workspace_bytes < need)
-    return fail(TESSERA_ERR_WORKSPACE, "workspace of %zu bytes is smaller than the %zu required",
-                workspace_bytes, need);
-  DeviceGuard guard(device);
-  if (guard.status) return guard.status;
+int tessera_gg_bf16(int op, int config, const void* a, const void* b, void* d, const int32_t* offsets,
+                    int num_groups, int64_t rows, int64_t k, int64_t n, void* workspace, size_t workspace_bytes,
+                    int device, void* stream, int raster, int swizzle) {
+  if (op < 0 || op >= TESSERA_GG_NUM_OPS)
+    return fail(TESSERA_ERR_INVALID, "grouped GEMM op %d is not one of 0 (fwd), 1 (fwd_bt), 2 (wgrad)", op);
+  if (!offsets) return fail(TESSERA_ERR_INVALID, "offsets must be non-null");
   GroupedArgs args{op, a, b, d, offsets, num_groups, rows, k, n, workspace, workspace_bytes,
                    device, static_cast<cudaStream_t>(stream), raster, swizzle};
-  return v->run(args);
+  return launch(kFamilyGroupedBf16, args, config, 8, "rows, k, n");
+}
+
+int tessera_fp8_gemm_workspace(int config, int64_t m, int64_t n, int64_t k, int device, size_t* bytes) {
+  return query_workspace(kFamilyFp8Gemm, 0, config, sizes_only(1, m, k, n, device), bytes);
+}
+
+int tessera_fp8_gemm(int config, const void* a, const float* sfa, const void* b, const float* sfb, void* d,
+                     int64_t m, int64_t n, int64_t k, void* workspace, size_t workspace_bytes, int device,
+                     void* stream, int raster, int swizzle) {
+  if (!sfa || !sfb) return fail(TESSERA_ERR_INVALID, "scale pointers must be non-null");
+  if (m <= 0 || m % 4 || reinterpret_cast<uintptr_t>(sfa) % 16)
+    return fail(TESSERA_ERR_INVALID, "m=%lld must be a positive multiple of 4 and sfa 16-byte aligned (TMA loads "
+                "the 1x128 scales of a)", (long long)m);
+  GroupedArgs args{0, a, b, d, nullptr, 1, m, k, n, workspace, workspace_bytes,
+                   device, static_cast<cudaStream_t>(stream), raster, swizzle, sfa, sfb};
+  return launch(kFamilyFp8Gemm, args, config, 16, "m, k, n");
+}
+
+int tessera_fp8_gg_workspace(int config, int num_groups, int device, size_t* bytes) {
+  if (num_groups <= 0) return fail(TESSERA_ERR_INVALID, "num_groups=%d must be > 0", num_groups);
+  return query_workspace(kFamilyFp8Grouped, 0, config, sizes_only(num_groups, 0, 0, 0, device), bytes);
+}
+
+int tessera_fp8_gg(int config, const void* a, const float* sfa, const void* b, const float* sfb, void* d,
+                   const int32_t* offsets, int num_groups, int64_t rows, int64_t n, int64_t k, void* workspace,
+                   size_t workspace_bytes, int device, void* stream, int raster, int swizzle) {
+  if (!sfa || !sfb || !offsets) return fail(TESSERA_ERR_INVALID, "scale and offsets pointers must be non-null");
+  GroupedArgs args{0, a, b, d, offsets, num_groups, rows, k, n, workspace, workspace_bytes,
+                   device, static_cast<cudaStream_t>(stream), raster, swizzle, sfa, sfb};
+  return launch(kFamilyFp8Grouped, args, config, 16, "rows, k, n");
 }
 
 }  // extern "C"

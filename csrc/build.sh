@@ -64,21 +64,31 @@ for src in "$here"/fp8_*.cu; do
   fi
 done
 
-# An object is rebuilt when it is older than any source or header in csrc/.
-newest_src="$(find "$here" -maxdepth 2 \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name build.sh \) -not -path "$out/*" -printf '%T@\n' | sort -n | tail -1)"
+# An object is rebuilt when it is older than its source, this script, or a csrc/ header it
+# includes (from the dependency file nvcc writes next to it).
+mtime() { stat -c %Y "$1"; }
+stale() {
+  local o="$obj/$1" t dep
+  [[ -f "$o" && -f "$o.d" ]] || return 0
+  t=$(mtime "$o")
+  for dep in "$here/$2" "$here/build.sh" $(sed -e 's/\\$//' -e 's/^[^:]*://' "$o.d" | tr ' ' '\n' | grep "^$here/"); do
+    [[ -f "$dep" ]] && (( $(mtime "$dep") <= t )) || return 0
+  done
+  return 1
+}
 todo=()
 for u in "${units[@]}"; do
-  o="$obj/${u%% *}"
-  if [[ ! -f "$o" ]] || (( $(stat -c %Y "$o") < ${newest_src%.*} )); then todo+=("$u"); fi
+  read -r o src _ <<< "$u"
+  if stale "$o" "$src"; then todo+=("$u"); fi
 done
 
 start=$(date +%s)
 echo "csrc/build.sh: nvcc $("$nvcc_bin" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), CUTLASS $CUTLASS_DIR, ${#todo[@]}/${#units[@]} objects to build, $jobs jobs"
 export nvcc_bin obj here
-printf '%s\n' "${todo[@]}" | xargs -P "$jobs" -I{} bash -c '
+(( ${#todo[@]} == 0 )) || printf '%s\n' "${todo[@]}" | xargs -P "$jobs" -I{} bash -c '
   set -f; read -r o src extra <<< "$1"; shift
   t0=$(date +%s)
-  if ! "$nvcc_bin" "$@" $extra -c "$here/$src" -o "$obj/$o.tmp" > "$obj/$o.log" 2>&1; then
+  if ! "$nvcc_bin" "$@" $extra -MD -MF "$obj/$o.d" -c "$here/$src" -o "$obj/$o.tmp" > "$obj/$o.log" 2>&1; then
     cat "$obj/$o.log" >&2; echo "csrc/build.sh: FAILED $o" >&2; exit 255
   fi
   mv "$obj/$o.tmp" "$obj/$o"; echo "  $o ($(( $(date +%s) - t0 )) s)"

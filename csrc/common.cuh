@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "include/tessera_kernels.h"
+#include "include/tessera_codes.h"
 
 namespace tessera {
 
@@ -44,7 +44,8 @@ struct Carver {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// Arguments of one grouped GEMM call after the C ABI checked them.
+// Arguments of one GEMM call after the C ABI checked them. Grouped GEMMs: a [rows, k],
+// groups from `offsets`; the dense FP8 GEMM: m = rows, groups = 1, offsets unused.
 struct GroupedArgs {
   int op;
   const void* a;
@@ -59,27 +60,33 @@ struct GroupedArgs {
   cudaStream_t stream;
   int raster;   // 0 along M, 1 along N
   int swizzle;  // 1, 2, 4, 8
+  const void* sfa = nullptr;  // FP8 blockwise scales of a and b
+  const void* sfb = nullptr;
 };
 
-using GroupedRunFn = int (*)(const GroupedArgs&);
-using GroupedWorkspaceFn = size_t (*)(int groups, int sm_count);
+using RunFn = int (*)(const GroupedArgs&);
+// Workspace bytes for the sizes in the arguments (pointers unused) on a GPU with `sms` SMs.
+using WorkspaceFn = size_t (*)(const GroupedArgs&, int sms);
 
-struct GroupedVariant {
+struct Variant {
   const char* name = nullptr;
-  GroupedRunFn run = nullptr;
-  GroupedWorkspaceFn workspace = nullptr;
+  RunFn run = nullptr;
+  WorkspaceFn workspace = nullptr;
 };
 
 constexpr int kMaxConfigs = 8;
+constexpr int kMaxOps = 4;
 
-// Table [op][config] of the bf16 grouped GEMM variants compiled into this library; each
-// variant's translation unit fills its slot from a static initialiser at load time.
-GroupedVariant (&gg_bf16_table())[TESSERA_GG_NUM_OPS][kMaxConfigs];
+// Kernel families, each with its own ops and configurations (TESSERA_FAMILY_* in the header).
+enum Family { kFamilyGroupedBf16 = 0, kFamilyFp8Gemm = 1, kFamilyFp8Grouped = 2, kNumFamilies = 3 };
 
-struct RegisterGroupedVariant {
-  RegisterGroupedVariant(int op, int config, const char* name, GroupedRunFn run,
-                         GroupedWorkspaceFn workspace) {
-    gg_bf16_table()[op][config] = GroupedVariant{name, run, workspace};
+// Table [family][op][config] of the variants compiled into this library; each variant's
+// translation unit fills its slot from a static initialiser when the library loads.
+Variant (&variant_table())[kNumFamilies][kMaxOps][kMaxConfigs];
+
+struct RegisterVariant {
+  RegisterVariant(int family, int op, int config, const char* name, RunFn run, WorkspaceFn workspace) {
+    variant_table()[family][op][config] = Variant{name, run, workspace};
   }
 };
 

@@ -20,6 +20,7 @@
 #include <tuple>
 
 #include "common.cuh"
+#include "grouped_common.cuh"
 
 #ifndef TESSERA_GG_OP
 #error "compile with -DTESSERA_GG_OP=<0 fwd | 1 fwd_bt | 2 wgrad>"
@@ -117,18 +118,6 @@ using StrideA = typename Kernel::InternalStrideA;
 using StrideB = typename Kernel::InternalStrideB;
 using StrideD = typename Kernel::InternalStrideD;
 
-// A packed 2-D stride with leading dimension `ld`: whichever mode is not the static 1.
-template <class Stride>
-__device__ Stride leading(int64_t ld) {
-  Stride s{};
-  if constexpr (is_static<decltype(get<0>(s))>::value) {
-    get<1>(s) = ld;
-  } else {
-    get<0>(s) = ld;
-  }
-  return s;
-}
-
 // The per-group arrays CUTLASS reads, carved from the workspace.
 struct GroupArrays {
   GroupShape* shapes;
@@ -141,8 +130,8 @@ struct GroupArrays {
   void* cutlass_workspace;
 };
 
-template <class P>
-GroupArrays carve(P&& c, int groups) {
+template <class C>
+GroupArrays carve(C& c, int groups) {
   GroupArrays g;
   g.shapes = c.template take<GroupShape>(groups);
   g.ptr_a = c.template take<const Element*>(groups);
@@ -177,88 +166,50 @@ Gemm::Arguments make_arguments(const GroupArrays& g, int groups, int device, int
   return args;
 }
 
-size_t workspace_bytes(int groups, int sms) {
+size_t workspace_bytes(const GroupedArgs& p, int sms) {
   Carver counter(nullptr);
-  GroupArrays g = carve(counter, groups);
-  Gemm::Arguments args = make_arguments(g, groups, 0, sms, 0, 1);
-  return counter.used + Gemm::get_workspace_size(args);
+  GroupArrays g = carve(counter, p.groups);
+  return counter.used + Gemm::get_workspace_size(make_arguments(g, p.groups, 0, sms, 0, 1));
 }
 
-// Group i covers rows [start_i, end_i) with end_i = offsets[i] clamped to [start_i, rows] and
-// start_i = end_{i-1}: exactly the loop reference's reading, so even decreasing offsets stay
-// in bounds and never make two groups overlap (they read as empty groups).
-//
-// Block 0 (one warp, a running-max scan over chunks of 32 groups) writes the per-group
-// arrays; the other blocks zero what no GEMM tile writes (fwd: rows past the last group;
-// wgrad: d[g] of empty groups), so the output is fully defined without a memset of it all.
+// Block 0 (one warp) writes the per-group arrays; the other blocks zero what no GEMM tile
+// writes (fwd: rows past the last group; wgrad: d[g] of empty groups), so the output is
+// fully defined without a memset of all of it.
 __global__ void prepare_groups(GroupArrays g, const int32_t* __restrict__ offsets, int groups,
                                int64_t rows, int64_t k, int64_t n, const Element* a,
                                const Element* b, Element* d) {
-  auto clamped = [&](int i) -> int64_t {
-    int64_t v = offsets[i];
-    return v < 0 ? 0 : (v > rows ? rows : v);
-  };
   if (blockIdx.x == 0) {
     if (threadIdx.x >= 32) return;
-    const int lane = threadIdx.x;
-    int64_t carry = 0;  // end of the previous chunk's last group
-    for (int base = 0; base < groups; base += 32) {
-      const int i = base + lane;
-      int64_t end = i < groups ? clamped(i) : 0;
-      for (int delta = 1; delta < 32; delta <<= 1) {  // inclusive running max within the warp
-        int64_t other = __shfl_up_sync(0xffffffffu, end, delta);
-        if (lane >= delta && other > end) end = other;
-      }
-      if (carry > end) end = carry;
-      int64_t start = __shfl_up_sync(0xffffffffu, end, 1);
-      if (lane == 0) start = carry;
-      carry = __shfl_sync(0xffffffffu, end, 31);
-      if (i >= groups) continue;
+    for_each_group(offsets, groups, rows, [&](int i, int64_t start, int64_t end) {
       const int count = static_cast<int>(end - start);
       if constexpr (kOp == TESSERA_GG_WGRAD) {
+        // K = rows of the group; an empty group gets M = 0 (no tiles) and is zeroed below.
         g.shapes[i] = GroupShape{count ? static_cast<int>(k) : 0, static_cast<int>(n), count};
         g.ptr_a[i] = a + start * k;
         g.ptr_b[i] = b + start * n;
         g.ptr_d[i] = d + i * k * n;
-        g.stride_a[i] = leading<StrideA>(k);
-        g.stride_b[i] = leading<StrideB>(n);
+        g.stride_a[i] = leading_stride<StrideA>(k);
+        g.stride_b[i] = leading_stride<StrideB>(n);
       } else {
         g.shapes[i] = GroupShape{count, static_cast<int>(n), static_cast<int>(k)};
         g.ptr_a[i] = a + start * k;
         g.ptr_b[i] = b + i * k * n;
         g.ptr_d[i] = d + start * n;
-        g.stride_a[i] = leading<StrideA>(k);
-        g.stride_b[i] = leading<StrideB>(kOp == TESSERA_GG_FWD_BT ? k : n);
+        g.stride_a[i] = leading_stride<StrideA>(k);
+        g.stride_b[i] = leading_stride<StrideB>(kOp == TESSERA_GG_FWD_BT ? k : n);
       }
-      g.stride_d[i] = leading<StrideD>(n);
-    }
+      g.stride_d[i] = leading_stride<StrideD>(n);
+    });
     return;
   }
-  // Zero-fill with 16-byte stores (k, n are multiples of 8 bf16, d is 16-byte aligned).
   const int64_t worker = int64_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;
   const int64_t workers = int64_t(gridDim.x - 1) * blockDim.x;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  int64_t running = 0;  // the same running max as above, walked by every thread
   if constexpr (kOp == TESSERA_GG_WGRAD) {
-    const int64_t vecs = k * n / 8;
-    for (int i = 0; i < groups; ++i) {
-      const int64_t end = clamped(i);
-      if (end > running) {
-        running = end;
-        continue;
-      }
-      uint4* out = reinterpret_cast<uint4*>(d + i * k * n);
-      for (int64_t j = worker; j < vecs; j += workers) out[j] = zero;
-    }
+    zero_empty_groups(d, offsets, groups, rows, k, n, sizeof(Element), worker, workers);
   } else {
-    for (int i = 0; i < groups; ++i) running = max(running, clamped(i));
-    uint4* out = reinterpret_cast<uint4*>(d + running * n);
-    const int64_t vecs = (rows - running) * n / 8;
-    for (int64_t j = worker; j < vecs; j += workers) out[j] = zero;
+    zero_rows_past_groups(d, offsets, groups, rows, n, sizeof(Element), worker, workers);
   }
 }
-
-constexpr int kZeroBlocks = 64;  // enough to saturate HBM stores; idle blocks exit at once
 
 int run(const GroupedArgs& p) {
   Carver carver(p.workspace);
@@ -286,8 +237,8 @@ int run(const GroupedArgs& p) {
   return TESSERA_OK;
 }
 
-const RegisterGroupedVariant registered(kOp, TESSERA_GG_CONFIG, Config::name(), &run,
-                                        &workspace_bytes);
+const RegisterVariant registered(kFamilyGroupedBf16, kOp, TESSERA_GG_CONFIG, Config::name(), &run,
+                                 &workspace_bytes);
 
 }  // namespace
 }  // namespace tessera::gg_bf16

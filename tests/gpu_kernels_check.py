@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RTOL, ATOL_RMS = 2.0**-7, 2.0**-10
+FAMILY_FP8_GG = 2  # TESSERA_FAMILY_FP8_GG
 
 
 # ---------------------------------------------------------------------------------------
@@ -90,13 +91,13 @@ def routed_offsets(rows: int, groups: int, gen: torch.Generator) -> torch.Tensor
 # ---------------------------------------------------------------------------------------
 
 class Failures(list):
-    def check(self, name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+    def check(self, name: str, out: torch.Tensor, ref: torch.Tensor, atol_rms: float = ATOL_RMS) -> None:
         """Record a failure unless every element is finite and within tolerance of ref."""
         out64 = out.double()
         finite = bool(torch.isfinite(out64).all())
         rms = ref.pow(2).mean().sqrt().item() if ref.numel() else 0.0
         err = (out64 - ref).abs()
-        bound = RTOL * ref.abs() + ATOL_RMS * rms
+        bound = RTOL * ref.abs() + atol_rms * rms
         worst = (err / bound.clamp_min(1e-30)).max().item() if ref.numel() else 0.0
         ok = finite and worst <= 1.0
         print(f"  {'ok  ' if ok else 'FAIL'} {name}: max err/tolerance {worst:.3f}{'' if finite else ', NaN/inf left'}")
@@ -216,12 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     if lib is None and not args.allow_fallback:
         print("gpu_kernels_check: the compiled library is not usable here (see the log line above)")
         return 1
-    print(f"bf16 grouped GEMM configs: {lib.gg_bf16_config_names() if lib else []}")
+    if lib is not None:
+        print("configs: " + "; ".join(f"{f}: {lib.config_names(i)}" for i, f in enumerate(["bf16 grouped", "fp8 gemm",
+                                                                                         "fp8 grouped"])))
     failures = Failures()
     if lib is not None:
         check_grouped_variants(failures, device, args.quick)
     check_custom_op_autograd(failures, device)
     check_cuda_graph(failures, device)
+    if lib is not None and lib.config_names(FAMILY_FP8_GG):
+        from tests import gpu_kernels_check_fp8
+
+        gpu_kernels_check_fp8.run(failures, device)
     print(f"gpu_kernels_check: {'FAILED ' + str(len(failures)) if failures else 'all passed'}")
     return 1 if failures else 0
 

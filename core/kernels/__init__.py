@@ -1,7 +1,8 @@
 """Hopper kernels from csrc/ (CUTLASS) as `torch.library` custom ops with PyTorch fallbacks.
 
 `grouped_mm(x, w, offsets)` and `grouped_mm_wgrad(x, dy, offsets)`: bf16 grouped GEMM for
-MoE experts (autograd included). `library.kernel_library(device)` says whether the compiled
+MoE experts (autograd included). `core.kernels.fp8`: FP8 quantisers and blockwise-scaled
+GEMMs. `library.kernel_library(device)` says whether the compiled
 library (`bash csrc/build.sh`, or `TESSERA_KERNELS_LIB`) can run on a device.
 """
 

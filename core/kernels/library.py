@@ -27,17 +27,30 @@ BUILD_HINT = ("build it with `bash csrc/build.sh` (needs nvcc >= 12.3 and `pip i
 
 _c_int, _c_i64, _c_size, _c_ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_size_t, ctypes.c_void_p
 
+_SCALED_GEMM = [_c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr]  # config, a, sfa, b, sfb, d
+_TAIL = [_c_ptr, _c_size, _c_int, _c_ptr, _c_int, _c_int]  # workspace, bytes, device, stream, raster, swizzle
+
 # (name, restype, argtypes) of every C function Python calls; must match the header.
 _SIGNATURES = [
     ("tessera_abi_version", _c_int, []),
     ("tessera_last_error", ctypes.c_char_p, []),
     ("tessera_device_capability", _c_int, [_c_int]),
-    ("tessera_gg_bf16_num_configs", _c_int, []),
-    ("tessera_gg_bf16_config_name", ctypes.c_char_p, [_c_int]),
+    ("tessera_num_configs", _c_int, [_c_int]),
+    ("tessera_config_name", ctypes.c_char_p, [_c_int, _c_int]),
     ("tessera_gg_bf16_workspace", _c_int, [_c_int, _c_int, _c_int, _c_int, ctypes.POINTER(_c_size)]),
-    ("tessera_gg_bf16", _c_int, [_c_int, _c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_i64,
-                                 _c_i64, _c_ptr, _c_size, _c_int, _c_ptr, _c_int, _c_int]),
+    ("tessera_gg_bf16", _c_int, [_c_int, _c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64,
+                                 *_TAIL]),
+    ("tessera_fp8_gemm_workspace", _c_int, [_c_int, _c_i64, _c_i64, _c_i64, _c_int, ctypes.POINTER(_c_size)]),
+    ("tessera_fp8_gemm", _c_int, [*_SCALED_GEMM, _c_i64, _c_i64, _c_i64, *_TAIL]),
+    ("tessera_fp8_gg_workspace", _c_int, [_c_int, _c_int, _c_int, ctypes.POINTER(_c_size)]),
+    ("tessera_fp8_gg", _c_int, [*_SCALED_GEMM, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64, *_TAIL]),
+    ("tessera_fp8_quantize_tensorwise", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_ptr]),
+    ("tessera_fp8_quantize_rowwise", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int, _c_ptr]),
+    ("tessera_fp8_quantize_1x128", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int, _c_ptr]),
+    ("tessera_fp8_quantize_128x128", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int,
+                                              _c_ptr]),
 ]
+FAMILY_GG_BF16 = 0  # TESSERA_FAMILY_GG_BF16
 
 
 class KernelError(RuntimeError):
@@ -69,10 +82,14 @@ class KernelLibrary:
         if rc != 0:
             raise KernelError(f"{what} failed (code {rc}): {self.error_message()}")
 
+    def config_names(self, family: int) -> list[str | None]:
+        """Names of a kernel family's configurations by index (None: not built)."""
+        names = [self.config_name(family, i) for i in range(self.num_configs(family))]
+        return [n.decode() if n else None for n in names]
+
     def gg_bf16_config_names(self) -> list[str | None]:
         """Names of the bf16 grouped GEMM configurations by index (None: not built)."""
-        names = [self.gg_bf16_config_name(i) for i in range(self.gg_bf16_num_configs())]
-        return [n.decode() if n else None for n in names]
+        return self.config_names(FAMILY_GG_BF16)
 
     def gg_bf16_workspace_bytes(self, op: int, config: int, groups: int, device: int) -> int:
         """Workspace bytes of one grouped GEMM call (cached: a host query, no GPU work)."""

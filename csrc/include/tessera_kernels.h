@@ -13,6 +13,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "tessera_codes.h"
+
 #if defined(__GNUC__)
 #define TESSERA_API __attribute__((visibility("default")))
 #else
@@ -23,35 +25,16 @@
 extern "C" {
 #endif
 
-#define TESSERA_ABI_VERSION 1
-
-enum {
-  TESSERA_OK = 0,
-  TESSERA_ERR_INVALID = 1,     /* bad argument: shape, alignment, null pointer, unknown op/config */
-  TESSERA_ERR_WORKSPACE = 2,   /* workspace smaller than required */
-  TESSERA_ERR_UNSUPPORTED = 3, /* device or kernel variant not available in this build */
-  TESSERA_ERR_CUDA = 4,        /* a CUDA runtime call failed */
-  TESSERA_ERR_CUTLASS = 5      /* CUTLASS refused or failed */
-};
-
-/* Grouped GEMM operations. Rows of `a` are grouped: offsets[g] (int32, device, cumulative,
- * non-decreasing) is the end row of group g; group g is rows [offsets[g-1], offsets[g]).
- *   GG_FWD:    a [rows, k] row-major, b [G, k, n]   -> d [rows, n], d_g = a_g @ b[g]
- *   GG_FWD_BT: a [rows, k] row-major, b [G, n, k]   -> d [rows, n], d_g = a_g @ b[g]^T
- *   GG_WGRAD:  a [rows, k], b [rows, n] row-major   -> d [G, k, n], d[g] = a_g^T @ b_g
- * Rows of d past offsets[G-1] (GG_FWD*) and d[g] of empty groups (GG_WGRAD) are zeroed. */
-enum { TESSERA_GG_FWD = 0, TESSERA_GG_FWD_BT = 1, TESSERA_GG_WGRAD = 2, TESSERA_GG_NUM_OPS = 3 };
-
 TESSERA_API int tessera_abi_version(void);
 TESSERA_API const char* tessera_last_error(void);
 /* Device compute capability as major*10+minor, or -1 (with last_error) when no device. */
 TESSERA_API int tessera_device_capability(int device);
 
-/* One more than the highest bf16 grouped GEMM configuration index built into this library
- * (a build may leave some out: see build.sh TESSERA_GG_CONFIGS). */
-TESSERA_API int tessera_gg_bf16_num_configs(void);
-/* Name of configuration `config` (tile, schedule, cluster), or NULL if not built. */
-TESSERA_API const char* tessera_gg_bf16_config_name(int config);
+/* One more than the highest configuration index of `family` built into this library (a
+ * build may leave some out: see build.sh TESSERA_GG_CONFIGS / TESSERA_FP8_CONFIGS). */
+TESSERA_API int tessera_num_configs(int family);
+/* Name of configuration `config` of `family`, or NULL if not built. */
+TESSERA_API const char* tessera_config_name(int family, int config);
 
 /* Bytes of workspace tessera_gg_bf16 needs for `num_groups` groups on `device`. */
 TESSERA_API int tessera_gg_bf16_workspace(int op, int config, int num_groups, int device,
@@ -64,6 +47,29 @@ TESSERA_API int tessera_gg_bf16(int op, int config, const void* a, const void* b
                                 const int32_t* offsets, int num_groups, int64_t rows, int64_t k,
                                 int64_t n, void* workspace, size_t workspace_bytes, int device,
                                 void* stream, int raster, int swizzle);
+
+/* FP8 (e4m3) GEMMs with blockwise scales, fp32 accumulation, bf16 output (CUTLASS sm90a).
+ * a: e4m3 row-major [rows, k] with 1x128 scales sfa (fp32, M-major: see
+ * tessera_fp8_quantize_1x128); b: e4m3 K-major [n, k] (per group [G, n, k]) with 128x128
+ * scales sfb [ceil(k/128)][ceil(n/128)] (per group, one after another); d: bf16 [rows, n].
+ * k and n multiples of 16, pointers 16-byte aligned; raster/swizzle as for tessera_gg_bf16. */
+TESSERA_API int tessera_fp8_gemm_workspace(int config, int64_t m, int64_t n, int64_t k, int device,
+                                           size_t* bytes);
+/* d = (a * sfa) @ (b * sfb)^T; sfa is [ceil(k/128)][m], m a multiple of 4 and sfa 16-byte
+ * aligned (its rows are loaded with TMA). */
+TESSERA_API int tessera_fp8_gemm(int config, const void* a, const float* sfa, const void* b,
+                                 const float* sfb, void* d, int64_t m, int64_t n, int64_t k,
+                                 void* workspace, size_t workspace_bytes, int device, void* stream,
+                                 int raster, int swizzle);
+TESSERA_API int tessera_fp8_gg_workspace(int config, int num_groups, int device, size_t* bytes);
+/* Grouped: rows of a grouped by offsets as in tessera_gg_bf16, sfa in the grouped layout
+ * of tessera_fp8_quantize_1x128; d_g = (a_g * sfa_g) @ (b[g] * sfb[g])^T, rows past the last
+ * group zeroed. */
+TESSERA_API int tessera_fp8_gg(int config, const void* a, const float* sfa, const void* b,
+                               const float* sfb, void* d, const int32_t* offsets, int num_groups,
+                               int64_t rows, int64_t n, int64_t k, void* workspace,
+                               size_t workspace_bytes, int device, void* stream, int raster,
+                               int swizzle);
 
 /* FP8 (float8_e4m3) quantisation of bf16 tensors: q = round_sat(x * 448 / amax) per block,
  * with fp32 dequantisation scales amax / 448 (1 for an all-zero block), so x ~= q * scale.
@@ -78,8 +84,8 @@ TESSERA_API int tessera_fp8_quantize_rowwise(const void* x, void* q, float* scal
 /* x [rows, cols] -> q [rows, cols] with one scale per row and 128 columns, stored M-major as
  * the blockwise GEMMs read them: offsets NULL -> scale[kb * rows + r]; with int32 offsets
  * (num_groups cumulative non-decreasing group ends) -> for row r of group g = [s, e):
- * scale[s * KB + kb * (e - s) + (r - s)], KB = ceil(cols / 128). Rows past the last group
- * get no scale. */
+ * scale[s * KB + kb * (e - s) + (r - s)], KB = ceil(cols / 128); rows past the last group
+ * form one more group [offsets[G-1], rows). */
 TESSERA_API int tessera_fp8_quantize_1x128(const void* x, void* q, float* scale, int64_t rows,
                                            int64_t cols, const int32_t* offsets, int num_groups,
                                            int device, void* stream);

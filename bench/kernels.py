@@ -1,0 +1,208 @@
+"""CUTLASS kernels (csrc/) against their PyTorch baselines, measured in the same run on one GPU.
+
+    python bench/kernels.py --check --bench [--configs all] [--shapes mixtral,fine64,fine128]
+
+Each section (check, bf16, fp8) runs in its own process so a crashing kernel cannot take the
+others down. --check runs tests/gpu_kernels_check.py first (float64 references, poisoned
+outputs, CUDA graphs). --bench times, on the MoE shapes of shared/PERFORMANCE.md with uniform random
+routing (seeded; --routing balanced for equal groups):
+- bf16 grouped GEMM, forward (x @ w[e]), dgrad (dy @ w[e]^T) and wgrad (x_e^T dy_e), each
+  CUTLASS configuration (--configs all) or the default choice, against torch._grouped_mm
+  on the same tensors, plus the equal-FLOP dense torch.mm for context;
+- with --fp8 (when built): see bench/kernels_fp8.py.
+Timing: triton.testing.do_bench when available (the method of PERFORMANCE.md: L2 flushed,
+CUDA events, median), else the same method here. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from core.kernels import library  # noqa: E402
+from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, choose_config, run_grouped  # noqa: E402
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    name: str
+    experts: int
+    top_k: int
+    routed: int  # rows after dispatch (tokens x top_k)
+    dim: int
+    hidden: int
+
+
+RESULT_TAG = "@@results "
+
+SHAPES = {
+    "mixtral": MoEShape("mixtral", 8, 2, 32768, 4096, 14336),
+    "fine64": MoEShape("fine64", 64, 8, 131072, 2048, 1408),
+    "fine128": MoEShape("fine128", 128, 8, 65536, 7168, 2048),
+}
+
+
+def bench_ms(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """Median milliseconds of fn() with the L2 cache flushed before each run."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    except ImportError:
+        pass
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    times = []
+    for _ in range(max(5, int(rep_ms / estimate))):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def routed_offsets(shape: MoEShape, routing: str, device) -> torch.Tensor:
+    if routing == "balanced":
+        counts = torch.full((shape.experts,), shape.routed // shape.experts, dtype=torch.int64)
+    else:
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, shape.experts, (shape.routed,), generator=gen)
+        counts = torch.bincount(ids, minlength=shape.experts)
+    return counts.cumsum(0).to(torch.int32).to(device)
+
+
+def bench_grouped_bf16(shape: MoEShape, routing: str, configs: str, lib, device) -> list[dict]:
+    """Rows of results for forward, dgrad and wgrad of one MoE shape."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    t, d, h, e = shape.routed, shape.dim, shape.hidden, shape.experts
+    x = torch.randn(t, d, generator=gen, device=device).to(torch.bfloat16)
+    w = (torch.randn(e, d, h, generator=gen, device=device) * d**-0.5).to(torch.bfloat16)
+    dy = torch.randn(t, h, generator=gen, device=device).to(torch.bfloat16)
+    offsets = routed_offsets(shape, routing, device)
+    flops = 2.0 * t * d * h
+    names = lib.gg_bf16_config_names() if lib else []
+    passes = {
+        # pass: (torch baseline, (op, a, b, out shape), dense equal-FLOP mm)
+        "fwd": (lambda: torch._grouped_mm(x, w, offs=offsets), (OP_FWD, x, w, (t, h)), lambda: x @ w[0]),
+        "dgrad": (lambda: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offsets), (OP_FWD_BT, dy, w, (t, d)),
+                  lambda: dy @ w[0].t()),
+        "wgrad": (lambda: torch._grouped_mm(x.t(), dy, offs=offsets), (OP_WGRAD, x, dy, (e, d, h)),
+                  lambda: x.t() @ dy),
+    }
+    rows = []
+    for name, (baseline, (op, a, b, out_shape), dense) in passes.items():
+        base_ms = bench_ms(baseline)
+        dense_ms = bench_ms(dense)
+        row = {"shape": shape.name, "pass": name, "routing": routing, "torch_ms": base_ms,
+               "torch_tflops": flops / base_ms / 1e9, "dense_tflops": flops / dense_ms / 1e9, "configs": {}}
+        if lib is not None:
+            default = choose_config(lib, op, a.shape[0], e, a.shape[1], out_shape[-1])
+            chosen = [i for i, n in enumerate(names) if n is not None] if configs == "all" else [default]
+            for c in chosen:
+                def ours(c=c):
+                    run_grouped(lib, op, a, b, torch.empty(out_shape, dtype=torch.bfloat16, device=device), offsets, c)
+                ms = bench_ms(ours)
+                row["configs"][names[c]] = {"ms": ms, "tflops": flops / ms / 1e9, "ratio": base_ms / ms,
+                                            "default": c == default}
+        rows.append(row)
+        best = max(row["configs"].items(), key=lambda kv: kv[1]["ratio"], default=(None, None))
+        print(f"{shape.name:8s} {name:6s} torch {row['torch_tflops']:6.0f} TFLOP/s (dense {row['dense_tflops']:4.0f})"
+              + "".join(f" | {n} {r['tflops']:5.0f} x{r['ratio']:.3f}{'*' if r['default'] else ''}"
+                        for n, r in row["configs"].items())
+              + (f" | best {best[0]}" if best[0] else ""), flush=True)
+    return rows
+
+
+def run_section(section: str, args) -> tuple[int, list[dict]]:
+    """One section in this process: 'check', 'bf16' or 'fp8'."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if section == "check":
+        from tests import gpu_kernels_check
+
+        return gpu_kernels_check.main([]), []
+    lib = library.kernel_library(device)
+    print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+          f"library {library.library_path() if lib else 'NOT LOADED (torch only)'}, routing {args.routing}", flush=True)
+    shapes = [SHAPES[n] for n in args.shapes.split(",")]
+    if section == "fp8":
+        from bench import kernels_fp8
+
+        return 0, kernels_fp8.run(shapes, args.routing, lib, device, bench_ms)
+    results = []
+    for shape in shapes:
+        results += bench_grouped_bf16(shape, args.routing, args.configs, lib, device)
+        torch.cuda.empty_cache()
+    return 0, results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="run tests/gpu_kernels_check.py first")
+    parser.add_argument("--bench", action="store_true", help="time kernels against torch baselines")
+    parser.add_argument("--configs", choices=["all", "default"], default="all")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
+    parser.add_argument("--routing", choices=["random", "balanced"], default="random")
+    parser.add_argument("--fp8", action="store_true", help="also the FP8 kernels (bench/kernels_fp8.py)")
+    parser.add_argument("--section", choices=["check", "bf16", "fp8"], help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per section")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.shapes.split(",") if n not in SHAPES]
+    if unknown:
+        print(f"bench/kernels.py: unknown shapes {unknown}; known: {list(SHAPES)}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("bench/kernels.py: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.section:  # child process: run one section, hand results back on a tagged line
+        status, results = run_section(args.section, args)
+        print(RESULT_TAG + json.dumps({"status": status, "results": results}), flush=True)
+        return status
+    # Each section runs in its own process, so a crashed kernel (a poisoned CUDA context)
+    # costs only its section, not the rest of a device session.
+    sections = (["check"] if args.check else []) + (["bf16"] + (["fp8"] if args.fp8 else []) if args.bench else [])
+    passthrough = ["--configs", args.configs, "--shapes", args.shapes, "--routing", args.routing]
+    report = {"bench": "kernels", "device": torch.cuda.get_device_name(), "torch": torch.__version__, "sections": {}}
+    results, status = [], 0
+    for section in sections:
+        try:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--section", section, *passthrough],
+                                  stdout=subprocess.PIPE, text=True, timeout=args.timeout)
+            out, code = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            out, code = exc.stdout or "", "timeout"
+            out = out if isinstance(out, str) else out.decode(errors="replace")
+        tagged = [line for line in out.splitlines() if line.startswith(RESULT_TAG)]
+        print("\n".join(line for line in out.splitlines() if not line.startswith(RESULT_TAG)), flush=True)
+        if tagged:
+            part = json.loads(tagged[-1][len(RESULT_TAG):])
+            results += part["results"]
+        report["sections"][section] = code
+        status = status or (code if isinstance(code, int) else 1)
+    report["results"] = results
+    print(json.dumps(report), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

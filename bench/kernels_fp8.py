@@ -1,0 +1,170 @@
+"""FP8 kernels against torch's FP8 GEMMs, measured in the same run (called by bench/kernels.py --fp8).
+
+- grouped, per MoE shape (forward and dgrad): our blockwise grouped GEMM (1x128 activations,
+  128x128 weights), each built configuration, against torch._scaled_grouped_mm with rowwise
+  scales (use_fast_accum True and False), and bf16 torch._grouped_mm for context;
+- dense 8192^3 and the MoE layer's equal-FLOP dense shapes: our blockwise GEMM against
+  torch._scaled_mm tensorwise and rowwise (fast accumulation), and cuBLAS blockwise through
+  torch._scaled_mm when this torch accepts blockwise scales (checked against ours first);
+- quantisers: GB/s of our fused kernels against the PyTorch fallback ops (same math).
+Operands are quantised once, outside the timed region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from core.kernels import fp8
+
+
+@contextlib.contextmanager
+def forced_config(config: int):
+    saved = os.environ.get(fp8.FP8_CONFIG_ENV)
+    os.environ[fp8.FP8_CONFIG_ENV] = str(config)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(fp8.FP8_CONFIG_ENV, None)
+        else:
+            os.environ[fp8.FP8_CONFIG_ENV] = saved
+
+
+def _print(row: dict) -> None:
+    ours = " | ".join(f"{n} {r['tflops']:5.0f} x{r['ratio']:.3f}" for n, r in row["configs"].items())
+    base = " ".join(f"{k} {v:5.0f}" for k, v in row["baselines_tflops"].items())
+    print(f"fp8 {row['shape']:10s} {row['pass']:6s} torch[{base}] | {ours}", flush=True)
+
+
+def _ours(fn, family: int, lib, flops: float, base_ms: float, bench_ms) -> dict:
+    out = {}
+    for c, name in enumerate(lib.config_names(family) if lib else []):
+        if name is None:
+            continue
+        with forced_config(c):
+            ms = bench_ms(fn)
+        out[name] = {"ms": ms, "tflops": flops / ms / 1e9, "ratio": base_ms / ms}
+    return out
+
+
+def bench_grouped(shape, routing: str, lib, device, bench_ms) -> list[dict]:
+    from bench.kernels import routed_offsets
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    t, d, h, e = shape.routed, shape.dim, shape.hidden, shape.experts
+    offsets = routed_offsets(shape, routing, device)
+    w = (torch.randn(e, d, h, generator=gen, device=device) * d**-0.5).to(torch.bfloat16)
+    rows = []
+    for name, a_dim, weight_t in (("fwd", d, True), ("dgrad", h, False)):
+        a = torch.randn(t, a_dim, generator=gen, device=device).to(torch.bfloat16)
+        qa, sa = fp8.quantize_1x128(a, offsets)
+        qw, sw = fp8.quantize_128x128(w, transpose=weight_t)  # [E, N, K]
+        n = qw.shape[1]
+        flops = 2.0 * t * a_dim * n
+        # torch rowwise: a per row, b per output column of each expert.
+        qa_r, sa_r = fp8.quantize_rowwise(a)
+        b_rows = (w.transpose(1, 2) if weight_t else w).contiguous()  # [E, N, K]
+        amax = b_rows.float().abs().amax(-1)
+        sb_r = amax / torch.full_like(amax, fp8.E4M3_MAX)
+        qb_r = (b_rows.float() / sb_r[..., None]).clamp(-448, 448).to(fp8.FP8)
+        baselines = {}
+        for fast in (True, False):
+            fn = lambda fast=fast: torch._scaled_grouped_mm(  # noqa: E731
+                qa_r, qb_r.transpose(1, 2), sa_r.reshape(-1), sb_r, offs=offsets, out_dtype=torch.bfloat16,
+                use_fast_accum=fast)
+            baselines[f"rowwise{'_fast' if fast else ''}"] = bench_ms(fn)
+        wb = w.transpose(1, 2) if not weight_t else w
+        baselines["bf16_grouped"] = bench_ms(lambda: torch._grouped_mm(a, wb, offs=offsets))
+        base_ms = min(baselines["rowwise_fast"], baselines["rowwise"])
+        row = {"shape": shape.name, "pass": name, "kind": "fp8_grouped", "routing": routing,
+               "baselines_tflops": {k: flops / v / 1e9 for k, v in baselines.items()},
+               "configs": _ours(lambda: fp8.grouped_mm_blockwise(qa, sa, qw, sw, offsets), fp8.FAMILY_FP8_GG, lib,
+                                flops, base_ms, bench_ms)}
+        _print(row)
+        rows.append(row)
+    return rows
+
+
+def _torch_blockwise(qa, sa, qb, sb, reference: torch.Tensor):
+    """A callable running cuBLAS blockwise FP8 through torch._scaled_mm, or None if this torch
+    does not take these scales (or gives a different answer than ours)."""
+    for scale_a, scale_b in ((sa.t(), sb.t()), (sa.t(), sb)):
+        try:
+            out = torch._scaled_mm(qa, qb.t(), scale_a, scale_b, out_dtype=torch.bfloat16)
+        except (RuntimeError, ValueError):
+            continue
+        if (out.float() - reference.float()).abs().max() <= 0.02 * reference.float().abs().max():
+            return lambda: torch._scaled_mm(qa, qb.t(), scale_a, scale_b, out_dtype=torch.bfloat16)
+    return None
+
+
+def bench_dense(m: int, n: int, k: int, lib, device, bench_ms) -> dict:
+    gen = torch.Generator(device=device).manual_seed(1)
+    a = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+    b = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(torch.bfloat16)
+    flops = 2.0 * m * n * k
+    qa, sa = fp8.quantize_1x128(a)
+    qb, sb = fp8.quantize_128x128(b)
+    qa_t, sa_t = fp8.quantize_tensorwise(a)
+    qb_t, sb_t = fp8.quantize_tensorwise(b)
+    qa_r, sa_r = fp8.quantize_rowwise(a)
+    qb_r, sb_r = fp8.quantize_rowwise(b)
+    baselines = {
+        "tensorwise_fast": bench_ms(lambda: torch._scaled_mm(qa_t, qb_t.t(), sa_t, sb_t, out_dtype=torch.bfloat16,
+                                                             use_fast_accum=True)),
+        "rowwise_fast": bench_ms(lambda: torch._scaled_mm(qa_r, qb_r.t(), sa_r, sb_r.t(), out_dtype=torch.bfloat16,
+                                                          use_fast_accum=True)),
+        "bf16": bench_ms(lambda: a @ b.t()),
+    }
+    blockwise = _torch_blockwise(qa, sa, qb, sb, fp8.gemm_blockwise(qa, sa, qb, sb))
+    if blockwise is not None:
+        baselines["cublas_blockwise"] = bench_ms(blockwise)
+    base_ms = baselines.get("cublas_blockwise", baselines["rowwise_fast"])
+    row = {"shape": f"{m}x{n}x{k}", "pass": "dense", "kind": "fp8_gemm",
+           "baselines_tflops": {key: flops / v / 1e9 for key, v in baselines.items()},
+           "configs": _ours(lambda: fp8.gemm_blockwise(qa, sa, qb, sb), fp8.FAMILY_FP8_GEMM, lib, flops, base_ms,
+                            bench_ms)}
+    _print(row)
+    return row
+
+
+def bench_quantizers(device, bench_ms) -> list[dict]:
+    gen = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(65536, 7168, generator=gen, device=device).to(torch.bfloat16)
+    w = (torch.randn(16, 2048, 7168, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+    offsets = torch.linspace(0, 65536, 129, device=device)[1:].to(torch.int32)
+    cases = [
+        ("tensorwise", lambda: fp8.quantize_tensorwise(x), lambda: fp8._quantize_blocks(
+            x.float().reshape(1, -1), x.float().abs().amax().reshape(1)), x.numel()),
+        ("rowwise", lambda: fp8.quantize_rowwise(x), lambda: fp8._quantize_blocks(x.float(), x.float().abs().amax(-1)),
+         x.numel()),
+        ("1x128", lambda: fp8.quantize_1x128(x), lambda: fp8._ref_1x128(x, None), x.numel()),
+        ("1x128_grouped", lambda: fp8.quantize_1x128(x, offsets), lambda: fp8._ref_1x128(x, offsets), x.numel()),
+        ("128x128_t", lambda: fp8.quantize_128x128(w, True), lambda: fp8._ref_128x128(w, True), w.numel()),
+    ]
+    rows = []
+    for name, ours, torch_ops, numel in cases:
+        gbytes = numel * 3 / 1e9  # read bf16, write e4m3
+        ours_ms, base_ms = bench_ms(ours), bench_ms(torch_ops)
+        row = {"kind": "fp8_quantize", "pass": name, "ours_gbps": gbytes / ours_ms * 1e3,
+               "torch_ops_gbps": gbytes / base_ms * 1e3, "ratio": base_ms / ours_ms}
+        print(f"fp8 quantize {name:14s} ours {row['ours_gbps']:6.0f} GB/s | torch ops {row['torch_ops_gbps']:6.0f} GB/s"
+              f" | x{row['ratio']:.1f}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def run(shapes, routing: str, lib, device, bench_ms) -> list[dict]:
+    """All FP8 rows: quantisers, grouped GEMMs per MoE shape, dense GEMMs."""
+    rows = bench_quantizers(device, bench_ms)
+    torch.cuda.empty_cache()
+    for shape in shapes:
+        rows += bench_grouped(shape, routing, lib, device, bench_ms)
+        torch.cuda.empty_cache()
+    for m, n, k in [(8192, 8192, 8192), (16384, 14336, 4096), (16384, 4096, 14336)]:
+        rows.append(bench_dense(m, n, k, lib, device, bench_ms))
+        torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,316 @@
+// bf16 -> float8_e4m3 quantisation with fp32 dequantisation scales (scale = amax / 448, so
+// x ~= q * scale), in the four granularities the FP8 GEMMs and torch's scaled GEMMs take:
+//   tensorwise:  one scale;                 amax kernel + quantise kernel (two passes)
+//   rowwise:     one scale per row;         one block per row
+//   1x128:       one scale per row and 128 columns (activations), scales M-major as the
+//                CUTLASS blockwise GEMM reads them: [cols/128][rows], or per group
+//                [cols/128][rows of group] one group after another when offsets are given
+//   128x128:     one scale per 128x128 block (weights), output K-major (optionally the
+//                transpose of the input) with scales [K/128][N/128] per matrix
+// All blocks of an all-zero input get scale 1 (q = 0). Values are multiplied by the fp32
+// 448/amax and rounded to nearest with saturation, the same arithmetic as the PyTorch
+// fallback in core/kernels/fp8.py, so both give identical bits.
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+#include "include/tessera_kernels.h"
+
+namespace tessera::fp8 {
+namespace {
+
+constexpr float kE4M3Max = 448.0f;
+
+__device__ __forceinline__ void unpack(const uint4& raw, float (&v)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ float amax8(const float (&v)[8]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
+  return m;
+}
+
+// 8 values times `mult`, rounded to e4m3 with saturation, packed little-endian.
+__device__ __forceinline__ uint2 quantize8(const float (&v)[8], float mult) {
+  uint32_t word[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[4 * w] * mult, v[4 * w + 1] * mult),
+                                           __NV_SATFINITE, __NV_E4M3);
+    uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[4 * w + 2] * mult, v[4 * w + 3] * mult),
+                                           __NV_SATFINITE, __NV_E4M3);
+    word[w] = lo | (hi << 16);
+  }
+  return make_uint2(word[0], word[1]);
+}
+
+__device__ __forceinline__ float multiplier(float amax) { return amax > 0.0f ? kE4M3Max / amax : 1.0f; }
+__device__ __forceinline__ float dequant_scale(float amax) { return amax > 0.0f ? amax / kE4M3Max : 1.0f; }
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
+  return v;
+}
+
+// Max over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ float block_max(float v) {
+  __shared__ float partial[32];
+  v = warp_max(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // `partial` may still be read from a previous call
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  v = lane < blockDim.x / 32 ? partial[lane] : 0.0f;
+  return warp_max(v);
+}
+
+// ---- tensorwise -------------------------------------------------------------------------
+
+// scale[1] holds the amax as its bit pattern: non-negative floats order like their bits.
+__global__ void amax_kernel(const uint4* __restrict__ x, int64_t vecs, float* scale) {
+  float m = 0.0f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vecs; i += int64_t(gridDim.x) * blockDim.x) {
+    float v[8];
+    unpack(x[i], v);
+    m = fmaxf(m, amax8(v));
+  }
+  m = block_max(m);
+  if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(scale + 1), __float_as_uint(m));
+}
+
+__global__ void quantize_tensorwise_kernel(const uint4* __restrict__ x, uint2* __restrict__ q, int64_t vecs,
+                                           float* scale) {
+  const float amax = scale[1];
+  const float mult = multiplier(amax);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vecs; i += int64_t(gridDim.x) * blockDim.x) {
+    float v[8];
+    unpack(x[i], v);
+    q[i] = quantize8(v, mult);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) scale[0] = dequant_scale(amax);
+}
+
+// ---- rowwise ----------------------------------------------------------------------------
+
+// One block per row: amax over the row, then quantise it (the second read hits L1/L2).
+__global__ void quantize_rowwise_kernel(const uint4* __restrict__ x, uint2* __restrict__ q, float* scale,
+                                        int64_t vecs_per_row) {
+  const int64_t row = blockIdx.x;
+  const uint4* in = x + row * vecs_per_row;
+  uint2* out = q + row * vecs_per_row;
+  float m = 0.0f;
+  for (int64_t i = threadIdx.x; i < vecs_per_row; i += blockDim.x) {
+    float v[8];
+    unpack(in[i], v);
+    m = fmaxf(m, amax8(v));
+  }
+  m = block_max(m);
+  const float mult = multiplier(m);
+  for (int64_t i = threadIdx.x; i < vecs_per_row; i += blockDim.x) {
+    float v[8];
+    unpack(in[i], v);
+    out[i] = quantize8(v, mult);
+  }
+  if (threadIdx.x == 0) scale[row] = dequant_scale(m);
+}
+
+// ---- 1x128 ------------------------------------------------------------------------------
+
+// 16 threads per 128-column chunk, 8 values each; chunks run along rows so loads coalesce.
+__global__ void quantize_1x128_kernel(const uint4* __restrict__ x, uint2* __restrict__ q, float* scale,
+                                      int64_t rows, int64_t cols, const int32_t* __restrict__ offsets,
+                                      int groups) {
+  const int64_t chunks_per_row = (cols + 127) / 128;
+  const int64_t thread = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t chunk = thread / 16;
+  const int part = thread % 16;
+  const bool live_row = chunk < rows * chunks_per_row;  // whole 16-thread groups agree
+  const int64_t row = live_row ? chunk / chunks_per_row : 0;
+  const int64_t kb = live_row ? chunk % chunks_per_row : 0;
+  const int64_t col = kb * 128 + part * 8;
+  const bool live = live_row && col < cols;
+  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int64_t vec = (row * cols + col) / 8;
+  if (live) unpack(x[vec], v);
+  float m = amax8(v);
+#pragma unroll
+  for (int d = 8; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));  // within 16 lanes
+  if (live) q[vec] = quantize8(v, multiplier(m));
+  if (!live_row || part != 0) return;
+  if (offsets == nullptr) {
+    scale[kb * rows + row] = dequant_scale(m);
+    return;
+  }
+  // The row's group: first g with offsets[g] > row (offsets non-decreasing, clamped to
+  // [0, rows]); rows past the last group form one more group after it.
+  auto end_of = [&](int g) -> int64_t {
+    if (g >= groups) return rows;
+    int64_t v = offsets[g];
+    return v < 0 ? 0 : (v > rows ? rows : v);
+  };
+  int lo = 0, hi = groups;
+  while (lo < hi) {
+    int mid = (lo + hi) / 2;
+    if (end_of(mid) > row) hi = mid; else lo = mid + 1;
+  }
+  const int64_t start = lo ? end_of(lo - 1) : 0;
+  const int64_t count = end_of(lo) - start;
+  scale[start * chunks_per_row + kb * count + (row - start)] = dequant_scale(m);
+}
+
+// ---- 128x128 ----------------------------------------------------------------------------
+
+// One block of 256 threads per 128x128 tile of one [rows, cols] matrix; thread t covers
+// columns (t % 16) * 8 .. +8 of rows t / 16 + 16 i. With `transpose` the K-major output is
+// [cols, rows] (written through shared memory so stores stay coalesced).
+__global__ void quantize_128x128_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q, float* scale,
+                                        int64_t rows, int64_t cols, bool transpose) {
+  __shared__ uint8_t tile[128][128 + 16];
+  const int64_t batch = blockIdx.z;
+  const int64_t rb = blockIdx.y, cb = blockIdx.x;
+  const int64_t row_blocks = gridDim.y, col_blocks = gridDim.x;
+  const int64_t matrix = rows * cols;
+  const int cpart = threadIdx.x % 16, rpart = threadIdx.x / 16;
+  const int64_t col = cb * 128 + cpart * 8;
+  float v[8][8];
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int64_t row = rb * 128 + rpart + 16 * i;
+    if (row < rows && col < cols) {
+      unpack(x[(batch * matrix + row * cols + col) / 8], v[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
+    }
+    m = fmaxf(m, amax8(v[i]));
+  }
+  m = block_max(m);
+  const float mult = multiplier(m);
+  if (threadIdx.x == 0) {
+    // Scales [K blocks][N blocks] per matrix: K is cols (plain) or rows (transposed).
+    const int64_t idx = transpose ? rb * col_blocks + cb : cb * row_blocks + rb;
+    scale[batch * row_blocks * col_blocks + idx] = dequant_scale(m);
+  }
+  if (!transpose) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int64_t row = rb * 128 + rpart + 16 * i;
+      if (row < rows && col < cols)
+        reinterpret_cast<uint2*>(q)[(batch * matrix + row * cols + col) / 8] = quantize8(v[i], mult);
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    uint2 packed = quantize8(v[i], mult);
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) tile[cpart * 8 + j][rpart + 16 * i] = bytes[j];
+  }
+  __syncthreads();
+  // Output rows are input columns; each thread stores 16 bytes (rows % 16 == 0 is checked).
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int piece = threadIdx.x + 256 * i;  // 128 output rows x 8 pieces of 16 bytes
+    const int out_r = piece / 8, out_c = (piece % 8) * 16;
+    const int64_t orow = cb * 128 + out_r, ocol = rb * 128 + out_c;
+    if (orow < cols && ocol < rows)
+      *reinterpret_cast<uint4*>(q + batch * matrix + orow * rows + ocol) =
+          *reinterpret_cast<const uint4*>(&tile[out_r][out_c]);
+  }
+}
+
+int grid_for(int64_t work, int threads, int device) {
+  const int64_t blocks = (work + threads - 1) / threads;
+  const int64_t cap = int64_t(sm_count(device)) * 8;
+  return static_cast<int>(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
+}
+
+int check_common(const void* x, const void* q, const float* scale, int64_t cols, int align) {
+  if (!x || !q || !scale) return fail(TESSERA_ERR_INVALID, "x, q and scale must be non-null");
+  if (!aligned16(x) || !aligned16(q) || reinterpret_cast<uintptr_t>(scale) % 4)
+    return fail(TESSERA_ERR_INVALID, "x and q must be 16-byte aligned, scale 4-byte aligned");
+  if (cols <= 0 || cols % align)
+    return fail(TESSERA_ERR_INVALID, "cols=%lld must be a positive multiple of %d", (long long)cols, align);
+  return TESSERA_OK;
+}
+
+}  // namespace
+}  // namespace tessera::fp8
+
+using namespace tessera;
+using namespace tessera::fp8;
+
+extern "C" {
+
+int tessera_fp8_quantize_tensorwise(const void* x, void* q, float* scale, int64_t numel, int device,
+                                    void* stream) {
+  if (int rc = check_common(x, q, scale, numel, 8)) return rc;
+  DeviceGuard guard(device);
+  if (guard.status) return guard.status;
+  auto s = static_cast<cudaStream_t>(stream);
+  const int64_t vecs = numel / 8;
+  TESSERA_CUDA_TRY(cudaMemsetAsync(scale, 0, 2 * sizeof(float), s));
+  amax_kernel<<<grid_for(vecs, 256, device), 256, 0, s>>>(static_cast<const uint4*>(x), vecs, scale);
+  quantize_tensorwise_kernel<<<grid_for(vecs, 256, device), 256, 0, s>>>(
+      static_cast<const uint4*>(x), static_cast<uint2*>(q), vecs, scale);
+  TESSERA_CUDA_TRY(cudaGetLastError());
+  return TESSERA_OK;
+}
+
+int tessera_fp8_quantize_rowwise(const void* x, void* q, float* scale, int64_t rows, int64_t cols, int device,
+                                 void* stream) {
+  if (int rc = check_common(x, q, scale, cols, 8)) return rc;
+  if (rows <= 0 || rows > INT32_MAX) return fail(TESSERA_ERR_INVALID, "rows=%lld must be in [1, 2^31)", (long long)rows);
+  DeviceGuard guard(device);
+  if (guard.status) return guard.status;
+  const int threads = cols >= 2048 ? 256 : 128;
+  quantize_rowwise_kernel<<<static_cast<unsigned>(rows), threads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint4*>(x), static_cast<uint2*>(q), scale, cols / 8);
+  TESSERA_CUDA_TRY(cudaGetLastError());
+  return TESSERA_OK;
+}
+
+int tessera_fp8_quantize_1x128(const void* x, void* q, float* scale, int64_t rows, int64_t cols,
+                               const int32_t* offsets, int num_groups, int device, void* stream) {
+  if (int rc = check_common(x, q, scale, cols, 8)) return rc;
+  if (rows <= 0) return fail(TESSERA_ERR_INVALID, "rows=%lld must be positive", (long long)rows);
+  if (offsets && num_groups <= 0) return fail(TESSERA_ERR_INVALID, "num_groups=%d must be > 0", num_groups);
+  DeviceGuard guard(device);
+  if (guard.status) return guard.status;
+  const int64_t threads = rows * ((cols + 127) / 128) * 16;
+  const int64_t blocks = (threads + 255) / 256;
+  if (blocks > INT32_MAX) return fail(TESSERA_ERR_INVALID, "tensor too large (%lld blocks)", (long long)blocks);
+  quantize_1x128_kernel<<<static_cast<unsigned>(blocks), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint4*>(x), static_cast<uint2*>(q), scale, rows, cols, offsets, num_groups);
+  TESSERA_CUDA_TRY(cudaGetLastError());
+  return TESSERA_OK;
+}
+
+int tessera_fp8_quantize_128x128(const void* x, void* q, float* scale, int64_t batch, int64_t rows, int64_t cols,
+                                 int transpose, int device, void* stream) {
+  if (int rc = check_common(x, q, scale, cols, transpose ? 16 : 8)) return rc;
+  if (batch <= 0 || rows <= 0 || (transpose && rows % 16))
+    return fail(TESSERA_ERR_INVALID, "batch=%lld rows=%lld must be positive (rows a multiple of 16 to transpose)",
+                (long long)batch, (long long)rows);
+  if (batch > 65535) return fail(TESSERA_ERR_INVALID, "batch=%lld exceeds 65535", (long long)batch);
+  DeviceGuard guard(device);
+  if (guard.status) return guard.status;
+  dim3 grid(static_cast<unsigned>((cols + 127) / 128), static_cast<unsigned>((rows + 127) / 128),
+            static_cast<unsigned>(batch));
+  quantize_128x128_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint4*>(x), static_cast<uint8_t*>(q), scale, rows, cols, transpose != 0);
+  TESSERA_CUDA_TRY(cudaGetLastError());
+  return TESSERA_OK;
+}
+
+}  // extern "C"
