@@ -64,18 +64,24 @@ def _note_device(x: Tensor) -> None:
 # The GEMMs of one layer, as plain functions (tests call them directly).
 # ---------------------------------------------------------------------------------------
 
-def fp8_matmul_fwd(x: Tensor, w: Tensor) -> Tensor:
-    """bf16 x W^T for x [M, K] (1x128 scales) and W [N, K] (128x128 scales)."""
+def transposed(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """The 128x128 quantisation of w^T from that of w: the same blocks and scales, transposed
+    (the dgrad operand without quantising the weight again). Moved as bytes: a plain copy."""
+    qt = q.view(torch.uint8).transpose(-2, -1).contiguous().view(q.dtype)
+    return qt, scale.transpose(-2, -1).contiguous()
+
+
+def fp8_matmul_fwd(x: Tensor, qw: Tensor, sw: Tensor) -> Tensor:
+    """bf16 x W^T for x [M, K] (quantised here, 1x128) and W [N, K] given as quantize_128x128(W)."""
     qx, sx = kfp8.quantize_1x128(x)
-    qw, sw = kfp8.quantize_128x128(w)
     return kfp8.gemm_blockwise(qx, sx, qw, sw)
 
 
-def fp8_matmul_dgrad(dy: Tensor, w: Tensor) -> Tensor:
-    """bf16 dy W for dy [M, N] (1x128 along N) and W [N, K] (W^T quantised K-major: [K, N])."""
+def fp8_matmul_dgrad(dy: Tensor, qwt: Tensor, swt: Tensor) -> Tensor:
+    """bf16 dy W for dy [M, N] (quantised here, 1x128 along N) and W^T [K, N] quantised
+    (`transposed(*quantize_128x128(W))`)."""
     qd, sd = kfp8.quantize_1x128(dy)
-    qw, sw = kfp8.quantize_128x128(w, transpose=True)
-    return kfp8.gemm_blockwise(qd, sd, qw, sw)
+    return kfp8.gemm_blockwise(qd, sd, qwt, swt)
 
 
 def fp8_matmul_wgrad(dy: Tensor, x: Tensor) -> Tensor:
@@ -89,22 +95,25 @@ def fp8_matmul_wgrad(dy: Tensor, x: Tensor) -> Tensor:
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """y = x W^T with all three GEMMs in FP8; x [M, K] (2-D), W [N, K]."""
+    """y = x W^T with all three GEMMs in FP8; x [M, K] (2-D), W [N, K]. The weight's FP8 copy
+    (half its bf16 size) is kept for backward, as DeepSeek-V3 does."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
         _note_device(x)
-        ctx.save_for_backward(x, weight)
-        return fp8_matmul_fwd(x, weight).to(x.dtype)
+        qw, sw = kfp8.quantize_128x128(weight)
+        ctx.save_for_backward(x, qw, sw)
+        ctx.weight_dtype = weight.dtype
+        return fp8_matmul_fwd(x, qw, sw).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, weight = ctx.saved_tensors
+        x, qw, sw = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = fp8_matmul_dgrad(dy, weight).to(x.dtype)
+            dx = fp8_matmul_dgrad(dy, *transposed(qw, sw)).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = fp8_matmul_wgrad(dy, x).to(weight.dtype)
+            dw = fp8_matmul_wgrad(dy, x).to(ctx.weight_dtype)
         return dx, dw
 
 
@@ -119,26 +128,26 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # Grouped (MoE expert) GEMMs.
 # ---------------------------------------------------------------------------------------
 
-def fp8_grouped_fwd(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """bf16 [rows, M_out]: rows of group g times w[g] for w [G, K, M_out] (experts' [in, out])."""
+def fp8_grouped_fwd(x: Tensor, qw: Tensor, sw: Tensor, offsets: Tensor) -> Tensor:
+    """bf16 [rows, out]: rows of group g times w[g], for experts w [G, in, out] given as
+    quantize_128x128(w, transpose=True) ([G, out, in], K-major)."""
     qx, sx = kfp8.quantize_1x128(x, offsets)
-    qw, sw = kfp8.quantize_128x128(w, transpose=True)  # [G, out, in]: K-major
     return kfp8.grouped_mm_blockwise(qx, sx, qw, sw, offsets)
 
 
-def fp8_grouped_dgrad(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """bf16 [rows, K]: rows of group g of dy times w[g]^T (w [G, K, M_out] read K-major as is)."""
+def fp8_grouped_dgrad(dy: Tensor, qw: Tensor, sw: Tensor, offsets: Tensor) -> Tensor:
+    """bf16 [rows, in]: rows of group g of dy times w[g]^T, with w given as quantize_128x128(w)
+    ([G, in, out]: K = out is already the inner dim)."""
     qd, sd = kfp8.quantize_1x128(dy, offsets)
-    qw, sw = kfp8.quantize_128x128(w)  # [G, in, out]: b [G, N=in, K=out]
     return kfp8.grouped_mm_blockwise(qd, sd, qw, sw, offsets)
 
 
-def fp8_grouped_wgrad(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
-    """float32 [G, K, M_out] with entry g = x_g^T dy_g, one blockwise FP8 GEMM per non-empty group
-    (same scaling as `fp8_matmul_wgrad`: dy_g^T 1x128 along tokens, x_g^T 128x128)."""
-    out = x.new_zeros(offsets.shape[0], x.shape[1], dy.shape[1], dtype=torch.float32)
+def fp8_grouped_wgrad(x: Tensor, dy: Tensor, offsets: Tensor, dtype: torch.dtype) -> Tensor:
+    """[G, in, out] with entry g = x_g^T dy_g, one blockwise FP8 GEMM per non-empty group (the
+    scaling of `fp8_matmul_wgrad`); empty groups get zeros."""
+    out = x.new_zeros(offsets.shape[0], x.shape[1], dy.shape[1], dtype=dtype)
     start = 0
-    for g, end in enumerate(offsets.tolist()):  # one host read per backward: no K-grouped FP8 kernel
+    for g, end in enumerate(offsets.tolist()):  # one host read per call: no K-grouped FP8 kernel yet
         end = min(max(end, start), x.shape[0])
         if end > start:
             out[g] = fp8_matmul_wgrad(dy[start:end], x[start:end]).t()
@@ -150,22 +159,22 @@ class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, offsets: Tensor, expert_wgrad: str) -> Tensor:
         _note_device(x)
-        ctx.save_for_backward(x, w, offsets)
-        ctx.expert_wgrad = expert_wgrad
-        return fp8_grouped_fwd(x, w, offsets).to(x.dtype)
+        qw, sw = kfp8.quantize_128x128(w, transpose=True)
+        ctx.save_for_backward(x, qw, sw, offsets)
+        ctx.expert_wgrad, ctx.weight_dtype = expert_wgrad, w.dtype
+        return fp8_grouped_fwd(x, qw, sw, offsets).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, w, offsets = ctx.saved_tensors
+        x, qw, sw, offsets = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = fp8_grouped_dgrad(dy, w, offsets).to(x.dtype)
+            dx = fp8_grouped_dgrad(dy, *transposed(qw, sw), offsets).to(x.dtype)
         if ctx.needs_input_grad[1]:
             if ctx.expert_wgrad == "fp8":
-                dw = fp8_grouped_wgrad(x, dy, offsets)
+                dw = fp8_grouped_wgrad(x, dy, offsets, ctx.weight_dtype)
             else:
-                dw = grouped_mm_wgrad(x.to(torch.bfloat16), dy.to(torch.bfloat16), offsets)
-            dw = dw.to(w.dtype)
+                dw = grouped_mm_wgrad(x.to(torch.bfloat16), dy.to(torch.bfloat16), offsets).to(ctx.weight_dtype)
         return dx, dw, None, None
 
 

@@ -1,0 +1,240 @@
+"""bf16 against FP8 training on one device: same seed, same data, final losses and step times.
+
+For each model (a dense and an MoE transformer) the script trains twice from the same weights
+on the same batches, through `core.parallel.parallelize` on one rank (bf16 params, fp32 master
+weights and grads, the project's AdamW): once with `precision="bf16"`, once with `"fp8"` (the
+recipe of core/fp8.py). Data: the bytes of `dataservice.build.make_corpus` documents, rows of
+`seq` tokens drawn by a seeded generator; a held-out tail of the stream gives the eval loss.
+It prints, per model: final train loss (mean of the last 10 steps), held-out loss (at least
+4096 tokens), their relative differences to bf16, and the median step time of each run (steps
+after the first 5). `--floor` adds an fp32 run: its drift from bf16 is what any change of
+rounding does to such a short run, the scale against which FP8's drift is read.
+
+    python bench/fp8_training.py --expert-wgrad both --floor   # GPU: small dense + MoE, 300 steps
+    python bench/fp8_training.py --smoke                           # CPU: tiny models, 8 steps
+    python bench/fp8_training.py --device cpu --size tiny --steps 200 --floor   # CPU parity
+
+Where no kernel library runs (CPU), the FP8 GEMMs are the kernels' exact PyTorch emulation:
+the losses then mean what they mean on a GPU, the step times do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from core.config import Config, ModelConfig, MoEConfig  # noqa: E402
+from core.loss import cross_entropy_sum  # noqa: E402
+from core.fp8 import EXPERT_WGRAD_ENV  # noqa: E402
+from core.model import AttentionMeta, build_model  # noqa: E402
+
+# Every GEMM dimension of the blocks is a multiple of 128, so every block GEMM runs in FP8.
+SIZES = {
+    "tiny": dict(dim=128, num_layers=2, num_heads=4, num_kv_heads=4, ffn_dim=384),
+    "small": dict(dim=2048, num_layers=8, num_heads=16, num_kv_heads=4, ffn_dim=5632),
+}
+MOE = {
+    "tiny": MoEConfig(num_experts=4, top_k=2, ffn_dim=128, first_k_dense=1, aux_loss_coeff=0.01),
+    "small": MoEConfig(num_experts=16, top_k=2, ffn_dim=1408, num_shared_experts=1, first_k_dense=1,
+                       aux_loss_coeff=0.01),
+}
+VOCAB = 256  # bytes
+
+
+def model_config(size: str, moe: bool) -> ModelConfig:
+    cfg = ModelConfig(vocab_size=VOCAB, **SIZES[size])
+    if moe:
+        cfg.moe = dataclasses.replace(MOE[size])
+    return cfg
+
+
+@dataclasses.dataclass
+class TokenData:
+    """A byte stream split into a training part and a held-out tail."""
+
+    train: torch.Tensor  # int64 [n]
+    held_out: torch.Tensor
+
+    @classmethod
+    def from_corpus(cls, n_docs: int, seed: int = 0, held_out: float = 0.05) -> "TokenData":
+        from dataservice.build import make_corpus
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = make_corpus(tmp, n_docs=n_docs, seed=seed, min_len=64, max_len=4096)
+            texts = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
+        stream = torch.frombuffer(bytearray("\n".join(texts).encode("utf-8")), dtype=torch.uint8).long()
+        cut = int(len(stream) * (1 - held_out))
+        return cls(stream[:cut], stream[cut:])
+
+    def rows(self, part: torch.Tensor, n: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+        if len(part) < seq + 2:
+            raise ValueError(f"{len(part)} tokens cannot give rows of seq={seq}: use more documents")
+        starts = torch.randint(0, len(part) - seq - 1, (n,), generator=gen)
+        return part[starts[:, None] + torch.arange(seq + 1)]  # [n, seq + 1]
+
+
+def packed(rows: torch.Tensor, device: torch.device):
+    """(tokens, labels, positions, meta) of rows [B, seq + 1], each row one document."""
+    b, seq = rows.shape[0], rows.shape[1] - 1
+    rows = rows.to(device)
+    cu = torch.arange(0, b * seq + 1, seq, dtype=torch.int32, device=device)
+    positions = torch.arange(seq, device=device).repeat(b)
+    return rows[:, :-1].reshape(-1), rows[:, 1:].reshape(-1), positions, AttentionMeta(cu_seqlens=cu, max_seqlen=seq)
+
+
+@dataclasses.dataclass
+class RunResult:
+    losses: list[float]
+    eval_loss: float
+    step_ms: float
+
+    @property
+    def final_loss(self) -> float:
+        return statistics.fmean(self.losses[-10:])
+
+
+def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, batch: int, seq: int,
+              device: torch.device, lr: float = 3e-3, warmup: int = 20, seed: int = 0, eval_rows: int = 16,
+              log_every: int = 0) -> RunResult:
+    """Train a fresh model (`build_model(cfg, seed)`) for `steps` steps; the batches depend only on `seed`."""
+    from core.mesh import ParallelMesh
+    from core.parallel import parallelize
+
+    config = Config(model=cfg)
+    t = config.train
+    t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.precision = lr, lr / 10, warmup, steps, precision
+    config.parallel.dp = 1
+    mesh = ParallelMesh.build(device_type=device.type)
+    model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=seed), mesh, config, device, precision)
+    gen = torch.Generator().manual_seed(seed)
+    losses, times = [], []
+    for step in range(steps):
+        tokens, labels, positions, meta = packed(data.rows(data.train, batch, seq, gen), device)
+        start = time.perf_counter()
+        with grads.sync_context(last=True):
+            loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
+            (loss_sum / count).backward()
+        grads.finish_and_clip(t.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        grads.zero_grad()
+        losses.append(loss_sum.item() / count.item())  # reads back: the step is done
+        times.append(time.perf_counter() - start)
+        if log_every and (step + 1) % log_every == 0:
+            print(f"  {precision} step {step + 1:4d} loss {losses[-1]:.4f} {1e3 * times[-1]:7.1f} ms", flush=True)
+    eval_gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        tokens, labels, positions, meta = packed(data.rows(data.held_out, eval_rows, seq, eval_gen), device)
+        loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
+    return RunResult(losses, float(loss_sum) / float(count), 1e3 * statistics.median(times[5:] or times))
+
+
+def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.device) -> dict:
+    """bf16 and FP8 runs of one model (plus fp32 with --floor, and for MoE FP8 with the bf16
+    expert wgrad with --expert-wgrad both); prints one line per comparison."""
+    variants = [("bf16", "bf16", None), ("fp8", "fp8", args.expert_wgrad if args.expert_wgrad != "both" else "fp8")]
+    if cfg.moe.num_experts and args.expert_wgrad == "both":
+        variants.append(("fp8-wgrad-bf16", "fp8", "bf16"))
+    if args.floor:  # a precision change that is not FP8: how far two good runs drift apart
+        variants.append(("fp32", "fp32", None))
+    eval_rows = max(16, 4096 // args.seq)
+    runs = {}
+    for label, precision, wgrad in variants:
+        previous = os.environ.get(EXPERT_WGRAD_ENV)
+        if wgrad:
+            os.environ[EXPERT_WGRAD_ENV] = wgrad
+        try:
+            runs[label] = train_run(cfg, precision, data, args.steps, args.batch, args.seq, device, lr=args.lr,
+                                    warmup=args.warmup, seed=args.seed, eval_rows=eval_rows, log_every=args.log_every)
+        finally:
+            os.environ.pop(EXPERT_WGRAD_ENV, None)
+            if previous is not None:
+                os.environ[EXPERT_WGRAD_ENV] = previous
+    b = runs["bf16"]
+    out = {"model": name, "steps": args.steps, "first_loss": b.losses[0], "eval_tokens": eval_rows * args.seq,
+           "bf16": {"final": b.final_loss, "eval": b.eval_loss, "step_ms": b.step_ms}}
+    print(f"{name:6s} bf16{'':10s} final loss {b.final_loss:.4f} | eval {b.eval_loss:.4f} | step {b.step_ms:8.1f} ms")
+    for label, r in runs.items():
+        if label == "bf16":
+            continue
+        entry = {"final": r.final_loss, "eval": r.eval_loss, "step_ms": r.step_ms,
+                 "final_rel_diff": (r.final_loss - b.final_loss) / b.final_loss,
+                 "eval_rel_diff": (r.eval_loss - b.eval_loss) / b.eval_loss, "speedup": b.step_ms / r.step_ms}
+        out[label] = entry
+        print(f"{name:6s} {label:14s} final loss {r.final_loss:.4f} ({100 * entry['final_rel_diff']:+.2f}%) | "
+              f"eval {r.eval_loss:.4f} ({100 * entry['eval_rel_diff']:+.2f}%) | step {r.step_ms:8.1f} ms "
+              f"(bf16/this x{entry['speedup']:.2f})", flush=True)
+    return out
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny models, 8 steps, CPU: checks the script runs")
+    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="default: small on GPU, tiny on CPU")
+    parser.add_argument("--models", default="dense,moe")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=None, help="rows per step (default 4 small, 4 tiny)")
+    parser.add_argument("--seq", type=int, default=None, help="default 2048 small, 64 tiny")
+    parser.add_argument("--lr", type=float, default=None, help="default 1e-3 small, 3e-3 tiny")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--docs", type=int, default=None, help="corpus documents (default 4000 small, 400 tiny)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--log-every", type=int, default=0)
+    parser.add_argument("--expert-wgrad", choices=["fp8", "bf16", "both"], default="fp8",
+                        help="MoE FP8 runs: the experts' weight-gradient GEMM (both: one run each)")
+    parser.add_argument("--floor", action="store_true", help="also train in fp32: the drift of a non-FP8 change")
+    parser.add_argument("--json", default="", help="also write the results here")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    if args.smoke:
+        args.size, args.steps, args.device = "tiny", min(args.steps, 8), "cpu"
+        device = torch.device("cpu")
+    size = args.size or ("small" if device.type == "cuda" else "tiny")
+    small = size == "small"
+    args.batch = args.batch or 4
+    args.seq = args.seq or (2048 if small else 64)
+    args.lr = args.lr or (1e-3 if small else 3e-3)
+    args.docs = args.docs or (4000 if small else 400)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    data = TokenData.from_corpus(args.docs, seed=args.seed)
+    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, size {size}, "
+          f"{args.steps} steps of {args.batch}x{args.seq} tokens, {len(data.train)} training bytes", flush=True)
+    results = []
+    for name in args.models.split(","):
+        if name not in ("dense", "moe"):
+            parser.error(f"--models: {name!r} is not one of dense, moe")
+        results.append(compare(name, model_config(size, name == "moe"), data, args, device))
+    record = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
+              "size": size, "args": vars(args), "results": results}
+    print(json.dumps(record))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
