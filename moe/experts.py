@@ -3,10 +3,12 @@
 `grouped_mm(x, w, offsets)` is the single entry point for the grouped matrix product, so the
 CUTLASS kernels in csrc/ can replace it in one place:
 
-- CUDA, bf16, sm_90+, 16-byte aligned rows: `torch._grouped_mm`, with the group offsets a
-  device tensor (no host sync; its autograd gives both backward GEMMs).
-- anywhere else (CPU, fp32, older GPUs): an exact per-group loop over experts (not tokens),
-  one matmul per expert; it reads the offsets on the host. The fallback is logged once.
+- CUDA: the `tessera::grouped_mm` custom op of `core.kernels`, with the group offsets a
+  device tensor (no host sync; its autograd gives both backward GEMMs): CUTLASS sm_90a kernels
+  from csrc/ for bf16 when the library is built, else `torch._grouped_mm` (bf16, sm_90+), else
+  an exact per-group loop; core.kernels logs the path taken once.
+- CPU: an exact per-group loop over experts (not tokens), one matmul per expert; it reads the
+  offsets on the host. The fallback is logged once.
 
 Weights are stored [E, in, out] so every GEMM is x @ w[e] without a transpose.
 """
@@ -18,6 +20,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from core.kernels import grouped_mm as kernels_grouped_mm
 
 log = logging.getLogger(__name__)
 _reported: set[str] = set()
@@ -61,10 +65,9 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [N, K] with rows grouped by expert, w [G, K, M], offsets int32 [G] cumulative group
     ends (offsets[-1] == N) -> [N, M] where rows of group g are multiplied by w[g]."""
-    reason = _native_reason(x, w)
-    if reason is None:
-        return torch._grouped_mm(x, w, offs=offsets)
-    _report_once(reason)
+    if x.is_cuda:
+        return kernels_grouped_mm(x, w, offsets)
+    _report_once(f"device {x.device.type}")
     return grouped_mm_loop(x, w, offsets)
 
 
