@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routing", choices=["random", "balanced"], default="random")
     parser.add_argument("--fp8", action="store_true", help="also the FP8 kernels (bench/kernels_fp8.py)")
     parser.add_argument("--section", choices=["check", "bf16", "fp8"], help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per section")
+    parser.add_argument("--timeout", type=float, default=180, help="seconds per section (a hung kernel costs no more)")
     args = parser.parse_args(argv)
     unknown = [n for n in args.shapes.split(",") if n not in SHAPES]
     if unknown:

@@ -162,6 +162,8 @@ def test_c_abi_rejects_bad_arguments_with_a_message():
     assert rc == 1 and "swizzle=3" in lib.error_message()
     if not torch.cuda.is_available():
         assert lib.device_capability(0) == -1 and "no CUDA device" in lib.error_message()
+        with pytest.raises(library.KernelError, match="SM count"):
+            lib.gg_bf16_workspace_bytes(0, 0, 4, 0)
 
 
 @pytest.mark.gpu

@@ -183,6 +183,8 @@ def run_grouped(lib: KernelLibrary, op: int, a: Tensor, b: Tensor, out: Tensor, 
     groups = offsets.shape[0]
     rows, k = a.shape
     n = out.shape[-1]
+    if rows == 0:  # nothing to multiply (and empty tensors may have null pointers)
+        return out.zero_() if op == OP_WGRAD else out
     if config is None:
         config = choose_config(lib, op, rows, groups, k, n)
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
