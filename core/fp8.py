@@ -12,8 +12,9 @@ activation/gradient tile and per 128x128 weight block, fp32 accumulation):
 | dgrad dx = dy W       | dy [M, N], per token                      | W^T [K, N]                  |
 | wgrad dW = dy^T x     | dy^T [N, M], per output channel           | x^T [K, M] (128 tokens)     |
 
-Outputs are bf16 (fp32 accumulation inside); x and W are kept in their own (bf16) precision
-for backward, so each backward GEMM quantises afresh along its own reduction dim. Master
+Outputs are bf16 (fp32 accumulation inside). For backward x stays bf16 and W is kept as its
+FP8 copy (dgrad reads the transpose: same blocks, same scales); dy, dy^T and x^T are quantised
+afresh along each backward GEMM's own reduction dim. Master
 weights stay fp32 in the data-parallel step; embedding, output head, norms, router, softmax,
 attention and the loss are untouched (bf16 / fp32). docs/fp8.md says why for each choice.
 
@@ -230,6 +231,9 @@ def apply_fp8(model: nn.Module, expert_wgrad: str | None = None) -> dict[str, st
     if not isinstance(layers, nn.ModuleDict):
         raise ValueError(f"apply_fp8 needs a core.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
     mode = expert_wgrad or os.environ.get(EXPERT_WGRAD_ENV) or "fp8"
+    if mode not in EXPERT_WGRAD_MODES:
+        where = "expert_wgrad" if expert_wgrad else EXPERT_WGRAD_ENV
+        raise ValueError(f"{where}={mode!r} must be one of {EXPERT_WGRAD_MODES}")
     grouped = Fp8GroupedMM(mode)
     plan: dict[str, str] = {}
     kept: list[str] = []
@@ -263,5 +267,6 @@ def apply_fp8(model: nn.Module, expert_wgrad: str | None = None) -> dict[str, st
     if kept:
         log.warning("fp8: %d of %d block GEMM layers keep bf16 (local feature sizes not multiples of %d): %s",
                     len(kept), len(plan), BLOCK, ", ".join(kept))
-    log.info("fp8: %d block GEMM layers in FP8 (expert wgrad %s)", len(plan) - len(kept), mode)
+    experts = any(isinstance(m, GroupedExperts) for m in layers.modules())
+    log.info("fp8: %d block GEMM layers in FP8%s", len(plan) - len(kept), f" (expert wgrad {mode})" if experts else "")
     return plan
