@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--floor", action="store_true", help="also train in fp32: the drift of a non-FP8 change")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
+    models = args.models.split(",")
+    for name in models:
+        if name not in ("dense", "moe"):
+            parser.error(f"--models: {name!r} is not one of dense, moe")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if args.smoke:
@@ -222,9 +226,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, size {size}, "
           f"{args.steps} steps of {args.batch}x{args.seq} tokens, {len(data.train)} training bytes", flush=True)
     results = []
-    for name in args.models.split(","):
-        if name not in ("dense", "moe"):
-            parser.error(f"--models: {name!r} is not one of dense, moe")
+    for name in models:
         results.append(compare(name, model_config(size, name == "moe"), data, args, device))
     record = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "commit": _commit(), "date": time.strftime("%Y-%m-%d"),

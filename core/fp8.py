@@ -55,6 +55,11 @@ def _pad_rows(t: Tensor, multiple: int = ROW_ALIGN) -> Tensor:
     return F.pad(t, (0, 0, 0, extra)) if extra else t
 
 
+def _as_operand(dy: Tensor, dtype: torch.dtype) -> Tensor:
+    """A gradient as the kernels take it: dense rows in the activations' dtype (bf16)."""
+    return dy.to(dtype).contiguous()
+
+
 def _note_device(x: Tensor) -> None:
     if not torch.compiler.is_compiling() and kernel_library(x.device) is None:
         report_once(f"fp8 recipe: GEMMs emulated by the PyTorch fallbacks on {x.device.type} "
@@ -102,6 +107,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
         _note_device(x)
+        x = x.contiguous()  # the kernels read dense rows; anything else would take the slow fallback
         qw, sw = kfp8.quantize_128x128(weight)
         ctx.save_for_backward(x, qw, sw)
         ctx.weight_dtype = weight.dtype
@@ -110,6 +116,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, qw, sw = ctx.saved_tensors
+        dy = _as_operand(dy, x.dtype)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = fp8_matmul_dgrad(dy, *transposed(qw, sw)).to(x.dtype)
@@ -160,6 +167,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, offsets: Tensor, expert_wgrad: str) -> Tensor:
         _note_device(x)
+        x = x.contiguous()
         qw, sw = kfp8.quantize_128x128(w, transpose=True)
         ctx.save_for_backward(x, qw, sw, offsets)
         ctx.expert_wgrad, ctx.weight_dtype = expert_wgrad, w.dtype
@@ -168,6 +176,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, qw, sw, offsets = ctx.saved_tensors
+        dy = _as_operand(dy, x.dtype)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = fp8_grouped_dgrad(dy, *transposed(qw, sw), offsets).to(x.dtype)
