@@ -146,6 +146,16 @@ def test_fp8_grouped_experts_forward_and_grads(wgrad):
     assert wl.grad[1].abs().sum() == 0  # the empty expert
 
 
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_fp8_grouped_experts_without_tokens(wgrad):
+    # Under expert parallelism a rank may receive no token at all in a micro-batch.
+    x = torch.zeros(0, 128, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(2, 128, 256, dtype=torch.bfloat16, requires_grad=True)
+    out = fp8.Fp8GroupedMM(wgrad)(x, w, torch.zeros(2, dtype=torch.int32))
+    out.sum().backward()
+    assert out.shape == (0, 256) and x.grad.shape == (0, 128) and w.grad.abs().sum() == 0
+
+
 def test_transposed_weight_quantisation_is_the_quantisation_of_the_transpose():
     from core.kernels import fp8 as kfp8
 
