@@ -10,9 +10,12 @@ from. Everything here is pure numpy plus one Python step per piece (never per to
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from dataservice.sampling import stable_permutation
 
 __all__ = [
     "split_pieces",
@@ -134,20 +137,20 @@ class PackedRows(RowStats):
 
 
 
-def pack_rows(item_lengths: np.ndarray, seq_len: int, row_rng: np.random.Generator | None = None) -> PackedRows:
+def pack_rows(item_lengths: np.ndarray, seq_len: int, row_key: Sequence[int] | None = None) -> PackedRows:
     """Split items into pieces, BFD-pack them into rows of `seq_len`, then shuffle the rows.
 
-    The row shuffle (by `row_rng`; none keeps opening order) keeps the row order from being
-    sorted by size (BFD opens rows longest piece first).
+    The row shuffle (a `stable_permutation` of `row_key`; None keeps opening order) keeps the
+    row order from being sorted by size (BFD opens rows longest piece first).
     """
     item, offset, plen = split_pieces(item_lengths, seq_len)
     row_of, n_rows = best_fit_decreasing(plen, seq_len)
     # Placement rank: BFD placed pieces in stable descending-length order.
     rank = np.empty(plen.size, dtype=np.int64)
     rank[np.argsort(-plen, kind="stable")] = np.arange(plen.size, dtype=np.int64)
-    if row_rng is not None:
+    if row_key is not None:
         new_of_old = np.empty(n_rows, dtype=np.int64)
-        new_of_old[row_rng.permutation(n_rows)] = np.arange(n_rows, dtype=np.int64)
+        new_of_old[stable_permutation(row_key, n_rows)] = np.arange(n_rows, dtype=np.int64)
         row_of = new_of_old[row_of]
     order = np.lexsort((rank, row_of))
     row_ptr = np.zeros(n_rows + 1, dtype=np.int64)

@@ -52,14 +52,23 @@ def fingerprint_key(fingerprint: str) -> int:
         raise ValueError(f"dataset fingerprint {fingerprint!r} is not a hex string") from None
 
 
+def stable_permutation(key: Sequence[int], n: int) -> np.ndarray:
+    """A permutation of range(n) determined by `key` alone, on every NumPy release.
+
+    NumPy freezes the raw streams of its bit generators and SeedSequence (NEP 19) but not
+    what `Generator.permutation` does with them, so the order is built from the raw stream:
+    n random 64-bit keys, argsorted (stable, so a tie keeps index order)."""
+    bits = np.random.PCG64(np.random.SeedSequence([int(k) for k in key])).random_raw(n)
+    return np.argsort(bits, kind="stable")
+
+
 def epoch_permutation(seed: int, fingerprint: str, epoch: int, num_documents: int) -> np.ndarray:
     """The document order of one epoch of one dataset: a permutation of range(num_documents).
 
-    Seeded by (seed, fingerprint, epoch) only, so it is the same on every host and process.
-    Returned as uint32 when it fits (half the memory of int64 for large datasets).
+    Seeded by (seed, fingerprint, epoch) only, so it is the same on every host, process and
+    NumPy version. Returned as uint32 when it fits (half the memory of int64).
     """
-    rng = np.random.default_rng([int(seed), fingerprint_key(fingerprint), int(epoch)])
-    perm = rng.permutation(num_documents)
+    perm = stable_permutation([int(seed), fingerprint_key(fingerprint), int(epoch)], num_documents)
     return perm.astype(np.uint32) if num_documents <= np.iinfo(np.uint32).max else perm
 
 
