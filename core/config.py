@@ -266,9 +266,6 @@ def resolve_layout(config: Config, world_size: int) -> Config:
                               f"parallel.pp={p.pp}: raise train.global_batch_size")
     if p.dynamic_cp:
         _check_dynamic_cp(config, dp)
-    if p.pp > 1 and m.tie_embeddings:
-        raise ConfigError("model.tie_embeddings with parallel.pp > 1 is not supported yet: the tied gradient "
-                          "sum across first and last stage is not wired into data-parallel reduction")
     for name, allowed in (
         ("precision", ("auto", "fp32", "bf16", "fp8")),
         ("recompute", ("none", "selective", "full")),

@@ -119,6 +119,18 @@ def test_cli_misuse_exits_2_with_one_clear_line(tmp_path, dataset):
     assert proc.returncode == 2 and "unknown config key 'model.no_such_key'" in proc.stderr
 
 
+def test_tied_embedding_across_pipeline_stages_matches_single_process(tmp_path, dataset):
+    # The embedding (first stage) and output head (last stage) share one weight: their
+    # gradients are summed across stages after the data-parallel reduction (pp=2 x dp=2).
+    tied = ("model.tie_embeddings=true",)
+    run_train(tmp_path / "ref", dataset, 1, *tied)
+    run_train(tmp_path / "pp", dataset, 4, *tied, "parallel.pp=2")
+    ref, got = losses(tmp_path / "ref"), losses(tmp_path / "pp")
+    assert got.keys() == ref.keys()
+    for step, loss in ref.items():
+        assert got[step] == pytest.approx(loss, rel=RTOL), (step, got, ref)
+
+
 MOE_LAYOUTS = {
     "ep2xdp4": ["parallel.ep=2"],
     "ep2xtp2": ["parallel.ep=2", "parallel.tp=2"],

@@ -82,9 +82,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     stage = None
     chunks = [model]
     if mesh.pp > 1:
-        from core.parallel.pipeline import build_pipeline_stage
+        from core.parallel.pipeline import build_pipeline_stage, tie_for_data_parallel
 
         stage = build_pipeline_stage(model, mesh, config)
+        tie_for_data_parallel(stage)
         chunks = stage.chunks
     for chunk in chunks:
         apply_recompute(chunk, t.recompute)

@@ -62,6 +62,9 @@ class PipelineStage:
     schedule: str
     peers: list[int]  # global ranks of this pipeline, by pp coordinate
     tied_group: Any = None  # first+last stage group for a tied embedding, when pp > 1
+    # True when a data-parallel wrapper sums the tied copies' grads (it tags them
+    # `pp_tied_group` and owns .grad); the schedule then leaves them alone.
+    tied_grads_reduced_elsewhere: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -183,6 +186,17 @@ def _hidden_shape(micro, config: Config, mesh: ParallelMesh) -> tuple[int, int]:
     return tokens, config.model.dim
 
 
+def tie_for_data_parallel(stage: PipelineStage) -> None:
+    """Hand the tied embedding's gradient sum to the data-parallel reducer: tag each copy
+    with the first/last-stage group (core.parallel.data sums tagged copies after its own
+    reduction) and stop the schedule's own sum, which reads .grad the reducer frees."""
+    if stage.tied_group is None:
+        return
+    for weight in _tied_weights(stage):
+        weight.pp_tied_group = stage.tied_group
+    stage.tied_grads_reduced_elsewhere = True
+
+
 def _tied_weights(stage: PipelineStage) -> list[nn.Parameter]:
     """The copies of the tied embedding this rank holds (first and/or last stage)."""
     weights = []
@@ -277,7 +291,7 @@ def run_pipeline_step(
     group = mesh.group("pp")
     forward_context = forward_context or nullcontext
     final_backward = {a.chunk: a for a in program if isinstance(a, Action) and a.kind == "B"}
-    tied = _tied_weights(stage) if stage.tied_group is not None else []
+    tied = _tied_weights(stage) if stage.tied_group is not None and not stage.tied_grads_reduced_elsewhere else []
     tied_before = [w.grad.clone() if w.grad is not None else None for w in tied]
 
     recv_work: dict[Message, tuple[torch.Tensor, _Batch]] = {}  # buffer and the batch it came in
