@@ -12,25 +12,10 @@ Operands are quantised once, outside the timed region.
 
 from __future__ import annotations
 
-import contextlib
-import os
 
 import torch
 
 from core.kernels import fp8
-
-
-@contextlib.contextmanager
-def forced_config(config: int):
-    saved = os.environ.get(fp8.FP8_CONFIG_ENV)
-    os.environ[fp8.FP8_CONFIG_ENV] = str(config)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(fp8.FP8_CONFIG_ENV, None)
-        else:
-            os.environ[fp8.FP8_CONFIG_ENV] = saved
 
 
 def _print(row: dict) -> None:
@@ -44,7 +29,7 @@ def _ours(fn, family: int, lib, flops: float, base_ms: float, bench_ms) -> dict:
     for c, name in enumerate(lib.config_names(family) if lib else []):
         if name is None:
             continue
-        with forced_config(c):
+        with fp8.forced_config(c):
             ms = bench_ms(fn)
         out[name] = {"ms": ms, "tflops": flops / ms / 1e9, "ratio": base_ms / ms}
     return out

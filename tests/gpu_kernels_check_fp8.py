@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 
 import torch
 
@@ -63,7 +61,7 @@ def check_gemms(failures: Failures, device: torch.device) -> None:
         for c, cname in enumerate(lib.config_names(fp8.FAMILY_FP8_GEMM)):
             if cname is None:
                 continue
-            with _forced(c):
+            with fp8.forced_config(c):
                 failures.check(f"fp8 gemm {cname} m={m} k={k} n={n}", fp8.gemm_blockwise(qa, sa, qb, sb), ref,
                                atol_rms=FP8_ATOL_RMS)
     cpu_gen = torch.Generator().manual_seed(22)
@@ -83,7 +81,7 @@ def check_gemms(failures: Failures, device: torch.device) -> None:
         for c, cname in enumerate(lib.config_names(fp8.FAMILY_FP8_GG)):
             if cname is None:
                 continue
-            with _forced(c):
+            with fp8.forced_config(c):
                 torch.cuda.empty_cache()
                 torch.full((64 << 20,), float("nan"), device=device)  # poison the allocator's blocks
                 tag = f"{cname} rows={rows} d={d} h={h} E={experts}"
@@ -91,20 +89,6 @@ def check_gemms(failures: Failures, device: torch.device) -> None:
                                ref_fwd, atol_rms=FP8_ATOL_RMS)
                 failures.check(f"fp8 grouped dgrad {tag}", fp8.grouped_mm_blockwise(qdy, sdy, qw_bwd, sw_bwd, offsets),
                                ref_bwd, atol_rms=FP8_ATOL_RMS)
-
-
-@contextlib.contextmanager
-def _forced(config: int):
-    """Pins TESSERA_FP8_CONFIG for a block."""
-    saved = os.environ.get(fp8.FP8_CONFIG_ENV)
-    os.environ[fp8.FP8_CONFIG_ENV] = str(config)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(fp8.FP8_CONFIG_ENV, None)
-        else:
-            os.environ[fp8.FP8_CONFIG_ENV] = saved
 
 
 def run(failures: Failures, device: torch.device) -> None:

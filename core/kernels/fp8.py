@@ -25,7 +25,9 @@ explicitly in their own autograd functions.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 
 import torch
 from torch import Tensor
@@ -38,6 +40,20 @@ FP8 = torch.float8_e4m3fn
 BLOCK = 128
 FP8_CONFIG_ENV = "TESSERA_FP8_CONFIG"
 FAMILY_FP8_GEMM, FAMILY_FP8_GG = 1, 2  # TESSERA_FAMILY_* in csrc/include/tessera_kernels.h
+
+
+@contextlib.contextmanager
+def forced_config(config: int):
+    """Pin the FP8 kernel configuration (TESSERA_FP8_CONFIG) for a block: checks and benches."""
+    saved = os.environ.get(FP8_CONFIG_ENV)
+    os.environ[FP8_CONFIG_ENV] = str(config)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(FP8_CONFIG_ENV, None)
+        else:
+            os.environ[FP8_CONFIG_ENV] = saved
 
 
 def _blocks(n: int) -> int:
