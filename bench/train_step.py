@@ -9,7 +9,10 @@ SwiGLU 5632) at seq 4096, micro-batch 2, bf16, on synthetic tokens, in the same 
 MFU counts 6*(params - input embedding) + 6*layers*d*seq FLOPs per token against 989 TFLOP/s
 (the accounting of shared/PERFORMANCE.md).
 
-    python bench/train_step.py [--steps 10] [--layers 20] [--compile]
+    python bench/train_step.py [--steps 10] [--layers 20] [--compile] [--accum 4]
+
+--accum N runs N micro-batches per optimizer step on both sides (one step per micro-batch
+is the default, as in PERFORMANCE.md; real global batches are many micro-batches).
 """
 
 from __future__ import annotations
@@ -59,17 +62,28 @@ def time_steps(step_fn, steps: int, warmup: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def baseline_step_fn(cfg, batch, compile_model: bool):
+def print_profile(step_fn, rows: int = 25) -> None:
+    """Where one (warm) step's GPU time goes, by kernel: what to attack next."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        step_fn()
+        _sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+
+
+def baseline_step_fn(cfg, batch, compile_model: bool, accum: int):
     device = batch[0].device
     model = build_model(cfg, seed=0).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     run = torch.compile(model) if compile_model else model
 
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = run(batch[0], batch[2], batch[3])
-        loss = torch.nn.functional.cross_entropy(logits.float(), batch[1])
-        loss.backward()
+        for _ in range(accum):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = run(batch[0], batch[2], batch[3])
+            loss = torch.nn.functional.cross_entropy(logits.float(), batch[1]) / accum
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -91,10 +105,11 @@ def tessera_step_fn(cfg, batch, args):
     count = batch[0].numel()
 
     def step():
-        with grads.sync_context(last=True):
-            logits = model(batch[0], batch[2], batch[3])
-            loss_sum, _ = cross_entropy_sum(logits, batch[1])
-        (loss_sum / count).backward()
+        for micro in range(args.accum):
+            with grads.sync_context(last=micro == args.accum - 1):
+                logits = model(batch[0], batch[2], batch[3])
+                loss_sum, _ = cross_entropy_sum(logits, batch[1])
+                (loss_sum / (count * args.accum)).backward()
         grads.finish_and_clip(1.0)
         optimizer.step()
         scheduler.step()
@@ -113,6 +128,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="compile Tessera's blocks")
     parser.add_argument("--compile-baseline", action="store_true")
     parser.add_argument("--recompute", default="none")
+    parser.add_argument("--accum", type=int, default=1,
+                        help="micro-batches per optimizer step (both sides): real global batches amortise the step")
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one Tessera step")
     parser.add_argument("--only", choices=["baseline", "tessera"], default=None)
     parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
     args = parser.parse_args()
@@ -122,7 +140,7 @@ def main() -> None:
         cfg.dim, cfg.ffn_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size = args.dim, args.dim * 2, 4, 2, 512
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, device)
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.seq * args.accum
     results = {}
     for name in ("baseline", "tessera"):
         if args.only and name != args.only:
@@ -130,12 +148,14 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         if name == "baseline":
-            step, model = baseline_step_fn(cfg, batch, args.compile_baseline)
+            step, model = baseline_step_fn(cfg, batch, args.compile_baseline, args.accum)
         else:
             step, model = tessera_step_fn(cfg, batch, args)
         total = sum(p.numel() for p in model.parameters())
         embed = model.tok_embeddings.weight.numel()
         seconds = time_steps(step, args.steps, args.warmup)
+        if args.profile and name == "tessera" and device == "cuda":
+            print_profile(step)
         fpt = flops_per_token(total, embed, cfg.num_layers, cfg.dim, args.seq)
         results[name] = {
             "step_ms": 1e3 * seconds,

@@ -30,7 +30,8 @@ def uses_weight_decay(param: torch.Tensor) -> bool:
 class AdamW:
     """AdamW on fp32 master chunks owned by a `DataParallel` handle (ZeRO-1 when it shards)."""
 
-    def __init__(self, dp: DataParallel, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1):
+    def __init__(self, dp: DataParallel, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1, fused: bool | None = None):
         for name, value, ok in (
             ("lr", lr, lr >= 0), ("eps", eps, eps >= 0), ("weight_decay", weight_decay, weight_decay >= 0),
             ("beta1", betas[0], 0 <= betas[0] < 1), ("beta2", betas[1], 0 <= betas[1] < 1),
@@ -38,6 +39,7 @@ class AdamW:
             if not ok or not math.isfinite(value):
                 raise ValueError(f"AdamW {name}={value} is out of range (lr, eps, weight_decay >= 0; 0 <= beta < 1)")
         self.dp = dp
+        self.fused = dp.device.type == "cuda" if fused is None else fused  # torch's fused kernel also runs on CPU
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.step_count = 0
         self._step_tensor: torch.Tensor | None = None
@@ -51,16 +53,22 @@ class AdamW:
         """One update of the local master chunks, then the params are refreshed everywhere."""
         self.dp.finish_grad_sync()
         self.step_count += 1
-        if self.dp.device.type == "cuda":
-            self._fused_step()
+        clip = self.dp.pending_grad_scale
+        self.dp.pending_grad_scale = None
+        if self.fused:
+            self._fused_step(clip)
         else:
+            if clip is not None:
+                torch._foreach_mul_(self.dp.local_grads(), clip)
             self._foreach_step()
         self.dp.gather_params()
 
-    def _fused_step(self) -> None:
+    def _fused_step(self, clip: torch.Tensor | None = None) -> None:
         """torch's fused AdamW kernel: one pass over master, grad and moments. The foreach
         form below makes ~8 passes over fp32 state, which on a 1B model costs more than a
-        quarter of the step (memory bound)."""
+        quarter of the step (memory bound). A pending clip factor rides in as the kernel's
+        grad_scale (it divides), which saves a separate pass over the grads."""
+        inverse_clip = None if clip is None else (1.0 / clip).reshape(1).to(torch.float32)
         if self._step_tensor is None:
             self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.dp.device)
         self._step_tensor.fill_(self.step_count)
@@ -75,6 +83,7 @@ class AdamW:
                 [self.exp_avg[i] for i in group], [self.exp_avg_sq[i] for i in group], [],
                 [self._step_tensor] * len(group),
                 lr=self.lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False,
+                grad_scale=inverse_clip,
             )
 
     def _foreach_step(self) -> None:
@@ -146,13 +155,14 @@ class WarmupCosine:
 
 
 @torch.no_grad()
-def clip_grad_norm_(dp: DataParallel, max_norm: float | None, mesh: ParallelMesh) -> torch.Tensor:
+def clip_grad_norm_(dp: DataParallel, max_norm: float | None, mesh: ParallelMesh, defer: bool = False) -> torch.Tensor:
     """Scale every reduced gradient so the global L2 norm is at most `max_norm`; return the
     norm before clipping (a tensor: no host sync). Each unique gradient element is counted
     once over the whole mesh: TP-replicated params on tp rank 0 only, unsharded grads on rank 0
     of their reduction group only (ZeRO chunks, TP shards, expert shards and pipeline stages are
     disjoint; the last stage's copy of a tied embedding, tagged `pp_tied_duplicate`, is skipped).
-    One all-reduce over all ranks."""
+    One all-reduce over all ranks. With `defer`, the grads are left as they are and the factor is
+    handed to the next `AdamW.step()` (`dp.pending_grad_scale`), which applies it in its own pass."""
     dp.finish_grad_sync()
     tp_rank = mesh.coordinate("tp")
     counted = [
@@ -170,7 +180,10 @@ def clip_grad_norm_(dp: DataParallel, max_norm: float | None, mesh: ParallelMesh
     total = total.sqrt()
     if max_norm is not None and max_norm > 0:
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(dp.local_grads(), scale)
+        if defer:
+            dp.pending_grad_scale = scale
+        else:
+            torch._foreach_mul_(dp.local_grads(), scale)
     return total
 
 

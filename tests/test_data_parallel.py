@@ -92,7 +92,7 @@ def make_trainer(mesh, *, zero=True, bucket_mb=0.01, param_dtype=torch.float32, 
     return model, dp, opt, sched
 
 
-def train_steps(model, dp, opt, sched, mesh, steps, *, accum=1, clip=None, start=0, no_host_sync=False):
+def train_steps(model, dp, opt, sched, mesh, steps, *, accum=1, clip=None, start=0, no_host_sync=False, defer_clip=False):
     """DP training: rank takes rows [r*B/dp, (r+1)*B/dp), split into `accum` micro-batches;
     only the last one synchronises. Returns (global losses, grad norms). `no_host_sync`
     (CUDA): backward (with the bucket hooks), grad sync, clipping and the optimizer step run
@@ -118,7 +118,7 @@ def train_steps(model, dp, opt, sched, mesh, steps, *, accum=1, clip=None, start
             total += loss.detach()
         with strict():
             dp.finish_grad_sync()
-            norm = clip_grad_norm_(dp, clip, mesh)
+            norm = clip_grad_norm_(dp, clip, mesh, defer=defer_clip)
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -414,7 +414,7 @@ def _gpu_worker(rank, world, ckpt_dir):
     model, dp, opt, sched = make_trainer(mesh, param_dtype=torch.bfloat16, device="cuda")
     dtypes = (model.output.weight.dtype, dp.slots[0].master.dtype, dp.slots[0].main_grad.dtype)
     first = train_steps(model, dp, opt, sched, mesh, 1, accum=2, clip=0.3)  # NCCL communicators start here
-    rest = train_steps(model, dp, opt, sched, mesh, 3, accum=2, clip=0.3, start=1, no_host_sync=True)
+    rest = train_steps(model, dp, opt, sched, mesh, 3, accum=2, clip=0.3, start=1, no_host_sync=True, defer_clip=True)
     save_checkpoint(ckpt_dir, 4, model, opt, sched, mesh, {"resume_token": "t"})
     fresh, fresh_dp, fresh_opt, fresh_sched = make_trainer(mesh, param_dtype=torch.bfloat16, device="cuda")
     load_checkpoint(f"{ckpt_dir}/step_000004", fresh, fresh_opt, fresh_sched, mesh)
@@ -439,3 +439,36 @@ def test_nccl_bf16_zero_matches_fp32_reference_without_host_syncs(tmp_path):
         assert r["losses"] == pytest.approx(ref_losses, rel=2e-2) and r["norms"] == pytest.approx(ref_norms, rel=2e-2)
         assert r["stats"] == {"launched_in_backward": 4 * r["buckets"], "launched_at_finish": 0}
         assert r["reloaded_equal"]
+
+
+def _deferred_clip_worker(rank, world):
+    mesh = ParallelMesh.build(dp=world)
+    model, dp, _, _ = make_trainer(mesh)
+    opt = AdamW(dp, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["wd"], fused=True)
+    sched = WarmupCosine(opt, HYPER["lr"], HYPER["min_lr"], HYPER["warmup"], HYPER["max_steps"])
+    # The trainer's path: the clip factor rides into torch's fused AdamW as its grad_scale.
+    losses, norms = train_steps(model, dp, opt, sched, mesh, 4, accum=2, clip=0.3, defer_clip=True)
+    return dict(losses=losses, norms=norms, params=full_params(model) if rank == 0 else None)
+
+
+def test_deferred_clip_in_fused_adamw_matches_single_process():
+    # dp=2 with ZeRO, 2 micro-batches per step (the first copies into main_grad, the second
+    # adds), clipping active (0.3 < the norms): same as torch.optim.AdamW after explicit clipping.
+    results = run_distributed(_deferred_clip_worker, 2)
+    _check_against_reference(results[0], 4, 0.3)
+
+
+def test_param_without_grad_this_step_reduces_as_zero():
+    # main_grad is not zeroed between steps (the step's first grad overwrites it); a param that
+    # gets no grad in a step must still count as zero, not as last step's grad.
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    model = nn.ParameterList([a, b])
+    dp = apply_data_parallel(model, ParallelMesh.build(), bucket_mb=0.01, distributed_optimizer=False)
+    (a * 2 + b * 5).sum().backward()
+    dp.finish_grad_sync()
+    assert dp.slots[1].shard_grad.tolist() == [5.0] * 3 and a.grad is None and b.grad is None
+    dp.zero_grad()
+    (a * 3).sum().backward()
+    dp.finish_grad_sync()
+    assert dp.slots[0].shard_grad.tolist() == [3.0] * 3
+    assert dp.slots[1].shard_grad.tolist() == [0.0] * 3

@@ -36,12 +36,13 @@ class GradControl:
         return contextlib.nullcontext() if last else self.dp.no_sync()
 
     def finish_and_clip(self, max_norm: float) -> torch.Tensor:
-        """Wait for the reductions, then clip by the global norm over every parallel group."""
+        """Wait for the reductions, then clip by the global norm over every parallel group (the
+        factor is applied by the optimizer step that follows, inside its own pass)."""
         from core.optim import clip_grad_norm_
 
         self.dp.finish_grad_sync()
         _after_grad_sync(self.model, self.mesh)
-        return clip_grad_norm_(self.dp, max_norm, self.mesh)
+        return clip_grad_norm_(self.dp, max_norm, self.mesh, defer=True)
 
     def zero_grad(self) -> None:
         self.dp.zero_grad()
