@@ -51,8 +51,11 @@ __device__ __forceinline__ uint2 quantize8(const float (&v)[8], float mult) {
   return make_uint2(word[0], word[1]);
 }
 
-__device__ __forceinline__ float multiplier(float amax) { return amax > 0.0f ? kE4M3Max / amax : 1.0f; }
-__device__ __forceinline__ float dequant_scale(float amax) { return amax > 0.0f ? amax / kE4M3Max : 1.0f; }
+// Blocks whose amax is below kMinAmax quantise to zeros with scale 1, like all-zero blocks:
+// 448 / amax overflows to inf for amax < ~1.3e-36, and 0 * inf would write NaN.
+constexpr float kMinAmax = 1e-30f;
+__device__ __forceinline__ float multiplier(float amax) { return amax >= kMinAmax ? kE4M3Max / amax : 1.0f; }
+__device__ __forceinline__ float dequant_scale(float amax) { return amax >= kMinAmax ? amax / kE4M3Max : 1.0f; }
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll

@@ -145,3 +145,21 @@ def test_fp8_c_abi_rejects_bad_arguments():
     assert rc == 1 and "cols=12" in lib.error_message()
     rc = lib.fp8_quantize_128x128(fake, fake, fake, 1, 24, 32, 1, 0, None)
     assert rc == 1 and "multiple of 16" in lib.error_message()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_blocks_of_tiny_values_quantise_to_zero_not_nan(device):
+    # 448 / amax overflows for amax < ~1.3e-36 (bf16 reaches 9e-41): such blocks must come out as
+    # zeros with scale 1, like all-zero blocks, never NaN (0 * inf). On CUDA: the kernels.
+    x = _x(4, 256).to(device)
+    x[1] = 1e-38  # a whole row (rowwise) and two whole 1x128 blocks
+    x[1, 5] = 0.0  # 0 * (448 / 1e-38 = inf) would be NaN
+    x[2, :128] = -3e-39
+    for q, scale in (fp8.quantize_rowwise(x), fp8.quantize_1x128(x), fp8.quantize_128x128(x[:, :128].repeat(32, 1))):
+        deq = q.float()
+        assert not deq.isnan().any() and not scale.isnan().any() and not scale.isinf().any()
+    q, scale = fp8.quantize_1x128(x)
+    assert q[1].float().abs().max() == 0 and q[2, :128].float().abs().max() == 0
+    assert scale[:, 1].tolist() == [1.0, 1.0] and scale[0, 2] == 1.0  # scales are [K/128, rows]
+    assert q[0].float().abs().max() == 448  # ordinary rows are untouched

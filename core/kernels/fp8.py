@@ -1,7 +1,7 @@
 """FP8 (float8_e4m3fn) quantisation and blockwise-scaled GEMMs as `torch.library` custom ops.
 
 Quantisation (bf16 in; any float dtype on the fallback): per block, q = round(x * 448 / amax)
-saturated to e4m3, with the fp32 dequantisation scale amax / 448 (1 for an all-zero block), so
+saturated to e4m3, with the fp32 dequantisation scale amax / 448 (1 for a block of zeros or of |x| < 1e-30), so
 x ~= q * scale. Granularities:
 
 - `quantize_tensorwise(x)` -> (q, scale [1]); `quantize_rowwise(x)` -> (q, scale [rows, 1]):
@@ -36,6 +36,9 @@ from core.kernels.grouped_gemm import _env_int, grouped_mm_loop
 from core.kernels.library import KernelLibrary, kernel_library, report_once
 
 E4M3_MAX = 448.0
+# Blocks with a smaller amax quantise to zeros with scale 1 (as the kernels do): 448 / amax
+# would overflow to inf below ~1.3e-36 and turn zeros into NaN.
+MIN_AMAX = 1e-30
 FP8 = torch.float8_e4m3fn
 BLOCK = 128
 FP8_CONFIG_ENV = "TESSERA_FP8_CONFIG"
@@ -68,7 +71,7 @@ def _quantize_blocks(x: Tensor, amax: Tensor) -> tuple[Tensor, Tensor]:
     """x float32 [..., n] with per-leading-index amax [...] -> (q e4m3, scale fp32)."""
     # Tensor-by-tensor divisions: torch turns `448 / t` and `t / 448` into multiplications by
     # a reciprocal, which round differently from the kernels' IEEE divisions.
-    positive = amax > 0
+    positive = amax >= MIN_AMAX
     top = torch.full_like(amax, E4M3_MAX)
     mult = torch.where(positive, top / amax, torch.ones_like(amax))
     q = (x * mult.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
@@ -304,15 +307,23 @@ def _check_gemm(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, grouped: bool) -
 
 
 def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float) -> int:
-    """TESSERA_FP8_CONFIG if set, else 64-row ping-pong tiles for groups of < 1024 rows."""
+    """TESSERA_FP8_CONFIG if set, else config 0 (the cooperative 128x128x128 tile) when built,
+    else the first built one.
+
+    Measured on one H100 (bench/kernels_fp8.py, the three MoE shapes, random routing): the
+    cooperative tile beat pingpong_64x128x128 on every grouped shape, including groups of ~512
+    rows (E=128: 832 vs 608 TFLOP/s), so there is no small-group rule; for the dense GEMM too.
+    Config 2 (256x128x128) is not measured yet: pick it with TESSERA_FP8_CONFIG=2.
+    rows_per_group is for shape rules to come."""
     names = lib.config_names(family)
     forced = _env_int(FP8_CONFIG_ENV, -1)
     if forced >= 0:
         if forced >= len(names) or names[forced] is None:
             raise ValueError(f"{FP8_CONFIG_ENV}={forced} is not built into {lib.path}")
         return forced
-    wanted = 1 if rows_per_group < 1024 else 0
-    return wanted if wanted < len(names) and names[wanted] is not None else 0
+    if names and names[0] is not None:
+        return 0
+    return next(i for i, name in enumerate(names) if name is not None)
 
 
 def _gemm_ready(a: Tensor, b: Tensor, *scales: Tensor) -> bool:
