@@ -106,7 +106,7 @@ class RunResult:
 
 def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, batch: int, seq: int,
               device: torch.device, lr: float = 3e-3, warmup: int = 20, seed: int = 0, eval_rows: int = 16,
-              log_every: int = 0) -> RunResult:
+              log_every: int = 0, compile_model: bool = False) -> RunResult:
     """Train a fresh model (`build_model(cfg, seed)`) for `steps` steps; the batches depend only on `seed`."""
     from core.mesh import ParallelMesh
     from core.parallel import parallelize
@@ -114,6 +114,7 @@ def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, bat
     config = Config(model=cfg)
     t = config.train
     t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.precision = lr, lr / 10, warmup, steps, precision
+    t.compile = compile_model
     config.parallel.dp = 1
     mesh = ParallelMesh.build(device_type=device.type)
     model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=seed), mesh, config, device, precision)
@@ -123,7 +124,7 @@ def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, bat
         tokens, labels, positions, meta = packed(data.rows(data.train, batch, seq, gen), device)
         start = time.perf_counter()
         with grads.sync_context(last=True):
-            loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
+            loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels, compiled=compile_model)
             (loss_sum / count).backward()
         grads.finish_and_clip(t.grad_clip)
         optimizer.step()
@@ -156,7 +157,8 @@ def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.de
             os.environ[EXPERT_WGRAD_ENV] = wgrad
         try:
             runs[label] = train_run(cfg, precision, data, args.steps, args.batch, args.seq, device, lr=args.lr,
-                                    warmup=args.warmup, seed=args.seed, eval_rows=eval_rows, log_every=args.log_every)
+                                    warmup=args.warmup, seed=args.seed, eval_rows=eval_rows, log_every=args.log_every,
+                                    compile_model=args.compile)
         finally:
             os.environ.pop(EXPERT_WGRAD_ENV, None)
             if previous is not None:
@@ -202,6 +204,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--log-every", type=int, default=0)
     parser.add_argument("--expert-wgrad", choices=["fp8", "bf16", "both"], default="fp8",
                         help="MoE FP8 runs: the experts' weight-gradient GEMM (both: one run each)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks and the loss (both precisions)")
     parser.add_argument("--floor", action="store_true", help="also train in fp32: the drift of a non-FP8 change")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)

@@ -108,7 +108,7 @@ def tessera_step_fn(cfg, batch, args):
         for micro in range(args.accum):
             with grads.sync_context(last=micro == args.accum - 1):
                 logits = model(batch[0], batch[2], batch[3])
-                loss_sum, _ = cross_entropy_sum(logits, batch[1])
+                loss_sum, _ = cross_entropy_sum(logits, batch[1], compiled=args.compile)
                 (loss_sum / (count * args.accum)).backward()
         grads.finish_and_clip(1.0)
         optimizer.step()

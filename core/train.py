@@ -115,13 +115,13 @@ def train(config: Config, resume: bool = False) -> list[dict]:
                 # The schedule interleaves micro-batches' backwards: reduce once, at the end.
                 with grads.dp.no_sync():
                     result = run_pipeline_step(
-                        grads.pipeline, micro, lambda out, mb: cross_entropy_sum(out, mb.labels, tp_group),
+                        grads.pipeline, micro, lambda out, mb: cross_entropy_sum(out, mb.labels, tp_group, compiled=t.compile),
                         mesh, config, global_labels, forward_context=lambda: autocast,
                     )
                 loss_sum, extra_metrics = result.loss_sum, result.metrics()
             else:
                 loss_sum = _forward_backward(model, micro, grads, autocast, tp_group, global_labels, device,
-                                             overlap_reduction=dynamic is None)
+                                             overlap_reduction=dynamic is None, compiled_loss=t.compile)
                 extra_metrics = {}
             grad_norm = grads.finish_and_clip(t.grad_clip)
             lr = optimizer.lr
@@ -173,7 +173,7 @@ def _save(ckpt_dir, step, model, optimizer, scheduler, mesh, stream, config) -> 
 
 
 def _forward_backward(model, micro, grads, autocast, tp_group, global_labels: float, device: torch.device,
-                      overlap_reduction: bool = True) -> torch.Tensor:
+                      overlap_reduction: bool = True, compiled_loss: bool = False) -> torch.Tensor:
     """Gradient accumulation over this rank's micro-batches; returns the summed token loss.
 
     overlap_reduction: start the gradient reduction during the last micro-batch's backward.
@@ -186,7 +186,7 @@ def _forward_backward(model, micro, grads, autocast, tp_group, global_labels: fl
             with grads.sync_context(last=i == len(micro) - 1):
                 with autocast:
                     logits = model(m.tokens, m.position_ids, m.meta)
-                    part, _ = cross_entropy_sum(logits, m.labels, tp_group)
+                    part, _ = cross_entropy_sum(logits, m.labels, tp_group, compiled=compiled_loss)
                 (part / max(global_labels, 1.0)).backward()
             loss_sum += part.detach()
     return loss_sum

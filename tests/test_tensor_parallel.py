@@ -243,6 +243,24 @@ def test_cross_entropy_sum_single_process():
         again.backward()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_cross_entropy_sum_matches_eager_on_gpu():
+    # train.compile's loss path: torch.compile'd F.cross_entropy on bf16 logits, fp32 math.
+    torch.manual_seed(0)
+    logits = (torch.randn(4096, 1000, device="cuda") * 3).bfloat16().requires_grad_()
+    labels = torch.randint(0, 1000, (4096,), device="cuda")
+    labels[::7] = -100
+    ref = logits.detach().clone().requires_grad_()
+    got, count = cross_entropy_sum(logits, labels, compiled=True)
+    want, _ = cross_entropy_sum(ref, labels)
+    got.backward()
+    want.backward()
+    assert count.item() == int((labels != -100).sum())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(logits.grad.float(), ref.grad.float(), rtol=1e-2, atol=1e-6)
+
+
 def _gpu_worker(rank, world):
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the parity check
     torch.backends.cudnn.allow_tf32 = False
