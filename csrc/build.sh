@@ -9,8 +9,8 @@
 #                       repository's .venv/bin/python, else python3).
 #   NVCC                compiler (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc).
 #   JOBS                parallel compilations (default: number of CPUs).
-#   TESSERA_GG_CONFIGS  bf16 grouped GEMM configurations to build, e.g. "1" (default "0 1 2").
-#   TESSERA_FP8_CONFIGS FP8 blockwise GEMM configurations to build (default "0 1").
+#   TESSERA_GG_CONFIGS  bf16 grouped GEMM configurations to build, e.g. "0" (default "0 1 2 3 4 5").
+#   TESSERA_FP8_CONFIGS FP8 blockwise GEMM configurations to build (default "0 1 2").
 #   TESSERA_PTXAS_VERBOSE=1  print registers / spills of every kernel.
 set -euo pipefail
 
@@ -39,8 +39,8 @@ fi
   die "CUTLASS headers not found: pip install nvidia-cutlass (e.g. .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl) or set CUTLASS_DIR to a folder with include/cutlass (now '${CUTLASS_DIR:-}')"
 
 jobs="${JOBS:-$(nproc)}"
-gg_configs="${TESSERA_GG_CONFIGS:-0 1 2}"
-fp8_configs="${TESSERA_FP8_CONFIGS:-0 1}"
+gg_configs="${TESSERA_GG_CONFIGS:-0 1 2 3 4 5}"
+fp8_configs="${TESSERA_FP8_CONFIGS:-0 1 2}"
 
 flags=(-gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr
        -Xcompiler=-fPIC,-fvisibility=hidden -DNDEBUG

@@ -54,7 +54,19 @@ struct Pingpong64x128C1 {
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
 };
 
-using Configs = std::tuple<Coop128x128C1x2, Pingpong64x128C1>;
+// Added after the first H100 measurements (index 2): 256-row tiles, each B tile loaded serves
+// twice the rows; the 1x2 cluster multicasts the A tile as config 0 does. Not 128 x 256: CUTLASS
+// 4.2's sm90 blockwise mainloop with 1x128 A scales compiles only one B scale per tile along N.
+// Each consumer thread holds 128 fp32 accumulators plus as many for the promotion.
+struct Coop256x128C1x2 {
+  static const char* name() { return "coop_256x128x128_c1x2"; }
+  using Tile = Shape<_256, _128, _128>;
+  using Cluster = Shape<_1, _2, _1>;
+  using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise;
+  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+
+using Configs = std::tuple<Coop128x128C1x2, Pingpong64x128C1, Coop256x128C1x2>;
 static_assert(TESSERA_FP8_CONFIG < std::tuple_size_v<Configs>, "TESSERA_FP8_CONFIG out of range");
 using Config = std::tuple_element_t<TESSERA_FP8_CONFIG, Configs>;
 

@@ -56,7 +56,21 @@ struct Pingpong64x128C1 {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-using Configs = std::tuple<Coop128x128C1, Pingpong64x128C1>;
+// Added after the first H100 measurements (index 2; 0 and 1 keep their meaning): twice the
+// rows per tile, so each weight tile loaded serves 256 rows (half the B traffic per output).
+// 256 x 128 rather than 128 x 256: with 1x128 activation scales, CUTLASS 4.2's sm90 blockwise
+// mainloop only compiles one weight scale per tile along N (a 256-wide N tile fails its
+// "Accumulator and scaleB must have same shape" static assert). Cost: each consumer thread
+// holds 128 fp32 accumulators plus as many for the promotion. No cluster, as for config 0.
+struct Coop256x128C1 {
+  static const char* name() { return "coop_256x128x128_c1x1"; }
+  using Tile = Shape<_256, _128, _128>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+using Configs = std::tuple<Coop128x128C1, Pingpong64x128C1, Coop256x128C1>;
 static_assert(TESSERA_FP8_CONFIG < std::tuple_size_v<Configs>, "TESSERA_FP8_CONFIG out of range");
 using Config = std::tuple_element_t<TESSERA_FP8_CONFIG, Configs>;
 

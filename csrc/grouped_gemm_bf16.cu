@@ -70,7 +70,47 @@ struct Pingpong64x256C1 {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-using Configs = std::tuple<Coop128x256C2x1, Pingpong128x128C1, Pingpong64x256C1>;
+// Configurations added after the first H100 measurements (coop_128x256x64_c2x1 was the best of
+// the three above on every shape). Indices 0-2 stay as they are: benches and TESSERA_GG_CONFIG
+// refer to them. A cluster pads every group's tile count to a multiple of the cluster along
+// that dimension (the grouped tile scheduler), so the cluster shape matters as much as the tile.
+
+// 128-wide N tiles: N = 1408 (fine-grained experts' hidden size, 11 x 128) has no N padding,
+// where the 256-wide tile computes 1536 columns (9% waste). 256 rows per tile keep the same
+// WGMMA work per warp group as the 128x256 tile (each warp group owns 128x128); the 2x1
+// cluster multicasts the weight tile. Fits wgrad best (M = the layer's input size, 512 | M).
+struct Coop256x128C2x1 {
+  static const char* name() { return "coop_256x128x64_c2x1"; }
+  using Tile = Shape<_256, _128, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+// Same 128-wide N, but 128-row tiles: a group's rows are padded to 256 (the 2x1 cluster), not
+// to 512 as with the 256x128 tile in a 2x1 cluster; twice the tiles, half the work per tile.
+struct Coop128x128C2x1 {
+  static const char* name() { return "coop_128x128x64_c2x1"; }
+  using Tile = Shape<_128, _128, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+// Config 0 without its cluster: no padding of a group's rows beyond the 128-row tile. With
+// groups of ~512 rows (E=128, top-8) the 2x1 cluster rounds 4-5 tiles up to 4-6: on the
+// bench's random routing 81% of the computed tiles' work is useful, 89.5% without the cluster.
+// It gives up the weight multicast for that.
+struct Coop128x256C1 {
+  static const char* name() { return "coop_128x256x64_c1x1"; }
+  using Tile = Shape<_128, _256, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+using Configs = std::tuple<Coop128x256C2x1, Pingpong128x128C1, Pingpong64x256C1, Coop256x128C2x1,
+                           Coop128x128C2x1, Coop128x256C1>;
 static_assert(TESSERA_GG_CONFIG < std::tuple_size_v<Configs>, "TESSERA_GG_CONFIG out of range");
 using Config = std::tuple_element_t<TESSERA_GG_CONFIG, Configs>;
 

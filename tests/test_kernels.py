@@ -166,6 +166,40 @@ def test_c_abi_rejects_bad_arguments_with_a_message():
             lib.gg_bf16_workspace_bytes(0, 0, 4, 0)
 
 
+@built
+def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkeypatch):
+    # No GPU needed: the choice reads only the built configurations' names.
+    from core.kernels import fp8
+    from core.kernels.grouped_gemm import CONFIG_ENV, DEFAULT_CONFIG, OP_FWD, OP_FWD_BT, OP_WGRAD, choose_config
+
+    lib = library.KernelLibrary(LIB_PATH)
+    names = lib.gg_bf16_config_names()
+    built_gg = [i for i, n in enumerate(names) if n is not None]
+    expected = names.index(DEFAULT_CONFIG) if DEFAULT_CONFIG in names else built_gg[0]
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    # The three MoE shapes' passes, including the fine-grained ones the old heuristic sent to ping-pong.
+    for op, rows, groups, k, n in [(OP_FWD, 32768, 8, 4096, 14336), (OP_FWD, 131072, 64, 2048, 1408),
+                                   (OP_WGRAD, 131072, 64, 2048, 1408), (OP_FWD, 65536, 128, 7168, 2048),
+                                   (OP_FWD_BT, 65536, 128, 2048, 7168)]:
+        assert choose_config(lib, op, rows, groups, k, n) == expected
+    monkeypatch.setenv(CONFIG_ENV, str(built_gg[-1]))
+    assert choose_config(lib, OP_FWD, 4096, 8, 512, 512) == built_gg[-1]
+    monkeypatch.setenv(CONFIG_ENV, str(len(names)))
+    with pytest.raises(ValueError, match=f"{CONFIG_ENV}={len(names)} is not built"):
+        choose_config(lib, OP_FWD, 4096, 8, 512, 512)
+
+    monkeypatch.delenv(fp8.FP8_CONFIG_ENV, raising=False)
+    for family in (fp8.FAMILY_FP8_GEMM, fp8.FAMILY_FP8_GG):
+        fp8_names = lib.config_names(family)
+        built_fp8 = [i for i, n in enumerate(fp8_names) if n is not None]
+        for rows_per_group in (512.0, 2048.0, 16384.0):  # coop measured best at all of these
+            assert fp8._choose_fp8_config(lib, family, rows_per_group) == built_fp8[0]
+        if built_fp8[0] == 0:
+            assert fp8_names[0].startswith("coop_128x128x128")
+        with fp8.forced_config(built_fp8[-1]):
+            assert fp8._choose_fp8_config(lib, family, 512.0) == built_fp8[-1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_kernels_check():

@@ -138,26 +138,26 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name}={value!r} must be an integer") from None
 
 
-def choose_config(lib: KernelLibrary, op: int, rows: int, groups: int, k: int, n: int) -> int:
-    """Configuration index for one call: TESSERA_GG_CONFIG if set, else a shape heuristic.
+# Default configuration by name (indices are the build's; a library built without it falls back
+# to the first built one). Measured on one H100 (bench/kernels.py, random routing, the three MoE
+# shapes): coop_128x256x64_c2x1 beat pingpong_128x128x64_c1x1 and pingpong_64x256x64_c1x1 on every
+# shape and pass, including the fine-grained groups of 512-2048 rows the ping-pong tiles were
+# meant for (those were 10-25% slower). Configurations 3-5 are not measured yet, so no rule picks
+# them: select one with TESSERA_GG_CONFIG until bench/kernels.py --configs all shows where it wins.
+DEFAULT_CONFIG = "coop_128x256x64_c2x1"
 
-    Heuristic (to be replaced by the H100 measurements of bench/kernels.py): groups of a few
-    hundred rows waste most in the padding of their last 128-row tile, so they take 64-row
-    tiles; an N that 256 does not divide takes 128-wide tiles; the rest the 128x256 tile."""
+
+def choose_config(lib: KernelLibrary, op: int, rows: int, groups: int, k: int, n: int) -> int:
+    """Configuration index for one call: TESSERA_GG_CONFIG if set, else DEFAULT_CONFIG when
+    built, else the first built configuration. (op and the sizes are for shape rules to come.)"""
     forced = _env_int(CONFIG_ENV, -1)
     built = lib.gg_bf16_config_names()
     if forced >= 0:
         if forced >= len(built) or built[forced] is None:
             raise ValueError(f"{CONFIG_ENV}={forced} is not built into {lib.path}; built: {built}")
         return forced
-    if op == OP_WGRAD:
-        wanted = 0 if n % 256 == 0 else 1
-    elif rows < 1024 * groups:
-        wanted = 2
-    else:
-        wanted = 0 if n % 256 == 0 else 1
-    if wanted < len(built) and built[wanted] is not None:
-        return wanted
+    if DEFAULT_CONFIG in built:
+        return built.index(DEFAULT_CONFIG)
     return next(i for i, name in enumerate(built) if name is not None)
 
 
