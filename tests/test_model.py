@@ -62,3 +62,5 @@ def test_config_overrides_and_errors(tmp_path):
         resolve_layout(load_config(None, ["parallel.tp=4", "model.num_kv_heads=4"]), 6)
     ok = resolve_layout(load_config(None, ["parallel.tp=2", "train.global_batch_size=8"]), 4)
     assert ok.parallel.dp == 2
+    with pytest.raises(ConfigError, match="fp8' with train.compile=true is not supported"):
+        resolve_layout(load_config(None, ["train.precision=fp8", "train.compile=true"]), 1)
