@@ -170,7 +170,8 @@ def test_c_abi_rejects_bad_arguments_with_a_message():
 def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkeypatch):
     # No GPU needed: the choice reads only the built configurations' names.
     from core.kernels import fp8
-    from core.kernels.grouped_gemm import CONFIG_ENV, DEFAULT_CONFIG, OP_FWD, OP_FWD_BT, OP_WGRAD, choose_config
+    from core.kernels.grouped_gemm import (CONFIG_ENV, DEFAULT_CONFIG, OP_FWD, OP_FWD_BT, OP_WGRAD, SMALL_GROUP_CONFIG,
+                                           choose_config)
 
     lib = library.KernelLibrary(LIB_PATH)
     names = lib.gg_bf16_config_names()
@@ -179,9 +180,12 @@ def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkey
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     # The three MoE shapes' passes, including the fine-grained ones the old heuristic sent to ping-pong.
     for op, rows, groups, k, n in [(OP_FWD, 32768, 8, 4096, 14336), (OP_FWD, 131072, 64, 2048, 1408),
-                                   (OP_WGRAD, 131072, 64, 2048, 1408), (OP_FWD, 65536, 128, 7168, 2048),
-                                   (OP_FWD_BT, 65536, 128, 2048, 7168)]:
+                                   (OP_WGRAD, 131072, 64, 2048, 1408), (OP_WGRAD, 65536, 128, 7168, 2048)]:
         assert choose_config(lib, op, rows, groups, k, n) == expected
+    # Forward and dgrad of 512-row groups (the E=128 shape) take the unclustered tile when built.
+    small = names.index(SMALL_GROUP_CONFIG) if SMALL_GROUP_CONFIG in names else expected
+    for op, rows, groups, k, n in [(OP_FWD, 65536, 128, 7168, 2048), (OP_FWD_BT, 65536, 128, 2048, 7168)]:
+        assert choose_config(lib, op, rows, groups, k, n) == small
     monkeypatch.setenv(CONFIG_ENV, str(built_gg[-1]))
     assert choose_config(lib, OP_FWD, 4096, 8, 512, 512) == built_gg[-1]
     monkeypatch.setenv(CONFIG_ENV, str(len(names)))

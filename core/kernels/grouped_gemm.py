@@ -142,20 +142,28 @@ def _env_int(name: str, default: int) -> int:
 # to the first built one). Measured on one H100 (bench/kernels.py, random routing, the three MoE
 # shapes): coop_128x256x64_c2x1 beat pingpong_128x128x64_c1x1 and pingpong_64x256x64_c1x1 on every
 # shape and pass, including the fine-grained groups of 512-2048 rows the ping-pong tiles were
-# meant for (those were 10-25% slower). Configurations 3-5 are not measured yet, so no rule picks
-# them: select one with TESSERA_GG_CONFIG until bench/kernels.py --configs all shows where it wins.
+# meant for (those were 10-25% slower).
 DEFAULT_CONFIG = "coop_128x256x64_c2x1"
+# The same tile without the 2x1 cluster, for forward and dgrad on groups averaging < 1024 rows: a
+# 2-CTA cluster pads each group's row tiles to an even count, which wastes most when groups hold
+# few tiles. Measured on the fine-grained E=128 shape (512 rows per group, H100): 1.153x
+# torch._grouped_mm forward and 1.034x dgrad, against 1.053x / 1.019x for DEFAULT_CONFIG; on
+# groups of 2048+ rows the clustered tile stays ahead (0.99x vs 1.04x on E=64 forward).
+SMALL_GROUP_CONFIG, SMALL_GROUP_ROWS = "coop_128x256x64_c1x1", 1024
 
 
 def choose_config(lib: KernelLibrary, op: int, rows: int, groups: int, k: int, n: int) -> int:
-    """Configuration index for one call: TESSERA_GG_CONFIG if set, else DEFAULT_CONFIG when
-    built, else the first built configuration. (op and the sizes are for shape rules to come.)"""
+    """Configuration index for one call: TESSERA_GG_CONFIG if set, else SMALL_GROUP_CONFIG for
+    forward/dgrad on small groups, else DEFAULT_CONFIG (each when built), else the first built one."""
     forced = _env_int(CONFIG_ENV, -1)
     built = lib.gg_bf16_config_names()
     if forced >= 0:
         if forced >= len(built) or built[forced] is None:
             raise ValueError(f"{CONFIG_ENV}={forced} is not built into {lib.path}; built: {built}")
         return forced
+    small_groups = op in (OP_FWD, OP_FWD_BT) and rows < SMALL_GROUP_ROWS * max(groups, 1)
+    if small_groups and SMALL_GROUP_CONFIG in built:
+        return built.index(SMALL_GROUP_CONFIG)
     if DEFAULT_CONFIG in built:
         return built.index(DEFAULT_CONFIG)
     return next(i for i, name in enumerate(built) if name is not None)
