@@ -57,8 +57,32 @@ class CostModel:
     def __post_init__(self):
         for name in ("per_token", "per_pair", "ring_per_token", "ring_step", "per_microbatch"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"CostModel.{name}={v!r} must be a finite number >= 0")
+
+    @classmethod
+    def from_json(cls, path) -> "CostModel":
+        """Load coefficients from a JSON object of CostModel's fields (seconds; absent ones are 0);
+        ValueError names a bad file, an unknown key or a bad value."""
+        import json
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except OSError as err:
+            raise ValueError(f"cost model {path}: {err.strerror or err}") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"cost model {path}: not JSON ({err.msg} at line {err.lineno})") from None
+        fields = ("per_token", "per_pair", "ring_per_token", "ring_step", "per_microbatch")
+        if not isinstance(raw, dict):
+            raise ValueError(f"cost model {path}: want a JSON object with keys {', '.join(fields)}")
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise ValueError(f"cost model {path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+        missing = [k for k in ("per_token", "per_pair") if k not in raw]
+        if missing:
+            raise ValueError(f"cost model {path}: {' and '.join(missing)} must be given")
+        return cls(**raw)
 
     def time(self, lengths, group_size: int) -> float:
         """Per-rank seconds of one micro-batch holding documents of `lengths` over `group_size` ranks."""

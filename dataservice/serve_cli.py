@@ -60,6 +60,10 @@ def add_serve(sub) -> None:
                         "$TESSERA_TOKEN_SECRET, which keeps it out of the process list, else project-wide)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds streams get to end on shutdown (default: 5)")
+    p.add_argument("--cp-cost", default=None, metavar="FILE.json",
+                   help="dynamic-CP cost model of the trainers' model and GPUs: a JSON object with per_token, "
+                        "per_pair[, ring_per_token, ring_step, per_microbatch] in seconds (docs/dynamic_cp.md; "
+                        "default: the built-in 2xH200 calibration)")
     p.set_defaults(func=run_serve)
 
 
@@ -76,10 +80,13 @@ def run_serve(args) -> int:
     if args.grace < 0:
         return _fail(prog, f"--grace {args.grace} must be >= 0")
     try:
+        from dataservice.cp_plan import H200_COST, CostModel
+
+        cp_cost = CostModel.from_json(args.cp_cost) if args.cp_cost else H200_COST
         specs = [parse_data_spec(s) for s in args.data]
         datasets = open_datasets(specs)
         server, port = serve(datasets, args.host, args.port, workers=args.workers,
-                             token_secret=args.token_secret)
+                             token_secret=args.token_secret, cp_cost=cp_cost)
     except (ValueError, FileNotFoundError, DatasetError, OSError) as err:
         return _fail(prog, str(err))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

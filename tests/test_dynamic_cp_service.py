@@ -203,3 +203,49 @@ def test_client_reads_whole_steps_and_drops_replayed_entries_after_failover(open
     finally:
         srv_a.stop(0)
         srv_b.stop(0)
+
+
+def _group_sizes_from_cli(opened_path, cost: dict, tmp_path, name) -> list[int]:
+    """cp_group_size of every micro-batch rank 0 runs in 3 steps, from a `tessera-data serve
+    --cp-cost FILE` process."""
+    import json
+
+    from tests.test_service import start_process
+
+    cost_file = tmp_path / f"{name}.json"
+    cost_file.write_text(json.dumps(cost))
+    proc, address = start_process([opened_path], "--cp-cost", str(cost_file))
+    try:
+        # A budget of a whole row per rank: every micro-batch could run on one rank alone.
+        return [m.cp_group_size for m in fetch(address, 3, 0, cp_token_budget=S) if m.cp_group_size]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def test_serve_cli_cp_cost_file_steers_the_planner(opened, tmp_path):
+    # Ring steps that cost seconds: every micro-batch alone on one rank (the budget allows it).
+    # Attention-bound with a free ring: long documents are spread over CP groups.
+    quadratic = _group_sizes_from_cli(opened[1], {"per_token": 1e-6, "per_pair": 1e-3}, tmp_path, "quadratic")
+    ring_bound = _group_sizes_from_cli(opened[1], {"per_token": 1e-6, "per_pair": 0.0, "ring_step": 10.0},
+                                       tmp_path, "ring")
+    print("group sizes, attention-bound:", quadratic, "ring-bound:", ring_bound)
+    assert ring_bound and set(ring_bound) == {1}
+    assert max(quadratic) > 1
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"per_token": 1e-6}', "per_pair must be given"),
+    ('{"per_token": 1e-6, "per_pair": 1, "ring": 2}', "unknown key(s) ring"),
+    ('{"per_token": -1, "per_pair": 1}', "per_token=-1 must be a finite number >= 0"),
+    ("[1, 2]", "want a JSON object"),
+    ("{per_token", "not JSON"),
+])
+def test_serve_cli_rejects_a_bad_cost_file_with_one_line_and_exit_2(opened, tmp_path, content, message):
+    from tests.test_service import run_cli
+
+    bad = tmp_path / "cost.json"
+    bad.write_text(content)
+    out = run_cli("serve", "--data", opened[1], "--port", "0", "--cp-cost", str(bad))
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
