@@ -111,6 +111,7 @@ class TrainConfig:
 class DataConfig:
     address: str = ""  # host:port of a running data service (comma-separated replicas)
     dataset: str = ""  # a shard folder: the trainer serves it on loopback itself
+    cp_cost: str = ""  # with `dataset`: JSON cost model of dynamic CP for that server (docs/dynamic_cp.md)
     prefetch: int = 4
     consumer: str = "tessera-train"
 
@@ -275,12 +276,26 @@ def resolve_layout(config: Config, world_size: int) -> Config:
             raise ConfigError(f"train.{name}={getattr(t, name)!r} must be one of {', '.join(allowed)}")
     if not math.isfinite(t.lr) or t.lr <= 0:
         raise ConfigError(f"train.lr must be a positive number, got {t.lr}")
+    if config.data.cp_cost:
+        _check_cp_cost(config)
     if t.precision == "fp8" and t.compile:
         # Measured on an H100 (BENCHMARKS.md): compiled FP8 blocks stopped learning after ~50
         # steps while eager FP8 tracked bf16, and a new batch shape crashed inside inductor.
         raise ConfigError("train.precision='fp8' with train.compile=true is not supported yet (compiled FP8 "
                           "training diverged from eager on GPU); set train.compile=false")
     return config
+
+
+def _check_cp_cost(config: Config) -> None:
+    from dataservice.cp_plan import CostModel
+
+    if not config.data.dataset:
+        raise ConfigError("data.cp_cost is the cost model of the trainer's own server (data.dataset); a running "
+                          "service (data.address) takes it as `tessera-data serve --cp-cost FILE`")
+    try:
+        CostModel.from_json(config.data.cp_cost)
+    except ValueError as err:
+        raise ConfigError(f"data.cp_cost: {err}") from None
 
 
 def _check_dynamic_cp(config: Config, dp: int) -> None:

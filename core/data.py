@@ -35,8 +35,10 @@ class StepInputs:
 class LocalServer:
     """A data service on loopback in its own process, for `data.dataset`; stopped at exit."""
 
-    def __init__(self, dataset: str, timeout: float = 120.0):
+    def __init__(self, dataset: str, timeout: float = 120.0, cp_cost: str = ""):
         cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--data", dataset, "--host", "127.0.0.1", "--port", "0"]
+        if cp_cost:
+            cmd += ["--cp-cost", cp_cost]
         # The server's log goes to a file: a pipe nobody reads would fill and stall it, and
         # the file's tail explains a failed start.
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tessera-dataservice-", suffix=".log", delete=False)
@@ -76,7 +78,7 @@ def resolve_address(config: Config) -> tuple[str, LocalServer | None]:
     server = None
     box = [""]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        server = LocalServer(config.data.dataset)
+        server = LocalServer(config.data.dataset, cp_cost=config.data.cp_cost)
         box[0] = server.address
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)

@@ -249,3 +249,22 @@ def test_serve_cli_rejects_a_bad_cost_file_with_one_line_and_exit_2(opened, tmp_
     out = run_cli("serve", "--data", opened[1], "--port", "0", "--cp-cost", str(bad))
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+
+
+def test_trainers_own_server_takes_the_cost_file(opened, tmp_path):
+    # data.cp_cost reaches the loopback server the trainer starts for data.dataset: a good file
+    # serves (ring-bound: every micro-batch on one rank), a bad one fails the start with its reason.
+    from core.data import LocalServer
+
+    good = tmp_path / "ring.json"
+    good.write_text('{"per_token": 1e-6, "per_pair": 0, "ring_step": 10}')
+    server = LocalServer(opened[1], cp_cost=str(good))
+    try:
+        sizes = [m.cp_group_size for m in fetch(server.address, 2, 0, cp_token_budget=S) if m.cp_group_size]
+        assert sizes and set(sizes) == {1}
+    finally:
+        server.stop()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"per_token": 1e-6, "per_pair": 1, "ring": 2}')
+    with pytest.raises(RuntimeError, match="unknown key"):
+        LocalServer(opened[1], cp_cost=str(bad))

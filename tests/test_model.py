@@ -64,3 +64,10 @@ def test_config_overrides_and_errors(tmp_path):
     assert ok.parallel.dp == 2
     with pytest.raises(ConfigError, match="fp8' with train.compile=true is not supported"):
         resolve_layout(load_config(None, ["train.precision=fp8", "train.compile=true"]), 1)
+    with pytest.raises(ConfigError, match="data.cp_cost: cost model /no/cost.json"):
+        resolve_layout(load_config(None, ["data.dataset=/d", "data.cp_cost=/no/cost.json"]), 1)
+    with pytest.raises(ConfigError, match="data.cp_cost is the cost model of the trainer's own server"):
+        resolve_layout(load_config(None, ["data.address=h:1", "data.cp_cost=/no/cost.json"]), 1)
+    cost = tmp_path / "cost.json"
+    cost.write_text('{"per_token": 1e-6, "per_pair": 1e-9}')
+    assert resolve_layout(load_config(None, ["data.dataset=/d", f"data.cp_cost={cost}"]), 1).data.cp_cost == str(cost)
