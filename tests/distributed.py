@@ -10,6 +10,7 @@ call with that rank's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -37,7 +38,10 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
         else:
             dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle bytes, not the torch queue's tensor sharing: shared tensors are handed over
+        # through this process's resource-sharer socket, which vanishes when the worker exits
+        # before the parent has unpickled them (FileNotFoundError in the parent, seen in CI).
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report, then let the parent fail the test
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -59,7 +63,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, backend:
         for _ in range(world_size):
             rank, status, value = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break
