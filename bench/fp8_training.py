@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--log-every", type=int, default=0)
     parser.add_argument("--expert-wgrad", choices=["fp8", "bf16", "both"], default="fp8",
                         help="MoE FP8 runs: the experts' weight-gradient GEMM (both: one run each)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks and the loss (both precisions)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks and the loss (both precisions); compiled FP8 "
+                        "is known broken on CUDA (docs/fp8.md) and refused by tessera-train: for diagnosis")
     parser.add_argument("--floor", action="store_true", help="also train in fp32: the drift of a non-FP8 change")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)

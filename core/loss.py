@@ -12,6 +12,8 @@ the full logits are never gathered. The same code runs without a group.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -78,11 +80,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return torch.mul(exp, coef, out=grad), None, None  # scale and round in one pass
 
 
-_compiled_plain_sum = None
-
-
 def _plain_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float(), labels.long(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@functools.cache
+def _compiled_plain_sum():
+    return torch.compile(_plain_sum)  # built on first use: importing this module stays cheap
 
 
 def cross_entropy_sum(
@@ -114,8 +118,5 @@ def cross_entropy_sum(
     if compiled and logits.is_cuda and group_size(tp_group) == 1:
         # Whole logits on one GPU: inductor fuses the fp32 softmax into a couple of passes over
         # the bf16 logits, where the eager function above makes ~6 over fp32 copies.
-        global _compiled_plain_sum
-        if _compiled_plain_sum is None:
-            _compiled_plain_sum = torch.compile(_plain_sum)
-        return _compiled_plain_sum(logits, labels), count
+        return _compiled_plain_sum()(logits, labels), count
     return _VocabParallelCrossEntropy.apply(logits, labels, tp_group), count

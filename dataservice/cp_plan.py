@@ -23,7 +23,7 @@ Pure numpy and deterministic (ties go to the lowest index); a few ms for thousan
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -55,10 +55,14 @@ class CostModel:
     per_microbatch: float = 0.0
 
     def __post_init__(self):
-        for name in ("per_token", "per_pair", "ring_per_token", "ring_step", "per_microbatch"):
+        for name in self.field_names():
             v = getattr(self, name)
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"CostModel.{name}={v!r} must be a finite number >= 0")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
 
     @classmethod
     def from_json(cls, path) -> "CostModel":
@@ -73,12 +77,12 @@ class CostModel:
             raise ValueError(f"cost model {path}: {err.strerror or err}") from None
         except json.JSONDecodeError as err:
             raise ValueError(f"cost model {path}: not JSON ({err.msg} at line {err.lineno})") from None
-        fields = ("per_token", "per_pair", "ring_per_token", "ring_step", "per_microbatch")
+        known = cls.field_names()
         if not isinstance(raw, dict):
-            raise ValueError(f"cost model {path}: want a JSON object with keys {', '.join(fields)}")
-        unknown = sorted(set(raw) - set(fields))
+            raise ValueError(f"cost model {path}: want a JSON object with keys {', '.join(known)}")
+        unknown = sorted(set(raw) - set(known))
         if unknown:
-            raise ValueError(f"cost model {path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+            raise ValueError(f"cost model {path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
         missing = [k for k in ("per_token", "per_pair") if k not in raw]
         if missing:
             raise ValueError(f"cost model {path}: {' and '.join(missing)} must be given")

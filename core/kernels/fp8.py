@@ -313,7 +313,7 @@ def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float) -
     Measured on one H100 (bench/kernels_fp8.py, the three MoE shapes, random routing): the
     cooperative tile beat pingpong_64x128x128 on every grouped shape, including groups of ~512
     rows (E=128: 832 vs 608 TFLOP/s), so there is no small-group rule; for the dense GEMM too.
-    Config 2 (256x128x128) is not measured yet: pick it with TESSERA_FP8_CONFIG=2.
+    Config 2 (256x128x128, spills) measured 0.27-0.51x torch: only for experiments.
     rows_per_group is for shape rules to come."""
     names = lib.config_names(family)
     forced = _env_int(FP8_CONFIG_ENV, -1)
