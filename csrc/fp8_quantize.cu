@@ -5,6 +5,7 @@
 //   1x128:       one scale per row and 128 columns (activations), scales M-major as the
 //                CUTLASS blockwise GEMM reads them: [cols/128][rows], or per group
 //                [cols/128][rows of group] one group after another when offsets are given
+//   1x128 of x^T: the same for the transpose, written transposed in one pass (wgrad's dy^T)
 //   128x128:     one scale per 128x128 block (weights), output K-major (optionally the
 //                transpose of the input) with scales [K/128][N/128] per matrix
 // All blocks of an all-zero input get scale 1 (q = 0). Values are multiplied by the fp32
@@ -169,6 +170,73 @@ __global__ void quantize_1x128_kernel(const uint4* __restrict__ x, uint2* __rest
   scale[start * chunks_per_row + kb * count + (row - start)] = dequant_scale(m);
 }
 
+// ---- 1x128 of the transpose -------------------------------------------------------------
+
+// x [rows, cols] -> q = x^T [cols, rows] with one scale per output row (input column) and 128
+// input rows: the weight-gradient operand dy^T without materialising the bf16 transpose.
+// One block of 256 threads per 128x128 tile, laid out as in quantize_128x128_kernel, but the
+// amax is per column: over each thread's 8 rows, then the two half-warps, then the 8 warps.
+__global__ void quantize_1x128_t_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q, float* scale,
+                                        int64_t rows, int64_t cols) {
+  __shared__ uint8_t tile[128][128 + 16];
+  __shared__ float warp_colmax[8][128];
+  const int64_t rb = blockIdx.y, cb = blockIdx.x;
+  const int cpart = threadIdx.x % 16, rpart = threadIdx.x / 16, warp = threadIdx.x / 32;
+  const int64_t col = cb * 128 + cpart * 8;
+  float v[8][8];
+  float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int64_t row = rb * 128 + rpart + 16 * i;
+    if (row < rows && col < cols) {
+      unpack(x[(row * cols + col) / 8], v[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(v[i][j]));
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], 16));  // rpart pairs
+  if (threadIdx.x % 32 < 16) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) warp_colmax[warp][cpart * 8 + j] = m[j];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float c = warp_colmax[0][cpart * 8 + j];
+#pragma unroll
+    for (int w = 1; w < 8; ++w) c = fmaxf(c, warp_colmax[w][cpart * 8 + j]);
+    m[j] = c;
+  }
+  if (rpart == 0) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (col + j < cols) scale[rb * cols + col + j] = dequant_scale(m[j]);
+  }
+  float mult[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) mult[j] = multiplier(m[j]);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      tile[cpart * 8 + j][rpart + 16 * i] =
+          static_cast<uint8_t>(__nv_cvt_float_to_fp8(v[i][j] * mult[j], __NV_SATFINITE, __NV_E4M3));
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int piece = threadIdx.x + 256 * i;  // 128 output rows x 8 pieces of 16 bytes
+    const int out_r = piece / 8, out_c = (piece % 8) * 16;
+    const int64_t orow = cb * 128 + out_r, ocol = rb * 128 + out_c;
+    if (orow < cols && ocol < rows)
+      *reinterpret_cast<uint4*>(q + orow * rows + ocol) = *reinterpret_cast<const uint4*>(&tile[out_r][out_c]);
+  }
+}
+
 // ---- 128x128 ----------------------------------------------------------------------------
 
 // One block of 256 threads per 128x128 tile of one [rows, cols] matrix; thread t covers
@@ -295,6 +363,21 @@ int tessera_fp8_quantize_1x128(const void* x, void* q, float* scale, int64_t row
   if (blocks > INT32_MAX) return fail(TESSERA_ERR_INVALID, "tensor too large (%lld blocks)", (long long)blocks);
   quantize_1x128_kernel<<<static_cast<unsigned>(blocks), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint4*>(x), static_cast<uint2*>(q), scale, rows, cols, offsets, num_groups);
+  TESSERA_CUDA_TRY(cudaGetLastError());
+  return TESSERA_OK;
+}
+
+int tessera_fp8_quantize_1x128_t(const void* x, void* q, float* scale, int64_t rows, int64_t cols, int device,
+                                 void* stream) {
+  if (int rc = check_common(x, q, scale, cols, 8)) return rc;
+  if (rows <= 0 || rows % 16)
+    return fail(TESSERA_ERR_INVALID, "rows=%lld must be a positive multiple of 16", (long long)rows);
+  if ((rows + 127) / 128 > 65535) return fail(TESSERA_ERR_INVALID, "rows=%lld too large", (long long)rows);
+  DeviceGuard guard(device);
+  if (guard.status) return guard.status;
+  dim3 grid(static_cast<unsigned>((cols + 127) / 128), static_cast<unsigned>((rows + 127) / 128));
+  quantize_1x128_t_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint4*>(x), static_cast<uint8_t*>(q), scale, rows, cols);
   TESSERA_CUDA_TRY(cudaGetLastError());
   return TESSERA_OK;
 }

@@ -47,6 +47,30 @@ def test_1x128_scales_round_trip_and_block_max():
     _assert_roundtrip(x, fp8.dequantize_1x128(q, scale), scale.t().repeat_interleave(128, 1)[:, :300])
 
 
+@pytest.mark.parametrize("rows, cols", [(300, 256), (256, 384), (48, 136)])
+def test_1x128_of_the_transpose_equals_quantising_the_transposed_copy(rows, cols):
+    x = _x(rows, cols, seed=5)
+    x[:, 7] = 0  # an all-zero output row
+    q, scale = fp8.quantize_1x128_t(x)
+    want_q, want_scale = fp8.quantize_1x128(x.t().contiguous())
+    assert q.shape == (cols, rows) and scale.shape == ((rows + 127) // 128, cols)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
+def test_custom_ops_take_the_same_path_eager_and_through_the_dispatcher():
+    # The eager shortcut (library.plain_eager) must give what the registered op gives.
+    x = _x(64, 256, seed=6)
+    for fn, args in [(fp8.quantize_1x128, (x,)), (fp8.quantize_1x128_t, (x,)), (fp8.quantize_128x128, (x, True))]:
+        direct, dispatched = fn(*args), fn.op(*args)
+        assert all(torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8 else a,
+                               b.view(torch.uint8) if b.dtype == fp8.FP8 else b) for a, b in zip(direct, dispatched))
+    assert library.plain_eager((x,)) and not library.plain_eager((torch.nn.Parameter(x).as_subclass(_Marker),))
+
+
+class _Marker(torch.Tensor):
+    pass
+
+
 def test_grouped_1x128_layout_holds_the_same_scales_per_group():
     x = _x(50, 256, seed=1)
     offsets = torch.tensor([0, 12, 12, 40], dtype=torch.int32)  # empty groups, 10 rows past the end
@@ -115,6 +139,7 @@ def test_opcheck_fp8_ops():
         (torch.ops.tessera.fp8_quantize_1x128.default, (x, None)),
         (torch.ops.tessera.fp8_quantize_1x128.default, (x, offsets)),
         (torch.ops.tessera.fp8_quantize_128x128.default, (x, True)),
+        (torch.ops.tessera.fp8_quantize_1x128_t.default, (x,)),
     ]:
         torch.library.opcheck(op, args, test_utils=("test_faketensor",))
     qa, sa = fp8.quantize_1x128(x)

@@ -9,6 +9,7 @@ x ~= q * scale. Granularities:
 - `quantize_1x128(x, offsets=None)` -> (q, scale): one scale per row and 128 columns
   (activations), M-major as the blockwise GEMMs read it: [ceil(K/128), rows], or, with the
   MoE group offsets, each group's [ceil(K/128), rows_g] block one after another (flat);
+  `quantize_1x128_t(x)` is quantize_1x128(x^T) without the bf16 transpose (wgrad's dy^T);
 - `quantize_128x128(w, transpose=False)` -> (q, scale): one scale per 128x128 block of each
   [R, C] matrix (weights); q is K-major for the GEMM (K = C, or K = R with transpose, q then
   [..., C, R]) and scale [..., K/128, N/128].
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor
 
 from core.kernels.grouped_gemm import _env_int, grouped_mm_loop
-from core.kernels.library import KernelLibrary, kernel_library, report_once
+from core.kernels.library import KernelLibrary, current_raw_stream, custom_op, kernel_library, report_once
 
 E4M3_MAX = 448.0
 # Blocks with a smaller amax quantise to zeros with scale 1 (as the kernels do): 448 / amax
@@ -162,7 +163,7 @@ def _call(lib: KernelLibrary, name: str, *args) -> None:
 
 def _device_stream(x: Tensor) -> tuple[int, int]:
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return index, torch.cuda.current_stream(x.device).cuda_stream
+    return index, current_raw_stream(index)
 
 
 def _kernel_input(x: Tensor, align: int) -> bool:
@@ -174,7 +175,7 @@ def _kernel_input(x: Tensor, align: int) -> bool:
 # Quantisation ops.
 # ---------------------------------------------------------------------------------------
 
-@torch.library.custom_op("tessera::fp8_quantize_tensorwise", mutates_args=())
+@custom_op("fp8_quantize_tensorwise")
 def _quantize_tensorwise(x: Tensor) -> tuple[Tensor, Tensor]:
     lib = _fp8_lib(x, "fp8_quantize_tensorwise", _kernel_input(x, 1) and x.numel() % 8 == 0)
     if lib is None:
@@ -198,7 +199,7 @@ def quantize_tensorwise(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale_amax[:1]
 
 
-@torch.library.custom_op("tessera::fp8_quantize_rowwise", mutates_args=())
+@custom_op("fp8_quantize_rowwise")
 def _quantize_rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
     if x.dim() != 2:
         raise ValueError(f"quantize_rowwise needs x [rows, cols], got {list(x.shape)}")
@@ -229,7 +230,7 @@ def _check_offsets(offsets: Tensor | None, x: Tensor) -> None:
                          f"on {offsets.device}")
 
 
-@torch.library.custom_op("tessera::fp8_quantize_1x128", mutates_args=())
+@custom_op("fp8_quantize_1x128")
 def quantize_1x128(x: Tensor, offsets: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x [rows, K] -> (q e4m3 [rows, K], scale): [ceil(K/128), rows], or flat in the grouped layout
     when MoE group `offsets` (int32 cumulative ends, non-decreasing) are given."""
@@ -255,13 +256,35 @@ def _(x, offsets=None):
     return torch.empty(x.shape, dtype=FP8, device=x.device), x.new_empty(shape, dtype=torch.float32)
 
 
+@custom_op("fp8_quantize_1x128_t")
+def quantize_1x128_t(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [rows, cols] -> quantize_1x128(x^T) in one pass: (q e4m3 [cols, rows], scale
+    [ceil(rows/128), cols]), without writing the bf16 transpose (the wgrad operand dy^T)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_1x128_t needs x [rows, cols], got {list(x.shape)}")
+    lib = _fp8_lib(x, "fp8_quantize_1x128_t", _kernel_input(x, 8) and x.shape[0] % 16 == 0)
+    if lib is None:
+        return _ref_1x128(x.t(), None)
+    rows, cols = x.shape
+    q = torch.empty(cols, rows, dtype=FP8, device=x.device)
+    scale = torch.empty(_blocks(rows), cols, dtype=torch.float32, device=x.device)
+    _call(lib, "fp8_quantize_1x128_t", x.data_ptr(), q.data_ptr(), scale.data_ptr(), rows, cols, *_device_stream(x))
+    return q, scale
+
+
+@quantize_1x128_t.register_fake
+def _(x):
+    rows, cols = x.shape
+    return x.new_empty(cols, rows, dtype=FP8), x.new_empty(_blocks(rows), cols, dtype=torch.float32)
+
+
 def _shape_128x128(w: Tensor, transpose: bool) -> tuple[list[int], list[int]]:
     *lead, r, c = w.shape
     k, n = (r, c) if transpose else (c, r)
     return [*lead, n, k], [*lead, _blocks(k), _blocks(n)]
 
 
-@torch.library.custom_op("tessera::fp8_quantize_128x128", mutates_args=())
+@custom_op("fp8_quantize_128x128")
 def quantize_128x128(w: Tensor, transpose: bool = False) -> tuple[Tensor, Tensor]:
     """w [..., R, C] -> (q e4m3 K-major [..., N, K], scale [..., K/128, N/128]); K = C, or R with
     `transpose` (q is then w^T: [..., C, R]). For experts w [E, d, h]: transpose=True gives the
@@ -340,7 +363,7 @@ def _workspace(lib: KernelLibrary, name: str, key: tuple, *args) -> int:
     return size
 
 
-@torch.library.custom_op("tessera::fp8_gemm_blockwise", mutates_args=())
+@custom_op("fp8_gemm_blockwise")
 def gemm_blockwise(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor) -> Tensor:
     """bf16 [M, N] = (a * sfa) @ (b * sfb)^T; a [M, K] with 1x128 scales [K/128, M], b [N, K]
     with 128x128 scales [K/128, N/128]."""
@@ -368,7 +391,7 @@ def _(a, sfa, b, sfb):
     return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("tessera::fp8_grouped_mm_blockwise", mutates_args=())
+@custom_op("fp8_grouped_mm_blockwise")
 def grouped_mm_blockwise(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, offsets: Tensor) -> Tensor:
     """bf16 [rows, N]: rows of group g times (b[g] * sfb[g])^T; a [rows, K] with grouped 1x128
     scales (quantize_1x128(x, offsets)), b [G, N, K] with scales [G, K/128, N/128]."""

@@ -10,6 +10,7 @@ callers then use their PyTorch fallback.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "TESSERA_KERNELS_LIB"
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "csrc" / "build" / "libtessera_kernels.so"
-ABI_VERSION = 1  # must equal TESSERA_ABI_VERSION in csrc/include/tessera_kernels.h
+ABI_VERSION = 2  # must equal TESSERA_ABI_VERSION in csrc/include/tessera_kernels.h
 BUILD_HINT = ("build it with `bash csrc/build.sh` (needs nvcc >= 12.3 and `pip install nvidia-cutlass`) "
               "or set TESSERA_KERNELS_LIB")
 
@@ -47,6 +48,7 @@ _SIGNATURES = [
     ("tessera_fp8_quantize_tensorwise", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_ptr]),
     ("tessera_fp8_quantize_rowwise", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int, _c_ptr]),
     ("tessera_fp8_quantize_1x128", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int, _c_ptr]),
+    ("tessera_fp8_quantize_1x128_t", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int, _c_ptr]),
     ("tessera_fp8_quantize_128x128", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int,
                                               _c_ptr]),
 ]
@@ -73,6 +75,7 @@ class KernelLibrary:
         if self.abi_version() != ABI_VERSION:
             raise OSError(f"{path} has C ABI version {self.abi_version()}, this code needs {ABI_VERSION}: rebuild it")
         self._workspace: dict[tuple, int] = {}
+        self._config_names: dict[int, list[str | None]] = {}
 
     def error_message(self) -> str:
         return (self.last_error() or b"").decode(errors="replace")
@@ -83,9 +86,12 @@ class KernelLibrary:
             raise KernelError(f"{what} failed (code {rc}): {self.error_message()}")
 
     def config_names(self, family: int) -> list[str | None]:
-        """Names of a kernel family's configurations by index (None: not built)."""
-        names = [self.config_name(family, i) for i in range(self.num_configs(family))]
-        return [n.decode() if n else None for n in names]
+        """Names of a kernel family's configurations by index (None: not built); fixed per library."""
+        names = self._config_names.get(family)
+        if names is None:
+            raw = [self.config_name(family, i) for i in range(self.num_configs(family))]
+            names = self._config_names[family] = [n.decode() if n else None for n in raw]
+        return names
 
     def gg_bf16_config_names(self) -> list[str | None]:
         """Names of the bf16 grouped GEMM configurations by index (None: not built)."""
@@ -155,6 +161,46 @@ def kernel_library(device: torch.device) -> KernelLibrary | None:
         report_once(f"GPU {index} is sm_{cap[0]}{cap[1]}, the library holds sm_90a code only; using PyTorch fallbacks")
         return None
     return lib
+
+
+def plain_eager(args: tuple, differentiable: bool = False) -> bool:
+    """True when a custom op's body may be called directly: eager mode (no dynamo, no
+    dispatch or function modes) on plain tensors and, for an op with autograd, no gradient
+    to record. The dispatcher round trip of a Python custom op costs 10-20 us per call, which
+    adds up over the ~10 small ops of every FP8 linear."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or \
+            torch._C._is_torch_function_mode_enabled():
+        return False
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return all(type(t) in _PLAIN for t in tensors)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def custom_op(name: str, differentiable: bool = False):
+    """Decorator: register fn as the custom op tessera::name (what torch.compile and autograd
+    see) and return a caller that runs fn directly when `plain_eager` allows. The caller
+    carries the op as `.op` and its `register_fake` / `register_autograd`."""
+
+    def wrap(fn):
+        op = torch.library.custom_op(f"tessera::{name}", fn, mutates_args=())
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            return fn(*args, **kwargs) if plain_eager(args, differentiable) else op(*args, **kwargs)
+
+        call.op, call.register_fake, call.register_autograd = op, op.register_fake, op.register_autograd
+        return call
+
+    return wrap
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The current CUDA stream of a device as an integer handle (cheaper than a Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def reset_for_tests() -> None:

@@ -89,6 +89,11 @@ TESSERA_API int tessera_fp8_quantize_rowwise(const void* x, void* q, float* scal
 TESSERA_API int tessera_fp8_quantize_1x128(const void* x, void* q, float* scale, int64_t rows,
                                            int64_t cols, const int32_t* offsets, int num_groups,
                                            int device, void* stream);
+/* x [rows, cols] -> q = x^T [cols, rows] with one scale per row of q (column of x) and 128
+ * columns of q (rows of x): scale[kb * cols + c], kb = row / 128, the layout of
+ * tessera_fp8_quantize_1x128 applied to x^T. rows a multiple of 16. */
+TESSERA_API int tessera_fp8_quantize_1x128_t(const void* x, void* q, float* scale, int64_t rows,
+                                             int64_t cols, int device, void* stream);
 /* x [batch, rows, cols] -> one scale per 128x128 block. transpose == 0: q [batch, rows, cols]
  * (K = cols), scale [batch][ceil(cols/128)][ceil(rows/128)]; transpose != 0: q [batch, cols,
  * rows] (K = rows), scale [batch][ceil(rows/128)][ceil(cols/128)]. Either way q is K-major
