@@ -278,11 +278,6 @@ def resolve_layout(config: Config, world_size: int) -> Config:
         raise ConfigError(f"train.lr must be a positive number, got {t.lr}")
     if config.data.cp_cost:
         _check_cp_cost(config)
-    if t.precision == "fp8" and t.compile:
-        # Measured on an H100 (BENCHMARKS.md): compiled FP8 blocks stopped learning after ~50
-        # steps while eager FP8 tracked bf16, and a new batch shape crashed inside inductor.
-        raise ConfigError("train.precision='fp8' with train.compile=true is not supported yet (compiled FP8 "
-                          "training diverged from eager on GPU); set train.compile=false")
     return config
 
 

@@ -12,9 +12,10 @@ activation/gradient tile and per 128x128 weight block, fp32 accumulation):
 | dgrad dx = dy W       | dy [M, N], per token                      | W^T [K, N]                  |
 | wgrad dW = dy^T x     | dy^T [N, M], per output channel           | x^T [K, M] (128 tokens)     |
 
-Outputs are bf16 (fp32 accumulation inside). For backward x stays bf16 and W is kept as its
-FP8 copy (dgrad reads the transpose: same blocks, same scales); dy, dy^T and x^T are quantised
-afresh along each backward GEMM's own reduction dim. Master
+Outputs are bf16 (fp32 accumulation inside). For backward x and W stay bf16 (W is the parameter
+itself, so nothing is copied); dgrad quantises W^T in one transposing pass (the forward's
+blocks and scales), and dy, dy^T and x^T are quantised along each backward GEMM's own
+reduction dim, dy^T and x^T without writing a bf16 transpose. Master
 weights stay fp32 in the data-parallel step; embedding, output head, norms, router, softmax,
 attention and the loss are untouched (bf16 / fp32). docs/fp8.md says why for each choice.
 
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 
 from core.kernels import fp8 as kfp8
 from core.kernels import grouped_mm_wgrad
-from core.kernels.library import kernel_library, report_once
+from core.kernels.library import custom_op, kernel_library, report_once
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +71,6 @@ def _note_device(x: Tensor) -> None:
 # The GEMMs of one layer, as plain functions (tests call them directly).
 # ---------------------------------------------------------------------------------------
 
-def transposed(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
-    """The 128x128 quantisation of w^T from that of w: the same blocks and scales, transposed
-    (the dgrad operand without quantising the weight again). Moved as bytes: a plain copy."""
-    qt = q.view(torch.uint8).transpose(-2, -1).contiguous().view(q.dtype)
-    return qt, scale.transpose(-2, -1).contiguous()
-
-
 def fp8_matmul_fwd(x: Tensor, qw: Tensor, sw: Tensor) -> Tensor:
     """bf16 x W^T for x [M, K] (quantised here, 1x128) and W [N, K] given as quantize_128x128(W)."""
     qx, sx = kfp8.quantize_1x128(x)
@@ -85,7 +79,7 @@ def fp8_matmul_fwd(x: Tensor, qw: Tensor, sw: Tensor) -> Tensor:
 
 def fp8_matmul_dgrad(dy: Tensor, qwt: Tensor, swt: Tensor) -> Tensor:
     """bf16 dy W for dy [M, N] (quantised here, 1x128 along N) and W^T [K, N] quantised
-    (`transposed(*quantize_128x128(W))`)."""
+    (`quantize_128x128(W, transpose=True)`: the same 128x128 blocks as the forward's W)."""
     qd, sd = kfp8.quantize_1x128(dy)
     return kfp8.gemm_blockwise(qd, sd, qwt, swt)
 
@@ -95,40 +89,69 @@ def fp8_matmul_wgrad(dy: Tensor, x: Tensor) -> Tensor:
     takes 1x128 scales along tokens (per output channel) and x^T 128x128 blocks (128 tokens x
     128 input channels)."""
     dy, x = _pad_rows(dy), _pad_rows(x)
-    qd, sd = kfp8.quantize_1x128(dy.t().contiguous())
+    qd, sd = kfp8.quantize_1x128_t(dy)
     qx, sx = kfp8.quantize_128x128(x, transpose=True)
     return kfp8.gemm_blockwise(qd, sd, qx, sx)
 
 
-class _Fp8Linear(torch.autograd.Function):
-    """y = x W^T with all three GEMMs in FP8; x [M, K] (2-D), W [N, K]. The weight's FP8 copy
-    (half its bf16 size) is kept for backward, as DeepSeek-V3 does."""
+# The layer-level ops are custom ops with registered autograd (not autograd.Functions): on
+# CUDA, torch.compile traced an autograd.Function around these opaque kernels with zeros in
+# place of its output gradient, so every weight gradient came out 0 (docs/fp8.md).
 
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
-        _note_device(x)
-        x = x.contiguous()  # the kernels read dense rows; anything else would take the slow fallback
-        qw, sw = kfp8.quantize_128x128(weight)
-        ctx.save_for_backward(x, qw, sw)
-        ctx.weight_dtype = weight.dtype
-        return fp8_matmul_fwd(x, qw, sw).to(x.dtype)
+@custom_op("fp8_linear", differentiable=True)
+def _linear(x: Tensor, weight: Tensor) -> Tensor:
+    """y = x W^T with x [M, K] (2-D), W [N, K]; forward, dgrad and wgrad GEMMs in FP8."""
+    _note_device(x)
+    # The kernels read dense rows; anything else would take the slow fallback.
+    return fp8_matmul_fwd(x.contiguous(), *kfp8.quantize_128x128(weight)).to(x.dtype)
 
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, qw, sw = ctx.saved_tensors
-        dy = _as_operand(dy, x.dtype)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = fp8_matmul_dgrad(dy, *transposed(qw, sw)).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = fp8_matmul_wgrad(dy, x).to(ctx.weight_dtype)
-        return dx, dw
+
+@_linear.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@custom_op("fp8_linear_dgrad")
+def _linear_dgrad(dy: Tensor, weight: Tensor) -> Tensor:
+    """dy W: W^T quantised in one transposing pass (the forward's 128x128 blocks and scales)."""
+    return fp8_matmul_dgrad(dy, *kfp8.quantize_128x128(weight, transpose=True)).to(dy.dtype)
+
+
+@_linear_dgrad.register_fake
+def _(dy, weight):
+    return dy.new_empty(dy.shape[0], weight.shape[1])
+
+
+@custom_op("fp8_linear_wgrad")
+def _linear_wgrad(dy: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
+    return fp8_matmul_wgrad(dy, x).to(dtype)
+
+
+@_linear_wgrad.register_fake
+def _(dy, x, dtype):
+    return x.new_empty(dy.shape[1], x.shape[1], dtype=dtype)
+
+
+def _save_linear(ctx, inputs, output) -> None:
+    # W is the parameter itself: saving it costs nothing, unlike an FP8 copy per layer.
+    ctx.save_for_backward(*inputs)
+
+
+def _linear_backward(ctx, dy: Tensor):
+    x, weight = ctx.saved_tensors
+    dy = _as_operand(dy, x.dtype)
+    dx = _linear_dgrad(dy, weight) if ctx.needs_input_grad[0] else None
+    dw = _linear_wgrad(dy, x.contiguous(), weight.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw
+
+
+_linear.register_autograd(_linear_backward, setup_context=_save_linear)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Drop-in for `F.linear` (x [..., K], weight [N, K]) with FP8 GEMMs; the bias is added in
     the output's precision."""
-    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    y = _linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
 
 
@@ -163,29 +186,60 @@ def fp8_grouped_wgrad(x: Tensor, dy: Tensor, offsets: Tensor, dtype: torch.dtype
     return out
 
 
-class _Fp8GroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, offsets: Tensor, expert_wgrad: str) -> Tensor:
-        _note_device(x)
-        x = x.contiguous()
-        qw, sw = kfp8.quantize_128x128(w, transpose=True)
-        ctx.save_for_backward(x, qw, sw, offsets)
-        ctx.expert_wgrad, ctx.weight_dtype = expert_wgrad, w.dtype
-        return fp8_grouped_fwd(x, qw, sw, offsets).to(x.dtype)
+@custom_op("fp8_grouped_mm", differentiable=True)
+def _grouped(x: Tensor, w: Tensor, offsets: Tensor, expert_wgrad: str) -> Tensor:
+    """Rows of group g times w[g] for experts w [G, in, out]; all three GEMMs in FP8 (the
+    weight gradient as `expert_wgrad` says)."""
+    _note_device(x)
+    return fp8_grouped_fwd(x.contiguous(), *kfp8.quantize_128x128(w, transpose=True), offsets).to(x.dtype)
 
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, qw, sw, offsets = ctx.saved_tensors
-        dy = _as_operand(dy, x.dtype)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = fp8_grouped_dgrad(dy, *transposed(qw, sw), offsets).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            if ctx.expert_wgrad == "fp8":
-                dw = fp8_grouped_wgrad(x, dy, offsets, ctx.weight_dtype)
-            else:
-                dw = grouped_mm_wgrad(x.to(torch.bfloat16), dy.to(torch.bfloat16), offsets).to(ctx.weight_dtype)
-        return dx, dw, None, None
+
+@_grouped.register_fake
+def _(x, w, offsets, expert_wgrad):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@custom_op("fp8_grouped_dgrad")
+def _grouped_dgrad(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    return fp8_grouped_dgrad(dy, *kfp8.quantize_128x128(w), offsets).to(dy.dtype)
+
+
+@_grouped_dgrad.register_fake
+def _(dy, w, offsets):
+    return dy.new_empty(dy.shape[0], w.shape[1])
+
+
+@custom_op("fp8_grouped_wgrad")
+def _grouped_wgrad(x: Tensor, dy: Tensor, offsets: Tensor, dtype: torch.dtype) -> Tensor:
+    # An op of its own: it reads the offsets on the host, which compiled code must not trace.
+    return fp8_grouped_wgrad(x, dy, offsets, dtype)
+
+
+@_grouped_wgrad.register_fake
+def _(x, dy, offsets, dtype):
+    return x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1], dtype=dtype)
+
+
+def _save_grouped(ctx, inputs, output) -> None:
+    x, w, offsets, ctx.expert_wgrad = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _grouped_backward(ctx, dy: Tensor):
+    x, w, offsets = ctx.saved_tensors
+    dy = _as_operand(dy, x.dtype)
+    dx = _grouped_dgrad(dy, w, offsets) if ctx.needs_input_grad[0] else None
+    dw = None
+    if ctx.needs_input_grad[1]:
+        x = x.contiguous()
+        if ctx.expert_wgrad == "fp8":
+            dw = _grouped_wgrad(x, dy, offsets, w.dtype)
+        else:
+            dw = grouped_mm_wgrad(x.to(torch.bfloat16), dy.to(torch.bfloat16), offsets).to(w.dtype)
+    return dx, dw, None, None
+
+
+_grouped.register_autograd(_grouped_backward, setup_context=_save_grouped)
 
 
 class Fp8GroupedMM:
@@ -197,7 +251,7 @@ class Fp8GroupedMM:
         self.expert_wgrad = expert_wgrad
 
     def __call__(self, x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-        return _Fp8GroupedMM.apply(x, w, offsets, self.expert_wgrad)
+        return _grouped(x, w, offsets, self.expert_wgrad)
 
     def __repr__(self) -> str:
         return f"Fp8GroupedMM(expert_wgrad={self.expert_wgrad!r})"

@@ -195,7 +195,8 @@ class MoELayer(nn.Module):
         """Start the shared experts; on GPU on a side stream so they overlap the dispatch."""
         if self.shared_experts is None:
             return None
-        if not (x.is_cuda and self.overlap_shared):
+        # Compiled code cannot trace stream switches (record_stream); inductor orders the work.
+        if not (x.is_cuda and self.overlap_shared) or torch.compiler.is_compiling():
             return self.shared_experts(x), None
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=x.device)

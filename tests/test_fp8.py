@@ -156,11 +156,37 @@ def test_fp8_grouped_experts_without_tokens(wgrad):
     assert out.shape == (0, 256) and x.grad.shape == (0, 128) and w.grad.abs().sum() == 0
 
 
+@pytest.mark.parametrize("device, backend", [("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_compiled_fp8_layers_give_the_eager_gradients(device, backend):
+    # Regression: compiled on CUDA, the earlier autograd.Function version of these layers got
+    # zeros for its output gradient and returned all-zero weight gradients.
+    x, w, dy = (t.to(device) for t in _inputs(256, 256, 384, seed=7))
+    we = (torch.randn(3, 384, 128, generator=torch.Generator().manual_seed(8)) * 0.02).bfloat16().to(device)
+    offsets = torch.tensor([100, 100, 256], dtype=torch.int32, device=device)
+    experts = fp8.Fp8GroupedMM("fp8")
+
+    def layers(x, w, we):
+        return experts(fp8.fp8_linear(x, w) * dy, we, offsets).float().square().sum()
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w, we)]
+        fn(*leaves).backward()
+        return [t.grad.float() for t in leaves]
+
+    torch._dynamo.reset()
+    eager, compiled = grads(layers), grads(torch.compile(layers, backend=backend, fullgraph=True))
+    for e, c in zip(eager, compiled):
+        assert e.norm() > 0
+        torch.testing.assert_close(c, e, rtol=2e-2, atol=2e-2 * e.abs().max().item())
+
+
 def test_transposed_weight_quantisation_is_the_quantisation_of_the_transpose():
     from core.kernels import fp8 as kfp8
 
+    # dgrad's W^T operand: the forward's blocks and scales, laid out for the transpose.
     w = torch.randn(2, 256, 384).bfloat16()
-    qt, st = fp8.transposed(*kfp8.quantize_128x128(w))
+    qt, st = kfp8.quantize_128x128(w.transpose(1, 2).contiguous())
     q2, s2 = kfp8.quantize_128x128(w, transpose=True)
     assert torch.equal(qt.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(st, s2)
 
