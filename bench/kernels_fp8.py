@@ -128,7 +128,9 @@ def bench_quantizers(device, bench_ms) -> list[dict]:
          x.numel()),
         ("1x128", lambda: fp8.quantize_1x128(x), lambda: fp8._ref_1x128(x, None), x.numel()),
         ("1x128_grouped", lambda: fp8.quantize_1x128(x, offsets), lambda: fp8._ref_1x128(x, offsets), x.numel()),
+        ("128x128", lambda: fp8.quantize_128x128(w), lambda: fp8._ref_128x128(w, False), w.numel()),
         ("128x128_t", lambda: fp8.quantize_128x128(w, True), lambda: fp8._ref_128x128(w, True), w.numel()),
+        ("1x128_t", lambda: fp8.quantize_1x128_t(x), lambda: fp8._ref_1x128(x.t(), None), x.numel()),
     ]
     rows = []
     for name, ours, torch_ops, numel in cases:

@@ -170,81 +170,13 @@ __global__ void quantize_1x128_kernel(const uint4* __restrict__ x, uint2* __rest
   scale[start * chunks_per_row + kb * count + (row - start)] = dequant_scale(m);
 }
 
-// ---- 1x128 of the transpose -------------------------------------------------------------
-
-// x [rows, cols] -> q = x^T [cols, rows] with one scale per output row (input column) and 128
-// input rows: the weight-gradient operand dy^T without materialising the bf16 transpose.
-// One block of 256 threads per 128x128 tile, laid out as in quantize_128x128_kernel, but the
-// amax is per column: over each thread's 8 rows, then the two half-warps, then the 8 warps.
-__global__ void quantize_1x128_t_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q, float* scale,
-                                        int64_t rows, int64_t cols) {
-  __shared__ uint8_t tile[128][128 + 16];
-  __shared__ float warp_colmax[8][128];
-  const int64_t rb = blockIdx.y, cb = blockIdx.x;
-  const int cpart = threadIdx.x % 16, rpart = threadIdx.x / 16, warp = threadIdx.x / 32;
-  const int64_t col = cb * 128 + cpart * 8;
-  float v[8][8];
-  float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int64_t row = rb * 128 + rpart + 16 * i;
-    if (row < rows && col < cols) {
-      unpack(x[(row * cols + col) / 8], v[i]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(v[i][j]));
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], 16));  // rpart pairs
-  if (threadIdx.x % 32 < 16) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) warp_colmax[warp][cpart * 8 + j] = m[j];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    float c = warp_colmax[0][cpart * 8 + j];
-#pragma unroll
-    for (int w = 1; w < 8; ++w) c = fmaxf(c, warp_colmax[w][cpart * 8 + j]);
-    m[j] = c;
-  }
-  if (rpart == 0) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (col + j < cols) scale[rb * cols + col + j] = dequant_scale(m[j]);
-  }
-  float mult[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) mult[j] = multiplier(m[j]);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      tile[cpart * 8 + j][rpart + 16 * i] =
-          static_cast<uint8_t>(__nv_cvt_float_to_fp8(v[i][j] * mult[j], __NV_SATFINITE, __NV_E4M3));
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int piece = threadIdx.x + 256 * i;  // 128 output rows x 8 pieces of 16 bytes
-    const int out_r = piece / 8, out_c = (piece % 8) * 16;
-    const int64_t orow = cb * 128 + out_r, ocol = rb * 128 + out_c;
-    if (orow < cols && ocol < rows)
-      *reinterpret_cast<uint4*>(q + orow * rows + ocol) = *reinterpret_cast<const uint4*>(&tile[out_r][out_c]);
-  }
-}
-
 // ---- 128x128 ----------------------------------------------------------------------------
 
-// One block of 256 threads per 128x128 tile of one [rows, cols] matrix; thread t covers
-// columns (t % 16) * 8 .. +8 of rows t / 16 + 16 i. With `transpose` the K-major output is
-// [cols, rows] (written through shared memory so stores stay coalesced).
+// One block of 256 threads per 128x128 tile of one [rows, cols] matrix, K-major output as
+// stored (K = cols); thread t covers columns (t % 16) * 8 .. +8 of rows t / 16 + 16 i, so a
+// warp reads and writes two whole 256-byte row pieces per step.
 __global__ void quantize_128x128_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q, float* scale,
-                                        int64_t rows, int64_t cols, bool transpose) {
-  __shared__ uint8_t tile[128][128 + 16];
+                                        int64_t rows, int64_t cols) {
   const int64_t batch = blockIdx.z;
   const int64_t rb = blockIdx.y, cb = blockIdx.x;
   const int64_t row_blocks = gridDim.y, col_blocks = gridDim.x;
@@ -266,29 +198,76 @@ __global__ void quantize_128x128_kernel(const uint4* __restrict__ x, uint8_t* __
   }
   m = block_max(m);
   const float mult = multiplier(m);
-  if (threadIdx.x == 0) {
-    // Scales [K blocks][N blocks] per matrix: K is cols (plain) or rows (transposed).
-    const int64_t idx = transpose ? rb * col_blocks + cb : cb * row_blocks + rb;
-    scale[batch * row_blocks * col_blocks + idx] = dequant_scale(m);
-  }
-  if (!transpose) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int64_t row = rb * 128 + rpart + 16 * i;
-      if (row < rows && col < cols)
-        reinterpret_cast<uint2*>(q)[(batch * matrix + row * cols + col) / 8] = quantize8(v[i], mult);
-    }
-    return;
-  }
+  if (threadIdx.x == 0) scale[batch * row_blocks * col_blocks + cb * row_blocks + rb] = dequant_scale(m);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    uint2 packed = quantize8(v[i], mult);
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&packed);
+    const int64_t row = rb * 128 + rpart + 16 * i;
+    if (row < rows && col < cols)
+      reinterpret_cast<uint2*>(q)[(batch * matrix + row * cols + col) / 8] = quantize8(v[i], mult);
+  }
+}
+
+// Quantise a 128x128 tile of x [rows, cols] and write it transposed (q [cols, rows], K = rows),
+// with one scale per tile (kPerColumn false: 128x128 blocks, scale [K/128][N/128] per matrix)
+// or one per column of x and 128 rows (kPerColumn true: 1x128 blocks of x^T, scale
+// [rows/128][cols]). Thread t owns rows (t % 16) * 8 .. +8 and columns (t / 16) * 8 .. +8:
+// a column's 8 quantised bytes are then contiguous in the transposed tile, and the 16 lanes
+// of a half-warp store 128 contiguous bytes of one shared-memory row (no bank conflicts); the
+// per-column amax is a reduction over those 16 lanes. rows % 16 == 0 (checked by the caller).
+template <bool kPerColumn>
+__global__ void quantize_transposed_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q, float* scale,
+                                           int64_t rows, int64_t cols) {
+  __shared__ __align__(16) uint8_t tile[128][128 + 16];
+  const int64_t batch = blockIdx.z;
+  const int64_t rb = blockIdx.y, cb = blockIdx.x;
+  const int64_t matrix = rows * cols;
+  const int rgroup = threadIdx.x % 16, cpart = threadIdx.x / 16;
+  const int64_t col = cb * 128 + cpart * 8;
+  float v[8][8];  // [row][column]
+  float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // per column
 #pragma unroll
-    for (int j = 0; j < 8; ++j) tile[cpart * 8 + j][rpart + 16 * i] = bytes[j];
+  for (int i = 0; i < 8; ++i) {
+    const int64_t row = rb * 128 + rgroup * 8 + i;
+    if (row < rows && col < cols) {
+      unpack(x[(batch * matrix + row * cols + col) / 8], v[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(v[i][j]));
+  }
+  float mult[8];
+  if constexpr (kPerColumn) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int d = 1; d < 16; d <<= 1) m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], d));  // over rgroup
+      mult[j] = multiplier(m[j]);
+    }
+    if (rgroup == 0) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (col + j < cols) scale[rb * cols + col + j] = dequant_scale(m[j]);
+    }
+  } else {
+    float tile_max = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) tile_max = fmaxf(tile_max, m[j]);
+    tile_max = block_max(tile_max);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mult[j] = multiplier(tile_max);
+    if (threadIdx.x == 0) scale[batch * gridDim.y * gridDim.x + rb * gridDim.x + cb] = dequant_scale(tile_max);
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float column[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) column[i] = v[i][j];
+    *reinterpret_cast<uint2*>(&tile[cpart * 8 + j][rgroup * 8]) = quantize8(column, mult[j]);
   }
   __syncthreads();
-  // Output rows are input columns; each thread stores 16 bytes (rows % 16 == 0 is checked).
+  // Output rows are input columns; each thread stores 16 bytes (rows % 16 == 0).
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int piece = threadIdx.x + 256 * i;  // 128 output rows x 8 pieces of 16 bytes
@@ -376,7 +355,7 @@ int tessera_fp8_quantize_1x128_t(const void* x, void* q, float* scale, int64_t r
   DeviceGuard guard(device);
   if (guard.status) return guard.status;
   dim3 grid(static_cast<unsigned>((cols + 127) / 128), static_cast<unsigned>((rows + 127) / 128));
-  quantize_1x128_t_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  quantize_transposed_kernel<true><<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint4*>(x), static_cast<uint8_t*>(q), scale, rows, cols);
   TESSERA_CUDA_TRY(cudaGetLastError());
   return TESSERA_OK;
@@ -393,8 +372,14 @@ int tessera_fp8_quantize_128x128(const void* x, void* q, float* scale, int64_t b
   if (guard.status) return guard.status;
   dim3 grid(static_cast<unsigned>((cols + 127) / 128), static_cast<unsigned>((rows + 127) / 128),
             static_cast<unsigned>(batch));
-  quantize_128x128_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const uint4*>(x), static_cast<uint8_t*>(q), scale, rows, cols, transpose != 0);
+  auto s = static_cast<cudaStream_t>(stream);
+  if (transpose) {
+    quantize_transposed_kernel<false><<<grid, 256, 0, s>>>(static_cast<const uint4*>(x), static_cast<uint8_t*>(q),
+                                                           scale, rows, cols);
+  } else {
+    quantize_128x128_kernel<<<grid, 256, 0, s>>>(static_cast<const uint4*>(x), static_cast<uint8_t*>(q), scale,
+                                                 rows, cols);
+  }
   TESSERA_CUDA_TRY(cudaGetLastError());
   return TESSERA_OK;
 }

@@ -167,7 +167,9 @@ def balancing_loss_from_stats(counts: torch.Tensor, prob_sums: torch.Tensor, len
 def sequence_ids(cu_seqlens: torch.Tensor, start: int, n: int) -> torch.Tensor:
     """Sequence index of tokens start .. start+n-1 of a micro-batch with boundaries cu_seqlens."""
     positions = torch.arange(start, start + n, device=cu_seqlens.device)
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+    # Search the whole array (cu_seqlens[0] = 0 <= every position) rather than cu_seqlens[1:]:
+    # inductor cannot lower searchsorted over a sliced boundaries tensor (NotImplementedError: SliceView).
+    return torch.searchsorted(cu_seqlens, positions, right=True) - 1
 
 
 def sequence_load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, cu_seqlens: torch.Tensor, top_k: int) -> torch.Tensor:
