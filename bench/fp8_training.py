@@ -115,6 +115,7 @@ def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, bat
     from core.mesh import ParallelMesh
     from core.parallel import parallelize
 
+    torch._dynamo.reset()  # each run compiles afresh: no shapes marked dynamic by an earlier run
     config = Config(model=cfg)
     t = config.train
     t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.precision = lr, lr / 10, warmup, steps, precision
@@ -138,11 +139,16 @@ def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, bat
         times.append(time.perf_counter() - start)
         if log_every and (step + 1) % log_every == 0:
             print(f"  {precision} step {step + 1:4d} loss {losses[-1]:.4f} {1e3 * times[-1]:7.1f} ms", flush=True)
+    # Held-out loss in training-sized batches: a new shape would make compiled blocks recompile
+    # with dynamic shapes, where inductor has crashed (docs/fp8.md).
     eval_gen = torch.Generator().manual_seed(seed + 1)
+    total, tokens_seen = 0.0, 0
     with torch.no_grad():
-        tokens, labels, positions, meta = packed(data.rows(data.held_out, eval_rows, seq, eval_gen), device)
-        loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
-    return RunResult(losses, float(loss_sum) / float(count), 1e3 * statistics.median(times[5:] or times))
+        for _ in range(max(1, eval_rows // batch)):
+            tokens, labels, positions, meta = packed(data.rows(data.held_out, batch, seq, eval_gen), device)
+            loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
+            total, tokens_seen = total + float(loss_sum), tokens_seen + int(count)
+    return RunResult(losses, total / tokens_seen, 1e3 * statistics.median(times[5:] or times))
 
 
 def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.device) -> dict:
