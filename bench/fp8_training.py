@@ -144,7 +144,7 @@ def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, bat
     eval_gen = torch.Generator().manual_seed(seed + 1)
     total, tokens_seen = 0.0, 0
     with torch.no_grad():
-        for _ in range(max(1, eval_rows // batch)):
+        for _ in range(-(-eval_rows // batch)):  # whole batches, at least eval_rows rows
             tokens, labels, positions, meta = packed(data.rows(data.held_out, batch, seq, eval_gen), device)
             loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
             total, tokens_seen = total + float(loss_sum), tokens_seen + int(count)
@@ -159,7 +159,7 @@ def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.de
         variants.append(("fp8-wgrad-bf16", "fp8", "bf16"))
     if args.floor:  # a precision change that is not FP8: how far two good runs drift apart
         variants.append(("fp32", "fp32", None))
-    eval_rows = max(16, 4096 // args.seq)
+    eval_rows = -(-max(16, 4096 // args.seq) // args.batch) * args.batch  # whole training-sized batches
     runs = {}
     for label, precision, wgrad in variants:
         previous = os.environ.get(EXPERT_WGRAD_ENV)
