@@ -278,11 +278,6 @@ def resolve_layout(config: Config, world_size: int) -> Config:
         raise ConfigError(f"train.lr must be a positive number, got {t.lr}")
     if config.data.cp_cost:
         _check_cp_cost(config)
-    if t.compile and config.model.moe.num_experts:
-        # Measured on an H100 (2026-11-23): compiled MoE blocks hit an inductor lowering error
-        # and, once past it, recompiled on the data-dependent routing shapes for minutes.
-        raise ConfigError("train.compile=true with MoE layers (model.moe.num_experts > 0) is not supported yet; "
-                          "set train.compile=false")
     return config
 
 

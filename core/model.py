@@ -60,6 +60,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class CoreAttention(nn.Module):
     """softmax(q k^T) v within documents; a module so parallel steps can swap or recompute it."""
 
+    # Outside torch.compile: the document boundaries (cu_seqlens length, max_seqlen) change
+    # with every packed batch, so a compiled block recompiled on each one until dynamo's
+    # recompile limit; the attention kernels are opaque to inductor anyway.
+    @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen)
 

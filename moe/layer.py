@@ -103,8 +103,7 @@ class MoELayer(nn.Module):
         routing = self.router(x)
         loss, parts = self._aux_loss(routing, token_offset, x.shape[0])
         shared = self._shared_start(x)
-        expert_in, tokens_per_expert = self.dispatcher.dispatch(x, routing)
-        y = self.dispatcher.combine(self.experts(expert_in, tokens_per_expert))
+        y = self._routed(x, routing)
         if shared is not None:
             y = y + self._shared_finish(*shared)
         if loss is not None and torch.is_grad_enabled() and loss.requires_grad:
@@ -114,6 +113,15 @@ class MoELayer(nn.Module):
         if self.training and not _in_recompute():
             self._record(routing, parts)
         return self._leave_tp(y)
+
+    # Outside torch.compile: the per-expert row counts change every batch, so compiled, this
+    # part recompiled on each new routing (and then ran with dynamic shapes); its time is the
+    # opaque grouped GEMMs and the all-to-all, which compiling would not speed up. Router,
+    # auxiliary losses and shared experts around it stay in the block's compiled graphs.
+    @torch.compiler.disable
+    def _routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        expert_in, tokens_per_expert = self.dispatcher.dispatch(x, routing)
+        return self.dispatcher.combine(self.experts(expert_in, tokens_per_expert))
 
     def _enter_tp(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This rank's tokens for routing, and where they start in the micro-batch."""
@@ -134,6 +142,9 @@ class MoELayer(nn.Module):
             return reduce_scatter_tokens(y, self.tp_group) if self.sequence_parallel else reduce_from_group(y, self.tp_group)
         return y
 
+    # Outside torch.compile too: the per-sequence statistics are shaped by the batch's
+    # document count (and check it on the host), so a compiled block recompiled per batch.
+    @torch.compiler.disable
     def _aux_loss(self, routing: Routing, token_offset: int, n: int):
         """(the loss term to attach or None, detached values for the metrics).
 
@@ -215,6 +226,7 @@ class MoELayer(nn.Module):
         return out
 
     # ------------------------------------------------------------- statistics
+    @torch.compiler.disable  # host-side dict of running sums: its state would be a guard
     @torch.no_grad()
     def _record(self, routing: Routing, parts: dict[str, torch.Tensor]) -> None:
         counts = routing.tokens_per_expert

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_train import dataset, losses, run_train  # noqa: F401  (the fixture is reused)
+from tests.test_train import MOE_CONFIG, dataset, losses, run_train  # noqa: F401  (the fixture is reused)
 
 pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count()
@@ -35,3 +35,28 @@ def test_gpu_layouts_match_single_gpu(tmp_path, dataset, gpu_reference, tp, dp):
     got = losses(run_dir)
     for step, loss in gpu_reference.items():
         assert got[step] == pytest.approx(loss, rel=RTOL_BF16), (step, got, gpu_reference)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_gpu_compiled_moe_matches_eager(tmp_path, dataset, precision, monkeypatch):  # noqa: F811
+    # train.compile with MoE layers (inductor): router, aux losses' inputs and shared experts
+    # compiled, dispatch + experts eager; every packed batch has new document boundaries and
+    # routing, which must not recompile (a recompile per step ran for minutes, 2026-11-23).
+    if GPUS < 1:
+        pytest.skip("needs a CUDA GPU")
+    # 12 steps with per-sequence balancing and the bias update; dims of 128 for FP8's blocks.
+    common = ["train.device=cuda", f"train.precision={precision}", "train.max_steps=12", "model.dim=128",
+              "model.moe.ffn_dim=128", "model.moe.aux_loss_per_sequence=true", "model.moe.bias_update_rate=0.001",
+              "parallel.ep=1"]
+    eager_dir, compiled_dir = tmp_path / "eager", tmp_path / "compiled"
+    run_train(eager_dir, dataset, 1, *common, config=MOE_CONFIG)
+    monkeypatch.setenv("TORCH_LOGS", "recompiles")
+    proc = run_train(compiled_dir, dataset, 1, *common, "train.compile=true", config=MOE_CONFIG)
+    # One expected: the block code seen first with a dense, then a MoE feed-forward (on CPU with
+    # aot_eager: exactly that one over 12 steps). Recompiling per batch would log >= 11.
+    recompiles = proc.stderr.count("Recompiling function")
+    assert recompiles <= 3, proc.stderr[-6000:]
+    want, got = losses(eager_dir), losses(compiled_dir)
+    assert sorted(got) == list(range(1, 13))
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=RTOL_BF16), (step, got, want)

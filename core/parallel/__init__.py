@@ -20,6 +20,26 @@ from core.mesh import ParallelMesh
 from core.parallel.recompute import apply_recompute
 
 
+COMPILE_BACKEND_ENV = "TESSERA_COMPILE_BACKEND"
+
+
+def compile_blocks(chunks: list[nn.Module]) -> None:
+    """torch.compile each transformer block, with static shapes.
+
+    A micro-batch's token count is fixed by the packer, so static shapes cost one graph for
+    training and one per other size met (held-out batches, dynamic-CP shares); dynamic-shape
+    recompiles crashed inside inductor's generated code on an H100 (docs/fp8.md). What
+    changes with every batch stays outside the graphs: the attention core (document
+    boundaries) and the MoE dispatch and experts (row counts per expert).
+    TESSERA_COMPILE_BACKEND picks another backend ("aot_eager" to bisect an inductor bug)."""
+    import os
+
+    backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+    for chunk in chunks:
+        for block in chunk.layers.values():
+            block.compile(backend=backend, dynamic=False)
+
+
 @dataclass
 class GradControl:
     """The loop's handle on gradients: when to communicate, when to clip, when to clear."""
@@ -92,9 +112,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         apply_recompute(chunk, t.recompute)
     model.to(device)
     if t.compile:
-        for chunk in chunks:
-            for block in chunk.layers.values():
-                block.compile()
+        compile_blocks(chunks)
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=param_dtype)

@@ -153,6 +153,7 @@ class RingCoreAttention(nn.Module):
         super().__init__()
         self.group = group
 
+    @torch.compiler.disable  # as CoreAttention: per-batch layouts, collectives
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         layout = meta.extra.get("cp")
         if layout is None or layout.cp_size == 1:
