@@ -7,9 +7,10 @@ SwiGLU 5632) at seq 4096, micro-batch 2, bf16, on synthetic tokens, in the same 
 - tessera: the same model through `core.parallel.parallelize` on one rank (bf16 params, fp32
   master weights and grads in the optimizer, the configured recompute and compile).
 MFU counts 6*(params - input embedding) + 6*layers*d*seq FLOPs per token against 989 TFLOP/s
-(the accounting of shared/PERFORMANCE.md).
+(the accounting of shared/PERFORMANCE.md). --moe runs the DeepSeek-like fine-grained MoE
+instead (4 layers by default, 64 experts, top-8), MFU on active parameters (top_k of E).
 
-    python bench/train_step.py [--steps 10] [--layers 20] [--compile] [--accum 4]
+    python bench/train_step.py [--steps 10] [--layers 20] [--compile] [--accum 4] [--moe]
 
 --accum N runs N micro-batches per optimizer step on both sides (one step per micro-batch
 is the default, as in PERFORMANCE.md; real global batches are many micro-batches).
@@ -31,11 +32,37 @@ from core.config import Config, ModelConfig  # noqa: E402
 from core.loss import cross_entropy_sum  # noqa: E402
 from core.metrics import PEAK_FLOPS, flops_per_token  # noqa: E402
 from core.model import AttentionMeta, build_model  # noqa: E402
+from core.train import count_params  # noqa: E402
 
 
-def model_config(layers: int) -> ModelConfig:
-    return ModelConfig(vocab_size=32000, dim=2048, num_layers=layers, num_heads=16, num_kv_heads=4, ffn_dim=5632,
-                       rope_theta=500000.0)
+def model_config(layers: int, moe: bool) -> ModelConfig:
+    if not moe:
+        return ModelConfig(vocab_size=32000, dim=2048, num_layers=layers, num_heads=16, num_kv_heads=4, ffn_dim=5632,
+                           rope_theta=500000.0)
+    # launch/configs/deepseek_like.toml's shapes and routing, fewer layers to fit one GPU with
+    # all 64 experts (at ep=8 each GPU holds 8 experts but runs the same FLOPs per token).
+    from core.config import MoEConfig
+
+    routing = MoEConfig(num_experts=64, top_k=8, ffn_dim=1408, num_shared_experts=2, router="sigmoid",
+                        normalize_topk=True, routed_scaling_factor=2.5, n_groups=8, topk_groups=4,
+                        aux_loss_coeff=1e-4, aux_loss_per_sequence=True, bias_update_rate=1e-3, first_k_dense=1)
+    return ModelConfig(vocab_size=102400, dim=2048, num_layers=layers, num_heads=16, num_kv_heads=4, ffn_dim=10944,
+                       rope_theta=10000.0, tie_embeddings=False, moe=routing)
+
+
+def moe_step_hooks(model, cu_seqlens):
+    """What the training loop does around a MoE step (no-ops for a dense model): per-sequence
+    balancing boundaries before the forward, the expert-bias update after the optimizer."""
+    from moe.layer import moe_layers, moe_metrics, set_moe_sequences, update_expert_bias
+
+    if not moe_layers(model):
+        return lambda: None, lambda: None
+
+    def after():
+        update_expert_bias(model)
+        moe_metrics(model)
+
+    return lambda: set_moe_sequences(model, cu_seqlens), after
 
 
 def synthetic_batch(batch: int, seq: int, vocab: int, device):
@@ -77,15 +104,18 @@ def baseline_step_fn(cfg, batch, compile_model: bool, accum: int):
     model = build_model(cfg, seed=0).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     run = torch.compile(model) if compile_model else model
+    before, after = moe_step_hooks(model, batch[3].cu_seqlens)
 
     def step():
         for _ in range(accum):
+            before()
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 logits = run(batch[0], batch[2], batch[3])
             loss = torch.nn.functional.cross_entropy(logits.float(), batch[1]) / accum
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        after()
 
     return step, model
 
@@ -103,9 +133,11 @@ def tessera_step_fn(cfg, batch, args):
     mesh = ParallelMesh.build(device_type=device.type)
     model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=0), mesh, config, device, "bf16")
     count = batch[0].numel()
+    before, after = moe_step_hooks(model, batch[3].cu_seqlens)
 
     def step():
         for micro in range(args.accum):
+            before()
             with grads.sync_context(last=micro == args.accum - 1):
                 logits = model(batch[0], batch[2], batch[3])
                 loss_sum, _ = cross_entropy_sum(logits, batch[1], compiled=args.compile)
@@ -114,6 +146,7 @@ def tessera_step_fn(cfg, batch, args):
         optimizer.step()
         scheduler.step()
         grads.zero_grad()
+        after()
 
     return step, model
 
@@ -122,7 +155,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=None, help="default 20 dense, 4 with --moe")
+    parser.add_argument("--moe", action="store_true",
+                        help="the DeepSeek-like fine-grained MoE (64 experts of 1408, top-8, 2 shared); MFU on active parameters")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="compile Tessera's blocks")
@@ -135,9 +170,11 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = model_config(args.layers)
+    args.layers = args.layers or (4 if args.moe else 20)
+    cfg = model_config(args.layers, args.moe)
     if args.dim != 2048:
         cfg.dim, cfg.ffn_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size = args.dim, args.dim * 2, 4, 2, 512
+        cfg.moe.ffn_dim = args.dim // 2 if args.moe else 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, device)
     tokens = args.batch * args.seq * args.accum
@@ -151,25 +188,26 @@ def main() -> None:
             step, model = baseline_step_fn(cfg, batch, args.compile_baseline, args.accum)
         else:
             step, model = tessera_step_fn(cfg, batch, args)
-        total = sum(p.numel() for p in model.parameters())
-        embed = model.tok_embeddings.weight.numel()
+        total, embed, active = count_params(model)
         seconds = time_steps(step, args.steps, args.warmup)
         if args.profile and name == "tessera" and device == "cuda":
             print_profile(step)
-        fpt = flops_per_token(total, embed, cfg.num_layers, cfg.dim, args.seq)
+        fpt = flops_per_token(active, embed, cfg.num_layers, cfg.dim, args.seq)
         results[name] = {
             "step_ms": 1e3 * seconds,
             "tokens_per_s": tokens / seconds,
             "mfu": fpt * tokens / seconds / PEAK_FLOPS["bf16"],
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
             "params": total,
+            "active_params": active,
         }
         del model, step
         if device == "cuda":
             torch.cuda.empty_cache()
     for name, r in results.items():
         print(f"{name:9s} step {r['step_ms']:7.1f} ms  {r['tokens_per_s'] / 1e3:7.1f}k tok/s  "
-              f"MFU {100 * r['mfu']:5.1f}%  peak {r['peak_mem_gib']:5.1f} GiB  params {r['params'] / 1e9:.3f}B")
+              f"MFU {100 * r['mfu']:5.1f}%  peak {r['peak_mem_gib']:5.1f} GiB  params {r['params'] / 1e9:.3f}B "
+              f"({r['active_params'] / 1e9:.3f}B active)")
     if len(results) == 2:
         print(f"tessera / baseline tokens/s: {results['tessera']['tokens_per_s'] / results['baseline']['tokens_per_s']:.3f}")
     print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args),

@@ -43,11 +43,19 @@ def _all_reduce_sum(values: list[float], group, device: torch.device) -> list[fl
     return t.tolist()
 
 
-def count_params(model: torch.nn.Module) -> tuple[int, int]:
-    """(all parameters, input-embedding parameters) of the UNSHARDED model."""
+def count_params(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(all parameters, input-embedding parameters, parameters one token uses) of the
+    UNSHARDED model. A token runs top_k of each MoE layer's E routed experts, so MFU counts
+    that share of the expert weights (MFU on active parameters, as MoE papers quote it)."""
+    from moe.layer import moe_layers
+
     total = sum(p.numel() for p in model.parameters())
     embedding = model.tok_embeddings.weight.numel() if model.tok_embeddings is not None else 0
-    return total, embedding
+    idle = 0
+    for layer in moe_layers(model):
+        experts = sum(p.numel() for p in layer.experts.parameters())
+        idle += experts - experts * layer.moe.top_k // layer.moe.num_experts
+    return total, embedding, total - idle
 
 
 def train(config: Config, resume: bool = False) -> list[dict]:
@@ -61,7 +69,7 @@ def train(config: Config, resume: bool = False) -> list[dict]:
     torch.manual_seed(t.seed + rank)  # dropout-free model: only affects user code that draws
 
     model = build_model(config.model, seed=t.seed)
-    total_params, embedding_params = count_params(model)
+    _, embedding_params, active_params = count_params(model)
     dynamic = None
     if p.dynamic_cp:  # the step's plan comes from the data service; sub-groups are built once here
         from core.dynamic_cp import DynamicCP
@@ -95,7 +103,7 @@ def train(config: Config, resume: bool = False) -> list[dict]:
     tp_group = mesh.group("tp") if p.tp > 1 else None
     reduce_group = mesh.group("dp_cp") if mesh.size("dp_cp") > 1 else None
     writer = MetricsWriter(run_dir, enabled=rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard)
-    flops_token = flops_per_token(total_params, embedding_params, config.model.num_layers, config.model.dim, t.seq_len)
+    flops_token = flops_per_token(active_params, embedding_params, config.model.num_layers, config.model.dim, t.seq_len)
     peak = PEAK_FLOPS.get(precision) if device.type == "cuda" else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16" and grads.uses_autocast else contextlib.nullcontext()
     data_iter = iter(stream)

@@ -382,3 +382,19 @@ def test_full_recompute_same_grads_and_no_double_counting():
         assert int(model.layers["1"].feed_forward._bias_load.sum()) == t * 2
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+def test_mfu_counts_the_active_parameters_of_moe_layers():
+    from core.train import count_params
+
+    cfg = _cfg(num_shared_experts=1, first_k_dense=1)  # 2 layers: layer 0 dense, layer 1 MoE
+    model = build_model(cfg, seed=0)
+    total, embedding, active = count_params(model)
+    assert total == sum(p.numel() for p in model.parameters())
+    assert embedding == 64 * 24
+    experts = model.layers["1"].feed_forward.experts
+    per_expert = 3 * 24 * 16  # w1, w3: dim x ffn; w2: ffn x dim
+    assert sum(p.numel() for p in experts.parameters()) == 8 * per_expert
+    assert active == total - (8 - 2) * per_expert  # a token visits top_k = 2 of the 8
+    dense = build_model(ModelConfig(vocab_size=64, dim=24, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=32), 0)
+    assert count_params(dense)[2] == sum(p.numel() for p in dense.parameters())
