@@ -76,13 +76,22 @@ def bench_grouped(shape, routing: str, lib, device, bench_ms) -> list[dict]:
 def _torch_blockwise(qa, sa, qb, sb, reference: torch.Tensor):
     """A callable running cuBLAS blockwise FP8 through torch._scaled_mm, or None if this torch
     does not take these scales (or gives a different answer than ours)."""
-    for scale_a, scale_b in ((sa.t(), sb.t()), (sa.t(), sb)):
+    # cuBLAS wants the 1x128 scales as [M, K/128] with M contiguous (our sa [K/128, M]
+    # transposed), and the 128x128 ones as [K/128 rounded up to 4, N/128] with K contiguous.
+    kb, nb = sb.shape
+    sb_k_major = torch.zeros(nb, -(-kb // 4) * 4, device=sb.device, dtype=sb.dtype)
+    sb_k_major[:, :kb] = sb.t()
+    errors = []
+    for scale_a, scale_b in ((sa.t(), sb_k_major.t()), (sa.t(), sb.t()), (sa.t(), sb)):
         try:
             out = torch._scaled_mm(qa, qb.t(), scale_a, scale_b, out_dtype=torch.bfloat16)
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError) as e:
+            errors.append(str(e).splitlines()[0][:160])
             continue
         if (out.float() - reference.float()).abs().max() <= 0.02 * reference.float().abs().max():
             return lambda: torch._scaled_mm(qa, qb.t(), scale_a, scale_b, out_dtype=torch.bfloat16)
+        errors.append("different result from ours")
+    print(f"fp8 cuBLAS blockwise not measured: {errors}", flush=True)
     return None
 
 

@@ -363,6 +363,12 @@ def _workspace(lib: KernelLibrary, name: str, key: tuple, *args) -> int:
     return size
 
 
+# Tile-order swizzle of the dense FP8 GEMM: neighbouring CTAs share A and B tiles in L2. On one
+# H100 (bench/kernel_raster.py, four shapes from 8192x4096x4096 to 16384x14336x4096) swizzle 8
+# ran 1089-1116 TFLOP/s, swizzle 1 1013-1055 (BENCHMARKS.md).
+DENSE_SWIZZLE = 8
+
+
 @custom_op("fp8_gemm_blockwise")
 def gemm_blockwise(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor) -> Tensor:
     """bf16 [M, N] = (a * sfa) @ (b * sfb)^T; a [M, K] with 1x128 scales [K/128, M], b [N, K]
@@ -382,7 +388,7 @@ def gemm_blockwise(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor) -> Tensor:
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     _call(lib, "fp8_gemm", config, a.data_ptr(), sfa.data_ptr(), b.data_ptr(), sfb.data_ptr(), out.data_ptr(),
           m, n, k, workspace.data_ptr(), ws, device, stream, _env_int("TESSERA_GG_RASTER", 0),
-          _env_int("TESSERA_GG_SWIZZLE", 1))
+          _env_int("TESSERA_GG_SWIZZLE", DENSE_SWIZZLE))
     return out
 
 

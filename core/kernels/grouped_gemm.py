@@ -183,6 +183,13 @@ def _cutlass_reason(x: Tensor, other: Tensor) -> str | None:
     return None
 
 
+# Tile-order swizzle of the weight-gradient GEMM: neighbouring CTAs reuse the same x_e^T and
+# dy_e tiles from L2. bench/kernel_raster.py on one H100: 1.123 / 1.035 / 1.008x torch with
+# swizzle 8 against 1.060 / 1.004 / 0.999x with 1 (Mixtral-like, fine E=64, E=128); forward and
+# dgrad had no order consistently better than swizzle 1 (BENCHMARKS.md).
+WGRAD_SWIZZLE = 8
+
+
 def run_grouped(lib: KernelLibrary, op: int, a: Tensor, b: Tensor, out: Tensor, offsets: Tensor,
                 config: int | None = None) -> Tensor:
     """Launch one CUTLASS grouped GEMM into `out` on the current stream (see csrc/include).
@@ -201,7 +208,7 @@ def run_grouped(lib: KernelLibrary, op: int, a: Tensor, b: Tensor, out: Tensor, 
     stream = torch.cuda.current_stream(a.device).cuda_stream
     rc = lib.gg_bf16(op, config, a.data_ptr(), b.data_ptr(), out.data_ptr(), offsets.data_ptr(), groups,
                      rows, k, n, workspace.data_ptr(), ws_bytes, device, stream,
-                     _env_int(RASTER_ENV, 0), _env_int(SWIZZLE_ENV, 1))
+                     _env_int(RASTER_ENV, 0), _env_int(SWIZZLE_ENV, WGRAD_SWIZZLE if op == OP_WGRAD else 1))
     lib.check(rc, f"tessera_gg_bf16(op={op}, config={config}, rows={rows}, k={k}, n={n}, groups={groups})")
     return out
 
