@@ -398,3 +398,19 @@ def test_mfu_counts_the_active_parameters_of_moe_layers():
     assert active == total - (8 - 2) * per_expert  # a token visits top_k = 2 of the 8
     dense = build_model(ModelConfig(vocab_size=64, dim=24, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=32), 0)
     assert count_params(dense)[2] == sum(p.numel() for p in dense.parameters())
+
+
+def test_grouped_mm_follows_autocast_like_matmul():
+    # fp32 weights under bf16 autocast: the product runs in bf16, gradients reach the fp32 leaves.
+    torch.manual_seed(0)
+    x = torch.randn(10, 16, requires_grad=True)
+    w = torch.randn(3, 16, 8, requires_grad=True)
+    offsets = torch.tensor([4, 4, 10], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = grouped_mm(x, w, offsets)
+    assert out.dtype == torch.bfloat16
+    want = grouped_mm_loop(x.bfloat16(), w.bfloat16(), offsets)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    assert w.grad[1].abs().sum() == 0 and w.grad[2].abs().sum() > 0  # the empty group gets nothing
