@@ -102,6 +102,7 @@ def train(config: Config, resume: bool = False) -> list[dict]:
         set_moe_loss_scale(model, accum * mesh.size("dp_cp"))
     tp_group = mesh.group("tp") if p.tp > 1 else None
     reduce_group = mesh.group("dp_cp") if mesh.size("dp_cp") > 1 else None
+    reduce_size = mesh.size("dp_cp")
     writer = MetricsWriter(run_dir, enabled=rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard)
     flops_token = flops_per_token(active_params, embedding_params, config.model.num_layers, config.model.dim, t.seq_len)
     peak = PEAK_FLOPS.get(precision) if device.type == "cuda" else None
@@ -116,9 +117,11 @@ def train(config: Config, resume: bool = False) -> list[dict]:
                 micro = dynamic.next_step(data_iter, device)
             else:
                 micro = [shard(to_inputs(next(data_iter), device)) for _ in range(accum)]
+            data_wait = time.perf_counter() - step_start  # blocked on the data client (+ the copy in)
             local_labels = float(sum(m.num_labels for m in micro))
             local_tokens = float(sum(m.num_tokens for m in micro))
-            global_labels, global_tokens = _all_reduce_sum([local_labels, local_tokens], reduce_group, device)
+            global_labels, global_tokens, wait_sum = _all_reduce_sum([local_labels, local_tokens, data_wait],
+                                                                     reduce_group, device)
             if grads.pipeline is not None:
                 # The schedule interleaves micro-batches' backwards: reduce once, at the end.
                 with grads.dp.no_sync():
@@ -147,6 +150,8 @@ def train(config: Config, resume: bool = False) -> list[dict]:
                 "grad_norm": float(grad_norm),
                 "lr": lr,
                 "tokens_per_s": global_tokens / elapsed,
+                "step_s": elapsed,
+                "data_wait_s": wait_sum / reduce_size,  # mean over the data-parallel ranks
                 "mfu": (flops_token * global_tokens / elapsed / (peak * world)) if peak else None,
                 "mem_gb": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else _rss_gb(),
             }

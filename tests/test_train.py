@@ -74,6 +74,9 @@ def test_single_process_writes_metrics_checkpoint_and_loss_falls(tmp_path, datas
     assert [r["step"] for r in records] == list(range(1, 13))
     for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_gb"):
         assert key in records[0]
+    for r in records:  # the wait for data is part of the step (the first waits for the server's stream)
+        assert 0 <= r["data_wait_s"] < r["step_s"], r
+        assert 0.5 * 8 * 64 < r["tokens_per_s"] * r["step_s"] <= 8 * 64 * (1 + 1e-9)  # 8 packed rows of 64
     assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
     assert (run_dir / "loss.png").stat().st_size > 1000
     assert (run_dir / "checkpoints" / "latest").exists()
