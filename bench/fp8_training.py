@@ -21,6 +21,7 @@ the losses then mean what they mean on a GPU, the step times do not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -108,9 +109,17 @@ class RunResult:
         return statistics.fmean(self.losses[-10:])
 
 
+def _last_step_profiler(active: bool, device: torch.device):
+    if not active:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+
+
 def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, batch: int, seq: int,
               device: torch.device, lr: float = 3e-3, warmup: int = 20, seed: int = 0, eval_rows: int = 16,
-              log_every: int = 0, compile_model: bool = False) -> RunResult:
+              log_every: int = 0, compile_model: bool = False, profile: bool = False) -> RunResult:
     """Train a fresh model (`build_model(cfg, seed)`) for `steps` steps; the batches depend only on `seed`."""
     from core.mesh import ParallelMesh
     from core.parallel import parallelize
@@ -127,8 +136,9 @@ def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, bat
     losses, times = [], []
     for step in range(steps):
         tokens, labels, positions, meta = packed(data.rows(data.train, batch, seq, gen), device)
+        profiler = _last_step_profiler(profile and step == steps - 1, device)
         start = time.perf_counter()
-        with grads.sync_context(last=True):
+        with profiler, grads.sync_context(last=True):
             loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels, compiled=compile_model)
             (loss_sum / count).backward()
         grads.finish_and_clip(t.grad_clip)
@@ -137,6 +147,9 @@ def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, bat
         grads.zero_grad()
         losses.append(loss_sum.item() / count.item())  # reads back: the step is done
         times.append(time.perf_counter() - start)
+        if profile and step == steps - 1:
+            print(f"  {precision}: the last step's CUDA time by kernel", flush=True)
+            print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
         if log_every and (step + 1) % log_every == 0:
             print(f"  {precision} step {step + 1:4d} loss {losses[-1]:.4f} {1e3 * times[-1]:7.1f} ms", flush=True)
     # Held-out loss in training-sized batches: a new shape would make compiled blocks recompile
@@ -168,7 +181,7 @@ def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.de
         try:
             runs[label] = train_run(cfg, precision, data, args.steps, args.batch, args.seq, device, lr=args.lr,
                                     warmup=args.warmup, seed=args.seed, eval_rows=eval_rows, log_every=args.log_every,
-                                    compile_model=args.compile)
+                                    compile_model=args.compile, profile=args.profile)
         finally:
             os.environ.pop(EXPERT_WGRAD_ENV, None)
             if previous is not None:
@@ -215,6 +228,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--expert-wgrad", choices=["fp8", "bf16", "both"], default="fp8",
                         help="MoE FP8 runs: the experts' weight-gradient GEMM (both: one run each)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the blocks and the loss (both precisions)")
+    parser.add_argument("--profile", action="store_true", help="print the last step's CUDA kernels of each run")
     parser.add_argument("--floor", action="store_true", help="also train in fp32: the drift of a non-FP8 change")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
