@@ -414,3 +414,21 @@ def test_grouped_mm_follows_autocast_like_matmul():
     out.float().sum().backward()
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
     assert w.grad[1].abs().sum() == 0 and w.grad[2].abs().sum() > 0  # the empty group gets nothing
+
+
+def test_weighted_combine_gradients_match_autograd_of_bmm():
+    # The combine's hand-written backward against autograd through the plain bmm, in float64.
+    from moe.dispatcher import _WeightedSum
+
+    torch.manual_seed(4)
+    weights = torch.rand(7, 3, dtype=torch.float64, requires_grad=True)
+    slots = torch.randn(7, 3, 5, dtype=torch.float64, requires_grad=True)
+    out = _WeightedSum.apply(weights, slots)
+    want = torch.bmm(weights.unsqueeze(1), slots).squeeze(1)
+    torch.testing.assert_close(out, want, **TIGHT)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (weights, slots), grad)
+    expected = torch.autograd.grad(want, (weights, slots), grad)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, **TIGHT)
+    assert torch.autograd.gradcheck(_WeightedSum.apply, (weights, slots))
