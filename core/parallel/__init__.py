@@ -10,6 +10,7 @@ file only fixes their order and hands the training loop what it needs.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +33,6 @@ def compile_blocks(chunks: list[nn.Module]) -> None:
     changes with every batch stays outside the graphs: the attention core (document
     boundaries) and the MoE dispatch and experts (row counts per expert).
     TESSERA_COMPILE_BACKEND picks another backend ("aot_eager" to bisect an inductor bug)."""
-    import os
-
     backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
     for chunk in chunks:
         for block in chunk.layers.values():
