@@ -97,9 +97,11 @@ def train(config: Config, resume: bool = False) -> list[dict]:
     if grads.pipeline is not None:
         from core.parallel.pipeline import run_pipeline_step
     if config.model.moe.num_experts:
+        from moe.comm import EXCHANGE_TIMER
         from moe.layer import set_moe_loss_scale
 
         set_moe_loss_scale(model, accum * mesh.size("dp_cp"))
+        EXCHANGE_TIMER.enabled = p.ep > 1 and config.model.moe.dispatcher == "alltoall"
     tp_group = mesh.group("tp") if p.tp > 1 else None
     reduce_group = mesh.group("dp_cp") if mesh.size("dp_cp") > 1 else None
     reduce_size = mesh.size("dp_cp")

@@ -9,8 +9,9 @@
 #            S = 16384 x N tokens per step at cp=N, and at cp=1 on S/N (weak scaling: the
 #            attention term makes per-GPU work grow with S, which MFU counts, so the
 #            efficiency is MFU(cp=N on S) / MFU(cp=1 on S/N)).
-# Each run's median tokens/s, MFU (active parameters) and data wait over the steps after the
-# warm-up are printed as one line, then the efficiencies against the 1-GPU runs.
+# Each run's median tokens/s, MFU (active parameters), data wait and (MoE, ep > 1) time in the
+# token all-to-alls over the steps after the warm-up are printed as one line, then the
+# efficiencies against the 1-GPU runs.
 #
 #   bash launch/scaling.sh [moe|longseq|all] [--gpus N] [--steps K]     (default: all, every GPU)
 #   bash launch/scaling.sh all --smoke     # tiny models on 4 CPU processes (gloo): the script works
@@ -75,11 +76,14 @@ med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
 row = {"run": name, "gpus": nproc, "steps": len(timed), "tokens_per_s": med("tokens_per_s"),
        "tokens_per_s_per_gpu": med("tokens_per_s") / nproc, "step_s": med("step_s"),
        "data_wait_s": med("data_wait_s"), "mfu": med("mfu") if timed[0].get("mfu") is not None else None,
-       "max_mean_load": med("moe/max_mean_load") if "moe/max_mean_load" in timed[0] else None}
+       "max_mean_load": med("moe/max_mean_load") if "moe/max_mean_load" in timed[0] else None,
+       "all_to_all_s": med("moe/all_to_all_s") if "moe/all_to_all_s" in timed[0] else None}
 open(summary, "a").write(json.dumps(row) + "\n")
 mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
 print(f"{name:22s} {nproc} x | {row['tokens_per_s']:10.0f} tok/s ({row['tokens_per_s_per_gpu']:9.0f} per GPU) | "
-      f"step {row['step_s']:.3f} s | data wait {1e3 * row['data_wait_s']:.2f} ms | MFU {mfu}")
+      f"step {row['step_s']:.3f} s | data wait {1e3 * row['data_wait_s']:.2f} ms | MFU {mfu}"
+      + ("" if row["all_to_all_s"] is None else
+         f" | all-to-all {1e3 * row['all_to_all_s']:.1f} ms ({100 * row['all_to_all_s'] / row['step_s']:.1f}%)"))
 PY
 }
 

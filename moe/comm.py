@@ -7,14 +7,58 @@ swapped. Split sizes are Python ints: NCCL and gloo need them on the host.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
+
+
+class ExchangeTimer:
+    """Time spent in the token all-to-alls (dispatch and combine, forward and backward): the
+    share of a step that expert parallelism spends on the network, waiting for peers included.
+    On GPU, CUDA events around each collective on its stream (no host sync when recording; read
+    at `pop_seconds`, after the step); on CPU (gloo, blocking) the host clock. Off unless the
+    training loop turns it on, so nothing piles up for code that never pops."""
+
+    def __init__(self):
+        self.enabled = False
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._host_seconds = 0.0
+
+    def run(self, x: torch.Tensor, exchange):
+        if not self.enabled:
+            return exchange()
+        if x.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = exchange()
+            end.record()
+            self._events.append((start, end))
+            return out
+        began = time.perf_counter()
+        out = exchange()
+        self._host_seconds += time.perf_counter() - began
+        return out
+
+    def pop_seconds(self) -> float:
+        """Seconds since the last call (waits for the recorded collectives to finish)."""
+        total = self._host_seconds
+        for start, end in self._events:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1e3
+        self._events.clear()
+        self._host_seconds = 0.0
+        return total
+
+
+EXCHANGE_TIMER = ExchangeTimer()
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+    EXCHANGE_TIMER.run(x, lambda: dist.all_to_all_single(out, x, output_split_sizes=out_splits,
+                                                         input_split_sizes=in_splits, group=group))
     return out
 
 

@@ -46,6 +46,7 @@ from core.parallel.comm import (
     reduce_scatter_tokens,
     split_tokens,
 )
+from moe.comm import EXCHANGE_TIMER
 from moe.dispatcher import build_dispatcher
 from moe.experts import GroupedExperts
 from moe.router import Routing, TopKRouter, balancing_loss_from_stats, balancing_stats, check_moe_config, sequence_ids
@@ -294,9 +295,12 @@ def moe_metrics(model: nn.Module) -> dict:
       moe/layer{i}/dropped_frac       fraction of assignments dropped by capacity (0 dropless)
       moe/max_mean_load               worst layer's max_mean_load
       moe/aux_loss_term               sum over layers of aux_coeff*aux_loss + z_coeff*z_loss
+      moe/all_to_all_s                seconds in the token all-to-alls of all layers (when the
+                                      loop has turned moe.comm.EXCHANGE_TIMER on: expert parallelism)
     """
     metrics, worst, term = {}, 0.0, 0.0
-    for layer in moe_layers(model):
+    layers = moe_layers(model)
+    for layer in layers:
         stats = layer.pop_stats()
         for name, value in stats.items():
             metrics[f"moe/layer{layer.layer_id}/{name}"] = value
@@ -306,6 +310,8 @@ def moe_metrics(model: nn.Module) -> dict:
     if metrics:
         metrics["moe/max_mean_load"] = worst
         metrics["moe/aux_loss_term"] = term
+    if EXCHANGE_TIMER.enabled and layers:  # a pipeline stage without MoE layers has none to time
+        metrics["moe/all_to_all_s"] = EXCHANGE_TIMER.pop_seconds()
     return metrics
 
 

@@ -146,6 +146,8 @@ MOE_LAYOUTS = {
 def moe_reference(tmp_path_factory, dataset) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("moe-ref")
     run_train(run_dir, dataset, 1, "parallel.ep=1", config=MOE_CONFIG)
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert "moe/all_to_all_s" not in first  # no expert parallelism, no exchange to time
     return losses(run_dir)
 
 
@@ -159,3 +161,10 @@ def test_moe_layouts_match_single_process(tmp_path, dataset, moe_reference, name
     assert got.keys() == moe_reference.keys()
     for step, loss in moe_reference.items():
         assert got[step] == pytest.approx(loss, rel=RTOL), (step, got, moe_reference)
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        # ep=2: every step spends some time in the token all-to-alls, and less than the step. The
+        # metrics are rank 0's: with pp=2 its stage holds only the dense first layer.
+        if name == "ep2xpp2":
+            assert "moe/all_to_all_s" not in record
+        else:
+            assert 0 < record["moe/all_to_all_s"] < record["step_s"], record
