@@ -312,11 +312,11 @@ def test_bf16_and_fp8_training_end_within_one_percent(moe, corpus):
     are within 1% of a higher-precision run's: the bf16 run, or where FP8 is not, the fp32 run.
 
     Why both: bf16 and fp32 are two good runs that already drift apart by about 1% here, so FP8
-    against bf16 alone tests that drift. On one corpus (docs/fp8.md, d8a1aee) FP8 was within 1%
-    of bf16 (dense -0.52% / -0.20%, MoE -0.24% / -0.62%; fp32 -0.63% / -0.22%, +0.59% /
-    +1.14%); on a fresh install (2026-11-23, numpy 2.4.6, torch 2.13.0; the cause of the change not
-    pinned down) dense FP8 ended -1.23% / -1.22% from bf16 but -0.19% / -0.56% from fp32, while fp32 itself
-    ended -1.04% / -0.66% from bf16."""
+    against bf16 alone tests that drift. At d8a1aee (docs/fp8.md) FP8 was within 1% of bf16
+    (dense -0.52% / -0.20%, MoE -0.24% / -0.62%; fp32 -0.63% / -0.22%, +0.59% / +1.14%); on a
+    fresh install (2026-11-23, numpy 2.4.6, torch 2.13.0; what moved the numbers was not pinned
+    down) dense FP8 ended -1.23% / -1.22% from bf16 but -0.19% / -0.56% from fp32, while fp32
+    itself ended -1.04% / -0.66% from bf16."""
     from bench.fp8_training import model_config, train_run
 
     cfg = model_config("tiny", moe)
