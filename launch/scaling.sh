@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
 # One node's scaling runs (issue 7), through the real trainer and one data service process
-# (the trainer's loopback server) feeding every rank:
+# (the trainer's loopback server) feeding every rank, at each GPU count N asked for and at 1:
 #   moe      the DeepSeek-like fine-grained MoE (launch/configs/deepseek_like.toml, 4 layers so
 #            that one GPU holds all 64 experts) at ep=N over dp=N, and ep=N/2 (2 copies of each
 #            expert) when N >= 4; every GPU runs the same work at every N (2 x 4096 tokens a
 #            micro-batch, 8 micro-batches a step), so tokens/s per GPU compare directly;
 #   longseq  a 16-layer dense model (dim 2048) on documents longer than the sequence, one row of
-#            S = 16384 x N tokens per step at cp=N, and at cp=1 on S/N (weak scaling: the
-#            attention term makes per-GPU work grow with S, which MFU counts, so the
-#            efficiency is MFU(cp=N on S) / MFU(cp=1 on S/N)).
+#            S = 16384 x N tokens per step at cp=N (weak scaling: the attention term makes
+#            per-GPU work grow with S, which MFU counts, so the efficiency is an MFU ratio).
 # Each run's median tokens/s, MFU (active parameters), data wait and (MoE, ep > 1) time in the
-# token all-to-alls over the steps after the warm-up are printed as one line, then the
-# efficiencies against the 1-GPU runs.
+# token all-to-alls over the steps after the warm-up are printed as one line, then each run's
+# efficiency against the 1-GPU run and the same layout at the next smaller N.
 #
-#   bash launch/scaling.sh [moe|longseq|all] [--gpus N] [--steps K]     (default: all, every GPU)
+#   bash launch/scaling.sh [moe|longseq|all] [--gpus 4,8] [--steps K]   (default: all, every GPU)
 #   bash launch/scaling.sh all --smoke     # tiny models on 4 CPU processes (gloo): the script works
 # Extra trainer settings: TESSERA_SCALING_SET="train.compile=false ..." (space-separated).
 set -euo pipefail
@@ -31,15 +30,21 @@ while [ $# -gt 0 ]; do
     --gpus) gpus=$2; shift ;;
     --steps) steps=$2; shift ;;
     --smoke) smoke=1 ;;
-    *) echo "launch/scaling.sh: unknown argument '$1' (moe|longseq|all, --gpus N, --steps K, --smoke)" >&2; exit 2 ;;
+    *) echo "launch/scaling.sh: unknown argument '$1' (moe|longseq|all, --gpus N[,N...], --steps K, --smoke)" >&2; exit 2 ;;
   esac
   shift
 done
 visible="$("$python" -c 'import torch; print(torch.cuda.device_count())')"
 if [ "$smoke" = 1 ]; then gpus=${gpus:-4}; device=cpu; else gpus=${gpus:-$visible}; device=cuda; fi
-if [ "$device" = cuda ] && { [ "$gpus" -lt 1 ] || [ "$gpus" -gt "$visible" ]; }; then
-  echo "launch/scaling.sh: --gpus $gpus but $visible GPUs are visible (--smoke runs on the CPU)" >&2; exit 2
+if ! [[ "$gpus" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+  echo "launch/scaling.sh: --gpus takes GPU counts like 8 or 4,8, got '$gpus'" >&2; exit 2
 fi
+counts=($(printf '1\n%s\n' ${gpus//,/ } | sort -n -u))  # always the 1-GPU baseline, smallest first
+for n in "${counts[@]}"; do
+  if [ "$n" -lt 1 ] || { [ "$device" = cuda ] && [ "$n" -gt "$visible" ]; }; then
+    echo "launch/scaling.sh: --gpus $gpus but $visible GPUs are visible (--smoke runs on the CPU)" >&2; exit 2
+  fi
+done
 work="${TESSERA_SCALING_DIR:-runs/scaling}"
 mkdir -p "$work"
 summary="$work/summary.jsonl"
@@ -102,47 +107,51 @@ else
   moe_docs=(moe 4000 200 60000) long_docs=(long 120 300000 330000) per_gpu_seq=16384 accum=8
 fi
 
-if [ "$what" != longseq ]; then
-  data="$(corpus "${moe_docs[@]}" | tail -n 1)"
-  ep_list=("$gpus")
-  [ "$gpus" -ge 4 ] && ep_list+=($(( gpus / 2 )))
-  for ep in "${ep_list[@]}"; do
-    run "moe-ep$ep-dp$gpus" "$gpus" launch/configs/deepseek_like.toml "$data" "${moe_model[@]}" \
-      parallel.ep="$ep" train.global_batch_size=$(( gpus * accum * micro ))
-  done
-  if [ "$gpus" -gt 1 ]; then
-    run "moe-ep1-dp1" 1 launch/configs/deepseek_like.toml "$data" "${moe_model[@]}" parallel.ep=1 \
-      train.global_batch_size=$(( accum * micro ))
+for n in "${counts[@]}"; do
+  if [ "$what" != longseq ]; then
+    data="$(corpus "${moe_docs[@]}" | tail -n 1)"
+    ep_list=("$n")
+    [ "$n" -ge 4 ] && ep_list+=($(( n / 2 )))
+    for ep in "${ep_list[@]}"; do
+      run "moe-ep$ep-dp$n" "$n" launch/configs/deepseek_like.toml "$data" "${moe_model[@]}" \
+        parallel.ep="$ep" train.global_batch_size=$(( n * accum * micro ))
+    done
   fi
-fi
-
-if [ "$what" != moe ]; then
-  data="$(corpus "${long_docs[@]}" | tail -n 1)"
-  seq=$(( per_gpu_seq * gpus ))
-  run "longseq-cp$gpus-seq$seq" "$gpus" launch/configs/tiny_dense.toml "$data" "${dense_model[@]}" \
-    parallel.cp="$gpus" train.seq_len="$seq" train.micro_batch_size=1 train.global_batch_size=1
-  if [ "$gpus" -gt 1 ]; then
-    run "longseq-cp1-seq$per_gpu_seq" 1 launch/configs/tiny_dense.toml "$data" "${dense_model[@]}" \
-      parallel.cp=1 train.seq_len="$per_gpu_seq" train.micro_batch_size=1 train.global_batch_size=1
+  if [ "$what" != moe ]; then
+    data="$(corpus "${long_docs[@]}" | tail -n 1)"
+    seq=$(( per_gpu_seq * n ))
+    run "longseq-cp$n-seq$seq" "$n" launch/configs/tiny_dense.toml "$data" "${dense_model[@]}" \
+      parallel.cp="$n" train.seq_len="$seq" train.micro_batch_size=1 train.global_batch_size=1
   fi
-fi
+done
 
 "$python" - "$summary" <<'PY'
-import json, sys
+import json, re, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-one = {r["run"].split("-")[0]: r for r in rows if r["gpus"] == 1}
-for r in rows:
+
+
+def layout(r):  # (kind, GPUs per expert copy): runs of one layout at different N compare
     kind = r["run"].split("-")[0]
-    base = one.get(kind)
-    if base is None or r is base:
+    ep = re.match(r"moe-ep(\d+)-", r["run"])
+    return kind, r["gpus"] // int(ep.group(1)) if ep else 1
+
+
+def efficiency(r, base):
+    if layout(r)[0] == "moe":  # the same work per GPU: tokens/s per GPU compare directly
+        return r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], "tokens/s per GPU"
+    if r["mfu"] and base["mfu"]:  # attention work per token grows with S: compare FLOP rates
+        return r["mfu"] / base["mfu"], f"MFU {100 * r['mfu']:.1f}% vs {100 * base['mfu']:.1f}%"
+    return None, "no MFU on the CPU"
+
+
+for r in rows:
+    if r["gpus"] == 1:
         continue
-    if kind == "moe":  # the same work per GPU: tokens/s per GPU compare directly
-        eff, how = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], "tokens/s per GPU"
-    elif r["mfu"] and base["mfu"]:  # attention work per token grows with S: compare FLOP rates
-        eff, how = r["mfu"] / base["mfu"], f"MFU {100 * r['mfu']:.1f}% vs {100 * base['mfu']:.1f}%"
-    else:
-        print(f"{r['run']}: no MFU on the CPU, no weak-scaling efficiency")
-        continue
-    print(f"{r['run']}: scaling efficiency against {base['run']} {eff:.3f} ({how})")
+    one = next(b for b in rows if b["gpus"] == 1 and layout(b)[0] == layout(r)[0])
+    smaller = [b for b in rows if 1 < b["gpus"] < r["gpus"] and layout(b) == layout(r)]
+    for base in [one] + smaller[-1:]:
+        eff, how = efficiency(r, base)
+        print(f"{r['run']}: scaling efficiency against {base['run']} "
+              + (f"{eff:.3f} ({how})" if eff is not None else f"not computed ({how})"))
 print(f"summary: {sys.argv[1]}")
 PY

@@ -1,5 +1,5 @@
 """launch/scaling.sh (issue 7's node scaling runs): its CPU smoke mode runs the real trainer
-and data service at cp=2 and cp=1 and writes one summary row per run; bad arguments exit 2."""
+and data service at cp=1 and cp=2 and writes one summary row per run; bad arguments exit 2."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_smoke_longseq_writes_a_summary_row_per_run(tmp_path):
     proc = _run(tmp_path, "longseq", "--smoke", "--gpus", "2", "--steps", "4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines()]
-    assert [(r["run"], r["gpus"]) for r in rows] == [("longseq-cp2-seq512", 2), ("longseq-cp1-seq256", 1)]
+    assert [(r["run"], r["gpus"]) for r in rows] == [("longseq-cp1-seq256", 1), ("longseq-cp2-seq512", 2)]
     for r in rows:
         assert r["tokens_per_s"] > 0 and 0 <= r["data_wait_s"] < r["step_s"]
         assert r["tokens_per_s_per_gpu"] == r["tokens_per_s"] / r["gpus"]
@@ -33,3 +33,5 @@ def test_bad_arguments_exit_2(tmp_path):
     assert proc.returncode == 2 and "unknown argument 'everything'" in proc.stderr
     proc = _run(tmp_path, "moe", "--gpus", "999")  # more GPUs than the machine has
     assert proc.returncode == 2 and "GPUs are visible" in proc.stderr
+    proc = _run(tmp_path, "moe", "--gpus", "4,eight")
+    assert proc.returncode == 2 and "--gpus takes GPU counts like 8 or 4,8, got '4,eight'" in proc.stderr
