@@ -39,15 +39,13 @@ def model_config(layers: int, moe: bool) -> ModelConfig:
     if not moe:
         return ModelConfig(vocab_size=32000, dim=2048, num_layers=layers, num_heads=16, num_kv_heads=4, ffn_dim=5632,
                            rope_theta=500000.0)
-    # launch/configs/deepseek_like.toml's shapes and routing, fewer layers to fit one GPU with
-    # all 64 experts (at ep=8 each GPU holds 8 experts but runs the same FLOPs per token).
-    from core.config import MoEConfig
+    # launch/configs/deepseek_like.toml's model, fewer layers to fit one GPU with all 64 experts
+    # (at ep=8 each GPU holds 8 experts but runs the same FLOPs per token).
+    from core.config import load_config
 
-    routing = MoEConfig(num_experts=64, top_k=8, ffn_dim=1408, num_shared_experts=2, router="sigmoid",
-                        normalize_topk=True, routed_scaling_factor=2.5, n_groups=8, topk_groups=4,
-                        aux_loss_coeff=1e-4, aux_loss_per_sequence=True, bias_update_rate=1e-3, first_k_dense=1)
-    return ModelConfig(vocab_size=102400, dim=2048, num_layers=layers, num_heads=16, num_kv_heads=4, ffn_dim=10944,
-                       rope_theta=10000.0, tie_embeddings=False, moe=routing)
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "configs",
+                          "deepseek_like.toml")
+    return load_config(config, [f"model.num_layers={layers}"]).model
 
 
 def moe_step_hooks(model, cu_seqlens):
