@@ -1,4 +1,5 @@
-"""On GPUs (NCCL, bf16): tp=2, dp=2 and tp=2 x dp=2 per-step losses equal the single-GPU run.
+"""On GPUs (NCCL, bf16): tp=2, dp=2, cp=2, pp=2, tp=2 x dp=2 and (MoE) ep=2 per-step losses equal
+the single-GPU run.
 
 Reference: the same config on one GPU. bf16 params and activations (fp32 master weights
 and grads in the optimizer): each layout rounds partial sums in a different order, so
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import json
 
 from tests.test_train import MOE_CONFIG, dataset, losses, run_train  # noqa: F401  (the fixture is reused)
 
@@ -26,15 +29,43 @@ def gpu_reference(tmp_path_factory, dataset):  # noqa: F811
     return losses(run_dir)
 
 
-@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2), (2, 2)])
-def test_gpu_layouts_match_single_gpu(tmp_path, dataset, gpu_reference, tp, dp):  # noqa: F811
-    if GPUS < tp * dp:
-        pytest.skip(f"needs {tp * dp} GPUs, have {GPUS}")
+# name: (GPUs, overrides); the rest of the GPUs are data-parallel ranks.
+LAYOUTS = {
+    "tp2": (2, ["parallel.tp=2"]),
+    "dp2": (2, []),
+    "cp2": (2, ["parallel.cp=2"]),  # ring attention on FlashAttention varlen blocks over NCCL
+    "pp2": (2, ["parallel.pp=2"]),  # 1F1B, p2p activations over NCCL
+    "tp2xdp2": (4, ["parallel.tp=2"]),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_gpu_layouts_match_single_gpu(tmp_path, dataset, gpu_reference, name):  # noqa: F811
+    gpus, overrides = LAYOUTS[name]
+    if GPUS < gpus:
+        pytest.skip(f"needs {gpus} GPUs, have {GPUS}")
     run_dir = tmp_path / "run"
-    run_train(run_dir, dataset, tp * dp, f"parallel.tp={tp}", "train.device=cuda")
+    run_train(run_dir, dataset, gpus, *overrides, "train.device=cuda")
     got = losses(run_dir)
+    assert got.keys() == gpu_reference.keys()
     for step, loss in gpu_reference.items():
         assert got[step] == pytest.approx(loss, rel=RTOL_BF16), (step, got, gpu_reference)
+
+
+def test_gpu_expert_parallel_matches_single_gpu(tmp_path, dataset):  # noqa: F811
+    # tiny_moe at ep=2 over dp=2 (NCCL uneven all-to-alls) against all 8 experts on one GPU;
+    # moe/all_to_all_s comes from CUDA events on the collectives' stream here.
+    if GPUS < 2:
+        pytest.skip(f"needs 2 GPUs, have {GPUS}")
+    ref_dir, ep_dir = tmp_path / "ref", tmp_path / "ep2"
+    run_train(ref_dir, dataset, 1, "train.device=cuda", "parallel.ep=1", config=MOE_CONFIG)
+    run_train(ep_dir, dataset, 2, "train.device=cuda", "parallel.ep=2", config=MOE_CONFIG)
+    want, got = losses(ref_dir), losses(ep_dir)
+    assert got.keys() == want.keys()
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=RTOL_BF16), (step, got, want)
+    for record in map(json.loads, (ep_dir / "metrics.jsonl").read_text().splitlines()):
+        assert 0 < record["moe/all_to_all_s"] < record["step_s"], record
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
