@@ -60,7 +60,8 @@ def moe_step_hooks(model, cu_seqlens):
         update_expert_bias(model)
         moe_metrics(model)
 
-    return lambda: set_moe_sequences(model, cu_seqlens), after
+    num_tokens = int(cu_seqlens[-1])  # once, on the host, as the trainer knows it
+    return lambda: set_moe_sequences(model, cu_seqlens, num_tokens), after
 
 
 def synthetic_batch(batch: int, seq: int, vocab: int, device):
@@ -87,14 +88,17 @@ def time_steps(step_fn, steps: int, warmup: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def print_profile(step_fn, rows: int = 25) -> None:
-    """Where one (warm) step's GPU time goes, by kernel: what to attack next."""
+def print_profile(step_fn, rows: int = 25, trace: str | None = None) -> None:
+    """Where one (warm) step's GPU time goes, by kernel: what to attack next. The trace shows
+    when the GPU idles and what the host was doing meanwhile."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         step_fn()
         _sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+    if trace:
+        prof.export_chrome_trace(trace)
 
 
 def baseline_step_fn(cfg, batch, compile_model: bool, accum: int):
@@ -164,6 +168,7 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=1,
                         help="micro-batches per optimizer step (both sides): real global batches amortise the step")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one Tessera step")
+    parser.add_argument("--trace", default=None, help="with --profile: also write that step's Chrome trace (JSON) here")
     parser.add_argument("--only", choices=["baseline", "tessera"], default=None)
     parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
     args = parser.parse_args()
@@ -189,7 +194,7 @@ def main() -> None:
         total, embed, active = count_params(model)
         seconds = time_steps(step, args.steps, args.warmup)
         if args.profile and name == "tessera" and device == "cuda":
-            print_profile(step)
+            print_profile(step, trace=args.trace)
         fpt = flops_per_token(active, embed, cfg.num_layers, cfg.dim, args.seq)
         results[name] = {
             "step_ms": 1e3 * seconds,

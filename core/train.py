@@ -197,7 +197,7 @@ def _forward_backward(model, micro, grads, autocast, tp_group, global_labels: fl
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     with contextlib.nullcontext() if overlap_reduction else grads.dp.no_sync():
         for i, m in enumerate(micro):
-            _set_sequences(model, m.meta.cu_seqlens)
+            _set_sequences(model, m.meta.cu_seqlens, m.tokens.numel())
             with grads.sync_context(last=i == len(micro) - 1):
                 with autocast:
                     logits = model(m.tokens, m.position_ids, m.meta)
@@ -228,11 +228,11 @@ def _context_sharder(config: Config, mesh: ParallelMesh):
     return shard
 
 
-def _set_sequences(model, cu_seqlens) -> None:
+def _set_sequences(model, cu_seqlens, num_tokens: int) -> None:
     if model.cfg.moe.num_experts:
         from moe.layer import set_moe_sequences
 
-        set_moe_sequences(model, cu_seqlens)
+        set_moe_sequences(model, cu_seqlens, num_tokens)
 
 
 def _moe_metrics(model) -> dict:

@@ -93,6 +93,7 @@ class MoELayer(nn.Module):
         self.tp_mode, self.tp_group, self.tp_size, self.sequence_parallel = "none", None, 1, False
         self.aux_loss_divisor = 1.0
         self.cu_seqlens: torch.Tensor | None = None
+        self.cu_total: int | None = None  # cu_seqlens[-1] known on the host: no sync to check it
         self.overlap_shared = True
         self._side_stream = None
         self.register_buffer("_bias_load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
@@ -196,9 +197,12 @@ class MoELayer(nn.Module):
                 "call moe.layer.set_moe_sequences(model, cu_seqlens) before the forward"
             )
         cu = cu.to(dtype=torch.int64)
-        if int(cu[-1]) != total:
+        # Reading cu[-1] off the GPU is a host sync per layer (the GPU queue drains, then idles
+        # while the host catches up): callers that know the total pass it to set_moe_sequences.
+        covered = self.cu_total if self.cu_total is not None else int(cu[-1])
+        if covered != total:
             raise ValueError(
-                f"MoE layer {self.layer_id}: cu_seqlens covers {int(cu[-1])} tokens but the micro-batch has {total}; "
+                f"MoE layer {self.layer_id}: cu_seqlens covers {covered} tokens but the micro-batch has {total}; "
                 "pass the boundaries of this rank's micro-batch to set_moe_sequences"
             )
         return cu
@@ -277,10 +281,15 @@ def set_moe_loss_scale(model: nn.Module, num_losses: int | float) -> None:
         layer.aux_loss_divisor = float(num_losses)
 
 
-def set_moe_sequences(model: nn.Module, cu_seqlens: torch.Tensor | None) -> None:
-    """Sequence boundaries [S + 1] of the next micro-batch, for per-sequence balancing."""
+def set_moe_sequences(model: nn.Module, cu_seqlens: torch.Tensor | None, num_tokens: int | None = None) -> None:
+    """Sequence boundaries [S + 1] of the next micro-batch, for per-sequence balancing.
+
+    num_tokens: the micro-batch's token count (= cu_seqlens[-1]) when the caller knows it on
+    the host; without it each layer reads cu_seqlens[-1] from the device to check it."""
+    if num_tokens is None and cu_seqlens is not None and not cu_seqlens.is_cuda:
+        num_tokens = int(cu_seqlens[-1])
     for layer in moe_layers(model):
-        layer.cu_seqlens = cu_seqlens
+        layer.cu_seqlens, layer.cu_total = cu_seqlens, num_tokens
 
 
 def moe_metrics(model: nn.Module) -> dict:
