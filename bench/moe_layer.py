@@ -124,7 +124,7 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
           f"gemm/layer {results['gemm'] / results['layer']:.2f}")
 
 
-def bench_ep(name: str, shape, iters: int, device, dtype) -> None:
+def bench_ep(name: str, shape, iters: int, device, dtype, profile: bool = False) -> None:
     import torch.distributed as dist
 
     from core.mesh import ParallelMesh
@@ -147,6 +147,15 @@ def bench_ep(name: str, shape, iters: int, device, dtype) -> None:
             d.combine(rows)
 
         t_ours = timeit(dispatch_combine, iters, 3, device)
+        if profile:  # every rank runs the rounds (collectives must match); rank 0 prints
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    dispatch_combine()
+                torch.cuda.synchronize()
+            if dist.get_rank() == 0:
+                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
         # Round trip with identity experts: every token must come back as x * sum of its weights.
         rows, _ = d.dispatch(x, routing)
         back = d.combine(rows)
@@ -187,7 +196,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--ep", action="store_true", help="expert-parallel dispatch mode (torchrun)")
-    parser.add_argument("--profile", action="store_true", help="layer mode: print a profiler table of 3 steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="print a profiler table of 3 steps (EP mode: of 3 dispatch+combine rounds, GPU only)")
     args = parser.parse_args()
     table = TINY if args.tiny else SHAPES
     names = args.shapes.split(",")
@@ -206,7 +216,7 @@ def main() -> None:
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
     for n in names:
         if args.ep:
-            bench_ep(n, table[n], args.iters, device, dtype)
+            bench_ep(n, table[n], args.iters, device, dtype, args.profile and device.type == "cuda")
         else:
             bench_layer(n, table[n], args.iters, device, dtype, args.profile)
         if device.type == "cuda":
