@@ -260,6 +260,10 @@ def test_per_sequence_aux_loss_needs_and_uses_boundaries():
     set_moe_sequences(model, torch.tensor([0, 29], dtype=torch.int32))
     with pytest.raises(ValueError, match="covers 29 tokens but the micro-batch has 30"):
         layer(x)
+    # The count the caller states (the trainer's, known on the host) is the one checked.
+    set_moe_sequences(model, torch.tensor([0, 12, 30], dtype=torch.int32), num_tokens=28)
+    with pytest.raises(ValueError, match="covers 28 tokens but the micro-batch has 30"):
+        layer(x)
 
 
 def test_moe_metrics_keys_values_and_reset():
