@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from core.kernels.fused import gather_sum, gather_weighted_sum, inverse_of, triton_enabled
 from core.parallel.comm import all_gather_dim0, all_gather_tokens, reduce_scatter_tokens
 from moe.comm import all_to_all, exchange_counts
 from moe.router import Routing, expert_counts
@@ -91,6 +92,9 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
+        if triton_enabled(grad):  # gather and sum in one pass (core.kernels.fused)
+            inverse = inverse_of(order, ctx.tokens * ctx.k).view(ctx.tokens, ctx.k)
+            return gather_sum(grad.contiguous(), inverse, None), None, None
         full = _scatter_rows(grad, order, ctx.tokens * ctx.k)
         return full.view(ctx.tokens, ctx.k, -1).sum(1), None, None
 
@@ -126,7 +130,10 @@ def weighted_unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.T
     assignments count as zero. rows are in `order`'s order.
 
     The weighting and the sum over k in one pass with fp32 accumulation (`_WeightedSum`).
-    For bf16 rows the fp32 weights are rounded to bf16 first."""
+    For bf16 rows the fp32 weights are rounded to bf16 first. On CUDA with Triton the gather,
+    weighting and sum are one kernel, with the fp32 weights (core.kernels.fused)."""
+    if triton_enabled(rows):
+        return gather_weighted_sum(rows, order, weights, num_tokens)
     k = weights.shape[1]
     slots = _scatter_rows(rows, order, num_tokens * k).view(num_tokens, k, -1)
     return _WeightedSum.apply(weights.to(rows.dtype), slots)

@@ -1,0 +1,157 @@
+"""Memory-bound passes fused into one Triton kernel each on CUDA, with PyTorch fallbacks.
+
+- `accumulate_fp32_(dst, src, copy)`: dst (fp32) += src (bf16/fp16), or dst = src. PyTorch's
+  mixed-dtype `add_` takes a non-vectorised kernel (2.4 TB/s on an H100, where a plain copy
+  reaches 3.0); the fp32 main grads of a 2.2B-parameter MoE spent 66 ms of a 640 ms step in it.
+- `gather_weighted_sum(rows, inverse, weights)`: out[t] = sum_j weights[t, j] * rows[inverse[t, j]]
+  (missing rows, inverse = -1, count as zero), accumulated in fp32. The MoE combine: without
+  fusion it is a gather of every routed row into [T, k, dim] and a batched GEMV over k, whose
+  cuBLAS kernel ran at ~1 TB/s. Autograd included. `gather_sum(rows, inverse, None)` is the
+  plain sum (the backward of the token permutation).
+
+Triton is used when it imports and the tensors are on CUDA (`TESSERA_TRITON=0` turns it off);
+callers keep their PyTorch path for the other cases. TRITON_INTERPRET=1 runs the kernels on CPU
+tensors (tests/test_fused_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the fallbacks below
+    triton = None
+
+_ROW_BLOCK = 1024  # elements of a row per program: 2 KB of bf16, 16-byte loads per thread
+_FLAT_BLOCK = 4096
+
+
+def triton_enabled(t: Tensor) -> bool:
+    return triton is not None and os.environ.get("TESSERA_TRITON", "1") != "0" and (
+        t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _accumulate_kernel(dst, src, n, COPY: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        value = tl.load(src + offs, mask=mask).to(tl.float32)
+        if not COPY:
+            value += tl.load(dst + offs, mask=mask)
+        tl.store(dst + offs, value, mask=mask)
+
+    @triton.jit
+    def _gather_sum_kernel(rows, inverse, weights, out, dim, K: tl.constexpr, WEIGHTED: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < dim
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            r = tl.load(inverse + t * K + j)
+            v = tl.load(rows + tl.maximum(r, 0) * dim + offs, mask=mask, other=0.0).to(tl.float32)
+            v = tl.where(r >= 0, v, 0.0)  # a missing row (dropped assignment) adds nothing
+            if WEIGHTED:
+                v *= tl.load(weights + t * K + j).to(tl.float32)
+            acc += v
+        tl.store(out + t * dim + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _scale_rows_kernel(grad, order, weights, grad_rows, dim, K: tl.constexpr, BLOCK: tl.constexpr):
+        # grad_rows[i] = weights[slot] * grad[slot // K] with slot = order[i]
+        i = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < dim
+        slot = tl.load(order + i)
+        w = tl.load(weights + slot).to(tl.float32)
+        g = tl.load(grad + (slot // K) * dim + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_rows + i * dim + offs, (w * g).to(grad_rows.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _row_dots_kernel(grad, rows, inverse, grad_weights, dim, K: tl.constexpr, BLOCK: tl.constexpr):
+        # grad_weights[t, j] = <rows[inverse[t, j]], grad[t]> in fp32 (0 for missing rows)
+        t = tl.program_id(0).to(tl.int64)
+        for j in tl.static_range(K):
+            r = tl.load(inverse + t * K + j)
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, dim, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < dim
+                g = tl.load(grad + t * dim + offs, mask=mask, other=0.0).to(tl.float32)
+                v = tl.load(rows + tl.maximum(r, 0) * dim + offs, mask=mask, other=0.0).to(tl.float32)
+                acc += tl.where(r >= 0, g * v, 0.0)
+            tl.store(grad_weights + t * K + j, tl.sum(acc, axis=0))
+
+
+def accumulate_fp32_(dst: Tensor, src: Tensor, copy: bool) -> None:
+    """dst = src (copy) or dst += src, dst fp32; one vectorised pass when fused."""
+    fused = (triton_enabled(src) and src.dtype in (torch.bfloat16, torch.float16) and dst.dtype == torch.float32
+             and src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape)
+    if not fused:
+        dst.copy_(src) if copy else dst.add_(src)
+        return
+    n = src.numel()
+    if n:
+        _accumulate_kernel[(triton.cdiv(n, _FLAT_BLOCK),)](dst, src, n, COPY=copy, BLOCK=_FLAT_BLOCK, num_warps=4)
+
+
+def inverse_of(order: Tensor, slots: int) -> Tensor:
+    """[slots] int64: the position of each slot in `order`, -1 for slots `order` leaves out."""
+    inverse = torch.full((slots,), -1, dtype=torch.int64, device=order.device)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
+def gather_sum(rows: Tensor, inverse: Tensor, weights: Tensor | None) -> Tensor:
+    """[T, dim] = sum over j of weights[t, j] * rows[inverse[t, j]] (Triton; see the module doc)."""
+    t, k = inverse.shape
+    dim = rows.shape[1]
+    out = rows.new_empty(t, dim)
+    if t and dim:
+        grid = (t, triton.cdiv(dim, _ROW_BLOCK))
+        _gather_sum_kernel[grid](rows, inverse, weights if weights is not None else inverse, out, dim, K=k,
+                                 WEIGHTED=weights is not None, BLOCK=_ROW_BLOCK, num_warps=4)
+    return out
+
+
+class _GatherWeightedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, inverse, order, weights):
+        rows = rows.contiguous()
+        ctx.save_for_backward(rows, inverse, order, weights)
+        return gather_sum(rows, inverse, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, inverse, order, weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        t, k = inverse.shape
+        dim = rows.shape[1]
+        grad_rows = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = torch.empty_like(rows)
+            if rows.shape[0] and dim:
+                _scale_rows_kernel[(rows.shape[0], triton.cdiv(dim, _ROW_BLOCK))](
+                    grad, order, weights, grad_rows, dim, K=k, BLOCK=_ROW_BLOCK, num_warps=4)
+        if ctx.needs_input_grad[3]:
+            grad_weights = torch.empty(t, k, dtype=torch.float32, device=grad.device)
+            if t:
+                _row_dots_kernel[(t,)](grad, rows, inverse, grad_weights, dim, K=k, BLOCK=_ROW_BLOCK, num_warps=4)
+            grad_weights = grad_weights.to(weights.dtype)
+        return grad_rows, None, None, grad_weights
+
+
+def gather_weighted_sum(rows: Tensor, order: Tensor, weights: Tensor, num_tokens: int) -> Tensor:
+    """[num_tokens, dim]: sum over j of weights[t, j] * (the row of assignment t*k + j), where
+    row i of `rows` belongs to assignment order[i]; assignments without a row count as zero.
+    fp32 accumulation, the result in rows' dtype. Needs `triton_enabled(rows)`."""
+    k = weights.shape[1]
+    inverse = inverse_of(order, num_tokens * k).view(num_tokens, k)
+    return _GatherWeightedSum.apply(rows, inverse, order, weights.contiguous())
