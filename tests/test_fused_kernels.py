@@ -80,6 +80,21 @@ for enabled in ("1", "0"):
     results.append([xi.grad] + [p.grad for p in layer.parameters()])
 for a, b in zip(*results):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+# A Triton that cannot compile here: the error names the kernel and the way out.
+import core.kernels.fused as fused
+def broken(*args, **meta):
+    raise OSError("no C compiler")
+os.environ["TESSERA_TRITON"] = "1"
+fused._accumulate_kernel = type("Broken", (), {"__getitem__": lambda self, grid: broken, "__name__": "_accumulate_kernel"})()
+try:
+    accumulate_fp32_(dst, src, copy=False)
+    raise AssertionError("no error")
+except RuntimeError as exc:
+    assert "failed (OSError: no C compiler)" in str(exc) and "TESSERA_TRITON=0" in str(exc), exc
+os.environ["TESSERA_TRITON"] = "0"
+accumulate_fp32_(dst, src, copy=True)  # the way out works
+assert torch.equal(dst, src.float())
 print("fused kernels ok")
 '''
 

@@ -90,6 +90,17 @@ if triton is not None:
             tl.store(grad_weights + t * K + j, tl.sum(acc, axis=0))
 
 
+def _launch(kernel, grid, *args, **meta) -> None:
+    """kernel[grid](*args, **meta), with a failure (a Triton that cannot compile or launch on this
+    machine) said in terms of what to do about it."""
+    try:
+        kernel[grid](*args, **meta)
+    except Exception as exc:
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
+        raise RuntimeError(f"Triton kernel {name} failed ({type(exc).__name__}: {exc}); "
+                           "TESSERA_TRITON=0 runs the PyTorch ops instead") from exc
+
+
 def accumulate_fp32_(dst: Tensor, src: Tensor, copy: bool) -> None:
     """dst = src (copy) or dst += src, dst fp32; one vectorised pass when fused."""
     fused = (triton_enabled(src) and src.dtype in (torch.bfloat16, torch.float16) and dst.dtype == torch.float32
@@ -99,7 +110,8 @@ def accumulate_fp32_(dst: Tensor, src: Tensor, copy: bool) -> None:
         return
     n = src.numel()
     if n:
-        _accumulate_kernel[(triton.cdiv(n, _FLAT_BLOCK),)](dst, src, n, COPY=copy, BLOCK=_FLAT_BLOCK, num_warps=4)
+        _launch(_accumulate_kernel, (triton.cdiv(n, _FLAT_BLOCK),), dst, src, n, COPY=copy, BLOCK=_FLAT_BLOCK,
+                num_warps=4)
 
 
 def inverse_of(order: Tensor, slots: int) -> Tensor:
@@ -116,8 +128,8 @@ def gather_sum(rows: Tensor, inverse: Tensor, weights: Tensor | None) -> Tensor:
     out = rows.new_empty(t, dim)
     if t and dim:
         grid = (t, triton.cdiv(dim, _ROW_BLOCK))
-        _gather_sum_kernel[grid](rows, inverse, weights if weights is not None else inverse, out, dim, K=k,
-                                 WEIGHTED=weights is not None, BLOCK=_ROW_BLOCK, num_warps=4)
+        _launch(_gather_sum_kernel, grid, rows, inverse, weights if weights is not None else inverse, out, dim, K=k,
+                WEIGHTED=weights is not None, BLOCK=_ROW_BLOCK, num_warps=4)
     return out
 
 
@@ -138,12 +150,13 @@ class _GatherWeightedSum(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_rows = torch.empty_like(rows)
             if rows.shape[0] and dim:
-                _scale_rows_kernel[(rows.shape[0], triton.cdiv(dim, _ROW_BLOCK))](
-                    grad, order, weights, grad_rows, dim, K=k, BLOCK=_ROW_BLOCK, num_warps=4)
+                _launch(_scale_rows_kernel, (rows.shape[0], triton.cdiv(dim, _ROW_BLOCK)),
+                        grad, order, weights, grad_rows, dim, K=k, BLOCK=_ROW_BLOCK, num_warps=4)
         if ctx.needs_input_grad[3]:
             grad_weights = torch.empty(t, k, dtype=torch.float32, device=grad.device)
             if t:
-                _row_dots_kernel[(t,)](grad, rows, inverse, grad_weights, dim, K=k, BLOCK=_ROW_BLOCK, num_warps=4)
+                _launch(_row_dots_kernel, (t,), grad, rows, inverse, grad_weights, dim, K=k, BLOCK=_ROW_BLOCK,
+                        num_warps=4)
             grad_weights = grad_weights.to(weights.dtype)
         return grad_rows, None, None, grad_weights
 
