@@ -1,16 +1,18 @@
-"""Memory-bound passes fused into one Triton kernel each on CUDA, with PyTorch fallbacks.
+"""Memory-bound passes fused into one Triton kernel each on CUDA.
 
 - `accumulate_fp32_(dst, src, copy)`: dst (fp32) += src (bf16/fp16), or dst = src. PyTorch's
   mixed-dtype `add_` takes a non-vectorised kernel (2.4 TB/s on an H100, where a plain copy
   reaches 3.0); the fp32 main grads of a 2.2B-parameter MoE spent 66 ms of a 640 ms step in it.
-- `gather_weighted_sum(rows, inverse, weights)`: out[t] = sum_j weights[t, j] * rows[inverse[t, j]]
-  (missing rows, inverse = -1, count as zero), accumulated in fp32. The MoE combine: without
+- `gather_weighted_sum(rows, order, weights, num_tokens)`: out[t] = sum_j weights[t, j] * (the row
+  of assignment t*k + j; row i belongs to assignment order[i], missing ones count as zero),
+  accumulated in fp32. The MoE combine: without
   fusion it is a gather of every routed row into [T, k, dim] and a batched GEMV over k, whose
   cuBLAS kernel ran at ~1 TB/s. Autograd included. `gather_sum(rows, inverse, None)` is the
   plain sum (the backward of the token permutation).
 
-Triton is used when it imports and the tensors are on CUDA (`TESSERA_TRITON=0` turns it off);
-callers keep their PyTorch path for the other cases. TRITON_INTERPRET=1 runs the kernels on CPU
+Triton is used when it imports and the tensors are on CUDA (`TESSERA_TRITON=0` turns it off).
+`accumulate_fp32_` falls back to PyTorch itself; for the combine the callers (moe.dispatcher)
+keep their PyTorch path and ask `triton_enabled` first. TRITON_INTERPRET=1 runs the kernels on CPU
 tensors (tests/test_fused_kernels.py).
 """
 
@@ -24,7 +26,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the fallbacks below
+except ImportError:  # CPU-only installs: triton_enabled() is False, callers take PyTorch ops
     triton = None
 
 _ROW_BLOCK = 1024  # elements of a row per program: 2 KB of bf16, 16-byte loads per thread
