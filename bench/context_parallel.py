@@ -84,8 +84,16 @@ def qkv(n, heads, kv_heads, dim, dtype, device, grad=True):
 
 
 def mode_check(args, device, dtype):
+    """Ring vs one-GPU attention on the same packed batch: documents of different lengths
+    (FlashAttention varlen blocks) and of equal lengths (cuDNN blocks on GPU)."""
+    cases = {"varlen": [1023, 17, 4097, 1, 2500, 333], "equal": [4096] * 3} if not args.smoke else \
+        {"varlen": [13, 5, 1, 22], "equal": [16] * 3}
+    for case, lengths in cases.items():
+        check_one(args, device, dtype, case, lengths)
+
+
+def check_one(args, device, dtype, case, lengths):
     world, rank = dist.get_world_size(), dist.get_rank()
-    lengths = [1023, 17, 4097, 1, 2500, 333] if not args.smoke else [13, 5, 1, 22]
     cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device=device)
     torch.manual_seed(0)
     q, k, v = qkv(sum(lengths), args.heads, args.kv_heads, args.head_dim, dtype, device)
@@ -104,7 +112,7 @@ def mode_check(args, device, dtype):
         errs[name] = float((a - b).abs().max() / b.abs().max())
     t = torch.tensor(list(errs.values()), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    emit({"mode": "check", "cp": world, "dtype": str(dtype), "max_rel_err": dict(zip(errs, t.tolist()))})
+    emit({"mode": "check", "case": case, "equal_docs": s.meta.extra["cp"].equal_docs, "cp": world, "dtype": str(dtype), "max_rel_err": dict(zip(errs, t.tolist()))})
 
 
 def mode_attention(args, device, dtype):
@@ -125,12 +133,13 @@ def mode_attention(args, device, dtype):
             q, k, v = qkv(s.tokens.numel(), args.heads, args.kv_heads, args.head_dim, dtype, device)
             dout = torch.randn_like(q)
             blocks = cp == 1 and kernel == "blocks"
+            equal_docs = seq // doc if seq % doc == 0 else 0  # as the ring's layout would say
 
             def step():
                 if cp > 1:
                     out = ring_attention(q, k, v, s.meta.extra["cp"], group)
                 elif blocks:  # the ring's own block kernel on one GPU: isolates the parallel cost
-                    out = _BlockAttention.apply(q, k, v, s.meta.cu_seqlens, s.meta.max_seqlen)
+                    out = _BlockAttention.apply(q, k, v, s.meta.cu_seqlens, s.meta.max_seqlen, equal_docs)
                 else:  # the model's default path (cuDNN SDPA for one document, flash varlen if packed)
                     out = varlen_attention(q, k, v, s.meta.cu_seqlens, s.meta.max_seqlen)
                 out.backward(dout)
@@ -156,19 +165,20 @@ class _BlockAttention(torch.autograd.Function):
     """Causal varlen attention through the ring's block kernels, on one rank."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, max_len):
+    def forward(ctx, q, k, v, cu, max_len, docs):
         scale = q.shape[-1] ** -0.5
-        out, lse = block_forward(q, k, v, cu, cu, max_len, max_len, True, scale)
+        out, lse = block_forward(q, k, v, cu, cu, max_len, max_len, True, scale, docs)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, cu)
-        ctx.max_len, ctx.scale = max_len, scale
+        ctx.max_len, ctx.scale, ctx.docs = max_len, scale, docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu = ctx.saved_tensors
-        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, True, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, True,
+                                    ctx.scale, ctx.docs)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def model_config(args) -> ModelConfig:

@@ -93,6 +93,17 @@ def test_shard_covers_every_token_once_in_zigzag_chunks(cp):
         assert torch.equal(s.source[lo:hi][want < 22], 19 + want[want < 22])
 
 
+def test_layout_says_when_documents_are_equal():
+    # equal chunks per document let the ring run dense (cuDNN) blocks on GPU
+    for lengths, cp, want in [([64], 2, 1), ([32, 32, 32], 2, 3), ([30, 32], 2, 2), ([5, 13, 22], 2, 0), ([64], 4, 1)]:
+        tokens, labels, positions, cu = packed_batch(lengths)
+        layout = shard_for_cp(tokens, labels, positions, cu, 0, cp).meta.extra["cp"]
+        assert layout.equal_docs == want, (lengths, cp, layout.equal_docs)
+    tokens, labels, positions, cu = packed_batch([64])
+    padded = shard_for_cp(tokens, labels, positions, cu, 0, 2, multiple_of=3).meta.extra["cp"]
+    assert padded.equal_docs == 0  # the extra all-padding document has other chunks
+
+
 def test_shard_multiple_of_and_errors():
     tokens, labels, positions, cu = packed_batch([3, 4])
     s = shard_for_cp(tokens, labels, positions, cu, 1, 2, multiple_of=3)

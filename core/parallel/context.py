@@ -140,8 +140,10 @@ def shard_for_cp(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch
 
     cu_local, cu_half = _cu(2 * chunk), _cu(chunk)
     first = torch.repeat_interleave(cu_local[:-1].long(), chunk, output_size=local // 2) + _iota(chunk, local // 2)
-    layout = CPLayout(cp_rank, cp_size, cu_local, cu_half, 2 * int(chunk.max()) if n else 0,
-                      int(chunk.max()) if n else 0, first, first + torch.repeat_interleave(chunk, chunk, output_size=local // 2))
+    max_chunk = int(chunk.max()) if n else 0
+    equal_docs = n if n and int(chunk.min()) == max_chunk else 0  # lets the ring use dense block kernels
+    layout = CPLayout(cp_rank, cp_size, cu_local, cu_half, 2 * max_chunk, max_chunk, first,
+                      first + torch.repeat_interleave(chunk, chunk, output_size=local // 2), equal_docs)
     meta = AttentionMeta(cu_seqlens=cu_local, max_seqlen=layout.max_seqlen, extra={"cp": layout})
     return CPInputs(local_tokens, local_labels, local_pos, meta, src)
 

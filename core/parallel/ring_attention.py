@@ -14,16 +14,24 @@ Partial results merge by log-sum-exp in fp32. The next block's K/V travel (isend
 ring neighbours) while the current block computes. Backward runs the same ring, with each
 block's dK/dV accumulator travelling with it; after cp hops it is home.
 
-Block kernels: on CUDA with fp16/bf16, FlashAttention varlen (`varlen_attn` with the LSE for
-the forward, the op its autograd uses for the backward, fed with the *final* output and LSE,
-which is what makes blockwise gradients exact). Otherwise an exact dense kernel in fp32
-(fp64 for fp64 inputs): masks from segment ids, O(Tq*Tk) memory -- meant for CPU tests.
+Block kernels, all fed the *final* output and LSE in the backward (what makes blockwise
+gradients exact):
+- CUDA, fp16/bf16, every document of the batch split into equal chunks (one long document, the
+  long-context case): cuDNN SDPA on [docs, H, S, D] views, 1.6-1.7x FlashAttention varlen's
+  speed on H100 in both directions (BENCHMARKS.md). cuDNN's own varlen (ragged) path is not
+  used: in torch 2.11 / cuDNN 9.19 it was slower than flash and its backward returned garbage;
+- CUDA, fp16/bf16, documents of different lengths: FlashAttention varlen (`varlen_attn` with
+  the LSE for the forward, the op its autograd uses for the backward);
+- otherwise an exact dense kernel in fp32 (fp64 for fp64 inputs): masks from segment ids,
+  O(Tq*Tk) memory -- meant for CPU tests.
+`TESSERA_RING_KERNEL=flash` keeps the flash kernel for equal documents too (benchmarks).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +52,12 @@ class CPLayout:
     max_half: int  # max c_d
     first_idx: torch.Tensor  # long [T/2]: local positions of each document's first chunk
     second_idx: torch.Tensor  # long [T/2]: local positions of each document's second chunk
+    equal_docs: int = 0  # the document count when all have the same chunk size (dense blocks), else 0
 
     def to(self, device: torch.device) -> "CPLayout":
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return CPLayout(self.cp_rank, self.cp_size, move(self.cu_seqlens), move(self.cu_half), self.max_seqlen,
-                        self.max_half, move(self.first_idx), move(self.second_idx))
+                        self.max_half, move(self.first_idx), move(self.second_idx), self.equal_docs)
 
 
 # ---- block kernels ------------------------------------------------------------------------
@@ -159,8 +168,65 @@ def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
     return dq, dk, dv
 
 
-def block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    """Attention of one (query block, key block) pair: (out [Tq,H,D], lse [H,Tq] fp32/fp64)."""
+RING_KERNEL_ENV = "TESSERA_RING_KERNEL"
+_cudnn_broken = False
+
+
+def _cudnn_usable(q: torch.Tensor, docs: int) -> bool:
+    return (docs > 0 and not _cudnn_broken and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and os.environ.get(RING_KERNEL_ENV, "auto") != "flash"
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward"))
+
+
+def _docs_view(t: torch.Tensor, docs: int) -> torch.Tensor:
+    """[docs*S, H, D] -> [docs, H, S, D] (a view: the BSHD strides cuDNN reads natively)."""
+    return t.view(docs, t.shape[0] // docs, t.shape[1], t.shape[2]).transpose(1, 2)
+
+
+def _rng_words(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # The backward op takes the dropout seed/offset; without dropout they are not read.
+    z = torch.zeros(1, dtype=torch.int64, device=device)
+    return z, z
+
+
+def _cudnn_fwd(q, k, v, docs, causal, scale):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _docs_view(q, docs), _docs_view(k, docs), _docs_view(v, docs), None, True, 0.0, causal, False, scale=scale)
+    t, h = q.shape[:2]
+    out = out.transpose(1, 2).reshape(t, h, v.shape[2])
+    lse = lse.reshape(docs, h, t // docs).transpose(0, 1).reshape(h, t)  # -> [H, Tq]
+    return out, lse.float()
+
+
+def _cudnn_bwd(dout, q, k, v, out, lse, docs, causal, scale):
+    t, h = q.shape[:2]
+    lse4 = lse.reshape(h, docs, t // docs).transpose(0, 1).unsqueeze(-1).contiguous()
+    seed, offset = _rng_words(q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        _docs_view(dout, docs), _docs_view(q, docs), _docs_view(k, docs), _docs_view(v, docs),
+        _docs_view(out, docs), lse4, seed, offset, None, None, None, t // docs, k.shape[0] // docs, 0.0, causal,
+        scale=scale)
+    flat = lambda g, like: g.transpose(1, 2).reshape(like.shape)  # noqa: E731
+    return flat(dq, q), flat(dk, k), flat(dv, v)
+
+
+def _cudnn_failed(exc: Exception) -> None:
+    global _cudnn_broken
+    _cudnn_broken = True
+    report_once(f"ring attention: cuDNN SDPA blocks failed ({str(exc).splitlines()[0][:200]}); "
+                "using FlashAttention varlen blocks from now on")
+
+
+def block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, docs: int = 0):
+    """Attention of one (query block, key block) pair: (out [Tq,H,D], lse [H,Tq] fp32/fp64).
+    `docs` > 0: q and k each hold that many equal-length documents back to back."""
+    if _cudnn_usable(q, docs):
+        try:
+            out = _cudnn_fwd(q, k, v, docs, causal, scale)
+            report_once("ring attention: cuDNN SDPA blocks (documents of equal length)")
+            return out
+        except RuntimeError as exc:
+            _cudnn_failed(exc)
     if _flash_available(q):
         report_once("ring attention: FlashAttention varlen blocks")
         return _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
@@ -169,8 +235,13 @@ def block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return _dense_fwd(q, k, v, cu_q, cu_k, causal, scale)
 
 
-def block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, docs: int = 0):
     """Gradients of one block given the merged (final) output and LSE of its queries."""
+    if _cudnn_usable(q, docs):
+        try:
+            return _cudnn_bwd(dout, q, k, v, out.to(q.dtype), lse, docs, causal, scale)
+        except RuntimeError as exc:
+            _cudnn_failed(exc)
     if _flash_available(q):
         return _flash_bwd(dout, q, k, v, out.to(q.dtype), lse, cu_q, cu_k, max_q, max_k, causal, scale)
     return _dense_bwd(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
@@ -226,22 +297,23 @@ class RingAttentionFn(torch.autograd.Function):
         L = layout
         ring = _Ring(group, L.cp_rank)
         r, cp = L.cp_rank, ring.size
+        n = L.equal_docs
         kv = torch.stack((k, v))
         out_acc = lse_acc = None
         for s in range(cp):
             pending = ring.start(kv, _KV_TAG) if s + 1 < cp else None  # overlaps the block below
             j = (r - s) % cp
             if s == 0:
-                o, l = block_forward(q, k, v, L.cu_seqlens, L.cu_seqlens, L.max_seqlen, L.max_seqlen, True, scale)
+                o, l = block_forward(q, k, v, L.cu_seqlens, L.cu_seqlens, L.max_seqlen, L.max_seqlen, True, scale, n)
                 out_acc, lse_acc = o.to(l.dtype), l
             elif j < r:
                 k1, v1 = kv[0].index_select(0, L.first_idx), kv[1].index_select(0, L.first_idx)
-                o, l = block_forward(q, k1, v1, L.cu_seqlens, L.cu_half, L.max_seqlen, L.max_half, False, scale)
+                o, l = block_forward(q, k1, v1, L.cu_seqlens, L.cu_half, L.max_seqlen, L.max_half, False, scale, n)
                 out_acc, lse_acc = _merge(out_acc, lse_acc, o, l)
             else:
                 idx = L.second_idx
                 o, l = block_forward(q.index_select(0, idx), kv[0], kv[1], L.cu_half, L.cu_seqlens, L.max_half,
-                                     L.max_seqlen, False, scale)
+                                     L.max_seqlen, False, scale, n)
                 o2, l2 = _merge(out_acc.index_select(0, idx), lse_acc.index_select(1, idx), o, l)
                 out_acc.index_copy_(0, idx, o2)
                 lse_acc.index_copy_(1, idx, l2)
@@ -258,6 +330,7 @@ class RingAttentionFn(torch.autograd.Function):
         L, scale = ctx.layout, ctx.scale
         ring = _Ring(ctx.group, L.cp_rank)
         r, cp = L.cp_rank, ring.size
+        n = L.equal_docs
         dout = dout.contiguous()
         acc = lse.dtype  # fp32 (fp64 for fp64 inputs): gradients summed over cp blocks
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -268,14 +341,14 @@ class RingAttentionFn(torch.autograd.Function):
             j = (r - s) % cp
             if s == 0:
                 dq_b, dk, dv = block_backward(dout, q, k, v, out, lse, L.cu_seqlens, L.cu_seqlens,
-                                              L.max_seqlen, L.max_seqlen, True, scale)
+                                              L.max_seqlen, L.max_seqlen, True, scale, n)
                 dq += dq_b
                 part = torch.stack((dk, dv)).to(acc)
             elif j < r:
                 idx = L.first_idx
                 k1, v1 = kv[0].index_select(0, idx), kv[1].index_select(0, idx)
                 dq_b, dk, dv = block_backward(dout, q, k1, v1, out, lse, L.cu_seqlens, L.cu_half,
-                                              L.max_seqlen, L.max_half, False, scale)
+                                              L.max_seqlen, L.max_half, False, scale, n)
                 dq += dq_b
                 part = torch.zeros(kv.shape, dtype=acc, device=q.device)
                 part.index_add_(1, idx, torch.stack((dk, dv)).to(acc))
@@ -283,7 +356,7 @@ class RingAttentionFn(torch.autograd.Function):
                 idx = L.second_idx
                 dq_b, dk, dv = block_backward(dout.index_select(0, idx), q.index_select(0, idx), kv[0], kv[1],
                                               out.index_select(0, idx), lse.index_select(1, idx).contiguous(),
-                                              L.cu_half, L.cu_seqlens, L.max_half, L.max_seqlen, False, scale)
+                                              L.cu_half, L.cu_seqlens, L.max_half, L.max_seqlen, False, scale, n)
                 dq.index_add_(0, idx, dq_b.to(acc))
                 part = torch.stack((dk, dv)).to(acc)
             # This block's dK/dV accumulator arrives from the previous rank (which added its
