@@ -19,7 +19,8 @@ EP mode (torchrun, one process per GPU, ep = world size; NCCL, or gloo on CPU wi
     torchrun --nproc-per-node 4 bench/moe_layer.py --ep [--shapes mixtral]
 
 Each rank routes its own R/k tokens with a real router; it times dispatch+combine (forward:
-permute, count exchange, uneven all-to-all, grouping, and back) and, in the same run, two
+permute, count exchange, exchange, grouping, and back) of each dispatcher (`--dispatchers`,
+default alltoall,p2p) and, in the same run, two
 plain all-to-alls with even splits of the same per-rank bytes. It prints the bus bandwidth
 of each (bytes x (ep-1)/ep / time, the nccl-tests convention) and their ratio.
 """
@@ -124,10 +125,12 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
           f"gemm/layer {results['gemm'] / results['layer']:.2f}")
 
 
-def bench_ep(name: str, shape, iters: int, device, dtype, profile: bool = False) -> None:
+def bench_ep(name: str, shape, iters: int, device, dtype, profile: bool = False,
+             dispatchers: tuple[str, ...] = ("alltoall",)) -> None:
     import torch.distributed as dist
 
     from core.mesh import ParallelMesh
+    from moe.dispatcher import build_dispatcher
     from moe.parallel import apply_ep
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -136,55 +139,60 @@ def bench_ep(name: str, shape, iters: int, device, dtype, profile: bool = False)
     mesh = ParallelMesh.build(dp=world, ep=world, device_type=device.type)
     layer = make_layer(e, k, dim, hidden, device, dtype)
     apply_ep(torch.nn.ModuleList([layer]), mesh)
+    group = mesh.group("ep")
     torch.manual_seed(100 + rank)  # each rank its own tokens
     x = torch.randn(tokens, dim, device=device, dtype=dtype)
-    d = layer.dispatcher
+    times = {}
     with torch.no_grad():
         routing = layer.router(x)
+        for kind in dispatchers:
+            d = build_dispatcher(kind, e, group)
 
-        def dispatch_combine():
+            def dispatch_combine():
+                rows, _ = d.dispatch(x, routing)
+                d.combine(rows)
+
+            times[kind] = timeit(dispatch_combine, iters, 3, device)
+            if profile:  # every rank runs the rounds (collectives must match); rank 0 prints
+                from torch.profiler import ProfilerActivity, profile as torch_profile
+
+                with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        dispatch_combine()
+                    torch.cuda.synchronize()
+                if dist.get_rank() == 0:
+                    print(f"--- {kind}")
+                    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20,
+                                                    max_name_column_width=60))
+            # Round trip with identity experts: every token must come back as x * sum of its weights.
             rows, _ = d.dispatch(x, routing)
-            d.combine(rows)
-
-        t_ours = timeit(dispatch_combine, iters, 3, device)
-        if profile:  # every rank runs the rounds (collectives must match); rank 0 prints
-            from torch.profiler import ProfilerActivity, profile as torch_profile
-
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    dispatch_combine()
-                torch.cuda.synchronize()
-            if dist.get_rank() == 0:
-                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
-        # Round trip with identity experts: every token must come back as x * sum of its weights.
-        rows, _ = d.dispatch(x, routing)
-        back = d.combine(rows)
-        expected = (x.float() * routing.weights.sum(-1, keepdim=True)).to(dtype)
-        torch.testing.assert_close(back, expected, rtol=2e-2, atol=2e-2)
-    sent = torch.tensor(d_splits(d, routing, e, world), device=device, dtype=torch.float64)
+            back = d.combine(rows)
+            expected = (x.float() * routing.weights.sum(-1, keepdim=True)).to(dtype)
+            torch.testing.assert_close(back, expected, rtol=2e-2, atol=2e-2)
+    sent = torch.tensor(d_splits(routing, e, world), device=device, dtype=torch.float64)
     per_rank_bytes = float(sent.sum()) * dim * x.element_size()  # rows this rank sends, each way
     even = torch.randn(int(sent.sum()) // world * world, dim, device=device, dtype=dtype)
     out = torch.empty_like(even)
-    group = mesh.group("ep")
 
     def plain():
         dist.all_to_all_single(out, even, group=group)
         dist.all_to_all_single(even, out, group=group)
 
     t_plain = timeit(plain, iters, 3, device)
-    stats = torch.tensor([t_ours, t_plain, per_rank_bytes], device=device, dtype=torch.float64)
+    stats = torch.tensor([*times.values(), t_plain, per_rank_bytes], device=device, dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    t_ours, t_plain, nbytes = stats.tolist()
+    *t_ours, t_plain, nbytes = stats.tolist()
     if rank == 0:
         bus = lambda t: 2 * nbytes * (world - 1) / world / t / 1e9  # noqa: E731
         print(f"EP {name}: ep={world} tokens/rank={tokens} top-{k} dim={dim} ({dtype}, {device.type}); "
               f"{nbytes / 2**20:.1f} MiB per rank each way")
-        print(f"  dispatch+combine {t_ours * 1e3:8.2f} ms  bus {bus(t_ours):7.1f} GB/s")
+        for kind, t in zip(times, t_ours):
+            print(f"  dispatch+combine [{kind:8s}] {t * 1e3:8.2f} ms  bus {bus(t):7.1f} GB/s  "
+                  f"ratio {t_plain / t:.2f} of the plain all-to-all bandwidth at the same bytes")
         print(f"  plain all-to-all x2 {t_plain * 1e3:6.2f} ms  bus {bus(t_plain):7.1f} GB/s")
-        print(f"  ratio: {t_plain / t_ours:.2f} of the plain all-to-all bandwidth at the same bytes")
 
 
-def d_splits(dispatcher, routing, e: int, world: int) -> list[int]:
+def d_splits(routing, e: int, world: int) -> list[int]:
     """Rows this rank sends to each EP rank for this routing (the dispatch's input splits)."""
     counts = torch.bincount(routing.indices.reshape(-1), minlength=e)
     return counts.view(world, -1).sum(1).tolist()
@@ -196,6 +204,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--ep", action="store_true", help="expert-parallel dispatch mode (torchrun)")
+    parser.add_argument("--dispatchers", default="alltoall,p2p",
+                        help="EP mode: dispatchers to time in the same run (alltoall, p2p, allgather)")
     parser.add_argument("--profile", action="store_true",
                         help="print a profiler table of 3 steps (EP mode: of 3 dispatch+combine rounds, GPU only)")
     args = parser.parse_args()
@@ -216,7 +226,8 @@ def main() -> None:
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
     for n in names:
         if args.ep:
-            bench_ep(n, table[n], args.iters, device, dtype, args.profile and device.type == "cuda")
+            bench_ep(n, table[n], args.iters, device, dtype, args.profile and device.type == "cuda",
+                     tuple(args.dispatchers.split(",")))
         else:
             bench_layer(n, table[n], args.iters, device, dtype, args.profile)
         if device.type == "cuda":

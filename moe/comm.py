@@ -91,3 +91,92 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
+
+
+# ---- expert-major exchange: point-to-point segments instead of one all-to-all -------------
+
+
+class SegmentPlan:
+    """Where each (peer, local expert) segment of rows goes, for `exchange_segments`.
+
+    sends/recvs: (peer's rank in the group, first row, rows, local expert), in local-expert
+    order per peer (both ends post in that order, and tag by the expert: NCCL matches by order,
+    gloo by tag); copies: (source row, destination
+    row, rows) of the segments this rank keeps; out_rows: rows of the result."""
+
+    def __init__(self, sends, recvs, copies, out_rows: int, in_rows: int):
+        self.sends, self.recvs, self.copies = sends, recvs, copies
+        self.out_rows, self.in_rows = out_rows, in_rows
+
+    def reversed(self) -> "SegmentPlan":
+        return SegmentPlan(self.recvs, self.sends, [(d, s, n) for s, d, n in self.copies], self.in_rows, self.out_rows)
+
+    @staticmethod
+    def by_expert(send: list[list[int]], recv: list[list[int]], rank: int) -> "SegmentPlan":
+        """The dispatch plan. send[p][e]: rows this rank sends for expert e of rank p (laid out
+        p-major, e-minor, as sorting by global expert id leaves them); recv[s][e]: rows rank s
+        sends for this rank's expert e. The result is grouped by local expert, then source rank:
+        the grouped GEMM's layout, with no regrouping gather after the exchange."""
+        ep, local = len(send), len(send[0])
+        send_at, row = [], 0
+        for p in range(ep):
+            send_at.append([])
+            for e in range(local):
+                send_at[p].append(row)
+                row += send[p][e]
+        in_rows = row
+        recv_at = [[0] * local for _ in range(ep)]
+        row = 0
+        for e in range(local):
+            for s in range(ep):
+                recv_at[s][e] = row
+                row += recv[s][e]
+        sends, recvs, copies = [], [], []
+        for p in range(ep):
+            for e in range(local):
+                if p == rank:
+                    if send[p][e]:
+                        copies.append((send_at[p][e], recv_at[p][e], send[p][e]))
+                    continue
+                if send[p][e]:
+                    sends.append((p, send_at[p][e], send[p][e], e))
+                if recv[p][e]:
+                    recvs.append((p, recv_at[p][e], recv[p][e], e))
+        return SegmentPlan(sends, recvs, copies, row, in_rows)
+
+
+def _run_segments(x: torch.Tensor, plan: SegmentPlan, group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((plan.out_rows, *x.shape[1:]))
+
+    def exchange():
+        ops = [dist.P2POp(dist.isend, x[a:a + n], dist.get_global_rank(group, p), group, tag)
+               for p, a, n, tag in plan.sends]
+        ops += [dist.P2POp(dist.irecv, out[a:a + n], dist.get_global_rank(group, p), group, tag)
+                for p, a, n, tag in plan.recvs]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for s, d, n in plan.copies:  # runs while the transfers are in flight
+            out[d:d + n].copy_(x[s:s + n])
+        for w in works:
+            w.wait()
+        return out
+
+    return EXCHANGE_TIMER.run(x, exchange)
+
+
+class _SegmentExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan, group):
+        ctx.plan, ctx.group = plan, group
+        return _run_segments(x, plan, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _run_segments(grad, ctx.plan.reversed(), ctx.group), None, None
+
+
+def exchange_segments(x: torch.Tensor, plan: SegmentPlan, group) -> torch.Tensor:
+    """Rows of x moved as `plan` says (autograd: the backward runs the reversed plan)."""
+    if x.shape[0] != plan.in_rows:
+        raise ValueError(f"exchange_segments: {x.shape[0]} rows, the plan expects {plan.in_rows}")
+    return _SegmentExchange.apply(x, plan, group)
