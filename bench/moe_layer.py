@@ -20,7 +20,7 @@ EP mode (torchrun, one process per GPU, ep = world size; NCCL, or gloo on CPU wi
 
 Each rank routes its own R/k tokens with a real router; it times dispatch+combine (forward:
 permute, count exchange, exchange, grouping, and back) of each dispatcher (`--dispatchers`,
-default alltoall,p2p) and, in the same run, two
+default alltoall) and, in the same run, two
 plain all-to-alls with even splits of the same per-rank bytes. It prints the bus bandwidth
 of each (bytes x (ep-1)/ep / time, the nccl-tests convention) and their ratio.
 """
@@ -204,8 +204,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--ep", action="store_true", help="expert-parallel dispatch mode (torchrun)")
-    parser.add_argument("--dispatchers", default="alltoall,p2p",
-                        help="EP mode: dispatchers to time in the same run (alltoall, p2p, allgather)")
+    parser.add_argument("--dispatchers", default="alltoall",
+                        help="EP mode: dispatchers to time in the same run (alltoall, allgather)")
     parser.add_argument("--profile", action="store_true",
                         help="print a profiler table of 3 steps (EP mode: of 3 dispatch+combine rounds, GPU only)")
     args = parser.parse_args()

@@ -37,7 +37,7 @@ class MoEConfig:
     capacity_factor: float = 0.0  # 0: dropless
     first_k_dense: int = 0
     moe_every: int = 1
-    dispatcher: str = "alltoall"  # "alltoall" | "p2p" (expert-major segments) | "allgather"
+    dispatcher: str = "alltoall"  # "alltoall" | "allgather"
     routed_scaling_factor: float = 1.0  # routed experts' combine weights are scaled by this (DeepSeek-V3: 2.5)
     shared_ffn_dim: int = 0  # hidden size of the shared experts together; 0: num_shared_experts * expert ffn_dim
 

@@ -15,11 +15,6 @@ Both dispatchers keep what `combine` needs between the two calls, so one layer c
   weigh-and-sum over k in one batched product (no atomics: deterministic; the backward of
   the permute sums the k row gradients with a reduction too).
 
-`P2PDispatcher` ("p2p"): the same steps 1-2, then the rows move as (rank, local expert)
-  segments with one batch of point-to-point sends/receives, each received straight into
-  its place in the expert-grouped buffer: no regroup gather after the exchange and no ungroup
-  gather before the one back (the segments this rank keeps are copied while the rest travel).
-
 `AllGatherDispatcher` (small EP, e.g. within a node): all-gather every rank's tokens and
 routing, compute the local experts' share of every token, and reduce-scatter the partial
 outputs back. Traffic is ep x tokens x dim each way instead of tokens x k x dim, which wins
@@ -34,7 +29,7 @@ import torch.nn.functional as F
 
 from core.kernels.fused import gather_sum, gather_weighted_sum, inverse_of, triton_enabled
 from core.parallel.comm import all_gather_dim0, all_gather_tokens, reduce_scatter_tokens
-from moe.comm import SegmentPlan, all_to_all, exchange_counts, exchange_segments
+from moe.comm import all_to_all, exchange_counts
 from moe.router import Routing, expert_counts
 
 
@@ -194,34 +189,6 @@ class AllToAllDispatcher(_Dispatcher):
         return weighted_unpermute(rows, state["order"], state["weights"], state["tokens"])
 
 
-class P2PDispatcher(_Dispatcher):
-    """Permute -> count exchange -> expert-major point-to-point segments, and back."""
-
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (rows grouped by local expert [N, dim], tokens per local expert [E_local])."""
-        t, k = routing.indices.shape
-        order, counts = sort_by_expert(routing.indices, routing.keep, self.num_experts)
-        self._state = state = {"order": order, "tokens": t, "weights": routing.weights}
-        if self.ep == 1:
-            return permute(x, order, k), counts
-        send = counts.view(self.ep, self.num_local)
-        recv = exchange_counts(send, self.group)  # row i: what rank i sends to each of my experts
-        permuted = permute(x, order, k)  # queued behind the count exchange, overlapping it
-        send_host, recv_host = torch.stack((send, recv)).tolist()  # the one host sync
-        state["plan"] = plan = SegmentPlan.by_expert(send_host, recv_host, self.ep_rank)
-        return exchange_segments(permuted, plan, self.group), recv.sum(0)
-
-    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
-        """Expert outputs in dispatch's row order -> weighted sum per token [T, dim]."""
-        state, self._state = self._state, None
-        if state is None:
-            raise RuntimeError("combine() called without a matching dispatch()")
-        rows = expert_out
-        if self.ep > 1:
-            rows = exchange_segments(rows, state["plan"].reversed(), self.group)
-        return weighted_unpermute(rows, state["order"], state["weights"], state["tokens"])
-
-
 class AllGatherDispatcher(_Dispatcher):
     """Gather all tokens of the EP group, run the local experts on their share, reduce-scatter."""
 
@@ -259,11 +226,9 @@ class AllGatherDispatcher(_Dispatcher):
 
 
 def build_dispatcher(kind: str, num_experts: int, group=None):
-    """"alltoall", "p2p" or "allgather" over `group` (None: this rank holds every expert)."""
+    """"alltoall" or "allgather" over `group` (None: this rank holds every expert)."""
     if kind == "alltoall":
         return AllToAllDispatcher(num_experts, group)
-    if kind == "p2p":
-        return P2PDispatcher(num_experts, group)
     if kind == "allgather":
         return AllGatherDispatcher(num_experts, group)
-    raise ValueError(f"dispatcher={kind!r} must be 'alltoall', 'p2p' or 'allgather'")
+    raise ValueError(f"dispatcher={kind!r} must be 'alltoall' or 'allgather'")

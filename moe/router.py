@@ -78,8 +78,8 @@ def check_moe_config(moe: MoEConfig, where: str = "model.moe") -> None:
     for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
         if getattr(moe, name) < 0:
             raise ValueError(f"{where}.{name}={getattr(moe, name)} must be >= 0")
-    if moe.dispatcher not in ("alltoall", "p2p", "allgather"):
-        raise ValueError(f"{where}.dispatcher={moe.dispatcher!r} must be 'alltoall', 'p2p' or 'allgather'")
+    if moe.dispatcher not in ("alltoall", "allgather"):
+        raise ValueError(f"{where}.dispatcher={moe.dispatcher!r} must be 'alltoall' or 'allgather'")
 
 
 def limit_to_groups(scores: torch.Tensor, n_groups: int, topk_groups: int, top_k: int) -> torch.Tensor:

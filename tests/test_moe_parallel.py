@@ -155,11 +155,9 @@ def _report(results):
     return worst
 
 
-def test_ep2_alltoall_p2p_and_allgather_match_single_process():
+def test_ep2_alltoall_and_allgather_match_single_process():
     scenarios = {
         "ep2 alltoall, softmax top-2, 2 micro-batches": dict(ep=2, micro=2),
-        "ep2 p2p segments, capacity 1.0 (some segments empty), 2 micro-batches": dict(
-            ep=2, micro=2, moe=dict(dispatcher="p2p", capacity_factor=1.0)),
         "ep2 allgather, sigmoid groups + shared + bias, capacity 1.0, per-sequence aux": dict(
             ep=2, moe=dict(dispatcher="allgather", router="sigmoid", n_groups=4, topk_groups=2, top_k=4,
                            num_shared_experts=1, bias_update_rate=1e-3, capacity_factor=1.0,
@@ -171,7 +169,6 @@ def test_ep2_alltoall_p2p_and_allgather_match_single_process():
 def test_ep4_and_ep2_x_dp2_match_single_process():
     scenarios = {
         "ep4 alltoall": dict(ep=4),
-        "ep4 p2p segments": dict(ep=4, moe=dict(dispatcher="p2p")),
         "ep2 x edp2 alltoall, capacity 1.25": dict(ep=2, micro=2, moe=dict(capacity_factor=1.25)),
         "ep2 x edp2 allgather, sigmoid": dict(ep=2, moe=dict(dispatcher="allgather", router="sigmoid")),
     }
