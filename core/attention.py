@@ -6,15 +6,25 @@ q [T, Hq, D], k/v [T, Hkv, D] (Hq a multiple of Hkv: grouped-query attention), w
 Backends, chosen per call:
 - CUDA, all segments the same length (an unpacked batch): SDPA on [B, H, S, D], cuDNN first
   (it measured 1.9x the flash backend's forward on H100, see shared/PERFORMANCE.md);
-- CUDA, packed: `torch.nn.attention.varlen.varlen_attn` (FlashAttention varlen);
+- CUDA, packed: `torch.nn.attention.varlen.varlen_attn` (FlashAttention varlen); when the
+  host knows the document lengths (`doc_lengths`), documents of at least `CUDNN_MIN_DOC`
+  tokens go through cuDNN SDPA instead (1.6-1.7x flash varlen's speed on H100, BENCHMARKS.md),
+  batched by length rounded up to `CUDNN_BUCKET` (causal masking makes the padding exact:
+  real queries never see the keys after them, and padded queries are dropped, so they get no
+  gradient), and only the shorter ones through flash varlen. `TESSERA_VARLEN_KERNEL=flash`
+  keeps every document on flash;
 - CPU: an exact reference that runs SDPA per distinct segment length, batching the
   segments of equal length, so it stays exact and cheap enough for tests.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +97,72 @@ def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: flo
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
+VARLEN_KERNEL_ENV = "TESSERA_VARLEN_KERNEL"
+CUDNN_MIN_DOC = 8192  # shorter documents: flash varlen (per-call costs outweighed the gain at 2048-4096: BENCHMARKS.md)
+CUDNN_BUCKET = 512  # long documents pad up to a multiple of this: a few shapes, few cuDNN graphs
+
+
+@dataclass(frozen=True)
+class _SplitPlan:
+    """Index tensors of one packed batch's split (the same for every layer: cached)."""
+
+    buckets: tuple  # (padded length, gather [n*padded]) per bucket of long documents
+    short_rows: torch.Tensor | None  # token indices of the short documents
+    short_cu: torch.Tensor | None
+    short_max: int
+    source: torch.Tensor  # [T]: each token's row in the concatenated results (buckets, then short)
+
+
+@functools.lru_cache(maxsize=4)
+def _split_plan(doc_lengths: tuple[int, ...], min_doc: int, bucket: int, device: torch.device) -> _SplitPlan:
+    total = sum(doc_lengths)
+    grouped: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    short: list[tuple[int, int]] = []
+    start = 0
+    for n in doc_lengths:
+        if n >= min_doc:
+            grouped[-(-n // bucket) * bucket].append((start, n))
+        elif n:
+            short.append((start, n))
+        start += n
+    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    source = torch.empty(total, dtype=torch.long)
+    buckets, row = [], 0
+    for padded, docs in sorted(grouped.items()):
+        # Padded runs read in-range rows past each document's end: finite values that causal
+        # masking hides from the real queries; the padded queries' outputs are never read.
+        starts = torch.tensor([s for s, _ in docs])
+        buckets.append((padded, move((starts[:, None] + torch.arange(padded)[None, :]).clamp_max(total - 1).reshape(-1))))
+        for s, n in docs:
+            source[s:s + n] = torch.arange(row, row + n)
+            row += padded
+    rows = cu = None
+    if short:
+        rows = torch.cat([torch.arange(s, s + n) for s, n in short])
+        source[rows] = torch.arange(row, row + rows.numel())
+        rows = move(rows)
+        cu = move(torch.tensor([0] + [n for _, n in short]).cumsum(0).to(torch.int32))
+    return _SplitPlan(tuple(buckets), rows, cu, max((n for _, n in short), default=0), move(source))
+
+
+def _split_by_length(q, k, v, doc_lengths: tuple[int, ...], scale: float | None,
+                     min_doc: int = CUDNN_MIN_DOC, bucket: int = CUDNN_BUCKET) -> torch.Tensor:
+    """Long documents through dense causal SDPA (bucketed), the rest through one varlen call;
+    see the module docstring. Exact: the same attention as one varlen call over all. The
+    results are put back in token order by one gather."""
+    plan = _split_plan(tuple(doc_lengths), min_doc, bucket, q.device)
+    parts = [_sdpa_dense(q.index_select(0, g), k.index_select(0, g), v.index_select(0, g), padded, scale)
+             for padded, g in plan.buckets]
+    if plan.short_rows is not None:
+        rows = plan.short_rows
+        sq, sk, sv = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            parts.append(_flash_varlen(sq, sk, sv, plan.short_cu, plan.short_max, scale))
+        else:  # CPU tests of the split itself
+            parts.append(_reference_varlen(sq, sk, sv, plan.short_cu, scale))
+    return torch.cat(parts).index_select(0, plan.source)
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -94,8 +170,10 @@ def varlen_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float | None = None,
+    doc_lengths: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """Document-causal attention over a packed batch; see the module docstring."""
+    """Document-causal attention over a packed batch; see the module docstring.
+    `doc_lengths`: the segment lengths of cu_seqlens as host ints, when the caller has them."""
     total = q.shape[0]
     num_segments = cu_seqlens.numel() - 1
     uniform = num_segments > 0 and max_seqlen * num_segments == total
@@ -103,6 +181,10 @@ def varlen_attention(
         if uniform:
             report_once("attention: dense causal SDPA (cuDNN preferred)")
             return _sdpa_dense(q, k, v, max_seqlen, scale)
+        if (doc_lengths is not None and max_seqlen >= CUDNN_MIN_DOC
+                and os.environ.get(VARLEN_KERNEL_ENV, "auto") != "flash"):
+            report_once(f"attention: cuDNN SDPA for documents of >= {CUDNN_MIN_DOC} tokens, varlen_attn for the rest")
+            return _split_by_length(q, k, v, doc_lengths, scale)
         report_once("attention: varlen_attn (packed documents)")
         return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
     # CPU, or fp32 on CUDA (FlashAttention varlen takes 16-bit inputs only): exact paths.

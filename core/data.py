@@ -117,7 +117,8 @@ def to_inputs(batch, device: torch.device) -> StepInputs:
         tokens=batch.tokens.reshape(-1).to(device, torch.long, non_blocking=True),
         labels=labels,
         position_ids=batch.position_ids.reshape(-1).to(device, torch.long, non_blocking=True),
-        meta=AttentionMeta(cu_seqlens=batch.cu_seqlens.to(device, torch.int32, non_blocking=True), max_seqlen=max_seqlen),
+        meta=AttentionMeta(cu_seqlens=batch.cu_seqlens.to(device, torch.int32, non_blocking=True), max_seqlen=max_seqlen,
+                           doc_lengths=tuple(batch.cu_seqlens.diff().tolist())),  # the client's tensors are on the host
         num_tokens=int(batch.num_tokens),
         num_labels=int((batch.labels != -100).sum()),
     )

@@ -28,6 +28,7 @@ class AttentionMeta:
     cu_seqlens: torch.Tensor  # int32 [segments + 1] over this rank's tokens
     max_seqlen: int
     extra: dict[str, Any] = field(default_factory=dict)  # context-parallel plans and the like
+    doc_lengths: tuple[int, ...] | None = None  # cu_seqlens' segment lengths on the host, if known
 
 
 class RMSNorm(nn.Module):
@@ -65,7 +66,7 @@ class CoreAttention(nn.Module):
     # recompile limit; the attention kernels are opaque to inductor anyway.
     @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen)
+        return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, doc_lengths=meta.doc_lengths)
 
 
 class Attention(nn.Module):

@@ -71,3 +71,41 @@ def test_config_overrides_and_errors(tmp_path):
     cost = tmp_path / "cost.json"
     cost.write_text('{"per_token": 1e-6, "per_pair": 1e-9}')
     assert resolve_layout(load_config(None, ["data.dataset=/d", f"data.cp_cost={cost}"]), 1).data.cp_cost == str(cost)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_long_documents_split_off_to_dense_attention_exactly(device):
+    # The split that sends long documents to dense SDPA (padded up to a bucket) and the rest to
+    # one varlen call must equal one varlen call over all: outputs and q/k/v gradients. CPU:
+    # float64, thresholds scaled down; GPU: bf16 through cuDNN + flash against flash alone.
+    from core import attention
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    lengths = (5, 13, 1, 22, 7, 0, 9, 16, 16, 3)  # GPU: x 800, three long documents
+    min_doc, bucket, dtype, scale_up = 8, 4, torch.float64, 1
+    if device == "cuda":  # the real thresholds; lengths scaled so some documents are long
+        min_doc, bucket, dtype, scale_up = attention.CUDNN_MIN_DOC, attention.CUDNN_BUCKET, torch.bfloat16, 800
+    lengths = tuple(n * scale_up for n in lengths)
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(device, torch.int32)
+    total = sum(lengths)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(total, h, 16 if device == "cpu" else 128, dtype=dtype, device=device, generator=g)
+               for h in (4, 2, 2))
+    dout = torch.randn_like(q)
+    results = []
+    for split in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if split:
+            out = attention._split_by_length(*leaves, lengths, None, min_doc, bucket)
+        elif device == "cpu":
+            out = attention._reference_varlen(*leaves, cu, None)
+        else:
+            out = attention._flash_varlen(*leaves, cu, max(lengths), None)
+        out.backward(dout)
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    tol = 1e-10 if device == "cpu" else 2e-2
+    for name, got, want in zip(("out", "dq", "dk", "dv"), results[1], results[0]):
+        err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+        assert err < tol, (name, err)
+    assert len(attention._split_plan(lengths, min_doc, bucket, q.device).buckets) >= 2  # padding was exercised

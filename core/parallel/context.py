@@ -104,7 +104,8 @@ def shard_for_cp(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch
             position_ids = torch.cat((position_ids, tail.to(position_ids.dtype)))
             source[total:] = -1
             lens = torch.cat((lens, lens.new_tensor([extra])))
-        meta = AttentionMeta(cu_seqlens=_cu(lens), max_seqlen=int(lens.max()) if lens.numel() else 0)
+        host_lens = tuple(lens.tolist())  # one host read (as the max needs anyway), shared by every layer
+        meta = AttentionMeta(cu_seqlens=_cu(lens), max_seqlen=max(host_lens, default=0), doc_lengths=host_lens)
         return CPInputs(tokens, labels, position_ids, meta, source)
 
     two = 2 * cp_size
@@ -159,7 +160,7 @@ class RingCoreAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         layout = meta.extra.get("cp")
         if layout is None or layout.cp_size == 1:
-            return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen)
+            return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, doc_lengths=meta.doc_lengths)
         group = meta.extra.get("cp_group", self.group)
         if group is None:
             raise ValueError(f"the batch is sharded for cp_size={layout.cp_size} but no process group is known: "
