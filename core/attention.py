@@ -151,6 +151,9 @@ def _split_by_length(q, k, v, doc_lengths: tuple[int, ...], scale: float | None,
     see the module docstring. Exact: the same attention as one varlen call over all. The
     results are put back in token order by one gather."""
     plan = _split_plan(tuple(doc_lengths), min_doc, bucket, q.device)
+    if plan.source.numel() != q.shape[0]:
+        raise ValueError(f"attention: doc_lengths cover {plan.source.numel()} tokens but q has {q.shape[0]}; "
+                         "they must describe the same packed batch as cu_seqlens")
     parts = [_sdpa_dense(q.index_select(0, g), k.index_select(0, g), v.index_select(0, g), padded, scale)
              for padded, g in plan.buckets]
     if plan.short_rows is not None:

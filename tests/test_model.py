@@ -109,3 +109,11 @@ def test_long_documents_split_off_to_dense_attention_exactly(device):
         err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
         assert err < tol, (name, err)
     assert len(attention._split_plan(lengths, min_doc, bucket, q.device).buckets) >= 2  # padding was exercised
+
+
+def test_split_refuses_lengths_of_another_batch():
+    from core import attention
+
+    q = torch.randn(10, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="doc_lengths cover 12 tokens but q has 10"):
+        attention._split_by_length(q, q, q, (4, 8), None, 4, 4)
