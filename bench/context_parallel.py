@@ -112,7 +112,8 @@ def check_one(args, device, dtype, case, lengths):
         errs[name] = float((a - b).abs().max() / b.abs().max())
     t = torch.tensor(list(errs.values()), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    emit({"mode": "check", "case": case, "equal_docs": s.meta.extra["cp"].equal_docs, "cp": world, "dtype": str(dtype), "max_rel_err": dict(zip(errs, t.tolist()))})
+    emit({"mode": "check", "case": case, "equal_docs": s.meta.extra["cp"].equal_docs, "cp": world,
+          "dtype": str(dtype), "max_rel_err": dict(zip(errs, t.tolist()))})
 
 
 def mode_attention(args, device, dtype):

@@ -8,10 +8,10 @@ losses agree to bf16 precision compounded over a few steps: 2e-2 relative.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-
-import json
 
 from tests.test_train import MOE_CONFIG, dataset, losses, run_train  # noqa: F401  (the fixture is reused)
 

@@ -29,6 +29,7 @@ gradients exact):
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -183,8 +184,10 @@ def _docs_view(t: torch.Tensor, docs: int) -> torch.Tensor:
     return t.view(docs, t.shape[0] // docs, t.shape[1], t.shape[2]).transpose(1, 2)
 
 
+@functools.lru_cache(maxsize=None)
 def _rng_words(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # The backward op takes the dropout seed/offset; without dropout they are not read.
+    # The backward op takes the dropout seed/offset; without dropout they are not read. One
+    # pair per device, not an allocation per block.
     z = torch.zeros(1, dtype=torch.int64, device=device)
     return z, z
 
