@@ -3,6 +3,11 @@
 - grouped, per MoE shape (forward and dgrad): our blockwise grouped GEMM (1x128 activations,
   128x128 weights), each built configuration, against torch._scaled_grouped_mm with rowwise
   scales (use_fast_accum True and False), and bf16 torch._grouped_mm for context;
+- grouped wgrad (x_e^T dy_e, grouped along the tokens): our K-grouped blockwise GEMM, each
+  configuration, against torch._scaled_grouped_mm's K-grouped form (per-expert rowwise scales;
+  it needs each expert's tokens in multiples of 16, so its routing is rounded up to that) and
+  bf16 torch._grouped_mm; then the whole weight gradient (quantisers + GEMM + the fp32 copy of
+  the result) against the per-expert loop of blockwise GEMMs it replaced;
 - dense 8192^3 and the MoE layer's equal-FLOP dense shapes: our blockwise GEMM against
   torch._scaled_mm tensorwise and rowwise (fast accumulation), and cuBLAS blockwise through
   torch._scaled_mm when this torch accepts blockwise scales (checked against ours first);
@@ -71,6 +76,84 @@ def bench_grouped(shape, routing: str, lib, device, bench_ms) -> list[dict]:
         _print(row)
         rows.append(row)
     return rows
+
+
+def _aligned_offsets(offsets: torch.Tensor, multiple: int) -> torch.Tensor:
+    """The same routing with every group's size rounded up to a multiple (more tokens)."""
+    counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
+    return (-(-counts // multiple) * multiple).cumsum(0).to(torch.int32)
+
+
+def bench_grouped_wgrad(shape, routing: str, lib, device, bench_ms) -> list[dict]:
+    from bench.kernels import routed_offsets
+    from core import fp8 as recipe
+    from core.kernels import fp8_wgrad as kwgrad
+
+    gen = torch.Generator(device=device).manual_seed(3)
+    t, d, h, e = shape.routed, shape.dim, shape.hidden, shape.experts
+    offsets = routed_offsets(shape, routing, device)
+    x = torch.randn(t, d, generator=gen, device=device).to(torch.bfloat16)
+    dy = torch.randn(t, h, generator=gen, device=device).to(torch.bfloat16)
+    flops = 2.0 * t * d * h
+    rs, bs = kwgrad.group_blocks(offsets, t)
+    blocks = kwgrad.padded_blocks(t, e)
+    qx, sx = kwgrad.quantize_grouped_t(x, rs, bs, blocks, True)  # the recipe's order: [E, d, h] out
+    qd, sd = kwgrad.quantize_grouped_t(dy, rs, bs, blocks, False)
+    baselines = {"bf16_grouped": bench_ms(lambda: torch._grouped_mm(x.t(), dy, offs=offsets))}
+    # torch's K-grouped FP8: a = x^T [d, T16] row-major, b = dy [T16, h] column-major, one
+    # scale per (expert, row of a) and (expert, column of b). Timing only: unit scales.
+    off16 = _aligned_offsets(offsets, 16)
+    t16 = int(off16[-1])
+    qx16 = torch.zeros(d, t16, dtype=fp8.FP8, device=device)
+    qd16 = torch.zeros(h, t16, dtype=fp8.FP8, device=device)
+    ones_a, ones_b = torch.ones(e * d, device=device), torch.ones(e * h, device=device)
+    for fast in (True, False):
+        def scaled(fast=fast):
+            return torch._scaled_grouped_mm(qx16, qd16.t(), ones_a, ones_b, offs=off16, out_dtype=torch.bfloat16,
+                                            use_fast_accum=fast)
+        try:
+            scaled()
+            baselines[f"rowwise{'_fast' if fast else ''}_t16"] = bench_ms(scaled) * t / t16  # per routed token
+        except (RuntimeError, ValueError) as err:
+            print(f"fp8 wgrad: torch._scaled_grouped_mm K-grouped not measured: {str(err).splitlines()[0][:160]}",
+                  flush=True)
+    fp8_base = [v for k, v in baselines.items() if k.startswith("rowwise")]
+    base_ms = min(fp8_base) if fp8_base else baselines["bf16_grouped"]
+    row = {"shape": shape.name, "pass": "wgrad", "kind": "fp8_grouped_wgrad", "routing": routing,
+           "baselines_tflops": {k: flops / v / 1e9 for k, v in baselines.items()},
+           "configs": _ours(lambda: kwgrad.grouped_wgrad_blockwise(qx, sx, qd, sd, bs), fp8.FAMILY_FP8_GG, lib,
+                            flops, base_ms, bench_ms)}
+    _print(row)
+
+    def per_expert_loop():  # what expert_wgrad="fp8" ran before the K-grouped kernel
+        out = x.new_zeros(e, d, h, dtype=torch.float32)
+        start = 0
+        for g, end in enumerate(offsets.tolist()):
+            if end > start:
+                out[g] = recipe.fp8_matmul_wgrad(dy[start:end], x[start:end]).t()
+            start = max(start, end)
+        return out
+
+    def per_expert_loop_untransposed():  # the same, operands swapped to write [d, h] directly
+        out = x.new_zeros(e, d, h, dtype=torch.float32)
+        start = 0
+        for g, end in enumerate(offsets.tolist()):
+            if end > start:
+                out[g] = recipe.fp8_matmul_wgrad(x[start:end], dy[start:end])
+            start = max(start, end)
+        return out
+
+    whole = {name: bench_ms(fn) for name, fn in (
+        ("per_expert_loop", per_expert_loop),
+        ("per_expert_loop_untransposed", per_expert_loop_untransposed),
+        ("bf16_grouped_fp32_out", lambda: torch._grouped_mm(x.t(), dy, offs=offsets).float()),
+        ("ours", lambda: recipe.fp8_grouped_wgrad(x, dy, offsets, torch.float32)))}
+    whole_row = {"shape": shape.name, "pass": "wgrad_whole", "kind": "fp8_grouped_wgrad_whole", "routing": routing,
+                 "ms": whole, "ours_vs_loop": whole["per_expert_loop"] / whole["ours"],
+                 "ours_vs_bf16": whole["bf16_grouped_fp32_out"] / whole["ours"]}
+    print(f"fp8 {shape.name:10s} wgrad whole (quantise + GEMM + fp32 out), ms and ours' speed-up: "
+          + " | ".join(f"{k} {v:.3f} (x{v / whole['ours']:.2f})" for k, v in whole.items()), flush=True)
+    return [row, whole_row]
 
 
 def _torch_blockwise(qa, sa, qb, sb, reference: torch.Tensor):
@@ -159,6 +242,8 @@ def run(shapes, routing: str, lib, device, bench_ms) -> list[dict]:
     torch.cuda.empty_cache()
     for shape in shapes:
         rows += bench_grouped(shape, routing, lib, device, bench_ms)
+        torch.cuda.empty_cache()
+        rows += bench_grouped_wgrad(shape, routing, lib, device, bench_ms)
         torch.cuda.empty_cache()
     for m, n, k in [(8192, 8192, 8192), (16384, 14336, 4096), (16384, 4096, 14336)]:
         rows.append(bench_dense(m, n, k, lib, device, bench_ms))

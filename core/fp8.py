@@ -19,10 +19,10 @@ reduction dim, dy^T and x^T without writing a bf16 transpose. Master
 weights stay fp32 in the data-parallel step; embedding, output head, norms, router, softmax,
 attention and the loss are untouched (bf16 / fp32). docs/fp8.md says why for each choice.
 
-Routed experts: forward and dgrad are one grouped blockwise GEMM each (no host sync). The
-weight gradient needs a K-grouped FP8 GEMM, which csrc/ does not have: `expert_wgrad="fp8"`
-(default) runs one blockwise GEMM per expert (reads the group offsets on the host), "bf16" the
-bf16 grouped wgrad kernel (`TESSERA_FP8_EXPERT_WGRAD` sets the default).
+Routed experts: forward, dgrad and wgrad are one grouped blockwise GEMM each (no host sync).
+The weight gradient groups along K (tokens): each expert's tokens start a fresh 128-token scale
+block (core/kernels/fp8_wgrad.py). `expert_wgrad="fp8"` (default) runs it, "bf16" the bf16
+grouped wgrad kernel instead (`TESSERA_FP8_EXPERT_WGRAD` sets the default).
 
 Shapes whose features are not multiples of 128 keep their bf16 GEMMs, listed once in the log.
 Without the kernel library (CPU, no sm_90) the quantisers and GEMMs run their exact PyTorch
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from core.kernels import fp8 as kfp8
+from core.kernels import fp8_wgrad as kwgrad
 from core.kernels import grouped_mm_wgrad
 from core.kernels.library import custom_op, kernel_library, report_once
 
@@ -174,16 +175,18 @@ def fp8_grouped_dgrad(dy: Tensor, qw: Tensor, sw: Tensor, offsets: Tensor) -> Te
 
 
 def fp8_grouped_wgrad(x: Tensor, dy: Tensor, offsets: Tensor, dtype: torch.dtype) -> Tensor:
-    """[G, in, out] with entry g = x_g^T dy_g, one blockwise FP8 GEMM per non-empty group (the
-    scaling of `fp8_matmul_wgrad`); empty groups get zeros."""
-    out = x.new_zeros(offsets.shape[0], x.shape[1], dy.shape[1], dtype=dtype)
-    start = 0
-    for g, end in enumerate(offsets.tolist()):  # one host read per call: no K-grouped FP8 kernel yet
-        end = min(max(end, start), x.shape[0])
-        if end > start:
-            out[g] = fp8_matmul_wgrad(dy[start:end], x[start:end]).t()
-        start = end
-    return out
+    """[G, in, out] with entry g = x_g^T dy_g, one K-grouped blockwise FP8 GEMM for all experts,
+    each expert's tokens quantised on their own: x^T 1x128 (per input channel and 128 tokens),
+    dy^T 128x128, the operand order that yields the experts' stored [in, out] layout (the
+    dense layers' wgrad swaps them for the same reason); empty groups get zeros. No host sync."""
+    rows, groups = x.shape[0], offsets.shape[0]
+    if rows == 0:
+        return x.new_zeros(groups, x.shape[1], dy.shape[1], dtype=dtype)
+    row_starts, block_starts = kwgrad.group_blocks(offsets, rows)
+    blocks = kwgrad.padded_blocks(rows, groups)
+    qx, sx = kwgrad.quantize_grouped_t(x, row_starts, block_starts, blocks, True)  # x^T [in, Kp], 1x128
+    qd, sd = kwgrad.quantize_grouped_t(dy, row_starts, block_starts, blocks, False)  # dy^T [out, Kp], 128x128
+    return kwgrad.grouped_wgrad_blockwise(qx, sx, qd, sd, block_starts).to(dtype)
 
 
 @custom_op("fp8_grouped_mm", differentiable=True)
@@ -211,7 +214,7 @@ def _(dy, w, offsets):
 
 @custom_op("fp8_grouped_wgrad")
 def _grouped_wgrad(x: Tensor, dy: Tensor, offsets: Tensor, dtype: torch.dtype) -> Tensor:
-    # An op of its own: it reads the offsets on the host, which compiled code must not trace.
+    # One op for compiled graphs: without the library its fallbacks read the bounds on the host.
     return fp8_grouped_wgrad(x, dy, offsets, dtype)
 
 

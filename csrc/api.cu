@@ -217,4 +217,18 @@ int tessera_fp8_gg(int config, const void* a, const float* sfa, const void* b, c
   return launch(kFamilyFp8Grouped, args, config, 16, "rows, k, n");
 }
 
+int tessera_fp8_gg_wgrad(int config, const void* a, const float* sfa, const void* b, const float* sfb, void* d,
+                         const int32_t* block_starts, int num_groups, int64_t m, int64_t n, int64_t kp,
+                         void* workspace, size_t workspace_bytes, int device, void* stream, int raster,
+                         int swizzle) {
+  if (!sfa || !sfb || !block_starts)
+    return fail(TESSERA_ERR_INVALID, "scale and block_starts pointers must be non-null");
+  if (m <= 0 || m % 4 || kp <= 0 || kp % 128 || reinterpret_cast<uintptr_t>(sfa) % 16)
+    return fail(TESSERA_ERR_INVALID, "m=%lld must be a positive multiple of 4, kp=%lld a positive multiple of 128 "
+                "and sfa 16-byte aligned", (long long)m, (long long)kp);
+  GroupedArgs args{1, a, b, d, block_starts, num_groups, m, kp, n, workspace, workspace_bytes,
+                   device, static_cast<cudaStream_t>(stream), raster, swizzle, sfa, sfb};
+  return launch(kFamilyFp8Grouped, args, config, 16, "m, kp, n");
+}
+
 }  // extern "C"

@@ -176,6 +176,25 @@ size_t workspace_bytes(const GroupedArgs& p, int sms) {
   return counter.used + Gemm::get_workspace_size(make_arguments(g, p.groups, 0, sms, 0, 1));
 }
 
+// The GEMM over the per-group arrays that a prepare kernel wrote on the same stream.
+int launch_gemm(const GroupArrays& g, const GroupedArgs& p, const char* what) {
+  Gemm::Arguments args = make_arguments(g, p.groups, p.device, sm_count(p.device), p.raster, p.swizzle);
+  Gemm gemm;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess)
+    return fail(TESSERA_ERR_CUTLASS, "%s %s: CUTLASS cannot implement (%s)", what, Config::name(),
+                cutlassGetStatusString(status));
+  status = gemm.initialize(args, g.cutlass_workspace, p.stream);
+  if (status != cutlass::Status::kSuccess)
+    return fail(TESSERA_ERR_CUTLASS, "%s %s: initialize failed (%s)", what, Config::name(),
+                cutlassGetStatusString(status));
+  status = gemm.run(p.stream);
+  if (status != cutlass::Status::kSuccess)
+    return fail(TESSERA_ERR_CUTLASS, "%s %s: launch failed (%s, %s)", what, Config::name(),
+                cutlassGetStatusString(status), cudaGetErrorString(cudaGetLastError()));
+  return TESSERA_OK;
+}
+
 __global__ void prepare_groups(GroupArrays g, const int32_t* __restrict__ offsets, int groups, int64_t rows,
                                int64_t k, int64_t n, const ElementAB* a, const float* sfa, const ElementAB* b,
                                const float* sfb, ElementD* d) {
@@ -209,24 +228,71 @@ int run(const GroupedArgs& p) {
       g, p.offsets, p.groups, p.rows, p.k, p.n, static_cast<const ElementAB*>(p.a), static_cast<const float*>(p.sfa),
       static_cast<const ElementAB*>(p.b), static_cast<const float*>(p.sfb), static_cast<ElementD*>(p.d));
   TESSERA_CUDA_TRY(cudaGetLastError());
-  Gemm::Arguments args = make_arguments(g, p.groups, p.device, sm_count(p.device), p.raster, p.swizzle);
-  Gemm gemm;
-  cutlass::Status status = gemm.can_implement(args);
-  if (status != cutlass::Status::kSuccess)
-    return fail(TESSERA_ERR_CUTLASS, "fp8 grouped %s: CUTLASS cannot implement (%s)", Config::name(),
-                cutlassGetStatusString(status));
-  status = gemm.initialize(args, g.cutlass_workspace, p.stream);
-  if (status != cutlass::Status::kSuccess)
-    return fail(TESSERA_ERR_CUTLASS, "fp8 grouped %s: initialize failed (%s)", Config::name(),
-                cutlassGetStatusString(status));
-  status = gemm.run(p.stream);
-  if (status != cutlass::Status::kSuccess)
-    return fail(TESSERA_ERR_CUTLASS, "fp8 grouped %s: launch failed (%s, %s)", Config::name(),
-                cutlassGetStatusString(status), cudaGetErrorString(cudaGetLastError()));
-  return TESSERA_OK;
+  return launch_gemm(g, p, "fp8 grouped");
+}
+
+// ---- op 1: grouped along K (the experts' weight gradient) ---------------------------------
+// d[g] [m, n] = a_g b_g^T over group g's K range only: a [m, kp] and b [n, kp] K-major (kp the
+// padded K of all groups), scales as tessera_fp8_quantize_grouped_t writes them (1x128 for a:
+// [kp/128][m]; 128x128 for b: [kp/128][ceil(n/128)]). Group g owns K blocks
+// [block_starts[g], block_starts[g + 1]) of 128; its block runs of a, sfa, b and sfb are
+// contiguous, so each group is an ordinary GEMM with K = 128 * its blocks. Empty groups get
+// M = 0 (no tiles) and a zeroed d[g].
+
+__device__ __forceinline__ int64_t clamped_block(const int32_t* starts, int i, int64_t lo, int64_t hi) {
+  const int64_t v = starts[i];
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+__global__ void prepare_wgrad(GroupArrays g, const int32_t* __restrict__ block_starts, int groups, int64_t m,
+                              int64_t n, int64_t kp, const ElementAB* a, const float* sfa, const ElementAB* b,
+                              const float* sfb, ElementD* d) {
+  const int64_t total_blocks = kp / 128, nb = (n + 127) / 128;
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < groups; i += blockDim.x) {
+      // Clamped, so that no values of block_starts make a read leave a or b (groups only read
+      // there; each writes its own d[g]).
+      const int64_t first = clamped_block(block_starts, i, 0, total_blocks);
+      const int64_t blocks = clamped_block(block_starts, i + 1, first, total_blocks) - first;
+      const int k = static_cast<int>(blocks ? blocks * 128 : 128);
+      g.shapes[i] = GroupShape{blocks ? static_cast<int>(m) : 0, static_cast<int>(n), k};
+      g.ptr_a[i] = a + first * 128;
+      g.ptr_sfa[i] = sfa + first * m;
+      g.ptr_b[i] = b + first * 128;
+      g.ptr_sfb[i] = sfb + first * nb;
+      g.ptr_d[i] = d + i * m * n;
+      g.stride_a[i] = leading_stride<StrideA>(kp);
+      g.stride_b[i] = leading_stride<StrideB>(kp);
+      g.stride_d[i] = leading_stride<StrideD>(n);
+      g.layout_sfa[i] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(static_cast<int>(m), static_cast<int>(n), k, 1));
+      g.layout_sfb[i] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(static_cast<int>(m), static_cast<int>(n), k, 1));
+    }
+    return;
+  }
+  const int64_t worker = int64_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;
+  const int64_t workers = int64_t(gridDim.x - 1) * blockDim.x;
+  for (int i = 0; i < groups; ++i) {
+    const int64_t first = clamped_block(block_starts, i, 0, total_blocks);
+    if (clamped_block(block_starts, i + 1, 0, total_blocks) <= first)
+      zero_fill(d + i * m * n, m * n * int64_t(sizeof(ElementD)), worker, workers);
+  }
+}
+
+int run_wgrad(const GroupedArgs& p) {
+  // GroupedArgs for op 1: rows = m, k = kp (the padded K, a multiple of 128), n = n,
+  // offsets = block_starts [groups + 1].
+  Carver carver(p.workspace);
+  GroupArrays g = carve(carver, p.groups);
+  prepare_wgrad<<<1 + kZeroBlocks, 256, 0, p.stream>>>(
+      g, p.offsets, p.groups, p.rows, p.n, p.k, static_cast<const ElementAB*>(p.a), static_cast<const float*>(p.sfa),
+      static_cast<const ElementAB*>(p.b), static_cast<const float*>(p.sfb), static_cast<ElementD*>(p.d));
+  TESSERA_CUDA_TRY(cudaGetLastError());
+  return launch_gemm(g, p, "fp8 grouped wgrad");
 }
 
 const RegisterVariant registered(kFamilyFp8Grouped, 0, TESSERA_FP8_CONFIG, Config::name(), &run, &workspace_bytes);
+const RegisterVariant registered_wgrad(kFamilyFp8Grouped, 1, TESSERA_FP8_CONFIG, Config::name(), &run_wgrad,
+                                       &workspace_bytes);
 
 }  // namespace
 }  // namespace tessera::fp8_grouped

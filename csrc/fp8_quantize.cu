@@ -5,7 +5,8 @@
 //   1x128:       one scale per row and 128 columns (activations), scales M-major as the
 //                CUTLASS blockwise GEMM reads them: [cols/128][rows], or per group
 //                [cols/128][rows of group] one group after another when offsets are given
-//   1x128 of x^T: the same for the transpose, written transposed in one pass (wgrad's dy^T)
+//   1x128 of x^T: the same for the transpose, written transposed in one pass (wgrad's dy^T),
+//                optionally per MoE group with each group on fresh 128-row blocks (below)
 //   128x128:     one scale per 128x128 block (weights), output K-major (optionally the
 //                transpose of the input) with scales [K/128][N/128] per matrix
 // All blocks of an all-zero input get scale 1 (q = 0). Values are multiplied by the fp32
@@ -214,28 +215,48 @@ __global__ void quantize_128x128_kernel(const uint4* __restrict__ x, uint8_t* __
 // a column's 8 quantised bytes are then contiguous in the transposed tile, and the 16 lanes
 // of a half-warp store 128 contiguous bytes of one shared-memory row (no bank conflicts); the
 // per-column amax is a reduction over those 16 lanes. rows % 16 == 0 (checked by the caller).
+//
+// With a block map (MoE expert groups, the K-grouped wgrad's operands): output column block rb
+// of q [cols, out_ld] takes x rows [src, src + 128) of its group only: group g = the last with
+// block_starts[g] <= rb, src = row_starts[g] + 128 * (rb - block_starts[g]), rows at or past
+// row_starts[g + 1] read as zeros. So each group starts on a fresh 128-row block, as if
+// quantised on its own. Blocks at or past block_starts[groups] are left unwritten.
+// The tile stays in registers as raw bf16 (32 registers, not 64 as floats), which with the
+// launch bound lets 3 blocks share an SM (2 before, at 83-97 registers): more loads in flight.
 template <bool kPerColumn>
-__global__ void quantize_transposed_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q, float* scale,
-                                           int64_t rows, int64_t cols) {
+__global__ void __launch_bounds__(256, 3) quantize_transposed_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q, float* scale,
+                                           int64_t rows, int64_t cols, int64_t out_ld,
+                                           const int32_t* __restrict__ row_starts,
+                                           const int32_t* __restrict__ block_starts, int groups) {
   __shared__ __align__(16) uint8_t tile[128][128 + 16];
   const int64_t batch = blockIdx.z;
   const int64_t rb = blockIdx.y, cb = blockIdx.x;
   const int64_t matrix = rows * cols;
+  int64_t src = rb * 128, src_end = rows;
+  if (block_starts != nullptr) {
+    if (rb >= block_starts[groups]) return;  // the whole block agrees: no barrier is skipped
+    int lo = 0, hi = groups;  // largest g with block_starts[g] <= rb: never an empty group
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (block_starts[mid] <= rb) lo = mid; else hi = mid;
+    }
+    src = max(int64_t(row_starts[lo]), int64_t(0)) + 128 * (rb - block_starts[lo]);
+    src_end = min(int64_t(row_starts[lo + 1]), rows);  // rows past it read as zeros
+  }
   const int rgroup = threadIdx.x % 16, cpart = threadIdx.x / 16;
   const int64_t col = cb * 128 + cpart * 8;
-  float v[8][8];  // [row][column]
+  uint4 raw[8];  // [row] x 8 columns of bf16
+  auto value = [&](int i, int j) { return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&raw[i])[j]); };
   float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // per column
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int64_t row = rb * 128 + rgroup * 8 + i;
-    if (row < rows && col < cols) {
-      unpack(x[(batch * matrix + row * cols + col) / 8], v[i]);
-    } else {
+    const int64_t row = src + rgroup * 8 + i;
+    raw[i] = row < src_end && col < cols ? x[(batch * matrix + row * cols + col) / 8] : make_uint4(0, 0, 0, 0);
+  }
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
-    }
+  for (int i = 0; i < 8; ++i) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(v[i][j]));
+    for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(value(i, j)));
   }
   float mult[8];
   if constexpr (kPerColumn) {
@@ -263,18 +284,18 @@ __global__ void quantize_transposed_kernel(const uint4* __restrict__ x, uint8_t*
   for (int j = 0; j < 8; ++j) {
     float column[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) column[i] = v[i][j];
+    for (int i = 0; i < 8; ++i) column[i] = value(i, j);
     *reinterpret_cast<uint2*>(&tile[cpart * 8 + j][rgroup * 8]) = quantize8(column, mult[j]);
   }
   __syncthreads();
-  // Output rows are input columns; each thread stores 16 bytes (rows % 16 == 0).
+  // Output rows are input columns; each thread stores 16 bytes (out_ld % 16 == 0).
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int piece = threadIdx.x + 256 * i;  // 128 output rows x 8 pieces of 16 bytes
     const int out_r = piece / 8, out_c = (piece % 8) * 16;
     const int64_t orow = cb * 128 + out_r, ocol = rb * 128 + out_c;
-    if (orow < cols && ocol < rows)
-      *reinterpret_cast<uint4*>(q + batch * matrix + orow * rows + ocol) =
+    if (orow < cols && ocol < out_ld)
+      *reinterpret_cast<uint4*>(q + batch * cols * out_ld + orow * out_ld + ocol) =
           *reinterpret_cast<const uint4*>(&tile[out_r][out_c]);
   }
 }
@@ -356,7 +377,7 @@ int tessera_fp8_quantize_1x128_t(const void* x, void* q, float* scale, int64_t r
   if (guard.status) return guard.status;
   dim3 grid(static_cast<unsigned>((cols + 127) / 128), static_cast<unsigned>((rows + 127) / 128));
   quantize_transposed_kernel<true><<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const uint4*>(x), static_cast<uint8_t*>(q), scale, rows, cols);
+      static_cast<const uint4*>(x), static_cast<uint8_t*>(q), scale, rows, cols, rows, nullptr, nullptr, 0);
   TESSERA_CUDA_TRY(cudaGetLastError());
   return TESSERA_OK;
 }
@@ -375,10 +396,36 @@ int tessera_fp8_quantize_128x128(const void* x, void* q, float* scale, int64_t b
   auto s = static_cast<cudaStream_t>(stream);
   if (transpose) {
     quantize_transposed_kernel<false><<<grid, 256, 0, s>>>(static_cast<const uint4*>(x), static_cast<uint8_t*>(q),
-                                                           scale, rows, cols);
+                                                           scale, rows, cols, rows, nullptr, nullptr, 0);
   } else {
     quantize_128x128_kernel<<<grid, 256, 0, s>>>(static_cast<const uint4*>(x), static_cast<uint8_t*>(q), scale,
                                                  rows, cols);
+  }
+  TESSERA_CUDA_TRY(cudaGetLastError());
+  return TESSERA_OK;
+}
+
+int tessera_fp8_quantize_grouped_t(const void* x, void* q, float* scale, int64_t rows, int64_t cols,
+                                   const int32_t* row_starts, const int32_t* block_starts, int num_groups,
+                                   int64_t out_blocks, int per_column, int device, void* stream) {
+  if (int rc = check_common(x, q, scale, cols, 8)) return rc;
+  if (!row_starts || !block_starts || num_groups <= 0)
+    return fail(TESSERA_ERR_INVALID, "row_starts and block_starts must be non-null and num_groups=%d > 0", num_groups);
+  if (rows <= 0 || out_blocks <= 0 || out_blocks > 65535)
+    return fail(TESSERA_ERR_INVALID, "rows=%lld must be positive and out_blocks=%lld in [1, 65535]", (long long)rows,
+                (long long)out_blocks);
+  DeviceGuard guard(device);
+  if (guard.status) return guard.status;
+  dim3 grid(static_cast<unsigned>((cols + 127) / 128), static_cast<unsigned>(out_blocks));
+  auto s = static_cast<cudaStream_t>(stream);
+  auto in = static_cast<const uint4*>(x);
+  auto out = static_cast<uint8_t*>(q);
+  if (per_column) {
+    quantize_transposed_kernel<true><<<grid, 256, 0, s>>>(in, out, scale, rows, cols, out_blocks * 128, row_starts,
+                                                          block_starts, num_groups);
+  } else {
+    quantize_transposed_kernel<false><<<grid, 256, 0, s>>>(in, out, scale, rows, cols, out_blocks * 128, row_starts,
+                                                           block_starts, num_groups);
   }
   TESSERA_CUDA_TRY(cudaGetLastError());
   return TESSERA_OK;

@@ -2,6 +2,9 @@
 
 - Quantisers: the CUDA kernels against the PyTorch fallbacks of core/kernels/fp8.py, which
   do the same fp32 arithmetic: q bytes and scales must be identical (poisoned outputs).
+- The experts' K-grouped wgrad (core/kernels/fp8_wgrad.py): its transposing quantiser the same
+  way (the blocks it writes), its GEMM per configuration like the others, and the whole
+  fp8_grouped_wgrad captured in a CUDA graph and replayed with new routing.
 - Blockwise GEMMs (dense and grouped, every built configuration): against float64 products
   of the dequantised operands. Tolerance: bf16 output rounding (2^-8 relative, we allow 2^-7)
   plus 2^-8 of the output RMS for the FP8 tensor cores' limited-precision accumulation within
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from core.kernels import fp8, library
+from core.kernels import fp8_wgrad as kwgrad
 from tests.gpu_kernels_check import Failures, reference_mm, uneven_offsets
 
 FP8_ATOL_RMS = 2.0**-8
@@ -92,6 +96,90 @@ def check_gemms(failures: Failures, device: torch.device) -> None:
                                ref_bwd, atol_rms=FP8_ATOL_RMS)
 
 
+def _wgrad_reference(qd, sd, qx, sx, block_starts) -> torch.Tensor:
+    """float64 [G, M, N]: per group, the product of its dequantised K blocks (zeros if empty)."""
+    bs = block_starts.tolist()
+    out = torch.zeros(len(bs) - 1, qd.shape[0], qx.shape[0], dtype=torch.float64, device=qd.device)
+    for g in range(len(bs) - 1):
+        if bs[g + 1] > bs[g]:
+            cols = slice(128 * bs[g], 128 * bs[g + 1])
+            out[g] = fp8.dequantize_1x128(qd[:, cols], sd[bs[g]:bs[g + 1]]).double() @ \
+                fp8.dequantize_128x128(qx[:, cols], sx[bs[g]:bs[g + 1]]).double().t()
+    return out
+
+
+def check_grouped_wgrad(failures: Failures, device: torch.device) -> None:
+    lib = library.kernel_library(device)
+    gen = torch.Generator(device=device).manual_seed(23)
+    cpu_gen = torch.Generator().manual_seed(23)
+    for rows, d, h, experts, empty, tail in [(3000, 1024, 1408, 8, 3, 20), (4096, 2048, 512, 16, 2, 0),
+                                             (700, 256, 384, 3, 0, 0)]:
+        x = (torch.randn(rows, d, generator=gen, device=device) * 2).to(torch.bfloat16)
+        dy = torch.randn(rows, h, generator=gen, device=device).to(torch.bfloat16)
+        offsets = uneven_offsets(rows, experts, cpu_gen, empty, tail).to(device)
+        rs, bs = kwgrad.group_blocks(offsets, rows)
+        blocks = kwgrad.padded_blocks(rows, experts)
+        used = int(bs[-1])
+        tag = f"rows={rows} d={d} h={h} E={experts}"
+        quantised = {}
+        for per_column in (True, False):
+            src = dy if per_column else x
+            got = kwgrad.quantize_grouped_t(src, rs, bs, blocks, per_column)
+            want = kwgrad.quantize_grouped_t(src.cpu(), rs.cpu(), bs.cpu(), blocks, per_column)
+            _exact(failures, f"quantize grouped transpose {'1x128' if per_column else '128x128'} {tag}",
+                   (got[0][:, :128 * used].cpu(), got[1][:used].cpu()), (want[0][:, :128 * used], want[1][:used]))
+            quantised[per_column] = got
+        (qd, sd), (qx, sx) = quantised[True], quantised[False]
+        ref = _wgrad_reference(qd, sd, qx, sx, bs)
+        for c, cname in enumerate(lib.config_names(fp8.FAMILY_FP8_GG)):
+            if cname is None:
+                continue
+            with fp8.forced_config(c):
+                torch.cuda.empty_cache()
+                torch.full((64 << 20,), float("nan"), device=device)  # poison the allocator's blocks
+                failures.check(f"fp8 grouped wgrad {cname} {tag}", kwgrad.grouped_wgrad_blockwise(qd, sd, qx, sx, bs),
+                               ref, atol_rms=FP8_ATOL_RMS)
+
+
+def check_grouped_wgrad_graph(failures: Failures, device: torch.device) -> None:
+    """core.fp8.fp8_grouped_wgrad captured once, replayed with new routing and data."""
+    from core import fp8 as recipe
+
+    gen = torch.Generator(device=device).manual_seed(24)
+    cpu_gen = torch.Generator().manual_seed(24)
+    rows, d, h, experts = 2048, 512, 768, 8
+    x = torch.randn(rows, d, generator=gen, device=device).to(torch.bfloat16)
+    dy = torch.randn(rows, h, generator=gen, device=device).to(torch.bfloat16)
+    offsets = uneven_offsets(rows, experts, cpu_gen).to(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm up outside the graph (lazy init, workspace sizes)
+        recipe.fp8_grouped_wgrad(x, dy, offsets, torch.float32)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dw = recipe.fp8_grouped_wgrad(x, dy, offsets, torch.float32)
+    for trial in range(2):
+        offsets.copy_(uneven_offsets(rows, experts, cpu_gen, empty=2 + trial, tail=13 * trial).to(device))
+        x.copy_(torch.randn(rows, d, generator=gen, device=device).to(torch.bfloat16))
+        dw.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        # The reference: each expert's tokens quantised on their own, one dense blockwise GEMM
+        # per expert (x^T 1x128, dy^T 128x128: fp8_matmul_wgrad with the operands swapped).
+        ref = torch.zeros(experts, d, h, dtype=torch.float64, device=device)
+        start = 0
+        for g, end in enumerate(offsets.tolist()):
+            end = max(end, start)
+            if end > start:
+                ref[g] = recipe.fp8_matmul_wgrad(x[start:end], dy[start:end]).double()
+            start = end
+        failures.check(f"fp8 grouped wgrad graph replay {trial} (against the per-expert GEMMs)", dw, ref,
+                       atol_rms=FP8_ATOL_RMS)
+
+
 def run(failures: Failures, device: torch.device) -> None:
     check_quantizers(failures, device)
     check_gemms(failures, device)
+    check_grouped_wgrad(failures, device)
+    check_grouped_wgrad_graph(failures, device)

@@ -139,7 +139,7 @@ def test_fp8_grouped_experts_forward_and_grads(wgrad):
         assert_quantised_product(out[s:t], x[s:t], (1, 128), w[g], (128, 128))
         assert_quantised_product(xl.grad[s:t], dy[s:t], (1, 128), w[g].t(), (128, 128))
         if wgrad == "fp8":  # blocks of 128 tokens start at the group's first row
-            assert_quantised_product(wl.grad[g].t(), dy[s:t].t(), (1, 128), x[s:t], (128, 128))
+            assert_quantised_product(wl.grad[g], x[s:t].t(), (1, 128), dy[s:t], (128, 128))
         else:  # the bf16 grouped wgrad: fp32 accumulation, one bf16 rounding
             ref = x[s:t].double().t() @ dy[s:t].double()
             torch.testing.assert_close(wl.grad[g].double(), ref, rtol=2**-8, atol=1e-3 * ref.abs().max().item())

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from core.kernels import fp8, library
+from core.kernels import fp8_wgrad as kwgrad
 from tests.gpu_kernels_check import reference_mm
 
 built = pytest.mark.skipif(not library.DEFAULT_PATH.is_file(), reason="csrc/build/libtessera_kernels.so not built")
@@ -188,3 +189,80 @@ def test_blocks_of_tiny_values_quantise_to_zero_not_nan(device):
     assert q[1].float().abs().max() == 0 and q[2, :128].float().abs().max() == 0
     assert scale[:, 1].tolist() == [1.0, 1.0] and scale[0, 2] == 1.0  # scales are [K/128, rows]
     assert q[0].float().abs().max() == 448  # ordinary rows are untouched
+
+
+# ---------------------------------------------------------------------------------------
+# The experts' K-grouped weight gradient (core/kernels/fp8_wgrad.py).
+# ---------------------------------------------------------------------------------------
+
+WGRAD_OFFSETS = [0, 130, 130, 300, 290, 420]  # empty first/middle groups, a decrease, 30 rows past the end
+
+
+def test_group_blocks_put_each_group_on_fresh_128_token_blocks():
+    rs, bs = kwgrad.group_blocks(torch.tensor(WGRAD_OFFSETS, dtype=torch.int32), 450)
+    assert rs.tolist() == [0, 0, 130, 130, 300, 300, 420] and rs.dtype == torch.int32
+    assert bs.tolist() == [0, 0, 2, 2, 4, 4, 5]  # 130 rows -> 2 blocks, 170 -> 2, 120 -> 1
+    assert bs[-1] <= kwgrad.padded_blocks(450, 6)
+
+
+@pytest.mark.parametrize("per_column", [True, False])
+def test_grouped_transpose_quantises_each_group_on_its_own(per_column):
+    x = _x(450, 256, seed=11)
+    rs, bs = kwgrad.group_blocks(torch.tensor(WGRAD_OFFSETS, dtype=torch.int32), 450)
+    blocks = kwgrad.padded_blocks(450, 6)
+    q, scale = kwgrad.quantize_grouped_t(x, rs, bs, blocks, per_column)
+    assert q.shape == (256, 128 * blocks) and scale.shape == (blocks, 256 if per_column else 2)
+    for r0, r1, b0, b1 in [(0, 130, 0, 2), (130, 300, 2, 4), (300, 420, 4, 5)]:
+        part = torch.nn.functional.pad(x[r0:r1], (0, 0, 0, 128 * (b1 - b0) - (r1 - r0)))  # zeros at the end
+        if per_column:
+            want_q, want_s = fp8.quantize_1x128_t(part)
+        else:
+            want_q, want_s = fp8.quantize_128x128(part, transpose=True)
+        assert torch.equal(q[:, 128 * b0:128 * b1].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(scale[b0:b1], want_s)
+
+
+def test_grouped_wgrad_fallback_matches_float64_products_per_group():
+    rows, d, h = 450, 256, 384
+    x, dy = _x(rows, d, seed=12), _x(rows, h, seed=13)
+    offsets = torch.tensor(WGRAD_OFFSETS, dtype=torch.int32)
+    rs, bs = kwgrad.group_blocks(offsets, rows)
+    blocks = kwgrad.padded_blocks(rows, 6)
+    qd, sd = kwgrad.quantize_grouped_t(dy, rs, bs, blocks, True)
+    qx, sx = kwgrad.quantize_grouped_t(x, rs, bs, blocks, False)
+    out = kwgrad.grouped_wgrad_blockwise(qd, sd, qx, sx, bs)
+    assert out.shape == (6, h, d) and out.dtype == torch.bfloat16
+    for g in (0, 2, 4):
+        assert out[g].abs().sum() == 0  # empty groups
+    for g, (b0, b1) in [(1, (0, 2)), (3, (2, 4)), (5, (4, 5))]:
+        cols = slice(128 * b0, 128 * b1)
+        ref = fp8.dequantize_1x128(qd[:, cols], sd[b0:b1]).double() @ \
+            fp8.dequantize_128x128(qx[:, cols], sx[b0:b1]).double().t()
+        torch.testing.assert_close(out[g].double(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+
+
+def test_grouped_wgrad_ops_fake_and_errors():
+    x = _x(40, 128, seed=14)
+    rs, bs = kwgrad.group_blocks(torch.tensor([10, 40], dtype=torch.int32), 40)
+    torch.library.opcheck(torch.ops.tessera.fp8_quantize_grouped_t.default, (x, rs, bs, 3, True),
+                          test_utils=("test_faketensor",))
+    qa, sa = kwgrad.quantize_grouped_t(x, rs, bs, 3, True)
+    qb, sb = kwgrad.quantize_grouped_t(x, rs, bs, 3, False)
+    torch.library.opcheck(torch.ops.tessera.fp8_grouped_wgrad_blockwise.default, (qa, sa, qb, sb, bs),
+                          test_utils=("test_faketensor",))
+    with pytest.raises(ValueError, match="block_starts must be int32"):
+        kwgrad.grouped_wgrad_blockwise(qa, sa, qb, sb, bs.long())
+    with pytest.raises(ValueError, match="scales"):
+        kwgrad.grouped_wgrad_blockwise(qa, sa[:1], qb, sb, bs)
+    with pytest.raises(ValueError, match=r"row_starts \[3\] and block_starts \[2\] differ"):
+        kwgrad.quantize_grouped_t(x, rs, bs[:2], 3, True)
+
+
+@built
+def test_grouped_wgrad_c_abi_rejects_bad_arguments():
+    lib = library.KernelLibrary(library.DEFAULT_PATH)
+    fake = ctypes.c_void_p(256)
+    rc = lib.fp8_gg_wgrad(0, fake, fake, fake, fake, fake, fake, 2, 128, 128, 200, fake, 1 << 20, 0, None, 0, 1)
+    assert rc == 1 and "kp=200" in lib.error_message()
+    rc = lib.fp8_quantize_grouped_t(fake, fake, fake, 64, 128, fake, fake, 2, 0, 1, 0, None)
+    assert rc == 1 and "out_blocks=0" in lib.error_message()

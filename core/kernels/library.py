@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "TESSERA_KERNELS_LIB"
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "csrc" / "build" / "libtessera_kernels.so"
-ABI_VERSION = 2  # must equal TESSERA_ABI_VERSION in csrc/include/tessera_kernels.h
+ABI_VERSION = 3  # must equal TESSERA_ABI_VERSION in csrc/include/tessera_codes.h
 BUILD_HINT = ("build it with `bash csrc/build.sh` (needs nvcc >= 12.3 and `pip install nvidia-cutlass`) "
               "or set TESSERA_KERNELS_LIB")
 
@@ -45,10 +45,13 @@ _SIGNATURES = [
     ("tessera_fp8_gemm", _c_int, [*_SCALED_GEMM, _c_i64, _c_i64, _c_i64, *_TAIL]),
     ("tessera_fp8_gg_workspace", _c_int, [_c_int, _c_int, _c_int, ctypes.POINTER(_c_size)]),
     ("tessera_fp8_gg", _c_int, [*_SCALED_GEMM, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64, *_TAIL]),
+    ("tessera_fp8_gg_wgrad", _c_int, [*_SCALED_GEMM, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64, *_TAIL]),
     ("tessera_fp8_quantize_tensorwise", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_ptr]),
     ("tessera_fp8_quantize_rowwise", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int, _c_ptr]),
     ("tessera_fp8_quantize_1x128", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int, _c_ptr]),
     ("tessera_fp8_quantize_1x128_t", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int, _c_ptr]),
+    ("tessera_fp8_quantize_grouped_t", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_int,
+                                                _c_i64, _c_int, _c_int, _c_ptr]),
     ("tessera_fp8_quantize_128x128", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_int,
                                               _c_ptr]),
 ]

@@ -4,7 +4,7 @@
 #ifndef TESSERA_CODES_H
 #define TESSERA_CODES_H
 
-#define TESSERA_ABI_VERSION 2
+#define TESSERA_ABI_VERSION 3
 
 enum {
   TESSERA_OK = 0,

@@ -71,6 +71,18 @@ TESSERA_API int tessera_fp8_gg(int config, const void* a, const float* sfa, cons
                                size_t workspace_bytes, int device, void* stream, int raster,
                                int swizzle);
 
+/* Grouped along K (the experts' weight gradient): d[g] [m, n] = (a * sfa) @ (b * sfb)^T over
+ * the K columns [128 * block_starts[g], 128 * block_starts[g + 1]) only; a [m, kp] and b [n, kp]
+ * e4m3 K-major with the scales of tessera_fp8_quantize_grouped_t (sfa 1x128: [kp/128][m];
+ * sfb 128x128: [kp/128][ceil(n/128)]). block_starts has num_groups + 1 int32 entries (clamped
+ * to [0, kp/128]); an empty group's d[g] is zeroed. m a multiple of 4, kp of 128. The
+ * workspace is tessera_fp8_gg_workspace's (the same kernel). */
+TESSERA_API int tessera_fp8_gg_wgrad(int config, const void* a, const float* sfa, const void* b,
+                                     const float* sfb, void* d, const int32_t* block_starts,
+                                     int num_groups, int64_t m, int64_t n, int64_t kp, void* workspace,
+                                     size_t workspace_bytes, int device, void* stream, int raster,
+                                     int swizzle);
+
 /* FP8 (float8_e4m3) quantisation of bf16 tensors: q = round_sat(x * 448 / amax) per block,
  * with fp32 dequantisation scales amax / 448 (1 for an all-zero block), so x ~= q * scale.
  * x and q 16-byte aligned; cols a multiple of 8 (16 for a transposed 128x128 output). */
@@ -98,6 +110,17 @@ TESSERA_API int tessera_fp8_quantize_1x128_t(const void* x, void* q, float* scal
  * (K = cols), scale [batch][ceil(cols/128)][ceil(rows/128)]; transpose != 0: q [batch, cols,
  * rows] (K = rows), scale [batch][ceil(rows/128)][ceil(cols/128)]. Either way q is K-major
  * and scale is [K blocks][N blocks], the layout the blockwise GEMMs take for B. */
+/* x [rows, cols] -> q [cols, 128 * out_blocks]: x^T with each MoE group on its own run of
+ * 128-row blocks, as the K-grouped wgrad reads it. Group g = x rows [row_starts[g],
+ * row_starts[g + 1]) fills q's column blocks [block_starts[g], block_starts[g + 1]) (the caller
+ * makes that ceil(rows_g / 128) blocks), zero-padded at its end. per_column != 0: 1x128 scales
+ * (one per column of x and 128-row block), scale [out_blocks][cols]; else 128x128 scales,
+ * scale [out_blocks][ceil(cols/128)]. Blocks from block_starts[num_groups] on are not written. */
+TESSERA_API int tessera_fp8_quantize_grouped_t(const void* x, void* q, float* scale, int64_t rows,
+                                               int64_t cols, const int32_t* row_starts,
+                                               const int32_t* block_starts, int num_groups,
+                                               int64_t out_blocks, int per_column, int device,
+                                               void* stream);
 TESSERA_API int tessera_fp8_quantize_128x128(const void* x, void* q, float* scale, int64_t batch,
                                              int64_t rows, int64_t cols, int transpose, int device,
                                              void* stream);
