@@ -176,26 +176,28 @@ __global__ void quantize_1x128_kernel(const uint4* __restrict__ x, uint2* __rest
 // One block of 256 threads per 128x128 tile of one [rows, cols] matrix, K-major output as
 // stored (K = cols); thread t covers columns (t % 16) * 8 .. +8 of rows t / 16 + 16 i, so a
 // warp reads and writes two whole 256-byte row pieces per step.
-__global__ void quantize_128x128_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q, float* scale,
-                                        int64_t rows, int64_t cols) {
+// The tile stays in registers as raw bf16, as in the transposing kernel below (3 blocks per SM).
+__global__ void __launch_bounds__(256, 3) quantize_128x128_kernel(const uint4* __restrict__ x,
+                                                                  uint8_t* __restrict__ q, float* scale,
+                                                                  int64_t rows, int64_t cols) {
   const int64_t batch = blockIdx.z;
   const int64_t rb = blockIdx.y, cb = blockIdx.x;
   const int64_t row_blocks = gridDim.y, col_blocks = gridDim.x;
   const int64_t matrix = rows * cols;
   const int cpart = threadIdx.x % 16, rpart = threadIdx.x / 16;
   const int64_t col = cb * 128 + cpart * 8;
-  float v[8][8];
-  float m = 0.0f;
+  uint4 raw[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int64_t row = rb * 128 + rpart + 16 * i;
-    if (row < rows && col < cols) {
-      unpack(x[(batch * matrix + row * cols + col) / 8], v[i]);
-    } else {
+    raw[i] = row < rows && col < cols ? x[(batch * matrix + row * cols + col) / 8] : make_uint4(0, 0, 0, 0);
+  }
+  float m = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[i][j] = 0.0f;
-    }
-    m = fmaxf(m, amax8(v[i]));
+  for (int i = 0; i < 8; ++i) {
+    float v[8];
+    unpack(raw[i], v);
+    m = fmaxf(m, amax8(v));
   }
   m = block_max(m);
   const float mult = multiplier(m);
@@ -203,8 +205,10 @@ __global__ void quantize_128x128_kernel(const uint4* __restrict__ x, uint8_t* __
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int64_t row = rb * 128 + rpart + 16 * i;
+    float v[8];
+    unpack(raw[i], v);
     if (row < rows && col < cols)
-      reinterpret_cast<uint2*>(q)[(batch * matrix + row * cols + col) / 8] = quantize8(v[i], mult);
+      reinterpret_cast<uint2*>(q)[(batch * matrix + row * cols + col) / 8] = quantize8(v, mult);
   }
 }
 
