@@ -129,6 +129,32 @@ __global__ void quantize_rowwise_kernel(const uint4* __restrict__ x, uint2* __re
 
 // ---- 1x128 ------------------------------------------------------------------------------
 
+__device__ __forceinline__ int64_t clamped_end(const int32_t* offsets, int g, int groups, int64_t rows) {
+  if (g >= groups) return rows;
+  const int64_t e = offsets[g];
+  return e < 0 ? 0 : (e > rows ? rows : e);
+}
+
+// First g in [0, groups] with clamped_end(g) > row, searched by the 16 lanes of a half-warp
+// together (lane `part`), 16-ary: one round of parallel loads per level, so 2 dependent loads
+// for up to 256 groups instead of a binary search's 8. All 32 lanes of the warp must call it
+// (the loop count depends on `groups` only); rows past the last group get `groups`.
+__device__ __forceinline__ int group_of_row(const int32_t* offsets, int groups, int64_t rows, int64_t row,
+                                           int part) {
+  int lo = 0, span = groups + 1;  // candidates [lo, lo + span); the answer is always inside
+  while (span > 1) {
+    const int step = (span + 15) / 16;
+    const int last = min(lo + (part + 1) * step, lo + span) - 1;  // last index of this lane's sub-range
+    const bool below = lo + part * step < lo + span && clamped_end(offsets, last, groups, rows) <= row;
+    const unsigned half = (__ballot_sync(0xffffffffu, below) >> (threadIdx.x & 16)) & 0xffffu;
+    const int skip = __popc(half);  // the sub-ranges wholly at or below row: a prefix
+    const int next = lo + skip * step;
+    span = min(step, lo + span - next);
+    lo = next;
+  }
+  return lo;
+}
+
 // 16 threads per 128-column chunk, 8 values each; chunks run along rows so loads coalesce.
 __global__ void quantize_1x128_kernel(const uint4* __restrict__ x, uint2* __restrict__ q, float* scale,
                                       int64_t rows, int64_t cols, const int32_t* __restrict__ offsets,
@@ -149,25 +175,16 @@ __global__ void quantize_1x128_kernel(const uint4* __restrict__ x, uint2* __rest
 #pragma unroll
   for (int d = 8; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));  // within 16 lanes
   if (live) q[vec] = quantize8(v, multiplier(m));
-  if (!live_row || part != 0) return;
   if (offsets == nullptr) {
-    scale[kb * rows + row] = dequant_scale(m);
+    if (live_row && part == 0) scale[kb * rows + row] = dequant_scale(m);
     return;
   }
   // The row's group: first g with offsets[g] > row (offsets non-decreasing, clamped to
   // [0, rows]); rows past the last group form one more group after it.
-  auto end_of = [&](int g) -> int64_t {
-    if (g >= groups) return rows;
-    int64_t v = offsets[g];
-    return v < 0 ? 0 : (v > rows ? rows : v);
-  };
-  int lo = 0, hi = groups;
-  while (lo < hi) {
-    int mid = (lo + hi) / 2;
-    if (end_of(mid) > row) hi = mid; else lo = mid + 1;
-  }
-  const int64_t start = lo ? end_of(lo - 1) : 0;
-  const int64_t count = end_of(lo) - start;
+  const int g = group_of_row(offsets, groups, rows, row, part);
+  if (!live_row || part != 0) return;
+  const int64_t start = g ? clamped_end(offsets, g - 1, groups, rows) : 0;
+  const int64_t count = clamped_end(offsets, g, groups, rows) - start;
   scale[start * chunks_per_row + kb * count + (row - start)] = dequant_scale(m);
 }
 

@@ -38,12 +38,15 @@ def check_quantizers(failures: Failures, device: torch.device) -> None:
     x[7] = 0  # an all-zero row / block
     offsets = uneven_offsets(3000, 9, torch.Generator().manual_seed(21), empty=3, tail=40).to(device)
     w = (torch.randn(4, 2048, 1408, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+    # Enough groups for three levels of the kernel's 16-ary group search.
+    many = uneven_offsets(3000, 300, torch.Generator().manual_seed(22), empty=40, tail=7).to(device)
     cpu = torch.device("cpu")
     for name, fn, args in [
         ("tensorwise", fp8._quantize_tensorwise, (x,)),
         ("rowwise", fp8._quantize_rowwise, (x,)),
         ("1x128", fp8.quantize_1x128, (x, None)),
         ("1x128 grouped", fp8.quantize_1x128, (x, offsets)),
+        ("1x128 grouped, 300 groups", fp8.quantize_1x128, (x, many)),
         ("1x128 of the transpose", fp8.quantize_1x128_t, (x[:2992],)),  # rows % 16 == 0 for the kernel
         ("128x128", fp8.quantize_128x128, (w, False)),
         ("128x128 transposed", fp8.quantize_128x128, (w, True)),
