@@ -56,6 +56,18 @@ def check_quantizers(failures: Failures, device: torch.device) -> None:
         _exact(failures, f"quantize {name}", tuple(t.cpu() for t in got), want)
 
 
+def _each_grouped_config(lib, device: torch.device):
+    """Yields each built FP8 grouped configuration's name while it is forced, with NaN left in
+    the allocator's free blocks, so an output element no kernel writes shows up."""
+    for c, cname in enumerate(lib.config_names(fp8.FAMILY_FP8_GG)):
+        if cname is None:
+            continue
+        with fp8.forced_config(c):
+            torch.cuda.empty_cache()
+            torch.full((64 << 20,), float("nan"), device=device)
+            yield cname
+
+
 def check_gemms(failures: Failures, device: torch.device) -> None:
     lib = library.kernel_library(device)
     gen = torch.Generator(device=device).manual_seed(22)
@@ -86,17 +98,12 @@ def check_gemms(failures: Failures, device: torch.device) -> None:
                                fp8.dequantize_128x128(qw_fwd, sw_fwd).double().transpose(1, 2), offsets)
         ref_bwd = reference_mm(fp8.dequantize_1x128(qdy, sdy, offsets).double(),
                                fp8.dequantize_128x128(qw_bwd, sw_bwd).double().transpose(1, 2), offsets)
-        for c, cname in enumerate(lib.config_names(fp8.FAMILY_FP8_GG)):
-            if cname is None:
-                continue
-            with fp8.forced_config(c):
-                torch.cuda.empty_cache()
-                torch.full((64 << 20,), float("nan"), device=device)  # poison the allocator's blocks
-                tag = f"{cname} rows={rows} d={d} h={h} E={experts}"
-                failures.check(f"fp8 grouped fwd   {tag}", fp8.grouped_mm_blockwise(qx, sx, qw_fwd, sw_fwd, offsets),
-                               ref_fwd, atol_rms=FP8_ATOL_RMS)
-                failures.check(f"fp8 grouped dgrad {tag}", fp8.grouped_mm_blockwise(qdy, sdy, qw_bwd, sw_bwd, offsets),
-                               ref_bwd, atol_rms=FP8_ATOL_RMS)
+        for cname in _each_grouped_config(lib, device):
+            tag = f"{cname} rows={rows} d={d} h={h} E={experts}"
+            failures.check(f"fp8 grouped fwd   {tag}", fp8.grouped_mm_blockwise(qx, sx, qw_fwd, sw_fwd, offsets),
+                           ref_fwd, atol_rms=FP8_ATOL_RMS)
+            failures.check(f"fp8 grouped dgrad {tag}", fp8.grouped_mm_blockwise(qdy, sdy, qw_bwd, sw_bwd, offsets),
+                           ref_bwd, atol_rms=FP8_ATOL_RMS)
 
 
 def _wgrad_reference(qd, sd, qx, sx, block_starts) -> torch.Tensor:
@@ -134,14 +141,9 @@ def check_grouped_wgrad(failures: Failures, device: torch.device) -> None:
             quantised[per_column] = got
         (qd, sd), (qx, sx) = quantised[True], quantised[False]
         ref = _wgrad_reference(qd, sd, qx, sx, bs)
-        for c, cname in enumerate(lib.config_names(fp8.FAMILY_FP8_GG)):
-            if cname is None:
-                continue
-            with fp8.forced_config(c):
-                torch.cuda.empty_cache()
-                torch.full((64 << 20,), float("nan"), device=device)  # poison the allocator's blocks
-                failures.check(f"fp8 grouped wgrad {cname} {tag}", kwgrad.grouped_wgrad_blockwise(qd, sd, qx, sx, bs),
-                               ref, atol_rms=FP8_ATOL_RMS)
+        for cname in _each_grouped_config(lib, device):
+            failures.check(f"fp8 grouped wgrad {cname} {tag}", kwgrad.grouped_wgrad_blockwise(qd, sd, qx, sx, bs),
+                           ref, atol_rms=FP8_ATOL_RMS)
 
 
 def check_grouped_wgrad_graph(failures: Failures, device: torch.device) -> None:

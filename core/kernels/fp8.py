@@ -411,14 +411,21 @@ def grouped_mm_blockwise(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, offsets
         return grouped_mm_loop(a_deq, dequantize_128x128(b, sfb).transpose(1, 2), offsets).to(torch.bfloat16)
     rows, k = a.shape
     groups, n = b.shape[0], b.shape[1]
-    config = _choose_fp8_config(lib, FAMILY_FP8_GG, rows / groups)
-    device, stream = _device_stream(a)
-    ws = _workspace(lib, "fp8_gg_workspace", ("fp8_gg", config, groups, device), config, groups, device)
-    workspace = torch.empty(ws, dtype=torch.uint8, device=a.device)
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=a.device)
-    _call(lib, "fp8_gg", config, a.data_ptr(), sfa.data_ptr(), b.data_ptr(), sfb.data_ptr(), out.data_ptr(),
-          offsets.data_ptr(), groups, rows, n, k, workspace.data_ptr(), ws, device, stream,
-          _env_int("TESSERA_GG_RASTER", 0), _env_int("TESSERA_GG_SWIZZLE", 1))
+    return run_fp8_grouped(lib, "fp8_gg", (a, sfa, b, sfb), out, offsets, groups, (rows, n, k), rows / groups)
+
+
+def run_fp8_grouped(lib: KernelLibrary, entry: str, operands: tuple, out: Tensor, index: Tensor, groups: int,
+                    sizes: tuple, rows_per_group: float) -> Tensor:
+    """One call of the FP8 grouped kernel's C entry `entry` (M-grouped "fp8_gg", K-grouped
+    "fp8_gg_wgrad"): operands (a, sfa, b, sfb), the group index tensor, its three sizes."""
+    config = _choose_fp8_config(lib, FAMILY_FP8_GG, rows_per_group)
+    device, stream = _device_stream(out)
+    ws = _workspace(lib, "fp8_gg_workspace", ("fp8_gg", config, groups, device), config, groups, device)
+    workspace = torch.empty(ws, dtype=torch.uint8, device=out.device)
+    _call(lib, entry, config, *(t.data_ptr() for t in operands), out.data_ptr(), index.data_ptr(), groups, *sizes,
+          workspace.data_ptr(), ws, device, stream, _env_int("TESSERA_GG_RASTER", 0),
+          _env_int("TESSERA_GG_SWIZZLE", 1))
     return out
 
 

@@ -25,9 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from core.kernels.fp8 import (BLOCK, FAMILY_FP8_GG, FP8, _blocks, _call, _choose_fp8_config, _device_stream,
-                              _env_int, _fp8_lib, _kernel_input, _ref_1x128, _ref_128x128, _workspace,
-                              dequantize_1x128, dequantize_128x128)
+from core.kernels.fp8 import (BLOCK, FP8, _blocks, _call, _device_stream, _fp8_lib, _kernel_input, _ref_1x128,
+                              _ref_128x128, dequantize_1x128, dequantize_128x128, run_fp8_grouped)
 from core.kernels.library import custom_op
 
 __all__ = ["group_blocks", "padded_blocks", "quantize_grouped_t", "grouped_wgrad_blockwise"]
@@ -137,15 +136,8 @@ def grouped_wgrad_blockwise(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, bloc
                 db = dequantize_128x128(b[:, cols], sfb[b0:b1])
                 out[g] = (da @ db.t()).to(torch.bfloat16)
         return out
-    config = _choose_fp8_config(lib, FAMILY_FP8_GG, kp / groups)
-    device, stream = _device_stream(a)
-    ws = _workspace(lib, "fp8_gg_workspace", ("fp8_gg", config, groups, device), config, groups, device)
-    workspace = torch.empty(ws, dtype=torch.uint8, device=a.device)
     out = torch.empty(groups, m, n, dtype=torch.bfloat16, device=a.device)
-    _call(lib, "fp8_gg_wgrad", config, a.data_ptr(), sfa.data_ptr(), b.data_ptr(), sfb.data_ptr(), out.data_ptr(),
-          block_starts.data_ptr(), groups, m, n, kp, workspace.data_ptr(), ws, device, stream,
-          _env_int("TESSERA_GG_RASTER", 0), _env_int("TESSERA_GG_SWIZZLE", 1))
-    return out
+    return run_fp8_grouped(lib, "fp8_gg_wgrad", (a, sfa, b, sfb), out, block_starts, groups, (m, n, kp), kp / groups)
 
 
 @grouped_wgrad_blockwise.register_fake
