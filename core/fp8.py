@@ -11,6 +11,7 @@ activation/gradient tile and per 128x128 weight block, fp32 accumulation):
 | forward y = x W^T     | x [M, K], per token                       | W [N, K]                    |
 | dgrad dx = dy W       | dy [M, N], per token                      | W^T [K, N]                  |
 | wgrad dW = dy^T x     | dy^T [N, M], per output channel           | x^T [K, M] (128 tokens)     |
+| experts' wgrad x^T dy | x^T [K, M], per input channel             | dy^T [N, M] (128 tokens)    |
 
 Outputs are bf16 (fp32 accumulation inside). For backward x and W stay bf16 (W is the parameter
 itself, so nothing is copied); dgrad quantises W^T in one transposing pass (the forward's
