@@ -204,11 +204,16 @@ def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.de
 
 
 def _commit() -> str:
+    """HEAD, with "+wt" when the working tree differs from it (a copied tree's .git can be stale)."""
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=here).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=here).stdout.strip()
     except OSError:
         return "unknown"
+    return f"{head}+wt" if head and dirty else head or "unknown"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
