@@ -10,7 +10,8 @@
 #   NVCC                compiler (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc).
 #   JOBS                parallel compilations (default: number of CPUs).
 #   TESSERA_GG_CONFIGS  bf16 grouped GEMM configurations to build, e.g. "0" (default "0 1 2 3 4 5").
-#   TESSERA_FP8_CONFIGS FP8 blockwise GEMM configurations to build (default "0 1 2").
+#   TESSERA_FP8_CONFIGS FP8 blockwise GEMM configurations to build (default "0 1 2 3 4"; each
+#                       source builds those below its kNumConfigs).
 #   TESSERA_PTXAS_VERBOSE=1  print registers / spills of every kernel.
 set -euo pipefail
 
@@ -40,7 +41,7 @@ fi
 
 jobs="${JOBS:-$(nproc)}"
 gg_configs="${TESSERA_GG_CONFIGS:-0 1 2 3 4 5}"
-fp8_configs="${TESSERA_FP8_CONFIGS:-0 1 2}"
+fp8_configs="${TESSERA_FP8_CONFIGS:-0 1 2 3 4}"
 
 flags=(-gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr
        -Xcompiler=-fPIC,-fvisibility=hidden -DNDEBUG
@@ -58,7 +59,11 @@ for src in "$here"/fp8_*.cu; do
   [[ -e "$src" ]] || continue
   base="$(basename "$src" .cu)"
   if grep -q TESSERA_FP8_CONFIG "$src"; then
-    for c in $fp8_configs; do units+=("${base}_c${c}.o $(basename "$src") -DTESSERA_FP8_CONFIG=$c"); done
+    count="$(sed -n 's/^constexpr int kNumConfigs = \([0-9]*\);.*/\1/p' "$src")"
+    [[ -n "$count" ]] || die "$src: no 'constexpr int kNumConfigs = N;' line"
+    for c in $fp8_configs; do
+      if (( c < count )); then units+=("${base}_c${c}.o $(basename "$src") -DTESSERA_FP8_CONFIG=$c"); fi
+    done
   else
     units+=("${base}.o $(basename "$src")")
   fi

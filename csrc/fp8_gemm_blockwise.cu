@@ -67,6 +67,8 @@ struct Coop256x128C1x2 {
 };
 
 using Configs = std::tuple<Coop128x128C1x2, Pingpong64x128C1, Coop256x128C1x2>;
+constexpr int kNumConfigs = 3;  // csrc/build.sh reads this line: which indices to build
+static_assert(kNumConfigs == std::tuple_size_v<Configs>, "kNumConfigs must count Configs");
 static_assert(TESSERA_FP8_CONFIG < std::tuple_size_v<Configs>, "TESSERA_FP8_CONFIG out of range");
 using Config = std::tuple_element_t<TESSERA_FP8_CONFIG, Configs>;
 

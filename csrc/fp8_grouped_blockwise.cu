@@ -70,7 +70,28 @@ struct Coop256x128C1 {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-using Configs = std::tuple<Coop128x128C1, Pingpong64x128C1, Coop256x128C1>;
+// Added for the K-grouped wgrad (op 1), whose groups are whole weight matrices (hundreds of
+// 128x128 tiles each), so a cluster pads little: two CTAs of a cluster share the A (2x1) or
+// the B (1x2) tile through TMA multicast, as the dense FP8 GEMM's default does.
+struct Coop128x128C2x1 {
+  static const char* name() { return "coop_128x128x128_c2x1"; }
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+struct Coop128x128C1x2 {
+  static const char* name() { return "coop_128x128x128_c1x2"; }
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_1, _2, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+using Configs = std::tuple<Coop128x128C1, Pingpong64x128C1, Coop256x128C1, Coop128x128C2x1, Coop128x128C1x2>;
+constexpr int kNumConfigs = 5;  // csrc/build.sh reads this line: which indices to build
+static_assert(kNumConfigs == std::tuple_size_v<Configs>, "kNumConfigs must count Configs");
 static_assert(TESSERA_FP8_CONFIG < std::tuple_size_v<Configs>, "TESSERA_FP8_CONFIG out of range");
 using Config = std::tuple_element_t<TESSERA_FP8_CONFIG, Configs>;
 

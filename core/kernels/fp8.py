@@ -329,14 +329,15 @@ def _check_gemm(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, grouped: bool) -
                          f"and b {list(b.shape)}: want {kb * a.shape[0]} values and [..., {kb}, {nb}]")
 
 
-def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float) -> int:
-    """TESSERA_FP8_CONFIG if set, else config 0 (the cooperative 128x128x128 tile) when built,
-    else the first built one.
+def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float, preferred: int = 0) -> int:
+    """TESSERA_FP8_CONFIG if set, else `preferred` when built, else config 0 (the cooperative
+    128x128x128 tile) when built, else the first built one.
 
     Measured on one H100 (bench/kernels_fp8.py, the three MoE shapes, random routing): the
     cooperative tile beat pingpong_64x128x128 on every grouped shape, including groups of ~512
     rows (E=128: 832 vs 608 TFLOP/s), so there is no small-group rule; for the dense GEMM too.
-    Config 2 (256x128x128, spills) measured 0.27-0.51x torch: only for experiments.
+    Config 2 (256x128x128, spills) measured 0.27-0.51x torch: only for experiments. The grouped
+    forward/dgrad prefer config 4 (the same tile in a 1x2 cluster; see GG_PREFERRED_CONFIG).
     rows_per_group is for shape rules to come."""
     names = lib.config_names(family)
     forced = _env_int(FP8_CONFIG_ENV, -1)
@@ -344,9 +345,17 @@ def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float) -
         if forced >= len(names) or names[forced] is None:
             raise ValueError(f"{FP8_CONFIG_ENV}={forced} is not built into {lib.path}")
         return forced
-    if names and names[0] is not None:
-        return 0
+    for choice in (preferred, 0):
+        if choice < len(names) and names[choice] is not None:
+            return choice
     return next(i for i, name in enumerate(names) if name is not None)
+
+
+# The FP8 grouped GEMM's default per C entry. On one H100 (BENCHMARKS.md, session 15, two runs)
+# the 1x2 cluster (config 4: two CTAs share each expert-weight tile by TMA multicast) ran the
+# forward and dgrad 1.01-1.41x as fast as config 0 on the three MoE shapes; the K-grouped wgrad
+# 0.90-1.10x, so the wgrad keeps config 0.
+GG_PREFERRED_CONFIG = {"fp8_gg": 4, "fp8_gg_wgrad": 0}
 
 
 def _gemm_ready(a: Tensor, b: Tensor, *scales: Tensor) -> bool:
@@ -419,7 +428,7 @@ def run_fp8_grouped(lib: KernelLibrary, entry: str, operands: tuple, out: Tensor
                     sizes: tuple, rows_per_group: float) -> Tensor:
     """One call of the FP8 grouped kernel's C entry `entry` (M-grouped "fp8_gg", K-grouped
     "fp8_gg_wgrad"): operands (a, sfa, b, sfb), the group index tensor, its three sizes."""
-    config = _choose_fp8_config(lib, FAMILY_FP8_GG, rows_per_group)
+    config = _choose_fp8_config(lib, FAMILY_FP8_GG, rows_per_group, GG_PREFERRED_CONFIG[entry])
     device, stream = _device_stream(out)
     ws = _workspace(lib, "fp8_gg_workspace", ("fp8_gg", config, groups, device), config, groups, device)
     workspace = torch.empty(ws, dtype=torch.uint8, device=out.device)
