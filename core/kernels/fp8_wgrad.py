@@ -1,10 +1,11 @@
 """The MoE experts' FP8 weight gradient as one K-grouped GEMM (no host sync, graph-capturable).
 
-dW_g = dy_g^T x_g reduces over the tokens of expert g, so the groups sit along K. Blockwise
-scales run along K too (1x128 for dy^T per output channel, 128x128 for x^T), and a scale block
-must not straddle two experts: each group is laid out on its own run of 128-token blocks,
-zero-padded at its end (zeros change neither a block's amax nor a sum). That is exactly the
-quantisation of each expert's tokens on their own, which the per-expert loop it replaces did.
+dW_g = x_g^T dy_g ([in, out], the experts' layout) reduces over the tokens of expert g, so the
+groups sit along K. Blockwise scales run along K too (core/fp8.py takes 1x128 for x^T per
+input channel, 128x128 for dy^T), and a scale block must not straddle two experts: each group
+is laid out on its own run of 128-token blocks, zero-padded at its end (zeros change neither a
+block's amax nor a sum). That is exactly the quantisation of each expert's tokens on their
+own, as the per-expert loop it replaces did.
 
 - `group_blocks(offsets, rows)` -> (row_starts, block_starts), int32 [G + 1] each, computed
   on the device: group g = rows [row_starts[g], row_starts[g+1]) goes to 128-token blocks
