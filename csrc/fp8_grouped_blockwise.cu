@@ -70,9 +70,11 @@ struct Coop256x128C1 {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-// Added for the K-grouped wgrad (op 1), whose groups are whole weight matrices (hundreds of
-// 128x128 tiles each), so a cluster pads little: two CTAs of a cluster share the A (2x1) or
-// the B (1x2) tile through TMA multicast, as the dense FP8 GEMM's default does.
+// Config 0's tile in clusters of two CTAs that share the A (2x1) or the B (1x2) tile through TMA
+// multicast, as the dense FP8 GEMM's default does. Tried first for the K-grouped wgrad (op 1,
+// whose groups are whole weight matrices, so a cluster pads little), where it measured
+// 0.90-1.10x config 0; the 1x2 cluster won on the forward and dgrad instead (1.01-1.41x on one
+// H100) and is their default (core/kernels/fp8.py, GG_PREFERRED_CONFIG).
 struct Coop128x128C2x1 {
   static const char* name() { return "coop_128x128x128_c2x1"; }
   using Tile = Shape<_128, _128, _128>;
