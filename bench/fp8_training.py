@@ -8,7 +8,10 @@ recipe of core/fp8.py). Data: the bytes of `dataservice.build.make_corpus` docum
 It prints, per model: final train loss (mean of the last 10 steps), held-out loss (at least
 4096 tokens), their relative differences to bf16, and the median step time of each run (steps
 after the first 5). `--floor` adds an fp32 run: its drift from bf16 is what any change of
-rounding does to such a short run, the scale against which FP8's drift is read.
+rounding does to such a short run, the scale against which FP8's drift is read. The corpus's
+loss floor (`dataservice.build.corpus_loss_floor`: its words are drawn independently) is printed
+too: runs still far above it are in the steep part of training, where any rounding change moves
+the final loss by percents; near it, two good runs must end close together.
 
     python bench/fp8_training.py --expert-wgrad both --floor   # GPU: small dense + MoE, 300 steps
     python bench/fp8_training.py --smoke                           # CPU: tiny models, 8 steps
@@ -39,6 +42,7 @@ from core.config import Config, ModelConfig, MoEConfig  # noqa: E402
 from core.loss import cross_entropy_sum  # noqa: E402
 from core.fp8 import EXPERT_WGRAD_ENV  # noqa: E402
 from core.model import AttentionMeta, build_model  # noqa: E402
+from dataservice.build import corpus_loss_floor  # noqa: E402
 
 # Every GEMM dimension of the blocks is a multiple of 128, so every block GEMM runs in FP8.
 SIZES = {
@@ -255,14 +259,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     data = TokenData.from_corpus(args.docs, seed=args.seed)
+    floor = corpus_loss_floor(args.seed)
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, size {size}, "
-          f"{args.steps} steps of {args.batch}x{args.seq} tokens, {len(data.train)} training bytes", flush=True)
+          f"{args.steps} steps of {args.batch}x{args.seq} tokens, {len(data.train)} training bytes, "
+          f"the corpus's loss floor {floor:.4f} nats/byte", flush=True)
     results = []
     for name in models:
         results.append(compare(name, model_config(size, name == "moe"), data, args, device))
     record = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
-              "size": size, "args": vars(args), "results": results}
+              "size": size, "args": vars(args), "loss_floor": floor, "results": results}
     print(json.dumps(record))
     if args.json:
         with open(args.json, "w") as f:

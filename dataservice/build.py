@@ -397,6 +397,30 @@ def summary_line(output: pathlib.Path, manifest: dict) -> str:
             f"({c['documents'] / secs:,.0f} docs/s, {manifest['total_tokens'] / secs / 1e6:,.2f} M tokens/s)")
 
 
+def _corpus_words(rng: np.random.Generator) -> tuple[list[str], np.ndarray]:
+    """make_corpus's vocabulary and its word probabilities (drawn from `rng`)."""
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    vocab = ["".join(rng.choice(letters, size=k)) for k in rng.integers(1, 10, size=2000)]
+    vocab += ["naïve", "東京", "größe", "🙂", "λx", "\\n", "\"quoted\"", "tab\there", "line\nbreak"]
+    # Zipf-like word frequencies, as in natural text.
+    weights = 1.0 / np.arange(1, len(vocab) + 1)
+    return vocab, weights / weights.sum()
+
+
+def corpus_loss_floor(seed: int = 0) -> float:
+    """Cross-entropy in nats per UTF-8 byte of an ideal model of make_corpus(seed=seed)'s text:
+    its words are drawn independently, so no model can predict better than the word
+    distribution's entropy spread over the bytes of a word and its space (document boundaries
+    and memorised repeats of the stream aside). The level a byte-level training run approaches."""
+    vocab, probs = _corpus_words(np.random.default_rng(seed))
+    merged: dict[str, float] = {}
+    for word, p in zip(vocab, probs.tolist()):  # a spelling drawn twice is one outcome
+        merged[word] = merged.get(word, 0.0) + p
+    p = np.array(list(merged.values()))
+    bytes_per_word = sum(q * (len(w.encode("utf-8")) + 1) for w, q in merged.items())
+    return float(-(p * np.log(p)).sum() / bytes_per_word)
+
+
 def make_corpus(tmp_dir: str | os.PathLike, n_docs: int, seed: int = 0, min_len: int = 16,
                 max_len: int = 4096) -> pathlib.Path:
     """Write `n_docs` random documents to a JSON Lines file in `tmp_dir` and return its path.
@@ -409,13 +433,8 @@ def make_corpus(tmp_dir: str | os.PathLike, n_docs: int, seed: int = 0, min_len:
     if n_docs < 1 or not 1 <= min_len <= max_len:
         raise ValueError(f"need n_docs >= 1 and 1 <= min_len <= max_len, got {n_docs}, {min_len}, {max_len}")
     rng = np.random.default_rng(seed)
-    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-    vocab = ["".join(rng.choice(letters, size=k)) for k in rng.integers(1, 10, size=2000)]
-    vocab += ["naïve", "東京", "größe", "🙂", "λx", "\\n", "\"quoted\"", "tab\there", "line\nbreak"]
-    # Zipf-like word frequencies, as in natural text.
-    weights = 1.0 / np.arange(1, len(vocab) + 1)
-    words = rng.choice(len(vocab), size=max(200_000, min(4_000_000, n_docs * max_len // 4)),
-                       p=weights / weights.sum())
+    vocab, probs = _corpus_words(rng)
+    words = rng.choice(len(vocab), size=max(200_000, min(4_000_000, n_docs * max_len // 4)), p=probs)
     stream = " ".join(vocab[i] for i in words.tolist())
     # A mixture in log space: mostly short documents, a broad middle, and a few near
     # max_len (as in web and code corpora, where a small share of long documents holds

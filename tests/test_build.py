@@ -6,6 +6,7 @@ exactly when its folder holds manifest.json (written last, then the folder is re
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pty
@@ -17,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from dataservice.build import build_dataset, make_corpus
+from dataservice.build import build_dataset, corpus_loss_floor, make_corpus
 from dataservice.shards import ShardedDataset
 from dataservice.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_from_manifest, train_tiny_tokenizer
 
@@ -253,3 +254,16 @@ def test_build_is_deterministic_and_make_corpus_is_reproducible(tmp_path):
     assert f1 == f2
     m3 = build_dataset([c1], tmp_path / "d3", shard_size_mb=0.05, tokenizer="byte", glob="*")
     assert json.loads((m3 / "manifest.json").read_text())["fingerprint"] == f1
+
+
+def test_corpus_loss_floor_is_the_entropy_of_the_generated_words(tmp_path):
+    # The floor is computed from the generator's distribution; measure it on generated text:
+    # the plug-in entropy of the words seen, per byte of a word and its space.
+    texts = [json.loads(line)["text"] for line in open(make_corpus(tmp_path, 1000, seed=3), encoding="utf-8")]
+    words = [w for text in texts for w in text.split(" ")[1:-1]]  # a document's end words may be cut
+    counts = np.array(list(collections.Counter(words).values()))
+    p = counts / counts.sum()
+    bytes_per_word = sum(len(w.encode("utf-8")) + 1 for w in words) / len(words)
+    measured = float(-(p * np.log(p)).sum() / bytes_per_word)
+    assert measured == pytest.approx(corpus_loss_floor(3), rel=0.01)
+    assert corpus_loss_floor(3) != pytest.approx(corpus_loss_floor(4), rel=1e-3)  # the seed's vocabulary
