@@ -174,8 +174,10 @@ def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.de
     variants = [("bf16", "bf16", None), ("fp8", "fp8", args.expert_wgrad if args.expert_wgrad != "both" else "fp8")]
     if cfg.moe.num_experts and args.expert_wgrad == "both":
         variants.append(("fp8-wgrad-bf16", "fp8", "bf16"))
-    if args.floor:  # a precision change that is not FP8: how far two good runs drift apart
+    if args.floor or "fp32" in args.runs.split(","):  # a non-FP8 precision change: how far good runs drift apart
         variants.append(("fp32", "fp32", None))
+    if args.runs:  # a subset, e.g. to run the slow fp32 floor in another process at the same time
+        variants = [v for v in variants if v[0] in args.runs.split(",")]
     eval_rows = -(-max(16, 4096 // args.seq) // args.batch) * args.batch  # whole training-sized batches
     runs = {}
     for label, precision, wgrad in variants:
@@ -190,20 +192,20 @@ def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.de
             os.environ.pop(EXPERT_WGRAD_ENV, None)
             if previous is not None:
                 os.environ[EXPERT_WGRAD_ENV] = previous
-    b = runs["bf16"]
-    out = {"model": name, "steps": args.steps, "first_loss": b.losses[0], "eval_tokens": eval_rows * args.seq,
-           "bf16": {"final": b.final_loss, "eval": b.eval_loss, "step_ms": b.step_ms}}
-    print(f"{name:6s} bf16{'':10s} final loss {b.final_loss:.4f} | eval {b.eval_loss:.4f} | step {b.step_ms:8.1f} ms")
+    out = {"model": name, "steps": args.steps, "eval_tokens": eval_rows * args.seq}
+    b = runs.get("bf16")
     for label, r in runs.items():
-        if label == "bf16":
-            continue
-        entry = {"final": r.final_loss, "eval": r.eval_loss, "step_ms": r.step_ms,
-                 "final_rel_diff": (r.final_loss - b.final_loss) / b.final_loss,
-                 "eval_rel_diff": (r.eval_loss - b.eval_loss) / b.eval_loss, "speedup": b.step_ms / r.step_ms}
+        entry = {"final": r.final_loss, "eval": r.eval_loss, "step_ms": r.step_ms, "first_loss": r.losses[0]}
+        line = f"{name:6s} {label:14s} final loss {r.final_loss:.4f}"
+        if b is None or label == "bf16":
+            line += f" | eval {r.eval_loss:.4f} | step {r.step_ms:8.1f} ms"
+        else:
+            entry.update(final_rel_diff=(r.final_loss - b.final_loss) / b.final_loss,
+                         eval_rel_diff=(r.eval_loss - b.eval_loss) / b.eval_loss, speedup=b.step_ms / r.step_ms)
+            line += (f" ({100 * entry['final_rel_diff']:+.2f}%) | eval {r.eval_loss:.4f} "
+                     f"({100 * entry['eval_rel_diff']:+.2f}%) | step {r.step_ms:8.1f} ms (bf16/this x{entry['speedup']:.2f})")
         out[label] = entry
-        print(f"{name:6s} {label:14s} final loss {r.final_loss:.4f} ({100 * entry['final_rel_diff']:+.2f}%) | "
-              f"eval {r.eval_loss:.4f} ({100 * entry['eval_rel_diff']:+.2f}%) | step {r.step_ms:8.1f} ms "
-              f"(bf16/this x{entry['speedup']:.2f})", flush=True)
+        print(line, flush=True)
     return out
 
 
@@ -239,6 +241,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--compile", action="store_true", help="torch.compile the blocks and the loss (both precisions)")
     parser.add_argument("--profile", action="store_true", help="print the last step's CUDA kernels of each run")
     parser.add_argument("--floor", action="store_true", help="also train in fp32: the drift of a non-FP8 change")
+    parser.add_argument("--runs", default="", help="only these runs (comma list of bf16, fp8, fp8-wgrad-bf16, fp32); "
+                        "the differences to bf16 are printed when bf16 is among them")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
     models = args.models.split(",")

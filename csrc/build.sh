@@ -9,7 +9,8 @@
 #                       repository's .venv/bin/python, else python3).
 #   NVCC                compiler (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc).
 #   JOBS                parallel compilations (default: number of CPUs).
-#   TESSERA_GG_CONFIGS  bf16 grouped GEMM configurations to build, e.g. "0" (default "0 1 2 3 4 5").
+#   TESSERA_GG_CONFIGS  bf16 grouped GEMM configurations to build, e.g. "0" (default: all, the
+#                       kNumConfigs of grouped_gemm_bf16.cu).
 #   TESSERA_FP8_CONFIGS FP8 blockwise GEMM configurations to build (default "0 1 2 3 4"; each
 #                       source builds those below its kNumConfigs).
 #   TESSERA_PTXAS_VERBOSE=1  print registers / spills of every kernel.
@@ -40,7 +41,9 @@ fi
   die "CUTLASS headers not found: pip install nvidia-cutlass (e.g. .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl) or set CUTLASS_DIR to a folder with include/cutlass (now '${CUTLASS_DIR:-}')"
 
 jobs="${JOBS:-$(nproc)}"
-gg_configs="${TESSERA_GG_CONFIGS:-0 1 2 3 4 5}"
+gg_count="$(sed -n 's/^constexpr int kNumConfigs = \([0-9]*\);.*/\1/p' "$here/grouped_gemm_bf16.cu")"
+[[ -n "$gg_count" ]] || die "grouped_gemm_bf16.cu: no 'constexpr int kNumConfigs = N;' line"
+gg_configs="${TESSERA_GG_CONFIGS:-$(seq -s ' ' 0 $(( gg_count - 1 )))}"
 fp8_configs="${TESSERA_FP8_CONFIGS:-0 1 2 3 4}"
 
 flags=(-gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr
@@ -52,7 +55,9 @@ flags=(-gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-const
 units=("api.o api.cu")
 for op in 0 1 2; do
   for c in $gg_configs; do
-    units+=("gg_bf16_op${op}_c${c}.o grouped_gemm_bf16.cu -DTESSERA_GG_OP=$op -DTESSERA_GG_CONFIG=$c")
+    if (( c < gg_count )); then
+      units+=("gg_bf16_op${op}_c${c}.o grouped_gemm_bf16.cu -DTESSERA_GG_OP=$op -DTESSERA_GG_CONFIG=$c")
+    fi
   done
 done
 for src in "$here"/fp8_*.cu; do

@@ -109,9 +109,13 @@ struct Coop128x256C1 {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
+// Tried and dropped (session 16): a 128x176 tile (1408 = 8 x 176, no N padding) ran at 0.52-0.58x
+// torch._grouped_mm on every shape and pass (BENCHMARKS.md).
 using Configs = std::tuple<Coop128x256C2x1, Pingpong128x128C1, Pingpong64x256C1, Coop256x128C2x1,
                            Coop128x128C2x1, Coop128x256C1>;
-static_assert(TESSERA_GG_CONFIG < std::tuple_size_v<Configs>, "TESSERA_GG_CONFIG out of range");
+constexpr int kNumConfigs = 6;  // csrc/build.sh reads this line: which indices to build
+static_assert(kNumConfigs == std::tuple_size_v<Configs>, "kNumConfigs must count Configs");
+static_assert(TESSERA_GG_CONFIG < kNumConfigs, "TESSERA_GG_CONFIG out of range");
 using Config = std::tuple_element_t<TESSERA_GG_CONFIG, Configs>;
 
 constexpr int kOp = TESSERA_GG_OP;
