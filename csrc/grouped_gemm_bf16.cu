@@ -109,11 +109,22 @@ struct Coop128x256C1 {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
+// Config 0's tile in a 1x2 cluster (session 16): multicasts the activation tile to both N
+// neighbours, and pads a group's N tiles (not its row tiles) to an even count, which costs
+// nothing where the group's N is a multiple of 512 or rounds up to one anyway (1408 -> 1536).
+struct Coop128x256C1x2 {
+  static const char* name() { return "coop_128x256x64_c1x2"; }
+  using Tile = Shape<_128, _256, _64>;
+  using Cluster = Shape<_1, _2, _1>;
+  using Schedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
 // Tried and dropped (session 16): a 128x176 tile (1408 = 8 x 176, no N padding) ran at 0.52-0.58x
 // torch._grouped_mm on every shape and pass (BENCHMARKS.md).
 using Configs = std::tuple<Coop128x256C2x1, Pingpong128x128C1, Pingpong64x256C1, Coop256x128C2x1,
-                           Coop128x128C2x1, Coop128x256C1>;
-constexpr int kNumConfigs = 6;  // csrc/build.sh reads this line: which indices to build
+                           Coop128x128C2x1, Coop128x256C1, Coop128x256C1x2>;
+constexpr int kNumConfigs = 7;  // csrc/build.sh reads this line: which indices to build
 static_assert(kNumConfigs == std::tuple_size_v<Configs>, "kNumConfigs must count Configs");
 static_assert(TESSERA_GG_CONFIG < kNumConfigs, "TESSERA_GG_CONFIG out of range");
 using Config = std::tuple_element_t<TESSERA_GG_CONFIG, Configs>;

@@ -171,7 +171,7 @@ def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkey
     # No GPU needed: the choice reads only the built configurations' names.
     from core.kernels import fp8
     from core.kernels.grouped_gemm import (CONFIG_ENV, DEFAULT_CONFIG, OP_FWD, OP_FWD_BT, OP_WGRAD, SMALL_GROUP_CONFIG,
-                                           choose_config)
+                                           WGRAD_CONFIG, choose_config)
 
     lib = library.KernelLibrary(LIB_PATH)
     names = lib.gg_bf16_config_names()
@@ -180,8 +180,12 @@ def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkey
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     # The three MoE shapes' passes, including the fine-grained ones the old heuristic sent to ping-pong.
     for op, rows, groups, k, n in [(OP_FWD, 32768, 8, 4096, 14336), (OP_FWD, 131072, 64, 2048, 1408),
-                                   (OP_WGRAD, 131072, 64, 2048, 1408), (OP_WGRAD, 65536, 128, 7168, 2048)]:
+                                   (OP_FWD_BT, 131072, 64, 1408, 2048)]:
         assert choose_config(lib, op, rows, groups, k, n) == expected
+    # Every weight gradient takes the 1x2-cluster tile when built.
+    wgrad = names.index(WGRAD_CONFIG) if WGRAD_CONFIG in names else expected
+    for rows, groups, k, n in [(32768, 8, 4096, 14336), (131072, 64, 2048, 1408), (65536, 128, 7168, 2048)]:
+        assert choose_config(lib, OP_WGRAD, rows, groups, k, n) == wgrad
     # Forward and dgrad of 512-row groups (the E=128 shape) take the unclustered tile when built.
     small = names.index(SMALL_GROUP_CONFIG) if SMALL_GROUP_CONFIG in names else expected
     for op, rows, groups, k, n in [(OP_FWD, 65536, 128, 7168, 2048), (OP_FWD_BT, 65536, 128, 2048, 7168)]:
