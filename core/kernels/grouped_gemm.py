@@ -150,15 +150,16 @@ DEFAULT_CONFIG = "coop_128x256x64_c2x1"
 # torch._grouped_mm forward and 1.034x dgrad, against 1.053x / 1.019x for DEFAULT_CONFIG; on
 # groups of 2048+ rows the clustered tile stays ahead (0.99x vs 1.04x on E=64 forward).
 SMALL_GROUP_CONFIG, SMALL_GROUP_ROWS = "coop_128x256x64_c1x1", 1024
-# The weight gradient's tile in a 1x2 cluster (multicast along N): two runs in one H100 session,
-# each config against the other in the same run, Mixtral-like wgrad 674 / 690 TFLOP/s against
-# 619 / 626 for DEFAULT_CONFIG (+9-10%); the fine-grained wgrads within +-2% of it.
-WGRAD_CONFIG = "coop_128x256x64_c1x2"
+# The backward GEMMs' tile: config 0's in a 1x2 cluster (multicast along N). Five runs on one H100,
+# each against the others in the same run: wgrad +9-11% over DEFAULT_CONFIG on Mixtral-like and
+# +1-4% on the fine-grained shapes; dgrad +0.4-8% on Mixtral-like, +1-2% over SMALL_GROUP_CONFIG on
+# fine E=128, -2.4..+4.2% on fine E=64. Forward stays off it (fine E=128 forward at 0.72-0.84x).
+BACKWARD_CONFIG = "coop_128x256x64_c1x2"
 
 
 def choose_config(lib: KernelLibrary, op: int, rows: int, groups: int, k: int, n: int) -> int:
-    """Configuration index for one call: TESSERA_GG_CONFIG if set, else WGRAD_CONFIG for the weight
-    gradient, SMALL_GROUP_CONFIG for forward/dgrad on small groups, else DEFAULT_CONFIG (each when
+    """Configuration index for one call: TESSERA_GG_CONFIG if set, else BACKWARD_CONFIG for dgrad
+    and wgrad, SMALL_GROUP_CONFIG for the forward on small groups, else DEFAULT_CONFIG (each when
     built), else the first built one."""
     forced = _env_int(CONFIG_ENV, -1)
     built = lib.gg_bf16_config_names()
@@ -166,8 +167,8 @@ def choose_config(lib: KernelLibrary, op: int, rows: int, groups: int, k: int, n
         if forced >= len(built) or built[forced] is None:
             raise ValueError(f"{CONFIG_ENV}={forced} is not built into {lib.path}; built: {built}")
         return forced
-    if op == OP_WGRAD and WGRAD_CONFIG in built:
-        return built.index(WGRAD_CONFIG)
+    if op in (OP_FWD_BT, OP_WGRAD) and BACKWARD_CONFIG in built:
+        return built.index(BACKWARD_CONFIG)
     small_groups = op in (OP_FWD, OP_FWD_BT) and rows < SMALL_GROUP_ROWS * max(groups, 1)
     if small_groups and SMALL_GROUP_CONFIG in built:
         return built.index(SMALL_GROUP_CONFIG)
