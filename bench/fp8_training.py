@@ -174,10 +174,12 @@ def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.de
     variants = [("bf16", "bf16", None), ("fp8", "fp8", args.expert_wgrad if args.expert_wgrad != "both" else "fp8")]
     if cfg.moe.num_experts and args.expert_wgrad == "both":
         variants.append(("fp8-wgrad-bf16", "fp8", "bf16"))
-    if args.floor or "fp32" in args.runs.split(","):  # a non-FP8 precision change: how far good runs drift apart
+    # --runs: a subset, e.g. to run the slow fp32 floor in another process.
+    selected = set(args.runs.split(",")) if args.runs else None
+    if args.floor or (selected and "fp32" in selected):  # a non-FP8 precision change: how far good runs drift apart
         variants.append(("fp32", "fp32", None))
-    if args.runs:  # a subset, e.g. to run the slow fp32 floor in another process at the same time
-        variants = [v for v in variants if v[0] in args.runs.split(",")]
+    if selected:
+        variants = [v for v in variants if v[0] in selected]
     eval_rows = -(-max(16, 4096 // args.seq) // args.batch) * args.batch  # whole training-sized batches
     runs = {}
     for label, precision, wgrad in variants:

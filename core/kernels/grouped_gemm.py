@@ -159,8 +159,8 @@ BACKWARD_CONFIG = "coop_128x256x64_c1x2"
 
 def choose_config(lib: KernelLibrary, op: int, rows: int, groups: int, k: int, n: int) -> int:
     """Configuration index for one call: TESSERA_GG_CONFIG if set, else BACKWARD_CONFIG for dgrad
-    and wgrad, SMALL_GROUP_CONFIG for the forward on small groups, else DEFAULT_CONFIG (each when
-    built), else the first built one."""
+    and wgrad, SMALL_GROUP_CONFIG for the forward (and a dgrad without BACKWARD_CONFIG) on small
+    groups, else DEFAULT_CONFIG (each when built), else the first built one."""
     forced = _env_int(CONFIG_ENV, -1)
     built = lib.gg_bf16_config_names()
     if forced >= 0:
