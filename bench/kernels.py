@@ -11,7 +11,10 @@ routing (seeded; --routing balanced for equal groups):
   on the same tensors, plus the equal-FLOP dense torch.mm for context;
 - with --fp8 (when built): see bench/kernels_fp8.py.
 Timing: triton.testing.do_bench when available (the method of PERFORMANCE.md: L2 flushed,
-CUDA events, median), else the same method here. Prints a table, then one JSON line.
+CUDA events, median), else the same method here. A baseline and its candidates are timed in
+turn, --rounds times (each round starting one further along the list): a ratio is the median
+over rounds of the same-round ratios, so clock and thermal drift between measurements (torch's
+baselines moved by up to 10% between calls) hit both sides alike. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -82,6 +85,27 @@ def bench_ms(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
     return statistics.median(times)
 
 
+def compare_ms(fns: dict, rounds: int) -> dict[str, list[float]]:
+    """Milliseconds of each named function, one bench_ms per round, the functions taken in turn."""
+    names = list(fns)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(bench_ms(fns[name]))
+    return times
+
+
+def median_ratio(base: list[float], ours: list[float]) -> float:
+    """Median over rounds of base/ours, each ratio taken within one round."""
+    return statistics.median(b / o for b, o in zip(base, ours))
+
+
+def ratio_range(base: list[float], ours: list[float]) -> tuple[float, float]:
+    """Lowest and highest same-round ratio: how far one round alone could mislead."""
+    ratios = [b / o for b, o in zip(base, ours)]
+    return min(ratios), max(ratios)
+
+
 def routed_offsets(shape: MoEShape, routing: str, device) -> torch.Tensor:
     if routing == "balanced":
         counts = torch.full((shape.experts,), shape.routed // shape.experts, dtype=torch.int64)
@@ -92,7 +116,7 @@ def routed_offsets(shape: MoEShape, routing: str, device) -> torch.Tensor:
     return counts.cumsum(0).to(torch.int32).to(device)
 
 
-def bench_grouped_bf16(shape: MoEShape, routing: str, configs: str, lib, device) -> list[dict]:
+def bench_grouped_bf16(shape: MoEShape, routing: str, configs: str, lib, device, rounds: int) -> list[dict]:
     """Rows of results for forward, dgrad and wgrad of one MoE shape."""
     gen = torch.Generator(device=device).manual_seed(0)
     t, d, h, e = shape.routed, shape.dim, shape.hidden, shape.experts
@@ -112,23 +136,29 @@ def bench_grouped_bf16(shape: MoEShape, routing: str, configs: str, lib, device)
     }
     rows = []
     for name, (baseline, (op, a, b, out_shape), dense) in passes.items():
-        base_ms = bench_ms(baseline)
-        dense_ms = bench_ms(dense)
-        row = {"shape": shape.name, "pass": name, "routing": routing, "torch_ms": base_ms,
-               "torch_tflops": flops / base_ms / 1e9, "dense_tflops": flops / dense_ms / 1e9, "configs": {}}
-        if lib is not None:
-            default = choose_config(lib, op, a.shape[0], e, a.shape[1], out_shape[-1])
-            chosen = [i for i, n in enumerate(names) if n is not None] if configs == "all" else [default]
-            for c in chosen:
-                def ours(c=c):
-                    run_grouped(lib, op, a, b, torch.empty(out_shape, dtype=torch.bfloat16, device=device), offsets, c)
-                ms = bench_ms(ours)
-                row["configs"][names[c]] = {"ms": ms, "tflops": flops / ms / 1e9, "ratio": base_ms / ms,
-                                            "default": c == default}
+        default = choose_config(lib, op, a.shape[0], e, a.shape[1], out_shape[-1]) if lib is not None else None
+        chosen = ([i for i, n in enumerate(names) if n is not None] if configs == "all" else [default]) if lib else []
+        fns = {"torch": baseline, "dense": dense}
+        for c in chosen:
+            def ours(c=c):
+                run_grouped(lib, op, a, b, torch.empty(out_shape, dtype=torch.bfloat16, device=device), offsets, c)
+            fns[names[c]] = ours
+        times = compare_ms(fns, rounds)
+        base_ms = statistics.median(times["torch"])
+        row = {"shape": shape.name, "pass": name, "routing": routing, "rounds": rounds, "torch_ms": base_ms,
+               "torch_ms_rounds": times["torch"], "torch_tflops": flops / base_ms / 1e9,
+               "dense_tflops": flops / statistics.median(times["dense"]) / 1e9, "configs": {}}
+        for c in chosen:
+            ms = statistics.median(times[names[c]])
+            row["configs"][names[c]] = {"ms": ms, "ms_rounds": times[names[c]], "tflops": flops / ms / 1e9,
+                                        "ratio": median_ratio(times["torch"], times[names[c]]),
+                                        "ratio_range": ratio_range(times["torch"], times[names[c]]),
+                                        "default": c == default}
         rows.append(row)
         best = max(row["configs"].items(), key=lambda kv: kv[1]["ratio"], default=(None, None))
         print(f"{shape.name:8s} {name:6s} torch {row['torch_tflops']:6.0f} TFLOP/s (dense {row['dense_tflops']:4.0f})"
               + "".join(f" | {n} {r['tflops']:5.0f} x{r['ratio']:.3f}{'*' if r['default'] else ''}"
+                        f"[{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}]"
                         for n, r in row["configs"].items())
               + (f" | best {best[0]}" if best[0] else ""), flush=True)
     return rows
@@ -148,10 +178,10 @@ def run_section(section: str, args) -> tuple[int, list[dict]]:
     if section == "fp8":
         from bench import kernels_fp8
 
-        return 0, kernels_fp8.run(shapes, args.routing, lib, device, bench_ms)
+        return 0, kernels_fp8.run(shapes, args.routing, lib, device, args.rounds)
     results = []
     for shape in shapes:
-        results += bench_grouped_bf16(shape, args.routing, args.configs, lib, device)
+        results += bench_grouped_bf16(shape, args.routing, args.configs, lib, device, args.rounds)
         torch.cuda.empty_cache()
     return 0, results
 
@@ -163,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", choices=["all", "default"], default="all")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
     parser.add_argument("--routing", choices=["random", "balanced"], default="random")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per comparison")
     parser.add_argument("--fp8", action="store_true", help="also the FP8 kernels (bench/kernels_fp8.py)")
     parser.add_argument("--section", choices=["check", "bf16", "fp8"], help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=180, help="seconds per section (a hung kernel costs no more)")
@@ -170,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.shapes.split(",") if n not in SHAPES]
     if unknown:
         print(f"bench/kernels.py: unknown shapes {unknown}; known: {list(SHAPES)}", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print("bench/kernels.py: --rounds must be at least 1", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("bench/kernels.py: needs a CUDA GPU", file=sys.stderr)
@@ -181,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     # Each section runs in its own process, so a crashed kernel (a poisoned CUDA context)
     # costs only its section, not the rest of a device session.
     sections = (["check"] if args.check else []) + (["bf16"] + (["fp8"] if args.fp8 else []) if args.bench else [])
-    passthrough = ["--configs", args.configs, "--shapes", args.shapes, "--routing", args.routing]
+    passthrough = ["--configs", args.configs, "--shapes", args.shapes, "--routing", args.routing,
+                   "--rounds", str(args.rounds)]
     report = {"bench": "kernels", "device": torch.cuda.get_device_name(), "torch": torch.__version__, "sections": {}}
     results, status = [], 0
     for section in sections:

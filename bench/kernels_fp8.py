@@ -17,6 +17,7 @@ Operands are quantised once, outside the timed region.
 
 from __future__ import annotations
 
+import statistics
 
 import torch
 
@@ -24,23 +25,41 @@ from core.kernels import fp8
 
 
 def _print(row: dict) -> None:
-    ours = " | ".join(f"{n} {r['tflops']:5.0f} x{r['ratio']:.3f}" for n, r in row["configs"].items())
+    ours = " | ".join(f"{n} {r['tflops']:5.0f} x{r['ratio']:.3f}[{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}]"
+                      for n, r in row["configs"].items())
     base = " ".join(f"{k} {v:5.0f}" for k, v in row["baselines_tflops"].items())
     print(f"fp8 {row['shape']:10s} {row['pass']:6s} torch[{base}] | {ours}", flush=True)
 
 
-def _ours(fn, family: int, lib, flops: float, base_ms: float, bench_ms) -> dict:
-    out = {}
-    for c, name in enumerate(lib.config_names(family) if lib else []):
-        if name is None:
-            continue
-        with fp8.forced_config(c):
-            ms = bench_ms(fn)
-        out[name] = {"ms": ms, "tflops": flops / ms / 1e9, "ratio": base_ms / ms}
-    return out
+def _compare(baselines: dict, base_keys: tuple, ours_fn, family: int, lib, flops: float, rounds: int,
+             base_scale: dict | None = None) -> dict:
+    """Baselines and each built configuration of ours, timed in turn over rounds (bench.kernels.compare_ms).
+    A configuration's ratio is the median over rounds of the faster of base_keys in that round over ours.
+    base_scale multiplies a baseline's times (one that did more work than ours, counted per unit of ours)."""
+    from bench.kernels import compare_ms
+
+    def forced(c):
+        def run():
+            with fp8.forced_config(c):
+                ours_fn()
+        return run
+
+    configs = {name: c for c, name in enumerate(lib.config_names(family) if lib else []) if name is not None}
+    times = compare_ms({**baselines, **{name: forced(c) for name, c in configs.items()}}, rounds)
+    for key, factor in (base_scale or {}).items():
+        times[key] = [t * factor for t in times[key]]
+    base_rounds = [min(times[k][r] for k in base_keys if k in times) for r in range(rounds)]
+    ours = {}
+    for name in configs:
+        ratios = [b / o for b, o in zip(base_rounds, times[name])]
+        ms = statistics.median(times[name])
+        ours[name] = {"ms": ms, "ms_rounds": times[name], "tflops": flops / ms / 1e9,
+                      "ratio": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios))}
+    return {"rounds": rounds, "baselines_tflops": {k: flops / statistics.median(times[k]) / 1e9 for k in baselines},
+            "baseline_ms_rounds": {k: times[k] for k in baselines}, "configs": ours}
 
 
-def bench_grouped(shape, routing: str, lib, device, bench_ms) -> list[dict]:
+def bench_grouped(shape, routing: str, lib, device, rounds: int) -> list[dict]:
     from bench.kernels import routed_offsets
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -62,17 +81,15 @@ def bench_grouped(shape, routing: str, lib, device, bench_ms) -> list[dict]:
         qb_r = (b_rows.float() / sb_r[..., None]).clamp(-448, 448).to(fp8.FP8)
         baselines = {}
         for fast in (True, False):
-            fn = lambda fast=fast: torch._scaled_grouped_mm(  # noqa: E731
+            baselines[f"rowwise{'_fast' if fast else ''}"] = lambda fast=fast: torch._scaled_grouped_mm(
                 qa_r, qb_r.transpose(1, 2), sa_r.reshape(-1), sb_r, offs=offsets, out_dtype=torch.bfloat16,
                 use_fast_accum=fast)
-            baselines[f"rowwise{'_fast' if fast else ''}"] = bench_ms(fn)
         wb = w.transpose(1, 2) if not weight_t else w
-        baselines["bf16_grouped"] = bench_ms(lambda: torch._grouped_mm(a, wb, offs=offsets))
-        base_ms = min(baselines["rowwise_fast"], baselines["rowwise"])
+        baselines["bf16_grouped"] = lambda: torch._grouped_mm(a, wb, offs=offsets)
         row = {"shape": shape.name, "pass": name, "kind": "fp8_grouped", "routing": routing,
-               "baselines_tflops": {k: flops / v / 1e9 for k, v in baselines.items()},
-               "configs": _ours(lambda: fp8.grouped_mm_blockwise(qa, sa, qw, sw, offsets), fp8.FAMILY_FP8_GG, lib,
-                                flops, base_ms, bench_ms)}
+               **_compare(baselines, ("rowwise_fast", "rowwise"),
+                          lambda: fp8.grouped_mm_blockwise(qa, sa, qw, sw, offsets), fp8.FAMILY_FP8_GG, lib, flops,
+                          rounds)}
         _print(row)
         rows.append(row)
     return rows
@@ -84,8 +101,8 @@ def _aligned_offsets(offsets: torch.Tensor, multiple: int) -> torch.Tensor:
     return (-(-counts // multiple) * multiple).cumsum(0).to(torch.int32)
 
 
-def bench_grouped_wgrad(shape, routing: str, lib, device, bench_ms) -> list[dict]:
-    from bench.kernels import routed_offsets
+def bench_grouped_wgrad(shape, routing: str, lib, device, rounds: int) -> list[dict]:
+    from bench.kernels import bench_ms, routed_offsets
     from core import fp8 as recipe
     from core.kernels import fp8_wgrad as kwgrad
 
@@ -99,7 +116,7 @@ def bench_grouped_wgrad(shape, routing: str, lib, device, bench_ms) -> list[dict
     blocks = kwgrad.padded_blocks(t, e)
     qx, sx = kwgrad.quantize_grouped_t(x, rs, bs, blocks, True)  # the recipe's order: [E, d, h] out
     qd, sd = kwgrad.quantize_grouped_t(dy, rs, bs, blocks, False)
-    baselines = {"bf16_grouped": bench_ms(lambda: torch._grouped_mm(x.t(), dy, offs=offsets))}
+    baselines = {"bf16_grouped": lambda: torch._grouped_mm(x.t(), dy, offs=offsets)}
     # torch's K-grouped FP8: a = x^T [d, T16] row-major, b = dy [T16, h] column-major, one
     # scale per (expert, row of a) and (expert, column of b). Timing only: unit scales.
     off16 = _aligned_offsets(offsets, 16)
@@ -113,16 +130,15 @@ def bench_grouped_wgrad(shape, routing: str, lib, device, bench_ms) -> list[dict
                                             use_fast_accum=fast)
         try:
             scaled()
-            baselines[f"rowwise{'_fast' if fast else ''}_t16"] = bench_ms(scaled) * t / t16  # per routed token
+            baselines[f"rowwise{'_fast' if fast else ''}_t16"] = scaled
         except (RuntimeError, ValueError) as err:
             print(f"fp8 wgrad: torch._scaled_grouped_mm K-grouped not measured: {str(err).splitlines()[0][:160]}",
                   flush=True)
-    fp8_base = [v for k, v in baselines.items() if k.startswith("rowwise")]
-    base_ms = min(fp8_base) if fp8_base else baselines["bf16_grouped"]
+    fp8_base = tuple(k for k in baselines if k.startswith("rowwise"))
     row = {"shape": shape.name, "pass": "wgrad", "kind": "fp8_grouped_wgrad", "routing": routing,
-           "baselines_tflops": {k: flops / v / 1e9 for k, v in baselines.items()},
-           "configs": _ours(lambda: kwgrad.grouped_wgrad_blockwise(qx, sx, qd, sd, bs), fp8.FAMILY_FP8_GG, lib,
-                            flops, base_ms, bench_ms)}
+           **_compare(baselines, fp8_base or ("bf16_grouped",),
+                      lambda: kwgrad.grouped_wgrad_blockwise(qx, sx, qd, sd, bs), fp8.FAMILY_FP8_GG, lib, flops,
+                      rounds, base_scale={k: t / t16 for k in fp8_base})}  # per routed token
     _print(row)
 
     def per_expert_loop():  # what expert_wgrad="fp8" ran before the K-grouped kernel
@@ -178,7 +194,7 @@ def _torch_blockwise(qa, sa, qb, sb, reference: torch.Tensor):
     return None
 
 
-def bench_dense(m: int, n: int, k: int, lib, device, bench_ms) -> dict:
+def bench_dense(m: int, n: int, k: int, lib, device, rounds: int) -> dict:
     gen = torch.Generator(device=device).manual_seed(1)
     a = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
     b = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(torch.bfloat16)
@@ -190,25 +206,25 @@ def bench_dense(m: int, n: int, k: int, lib, device, bench_ms) -> dict:
     qa_r, sa_r = fp8.quantize_rowwise(a)
     qb_r, sb_r = fp8.quantize_rowwise(b)
     baselines = {
-        "tensorwise_fast": bench_ms(lambda: torch._scaled_mm(qa_t, qb_t.t(), sa_t, sb_t, out_dtype=torch.bfloat16,
-                                                             use_fast_accum=True)),
-        "rowwise_fast": bench_ms(lambda: torch._scaled_mm(qa_r, qb_r.t(), sa_r, sb_r.t(), out_dtype=torch.bfloat16,
-                                                          use_fast_accum=True)),
-        "bf16": bench_ms(lambda: a @ b.t()),
+        "tensorwise_fast": lambda: torch._scaled_mm(qa_t, qb_t.t(), sa_t, sb_t, out_dtype=torch.bfloat16,
+                                                    use_fast_accum=True),
+        "rowwise_fast": lambda: torch._scaled_mm(qa_r, qb_r.t(), sa_r, sb_r.t(), out_dtype=torch.bfloat16,
+                                                 use_fast_accum=True),
+        "bf16": lambda: a @ b.t(),
     }
     blockwise = _torch_blockwise(qa, sa, qb, sb, fp8.gemm_blockwise(qa, sa, qb, sb))
     if blockwise is not None:
-        baselines["cublas_blockwise"] = bench_ms(blockwise)
-    base_ms = baselines.get("cublas_blockwise", baselines["rowwise_fast"])
+        baselines["cublas_blockwise"] = blockwise
     row = {"shape": f"{m}x{n}x{k}", "pass": "dense", "kind": "fp8_gemm",
-           "baselines_tflops": {key: flops / v / 1e9 for key, v in baselines.items()},
-           "configs": _ours(lambda: fp8.gemm_blockwise(qa, sa, qb, sb), fp8.FAMILY_FP8_GEMM, lib, flops, base_ms,
-                            bench_ms)}
+           **_compare(baselines, ("cublas_blockwise",) if blockwise is not None else ("rowwise_fast",),
+                      lambda: fp8.gemm_blockwise(qa, sa, qb, sb), fp8.FAMILY_FP8_GEMM, lib, flops, rounds)}
     _print(row)
     return row
 
 
-def bench_quantizers(device, bench_ms) -> list[dict]:
+def bench_quantizers(device) -> list[dict]:
+    from bench.kernels import bench_ms
+
     gen = torch.Generator(device=device).manual_seed(2)
     x = torch.randn(65536, 7168, generator=gen, device=device).to(torch.bfloat16)
     w = (torch.randn(16, 2048, 7168, generator=gen, device=device) * 0.02).to(torch.bfloat16)
@@ -236,16 +252,16 @@ def bench_quantizers(device, bench_ms) -> list[dict]:
     return rows
 
 
-def run(shapes, routing: str, lib, device, bench_ms) -> list[dict]:
+def run(shapes, routing: str, lib, device, rounds: int) -> list[dict]:
     """All FP8 rows: quantisers, grouped GEMMs per MoE shape, dense GEMMs."""
-    rows = bench_quantizers(device, bench_ms)
+    rows = bench_quantizers(device)
     torch.cuda.empty_cache()
     for shape in shapes:
-        rows += bench_grouped(shape, routing, lib, device, bench_ms)
+        rows += bench_grouped(shape, routing, lib, device, rounds)
         torch.cuda.empty_cache()
-        rows += bench_grouped_wgrad(shape, routing, lib, device, bench_ms)
+        rows += bench_grouped_wgrad(shape, routing, lib, device, rounds)
         torch.cuda.empty_cache()
     for m, n, k in [(8192, 8192, 8192), (16384, 14336, 4096), (16384, 4096, 14336)]:
-        rows.append(bench_dense(m, n, k, lib, device, bench_ms))
+        rows.append(bench_dense(m, n, k, lib, device, rounds))
         torch.cuda.empty_cache()
     return rows
