@@ -6,7 +6,9 @@ against the PyTorch baseline of the same operands in the same run, on one GPU.
 Neighbouring CTAs of a persistent kernel share operand tiles in L2 when the scheduler walks
 the output in swizzled strips; which order is best depends on the shape. This picks the
 defaults (core/kernels: TESSERA_GG_RASTER / TESSERA_GG_SWIZZLE override them at run time).
-Each kernel runs its default configuration. Prints one line per case, then one JSON line.
+Each kernel runs its default configuration. The baseline and the eight orders are timed in turn,
+--rounds times; a ratio is the median of same-round ratios. Prints one line per case, then one
+JSON line.
 """
 
 from __future__ import annotations
@@ -14,27 +16,40 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernels import SHAPES, bench_ms, routed_offsets  # noqa: E402
+from bench.kernels import SHAPES, compare_ms, median_ratio, ratio_range, routed_offsets  # noqa: E402
 from core.kernels import fp8, library  # noqa: E402
 from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, RASTER_ENV, SWIZZLE_ENV, choose_config, run_grouped  # noqa: E402
 
 ORDERS = [(r, s) for r in (0, 1) for s in (1, 2, 4, 8)]
 
 
-def sweep(name: str, baseline, ours, flops: float) -> dict:
-    base_ms = bench_ms(baseline)
-    row = {"case": name, "torch_tflops": flops / base_ms / 1e9, "orders": {}}
-    for raster, swizzle in ORDERS:
+def _with_order(ours, raster: int, swizzle: int):
+    def run():
         os.environ[RASTER_ENV], os.environ[SWIZZLE_ENV] = str(raster), str(swizzle)
-        ms = bench_ms(ours)
-        row["orders"][f"r{raster}s{swizzle}"] = {"tflops": flops / ms / 1e9, "ratio": base_ms / ms}
-    os.environ.pop(RASTER_ENV), os.environ.pop(SWIZZLE_ENV)
+        try:
+            ours()
+        finally:
+            os.environ.pop(RASTER_ENV), os.environ.pop(SWIZZLE_ENV)
+    return run
+
+
+def sweep(name: str, baseline, ours, flops: float, rounds: int) -> dict:
+    fns = {"torch": baseline, **{f"r{r}s{s}": _with_order(ours, r, s) for r, s in ORDERS}}
+    times = compare_ms(fns, rounds)
+    base_ms = statistics.median(times["torch"])
+    row = {"case": name, "rounds": rounds, "torch_tflops": flops / base_ms / 1e9, "orders": {}}
+    for key in fns:
+        if key != "torch":
+            ms = statistics.median(times[key])
+            row["orders"][key] = {"tflops": flops / ms / 1e9, "ratio": median_ratio(times["torch"], times[key]),
+                                  "ratio_range": ratio_range(times["torch"], times[key])}
     best = max(row["orders"].items(), key=lambda kv: kv[1]["ratio"])
     print(f"{name:22s} torch {row['torch_tflops']:6.0f} | "
           + " ".join(f"{k} {v['ratio']:.3f}" for k, v in row["orders"].items())
@@ -42,7 +57,7 @@ def sweep(name: str, baseline, ours, flops: float) -> dict:
     return row
 
 
-def bf16_cases(shape, lib, device) -> list[dict]:
+def bf16_cases(shape, lib, device, rounds: int) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     t, d, h, e = shape.routed, shape.dim, shape.hidden, shape.experts
     x = torch.randn(t, d, generator=gen, device=device).to(torch.bfloat16)
@@ -59,11 +74,11 @@ def bf16_cases(shape, lib, device) -> list[dict]:
         out = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
         rows.append(sweep(f"bf16 {shape.name} {name}", baseline,
                           lambda op=op, a=a, b=b, out=out, c=config: run_grouped(lib, op, a, b, out, offsets, c),
-                          2.0 * t * d * h))
+                          2.0 * t * d * h, rounds))
     return rows
 
 
-def fp8_grouped_cases(shape, device) -> list[dict]:
+def fp8_grouped_cases(shape, device, rounds: int) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     t, d, h, e = shape.routed, shape.dim, shape.hidden, shape.experts
     offsets = routed_offsets(shape, "random", device)
@@ -83,11 +98,11 @@ def fp8_grouped_cases(shape, device) -> list[dict]:
             use_fast_accum=True)
         rows.append(sweep(f"fp8 {shape.name} {name}", baseline,
                           lambda qa=qa, sa=sa, qw=qw, sw=sw: fp8.grouped_mm_blockwise(qa, sa, qw, sw, offsets),
-                          2.0 * t * a_dim * qw.shape[1]))
+                          2.0 * t * a_dim * qw.shape[1], rounds))
     return rows
 
 
-def fp8_dense_cases(device) -> list[dict]:
+def fp8_dense_cases(device, rounds: int) -> list[dict]:
     rows = []
     for m, n, k in [(8192, 8192, 8192), (16384, 14336, 4096), (16384, 4096, 14336), (8192, 4096, 4096)]:
         gen = torch.Generator(device=device).manual_seed(1)
@@ -100,7 +115,8 @@ def fp8_dense_cases(device) -> list[dict]:
         baseline = lambda qa_r=qa_r, sa_r=sa_r, qb_r=qb_r, sb_r=sb_r: torch._scaled_mm(  # noqa: E731
             qa_r, qb_r.t(), sa_r, sb_r.t(), out_dtype=torch.bfloat16, use_fast_accum=True)
         rows.append(sweep(f"fp8 dense {m}x{n}x{k}", baseline,
-                          lambda qa=qa, sa=sa, qb=qb, sb=sb: fp8.gemm_blockwise(qa, sa, qb, sb), 2.0 * m * n * k))
+                          lambda qa=qa, sa=sa, qb=qb, sb=sb: fp8.gemm_blockwise(qa, sa, qb, sb), 2.0 * m * n * k,
+                          rounds))
     return rows
 
 
@@ -108,7 +124,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--families", default="bf16,fp8,dense")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per case")
     args = parser.parse_args()
+    if args.rounds < 1:
+        print("bench/kernel_raster.py: --rounds must be at least 1", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench/kernel_raster.py: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -121,12 +141,12 @@ def main() -> int:
     rows = []
     for shape in (SHAPES[n] for n in args.shapes.split(",")):
         if "bf16" in families:
-            rows += bf16_cases(shape, lib, device)
+            rows += bf16_cases(shape, lib, device, args.rounds)
         if "fp8" in families:
-            rows += fp8_grouped_cases(shape, device)
+            rows += fp8_grouped_cases(shape, device, args.rounds)
         torch.cuda.empty_cache()
     if "dense" in families:
-        rows += fp8_dense_cases(device)
+        rows += fp8_dense_cases(device, args.rounds)
     print(json.dumps({"bench": "kernel_raster", "device": torch.cuda.get_device_name(), "rows": rows}))
     return 0
 

@@ -171,7 +171,7 @@ def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkey
     # No GPU needed: the choice reads only the built configurations' names.
     from core.kernels import fp8
     from core.kernels.grouped_gemm import (CONFIG_ENV, DEFAULT_CONFIG, OP_FWD, OP_FWD_BT, OP_WGRAD, SMALL_GROUP_CONFIG,
-                                           BACKWARD_CONFIG, choose_config)
+                                           DGRAD_CONFIG, choose_config)
 
     lib = library.KernelLibrary(LIB_PATH)
     names = lib.gg_bf16_config_names()
@@ -181,16 +181,17 @@ def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkey
     # The three MoE shapes' passes, including the fine-grained ones the old heuristic sent to ping-pong.
     for op, rows, groups, k, n in [(OP_FWD, 32768, 8, 4096, 14336), (OP_FWD, 131072, 64, 2048, 1408)]:
         assert choose_config(lib, op, rows, groups, k, n) == expected
-    # Every dgrad and weight gradient takes the 1x2-cluster tile when built.
-    backward = names.index(BACKWARD_CONFIG) if BACKWARD_CONFIG in names else None
+    # Every dgrad takes the 1x2-cluster tile when built; weight gradients take the default.
+    dgrad = names.index(DGRAD_CONFIG) if DGRAD_CONFIG in names else None
     for op, rows, groups, k, n in [(OP_WGRAD, 32768, 8, 4096, 14336), (OP_WGRAD, 131072, 64, 2048, 1408),
-                                   (OP_WGRAD, 65536, 128, 7168, 2048), (OP_FWD_BT, 131072, 64, 1408, 2048)]:
-        assert choose_config(lib, op, rows, groups, k, n) == (expected if backward is None else backward)
+                                   (OP_WGRAD, 65536, 128, 7168, 2048)]:
+        assert choose_config(lib, op, rows, groups, k, n) == expected
+    assert choose_config(lib, OP_FWD_BT, 131072, 64, 1408, 2048) == (expected if dgrad is None else dgrad)
     # The forward of 512-row groups (the E=128 shape) takes the unclustered tile when built; so does
     # their dgrad where the 1x2 tile is not built.
     small = names.index(SMALL_GROUP_CONFIG) if SMALL_GROUP_CONFIG in names else expected
     assert choose_config(lib, OP_FWD, 65536, 128, 7168, 2048) == small
-    assert choose_config(lib, OP_FWD_BT, 65536, 128, 2048, 7168) == (small if backward is None else backward)
+    assert choose_config(lib, OP_FWD_BT, 65536, 128, 2048, 7168) == (small if dgrad is None else dgrad)
     monkeypatch.setenv(CONFIG_ENV, str(built_gg[-1]))
     assert choose_config(lib, OP_FWD, 4096, 8, 512, 512) == built_gg[-1]
     monkeypatch.setenv(CONFIG_ENV, str(len(names)))

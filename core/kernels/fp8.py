@@ -337,7 +337,8 @@ def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float, p
     cooperative tile beat pingpong_64x128x128 on every grouped shape, including groups of ~512
     rows (E=128: 832 vs 608 TFLOP/s), so there is no small-group rule; for the dense GEMM too.
     Config 2 (256x128x128, spills) measured 0.27-0.51x torch: only for experiments. The grouped
-    forward/dgrad prefer config 4 (the same tile in a 1x2 cluster; see GG_PREFERRED_CONFIG).
+    GEMMs (forward, dgrad, K-grouped wgrad) prefer config 4 (the same tile in a 1x2 cluster; see
+    GG_PREFERRED_CONFIG).
     rows_per_group is for shape rules to come."""
     names = lib.config_names(family)
     forced = _env_int(FP8_CONFIG_ENV, -1)
@@ -351,11 +352,14 @@ def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float, p
     return next(i for i, name in enumerate(names) if name is not None)
 
 
-# The FP8 grouped GEMM's default per C entry. On one H100 (BENCHMARKS.md, session 15, two runs)
-# the 1x2 cluster (config 4: two CTAs share each expert-weight tile by TMA multicast) ran the
-# forward and dgrad 1.01-1.41x as fast as config 0 on the three MoE shapes; the K-grouped wgrad
-# 0.90-1.10x, so the wgrad keeps config 0.
-GG_PREFERRED_CONFIG = {"fp8_gg": 4, "fp8_gg_wgrad": 0}
+# The FP8 grouped GEMM's default per C entry: the 1x2 cluster (config 4: two CTAs share each
+# expert-weight tile by TMA multicast). Two interleaved runs of 5 rounds on one H100 (session 17,
+# bench/kernels.py --fp8 --rounds 5), ratio to torch rowwise fast accumulation, config 4 / config 0:
+# forward 0.908, 0.905 / 0.859, 0.823 (Mixtral-like), 0.961, 0.943 / 0.953, 0.954 (fine E=64),
+# 1.002, 1.016 / 0.860, 0.894 (fine E=128); dgrad ahead on all three; the K-grouped wgrad 0.744,
+# 0.733 / 0.689, 0.697, 0.834, 0.819 / 0.844, 0.835, 0.899, 0.900 / 0.859, 0.872, so it takes config
+# 4 too (it kept config 0 until session 16 on timings taken minutes apart).
+GG_PREFERRED_CONFIG = {"fp8_gg": 4, "fp8_gg_wgrad": 4}
 
 
 def _gemm_ready(a: Tensor, b: Tensor, *scales: Tensor) -> bool:

@@ -150,25 +150,28 @@ DEFAULT_CONFIG = "coop_128x256x64_c2x1"
 # torch._grouped_mm forward and 1.034x dgrad, against 1.053x / 1.019x for DEFAULT_CONFIG; on
 # groups of 2048+ rows the clustered tile stays ahead (0.99x vs 1.04x on E=64 forward).
 SMALL_GROUP_CONFIG, SMALL_GROUP_ROWS = "coop_128x256x64_c1x1", 1024
-# The backward GEMMs' tile: config 0's in a 1x2 cluster (multicast along N). Five runs on one H100,
-# each against the others in the same run: wgrad +9-11% over DEFAULT_CONFIG on Mixtral-like and
-# +1-4% on the fine-grained shapes; dgrad +0.4-8% on Mixtral-like, +1-2% over SMALL_GROUP_CONFIG on
-# fine E=128, -2.4..+4.2% on fine E=64. Forward stays off it (fine E=128 forward at 0.72-0.84x).
-BACKWARD_CONFIG = "coop_128x256x64_c1x2"
+# The data-gradient tile: config 0's in a 1x2 cluster (multicast along N). Two interleaved runs of
+# 5 rounds on one H100 (session 17; bench/kernels.py --rounds 5, every config timed in turn with
+# torch): dgrad 1.046 / 1.061x torch on fine E=128 against 1.002 / 1.009x for DEFAULT_CONFIG, a tie
+# (within 1%) on Mixtral-like and fine E=64. Not for the forward (fine E=128 forward 0.75-0.77x).
+# The weight gradient went back to DEFAULT_CONFIG: the same runs put it at 0.997-1.006 / 0.998-0.999
+# / 0.977-0.996x against 0.974-0.996 / 0.970-0.973 / 0.979-0.987x for this tile (Mixtral-like /
+# fine E=64 / fine E=128); the +9-11% of session 16 came from timings taken minutes apart.
+DGRAD_CONFIG = "coop_128x256x64_c1x2"
 
 
 def choose_config(lib: KernelLibrary, op: int, rows: int, groups: int, k: int, n: int) -> int:
-    """Configuration index for one call: TESSERA_GG_CONFIG if set, else BACKWARD_CONFIG for dgrad
-    and wgrad, SMALL_GROUP_CONFIG for the forward (and a dgrad without BACKWARD_CONFIG) on small
-    groups, else DEFAULT_CONFIG (each when built), else the first built one."""
+    """Configuration index for one call: TESSERA_GG_CONFIG if set, else DGRAD_CONFIG for dgrad,
+    SMALL_GROUP_CONFIG for the forward (and a dgrad without DGRAD_CONFIG) on small groups, else
+    DEFAULT_CONFIG (each when built), else the first built one."""
     forced = _env_int(CONFIG_ENV, -1)
     built = lib.gg_bf16_config_names()
     if forced >= 0:
         if forced >= len(built) or built[forced] is None:
             raise ValueError(f"{CONFIG_ENV}={forced} is not built into {lib.path}; built: {built}")
         return forced
-    if op in (OP_FWD_BT, OP_WGRAD) and BACKWARD_CONFIG in built:
-        return built.index(BACKWARD_CONFIG)
+    if op == OP_FWD_BT and DGRAD_CONFIG in built:
+        return built.index(DGRAD_CONFIG)
     small_groups = op in (OP_FWD, OP_FWD_BT) and rows < SMALL_GROUP_ROWS * max(groups, 1)
     if small_groups and SMALL_GROUP_CONFIG in built:
         return built.index(SMALL_GROUP_CONFIG)
