@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernels import SHAPES, compare_ms, median_ratio, ratio_range, routed_offsets  # noqa: E402
+from bench.kernels import DEFAULT_SHAPES, SHAPES, compare_ms, median_ratio, ratio_range, routed_offsets  # noqa: E402
 from core.kernels import fp8, library  # noqa: E402
 from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, RASTER_ENV, SWIZZLE_ENV, choose_config, run_grouped  # noqa: E402
 
@@ -122,7 +122,7 @@ def fp8_dense_cases(device, rounds: int) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     parser.add_argument("--families", default="bf16,fp8,dense")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per case")
     args = parser.parse_args()

@@ -171,7 +171,7 @@ def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkey
     # No GPU needed: the choice reads only the built configurations' names.
     from core.kernels import fp8
     from core.kernels.grouped_gemm import (CONFIG_ENV, DEFAULT_CONFIG, OP_FWD, OP_FWD_BT, OP_WGRAD, SMALL_GROUP_CONFIG,
-                                           DGRAD_CONFIG, choose_config)
+                                           N_CLUSTER_CONFIG, choose_config)
 
     lib = library.KernelLibrary(LIB_PATH)
     names = lib.gg_bf16_config_names()
@@ -181,11 +181,14 @@ def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkey
     # The three MoE shapes' passes, including the fine-grained ones the old heuristic sent to ping-pong.
     for op, rows, groups, k, n in [(OP_FWD, 32768, 8, 4096, 14336), (OP_FWD, 131072, 64, 2048, 1408)]:
         assert choose_config(lib, op, rows, groups, k, n) == expected
-    # Every dgrad takes the 1x2-cluster tile when built; weight gradients take the default.
-    dgrad = names.index(DGRAD_CONFIG) if DGRAD_CONFIG in names else None
+    # Every dgrad takes the 1x2-cluster tile when built; weight gradients take the default unless
+    # only their M tile count is odd (1408 inputs: 11 tiles of 128; 2816 outputs: 11 of 256).
+    dgrad = names.index(N_CLUSTER_CONFIG) if N_CLUSTER_CONFIG in names else None
     for op, rows, groups, k, n in [(OP_WGRAD, 32768, 8, 4096, 14336), (OP_WGRAD, 131072, 64, 2048, 1408),
-                                   (OP_WGRAD, 65536, 128, 7168, 2048)]:
+                                   (OP_WGRAD, 65536, 128, 7168, 2048), (OP_WGRAD, 65536, 64, 2048, 2816),
+                                   (OP_WGRAD, 65536, 64, 1408, 2816)]:
         assert choose_config(lib, op, rows, groups, k, n) == expected
+    assert choose_config(lib, OP_WGRAD, 65536, 64, 1408, 2048) == (expected if dgrad is None else dgrad)
     assert choose_config(lib, OP_FWD_BT, 131072, 64, 1408, 2048) == (expected if dgrad is None else dgrad)
     # The forward of 512-row groups (the E=128 shape) takes the unclustered tile when built; so does
     # their dgrad where the 1x2 tile is not built.

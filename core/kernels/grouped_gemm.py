@@ -150,28 +150,40 @@ DEFAULT_CONFIG = "coop_128x256x64_c2x1"
 # torch._grouped_mm forward and 1.034x dgrad, against 1.053x / 1.019x for DEFAULT_CONFIG; on
 # groups of 2048+ rows the clustered tile stays ahead (0.99x vs 1.04x on E=64 forward).
 SMALL_GROUP_CONFIG, SMALL_GROUP_ROWS = "coop_128x256x64_c1x1", 1024
-# The data-gradient tile: config 0's in a 1x2 cluster (multicast along N). Two interleaved runs of
-# 5 rounds on one H100 (session 17; bench/kernels.py --rounds 5, every config timed in turn with
+# Config 0's tile in a 1x2 cluster (multicast along N), for the data gradient. Two interleaved runs
+# of 5 rounds on one H100 (session 17; bench/kernels.py --rounds 5, every config timed in turn with
 # torch): dgrad 1.046 / 1.061x torch on fine E=128 against 1.002 / 1.009x for DEFAULT_CONFIG, a tie
 # (within 1%) on Mixtral-like and fine E=64. Not for the forward (fine E=128 forward 0.75-0.77x).
-# The weight gradient went back to DEFAULT_CONFIG: the same runs put it at 0.997-1.006 / 0.998-0.999
-# / 0.977-0.996x against 0.974-0.996 / 0.970-0.973 / 0.979-0.987x for this tile (Mixtral-like /
-# fine E=64 / fine E=128); the +9-11% of session 16 came from timings taken minutes apart.
-DGRAD_CONFIG = "coop_128x256x64_c1x2"
+# The weight gradient takes DEFAULT_CONFIG: the same runs put it at 0.997-1.006 / 0.998-0.999 /
+# 0.977-0.996x against 0.974-0.996 / 0.970-0.973 / 0.979-0.987x for this tile (Mixtral-like / fine
+# E=64 / fine E=128); the +9-11% of session 16 came from timings taken minutes apart. Except where
+# a cluster would pad: a 2x1 cluster rounds the wgrad's M tiles (the layer's input size / 128) up
+# to an even count, a 1x2 cluster its N tiles (output size / 256); when only the M count is odd
+# (a down projection of 1408 inputs: 11 tiles, 9% of the work wasted) the 1x2 cluster wastes nothing:
+# bench/kernels.py --shapes fine64down (1408 -> 2048), two runs, wgrad 1.043 / 1.042x torch for
+# this tile against 1.002 / 0.997x for DEFAULT_CONFIG.
+N_CLUSTER_CONFIG = "coop_128x256x64_c1x2"
+TILE_M, TILE_N = 128, 256  # the tile of DEFAULT_CONFIG and N_CLUSTER_CONFIG
+
+
+def _odd_tile_count(size: int, tile: int) -> bool:
+    return -(-size // tile) % 2 == 1
 
 
 def choose_config(lib: KernelLibrary, op: int, rows: int, groups: int, k: int, n: int) -> int:
-    """Configuration index for one call: TESSERA_GG_CONFIG if set, else DGRAD_CONFIG for dgrad,
-    SMALL_GROUP_CONFIG for the forward (and a dgrad without DGRAD_CONFIG) on small groups, else
-    DEFAULT_CONFIG (each when built), else the first built one."""
+    """Configuration index for one call: TESSERA_GG_CONFIG if set, else N_CLUSTER_CONFIG for dgrad
+    and for a wgrad whose M tiles (not its N tiles) are odd, SMALL_GROUP_CONFIG for the forward
+    (and a dgrad without N_CLUSTER_CONFIG) on small groups, else DEFAULT_CONFIG (each when built),
+    else the first built one. For OP_WGRAD, k and n are the output's [k, n] per group."""
     forced = _env_int(CONFIG_ENV, -1)
     built = lib.gg_bf16_config_names()
     if forced >= 0:
         if forced >= len(built) or built[forced] is None:
             raise ValueError(f"{CONFIG_ENV}={forced} is not built into {lib.path}; built: {built}")
         return forced
-    if op == OP_FWD_BT and DGRAD_CONFIG in built:
-        return built.index(DGRAD_CONFIG)
+    if N_CLUSTER_CONFIG in built and (op == OP_FWD_BT or (
+            op == OP_WGRAD and _odd_tile_count(k, TILE_M) and not _odd_tile_count(n, TILE_N))):
+        return built.index(N_CLUSTER_CONFIG)
     small_groups = op in (OP_FWD, OP_FWD_BT) and rows < SMALL_GROUP_ROWS * max(groups, 1)
     if small_groups and SMALL_GROUP_CONFIG in built:
         return built.index(SMALL_GROUP_CONFIG)
