@@ -213,6 +213,17 @@ def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkey
             assert fp8._choose_fp8_config(lib, family, 512.0) == built_fp8[-1]
 
 
+def test_fp8_grouped_prefers_the_2x1_cluster_for_an_odd_count_of_n_tiles():
+    # No library needed: the preference is a pure function of the output width.
+    from core.kernels import fp8
+
+    for entry in ("fp8_gg", "fp8_gg_wgrad"):
+        for n in (2048, 4096, 7168, 14336, 256):  # 16, 32, 56, 112, 2 tiles of 128
+            assert fp8._fp8_gg_preferred(entry, n) == fp8.GG_PREFERRED_CONFIG[entry]
+        for n in (1408, 128, 1280 + 16):  # 11, 1, 11 (the last one partial) tiles
+            assert fp8._fp8_gg_preferred(entry, n) == fp8.GG_ODD_N_TILES_CONFIG
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_kernels_check():

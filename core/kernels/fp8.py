@@ -337,8 +337,8 @@ def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float, p
     cooperative tile beat pingpong_64x128x128 on every grouped shape, including groups of ~512
     rows (E=128: 832 vs 608 TFLOP/s), so there is no small-group rule; for the dense GEMM too.
     Config 2 (256x128x128, spills) measured 0.27-0.51x torch: only for experiments. The grouped
-    GEMMs (forward, dgrad, K-grouped wgrad) prefer config 4 (the same tile in a 1x2 cluster; see
-    GG_PREFERRED_CONFIG).
+    GEMMs (forward, dgrad, K-grouped wgrad) prefer config 4 (the same tile in a 1x2 cluster), or
+    config 3 (2x1) where the output's N tiles are odd: see _fp8_gg_preferred.
     rows_per_group is for shape rules to come."""
     names = lib.config_names(family)
     forced = _env_int(FP8_CONFIG_ENV, -1)
@@ -352,14 +352,26 @@ def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float, p
     return next(i for i, name in enumerate(names) if name is not None)
 
 
-# The FP8 grouped GEMM's default per C entry: the 1x2 cluster (config 4: two CTAs share each
-# expert-weight tile by TMA multicast). Two interleaved runs of 5 rounds on one H100 (session 17,
-# bench/kernels.py --fp8 --rounds 5), ratio to torch rowwise fast accumulation, config 4 / config 0:
-# forward 0.908, 0.905 / 0.859, 0.823 (Mixtral-like), 0.961, 0.943 / 0.953, 0.954 (fine E=64),
-# 1.002, 1.016 / 0.860, 0.894 (fine E=128); dgrad ahead on all three; the K-grouped wgrad 0.744,
-# 0.733 / 0.689, 0.697, 0.834, 0.819 / 0.844, 0.835, 0.899, 0.900 / 0.859, 0.872, so it takes config
-# 4 too (it kept config 0 until session 16 on timings taken minutes apart).
+# The FP8 grouped GEMM's default per C entry: the 1x2 cluster (config 4: the two CTAs of a cluster
+# take neighbouring N tiles and share each activation tile by TMA multicast). Two interleaved runs of
+# 5 rounds on one H100 (session 17, bench/kernels.py --fp8 --rounds 5), ratio to torch rowwise fast
+# accumulation, config 4 / config 0: forward 0.908, 0.905 / 0.859, 0.823 (Mixtral-like), 1.002,
+# 1.016 / 0.860, 0.894 (fine E=128); dgrad ahead on all three shapes; the K-grouped wgrad 0.744,
+# 0.733 / 0.689, 0.697 (Mixtral-like), 0.899, 0.900 / 0.859, 0.872 (fine E=128).
 GG_PREFERRED_CONFIG = {"fp8_gg": 4, "fp8_gg_wgrad": 4}
+# The grouped tile scheduler pads each group's tiles along the cluster's long side to an even count,
+# so a 1x2 cluster computes 12 N tiles where an output of 1408 columns (fine E=64) has 11: there the
+# 2x1 cluster (config 3) takes over. Three runs (BENCHMARKS.md, session 17), config 3 / config 4:
+# fine E=64 forward 0.980, 0.970, 0.981 / 0.961, 0.943, 0.942; its K-grouped wgrad (1408 output
+# columns too) 0.875, 0.860, 0.970 / 0.834, 0.819, 0.878. Every other measured output width is an
+# even number of 128-wide tiles.
+GG_ODD_N_TILES_CONFIG = 3
+
+
+def _fp8_gg_preferred(entry: str, n: int) -> int:
+    """The configuration an FP8 grouped call prefers: GG_ODD_N_TILES_CONFIG when its output's N
+    tiles (128 wide) are odd, else the entry's GG_PREFERRED_CONFIG."""
+    return GG_ODD_N_TILES_CONFIG if -(-n // BLOCK) % 2 == 1 else GG_PREFERRED_CONFIG[entry]
 
 
 def _gemm_ready(a: Tensor, b: Tensor, *scales: Tensor) -> bool:
@@ -432,7 +444,7 @@ def run_fp8_grouped(lib: KernelLibrary, entry: str, operands: tuple, out: Tensor
                     sizes: tuple, rows_per_group: float) -> Tensor:
     """One call of the FP8 grouped kernel's C entry `entry` (M-grouped "fp8_gg", K-grouped
     "fp8_gg_wgrad"): operands (a, sfa, b, sfb), the group index tensor, its three sizes."""
-    config = _choose_fp8_config(lib, FAMILY_FP8_GG, rows_per_group, GG_PREFERRED_CONFIG[entry])
+    config = _choose_fp8_config(lib, FAMILY_FP8_GG, rows_per_group, _fp8_gg_preferred(entry, sizes[1]))
     device, stream = _device_stream(out)
     ws = _workspace(lib, "fp8_gg_workspace", ("fp8_gg", config, groups, device), config, groups, device)
     workspace = torch.empty(ws, dtype=torch.uint8, device=out.device)
