@@ -45,12 +45,15 @@ def _compare(baselines: dict, base_keys: tuple, ours_fn, family: int, lib, flops
         return run
 
     configs = {name: c for c, name in enumerate(lib.config_names(family) if lib else []) if name is not None}
-    times = compare_ms({**baselines, **{name: forced(c) for name, c in configs.items()}}, rounds)
+    candidates = {name: forced(c) for name, c in configs.items()}
+    if lib is not None:
+        candidates["default"] = ours_fn  # the configuration the op picks by itself
+    times = compare_ms({**baselines, **candidates}, rounds)
     for key, factor in (base_scale or {}).items():
         times[key] = [t * factor for t in times[key]]
     base_rounds = [min(times[k][r] for k in base_keys if k in times) for r in range(rounds)]
     ours = {}
-    for name in configs:
+    for name in candidates:
         ratios = [b / o for b, o in zip(base_rounds, times[name])]
         ms = statistics.median(times[name])
         ours[name] = {"ms": ms, "ms_rounds": times[name], "tflops": flops / ms / 1e9,
