@@ -57,8 +57,19 @@ SHAPES = {
 DEFAULT_SHAPES = "mixtral,fine64,fine128"
 
 
+# --graph: time CUDA-graph replays of fn (triton's do_bench_cudagraph): no host time between
+# calls, no L2 flush. An environment variable, so the section processes and bench/kernels_fp8.py
+# (which imports this file as a module, not as __main__) see it.
+GRAPH_ENV = "TESSERA_BENCH_GRAPH"
+
+
 def bench_ms(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
-    """Median milliseconds of fn() with the L2 cache flushed before each run."""
+    """Median milliseconds of fn() with the L2 cache flushed before each run (or, with
+    TESSERA_BENCH_GRAPH=1, of fn() replayed back to back from a CUDA graph)."""
+    if os.environ.get(GRAPH_ENV) == "1":
+        from triton.testing import do_bench_cudagraph
+
+        return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
     try:
         from triton.testing import do_bench
 
@@ -86,6 +97,16 @@ def bench_ms(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def bench_ms_eager(fn) -> float:
+    """bench_ms without CUDA graphs, for callables that sync with the host (not capturable)."""
+    graph = os.environ.pop(GRAPH_ENV, None)
+    try:
+        return bench_ms(fn)
+    finally:
+        if graph is not None:
+            os.environ[GRAPH_ENV] = graph
 
 
 def compare_ms(fns: dict, rounds: int) -> dict[str, list[float]]:
@@ -197,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma list of {list(SHAPES)}")
     parser.add_argument("--routing", choices=["random", "balanced"], default="random")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per comparison")
+    parser.add_argument("--graph", action="store_true", help="time CUDA-graph replays (no host gaps, no L2 flush)")
     parser.add_argument("--fp8", action="store_true", help="also the FP8 kernels (bench/kernels_fp8.py)")
     parser.add_argument("--section", choices=["check", "bf16", "fp8"], help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=180, help="seconds per section (a hung kernel costs no more)")
@@ -211,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench/kernels.py: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.graph:
+        os.environ[GRAPH_ENV] = "1"
     if args.section:  # child process: run one section, hand results back on a tagged line
         status, results = run_section(args.section, args)
         print(RESULT_TAG + json.dumps({"status": status, "results": results}), flush=True)
