@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernels import DEFAULT_SHAPES, SHAPES, compare_ms, median_ratio, ratio_range, routed_offsets  # noqa: E402
+from bench.kernels import DEFAULT_SHAPES, GRAPH_ENV, SHAPES, compare_ms, median_ratio, ratio_range, routed_offsets  # noqa: E402
 from core.kernels import fp8, library  # noqa: E402
 from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, RASTER_ENV, SWIZZLE_ENV, choose_config, run_grouped  # noqa: E402
 
@@ -125,6 +125,7 @@ def main() -> int:
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     parser.add_argument("--families", default="bf16,fp8,dense")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per case")
+    parser.add_argument("--graph", action="store_true", help="time CUDA-graph replays (bench/kernels.py --graph)")
     args = parser.parse_args()
     if args.rounds < 1:
         print("bench/kernel_raster.py: --rounds must be at least 1", file=sys.stderr)
@@ -132,6 +133,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/kernel_raster.py: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.graph:
+        os.environ[GRAPH_ENV] = "1"
     device = torch.device("cuda")
     lib = library.kernel_library(device)
     if lib is None:
