@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernels import DEFAULT_SHAPES, GRAPH_ENV, SHAPES, compare_ms, median_ratio, ratio_range, routed_offsets  # noqa: E402
+from bench.kernels import DEFAULT_SHAPES, GRAPH_ENV, SHAPES, candidate_stats, compare_ms, routed_offsets  # noqa: E402
 from core.kernels import fp8, library  # noqa: E402
 from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, RASTER_ENV, SWIZZLE_ENV, choose_config, run_grouped  # noqa: E402
 
@@ -47,9 +47,7 @@ def sweep(name: str, baseline, ours, flops: float, rounds: int) -> dict:
     row = {"case": name, "rounds": rounds, "torch_tflops": flops / base_ms / 1e9, "orders": {}}
     for key in fns:
         if key != "torch":
-            ms = statistics.median(times[key])
-            row["orders"][key] = {"tflops": flops / ms / 1e9, "ratio": median_ratio(times["torch"], times[key]),
-                                  "ratio_range": ratio_range(times["torch"], times[key])}
+            row["orders"][key] = candidate_stats(times["torch"], times[key], flops)
     best = max(row["orders"].items(), key=lambda kv: kv[1]["ratio"])
     print(f"{name:22s} torch {row['torch_tflops']:6.0f} | "
           + " ".join(f"{k} {v['ratio']:.3f}" for k, v in row["orders"].items())

@@ -63,10 +63,11 @@ DEFAULT_SHAPES = "mixtral,fine64,fine128"
 GRAPH_ENV = "TESSERA_BENCH_GRAPH"
 
 
-def bench_ms(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
-    """Median milliseconds of fn() with the L2 cache flushed before each run (or, with
-    TESSERA_BENCH_GRAPH=1, of fn() replayed back to back from a CUDA graph)."""
-    if os.environ.get(GRAPH_ENV) == "1":
+def bench_ms(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0, graph: bool | None = None) -> float:
+    """Median milliseconds of fn() with the L2 cache flushed before each run, or, with graph (by
+    default: TESSERA_BENCH_GRAPH=1), of fn() replayed back to back from a CUDA graph. Callables that
+    sync with the host cannot be captured: pass graph=False."""
+    if graph if graph is not None else (os.environ.get(GRAPH_ENV) == "1"):
         from triton.testing import do_bench_cudagraph
 
         return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
@@ -99,16 +100,6 @@ def bench_ms(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
     return statistics.median(times)
 
 
-def bench_ms_eager(fn) -> float:
-    """bench_ms without CUDA graphs, for callables that sync with the host (not capturable)."""
-    graph = os.environ.pop(GRAPH_ENV, None)
-    try:
-        return bench_ms(fn)
-    finally:
-        if graph is not None:
-            os.environ[GRAPH_ENV] = graph
-
-
 def compare_ms(fns: dict, rounds: int) -> dict[str, list[float]]:
     """Milliseconds of each named function, one bench_ms per round, the functions taken in turn."""
     names = list(fns)
@@ -119,15 +110,13 @@ def compare_ms(fns: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def median_ratio(base: list[float], ours: list[float]) -> float:
-    """Median over rounds of base/ours, each ratio taken within one round."""
-    return statistics.median(b / o for b, o in zip(base, ours))
-
-
-def ratio_range(base: list[float], ours: list[float]) -> tuple[float, float]:
-    """Lowest and highest same-round ratio: how far one round alone could mislead."""
-    ratios = [b / o for b, o in zip(base, ours)]
-    return min(ratios), max(ratios)
+def candidate_stats(base_rounds: list[float], rounds_ms: list[float], flops: float) -> dict:
+    """One candidate against the baseline timed in the same rounds: its median time, and the median
+    (and lowest, highest) of the same-round ratios baseline / candidate."""
+    ratios = [b / o for b, o in zip(base_rounds, rounds_ms)]
+    ms = statistics.median(rounds_ms)
+    return {"ms": ms, "ms_rounds": rounds_ms, "tflops": flops / ms / 1e9, "ratio": statistics.median(ratios),
+            "ratio_range": (min(ratios), max(ratios))}
 
 
 def routed_offsets(shape: MoEShape, routing: str, device) -> torch.Tensor:
@@ -173,10 +162,7 @@ def bench_grouped_bf16(shape: MoEShape, routing: str, configs: str, lib, device,
                "torch_ms_rounds": times["torch"], "torch_tflops": flops / base_ms / 1e9,
                "dense_tflops": flops / statistics.median(times["dense"]) / 1e9, "configs": {}}
         for c in chosen:
-            ms = statistics.median(times[names[c]])
-            row["configs"][names[c]] = {"ms": ms, "ms_rounds": times[names[c]], "tflops": flops / ms / 1e9,
-                                        "ratio": median_ratio(times["torch"], times[names[c]]),
-                                        "ratio_range": ratio_range(times["torch"], times[names[c]]),
+            row["configs"][names[c]] = {**candidate_stats(times["torch"], times[names[c]], flops),
                                         "default": c == default}
         rows.append(row)
         best = max(row["configs"].items(), key=lambda kv: kv[1]["ratio"], default=(None, None))

@@ -36,7 +36,7 @@ def _compare(baselines: dict, base_keys: tuple, ours_fn, family: int, lib, flops
     """Baselines and each built configuration of ours, timed in turn over rounds (bench.kernels.compare_ms).
     A configuration's ratio is the median over rounds of the faster of base_keys in that round over ours.
     base_scale multiplies a baseline's times (one that did more work than ours, counted per unit of ours)."""
-    from bench.kernels import compare_ms
+    from bench.kernels import candidate_stats, compare_ms
 
     def forced(c):
         def run():
@@ -52,12 +52,7 @@ def _compare(baselines: dict, base_keys: tuple, ours_fn, family: int, lib, flops
     for key, factor in (base_scale or {}).items():
         times[key] = [t * factor for t in times[key]]
     base_rounds = [min(times[k][r] for k in base_keys if k in times) for r in range(rounds)]
-    ours = {}
-    for name in candidates:
-        ratios = [b / o for b, o in zip(base_rounds, times[name])]
-        ms = statistics.median(times[name])
-        ours[name] = {"ms": ms, "ms_rounds": times[name], "tflops": flops / ms / 1e9,
-                      "ratio": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios))}
+    ours = {name: candidate_stats(base_rounds, times[name], flops) for name in candidates}
     return {"rounds": rounds, "baselines_tflops": {k: flops / statistics.median(times[k]) / 1e9 for k in baselines},
             "baseline_ms_rounds": {k: times[k] for k in baselines}, "configs": ours}
 
@@ -105,7 +100,7 @@ def _aligned_offsets(offsets: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def bench_grouped_wgrad(shape, routing: str, lib, device, rounds: int) -> list[dict]:
-    from bench.kernels import bench_ms_eager, routed_offsets
+    from bench.kernels import bench_ms, routed_offsets
     from core import fp8 as recipe
     from core.kernels import fp8_wgrad as kwgrad
 
@@ -162,7 +157,7 @@ def bench_grouped_wgrad(shape, routing: str, lib, device, rounds: int) -> list[d
             start = max(start, end)
         return out
 
-    whole = {name: bench_ms_eager(fn) for name, fn in (  # the loops read offsets on the host
+    whole = {name: bench_ms(fn, graph=False) for name, fn in (  # the loops read offsets on the host
         ("per_expert_loop", per_expert_loop),
         ("per_expert_loop_untransposed", per_expert_loop_untransposed),
         ("bf16_grouped_fp32_out", lambda: torch._grouped_mm(x.t(), dy, offs=offsets).float()),

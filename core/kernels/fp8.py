@@ -33,7 +33,7 @@ import os
 import torch
 from torch import Tensor
 
-from core.kernels.grouped_gemm import _env_int, grouped_mm_loop
+from core.kernels.grouped_gemm import _env_int, _odd_tile_count, grouped_mm_loop
 from core.kernels.library import KernelLibrary, current_raw_stream, custom_op, kernel_library, report_once
 
 E4M3_MAX = 448.0
@@ -371,7 +371,7 @@ GG_ODD_N_TILES_CONFIG = 3
 def _fp8_gg_preferred(entry: str, n: int) -> int:
     """The configuration an FP8 grouped call prefers: GG_ODD_N_TILES_CONFIG when its output's N
     tiles (128 wide) are odd, else the entry's GG_PREFERRED_CONFIG."""
-    return GG_ODD_N_TILES_CONFIG if -(-n // BLOCK) % 2 == 1 else GG_PREFERRED_CONFIG[entry]
+    return GG_ODD_N_TILES_CONFIG if _odd_tile_count(n, BLOCK) else GG_PREFERRED_CONFIG[entry]
 
 
 def _gemm_ready(a: Tensor, b: Tensor, *scales: Tensor) -> bool:
