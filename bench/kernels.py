@@ -171,7 +171,34 @@ def bench_grouped_bf16(shape: MoEShape, routing: str, configs: str, lib, device,
                         f"[{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}]"
                         for n, r in row["configs"].items())
               + (f" | best {best[0]}" if best[0] else ""), flush=True)
+    if lib is not None:
+        rows.append(bench_wgrad_into_main_grad(x, dy, offsets, e, lib, rounds, shape.name, flops))
     return rows
+
+
+def bench_wgrad_into_main_grad(x, dy, offsets, experts: int, lib, rounds: int, shape_name: str, flops: float) -> dict:
+    """The experts' weight gradient as training consumes it: added into an fp32 main grad.
+    Baseline: torch._grouped_mm in bf16, then the trainer's fp32 accumulation pass; ours
+    unfused: our bf16 wgrad and the same pass; ours fused: the wgrad GEMM's epilogue adds to the
+    main grad (gradient_accumulation_fusion)."""
+    from core.kernels.fused import accumulate_fp32_
+    from core.kernels.grouped_gemm import run_wgrad_f32
+
+    main_grad = torch.zeros(experts, x.shape[1], dy.shape[1], device=x.device)
+    dw = torch.empty(experts, x.shape[1], dy.shape[1], dtype=torch.bfloat16, device=x.device)
+    fns = {
+        "torch": lambda: accumulate_fp32_(main_grad, torch._grouped_mm(x.t(), dy, offs=offsets), copy=False),
+        "ours_unfused": lambda: accumulate_fp32_(main_grad, run_grouped(lib, OP_WGRAD, x, dy, dw, offsets), copy=False),
+        "ours_fused": lambda: run_wgrad_f32(lib, x, dy, main_grad, offsets, accumulate=True),
+    }
+    times = compare_ms(fns, rounds)
+    row = {"shape": shape_name, "pass": "wgrad_into_main_grad", "rounds": rounds,
+           "torch_ms": statistics.median(times["torch"]), "torch_ms_rounds": times["torch"],
+           "configs": {n: candidate_stats(times["torch"], times[n], flops) for n in ("ours_unfused", "ours_fused")}}
+    print(f"{shape_name:8s} wgrad+fp32 main grad: torch+pass {row['torch_ms']:.3f} ms"
+          + "".join(f" | {n} {r['ms']:.3f} ms x{r['ratio']:.3f}[{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}]"
+                    for n, r in row["configs"].items()), flush=True)
+    return row
 
 
 def run_section(section: str, args) -> tuple[int, list[dict]]:

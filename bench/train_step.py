@@ -131,6 +131,7 @@ def tessera_step_fn(cfg, batch, args):
     config.train.compile = args.compile
     config.train.precision = "bf16"
     config.parallel.dp = 1
+    config.parallel.gradient_accumulation_fusion = not args.no_wgrad_fusion
     device = batch[0].device
     mesh = ParallelMesh.build(device_type=device.type)
     model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=0), mesh, config, device, "bf16")
@@ -170,6 +171,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one Tessera step")
     parser.add_argument("--trace", default=None, help="with --profile: also write that step's Chrome trace (JSON) here")
     parser.add_argument("--only", choices=["baseline", "tessera"], default=None)
+    parser.add_argument("--no-wgrad-fusion", action="store_true",
+                        help="Tessera without gradient-accumulation fusion (expert wgrad in bf16, then an fp32 pass)")
     parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -71,6 +71,9 @@ class ParallelConfig:
     sequence_parallel: bool = True
     distributed_optimizer: bool = True  # ZeRO-1 over data parallel ranks
     bucket_mb: float = 25.0
+    # The experts' weight gradients go straight into the fp32 main grads (GEMM epilogue adds to
+    # them) instead of through a bf16 gradient and a separate accumulation pass.
+    gradient_accumulation_fusion: bool = True
     pp_schedule: str = "1f1b"  # "1f1b" | "interleaved"
     pp_virtual_stages: int = 1
     pp_first_stage_layers: int = 0  # 0: even split

@@ -62,6 +62,7 @@ struct GroupedArgs {
   int swizzle;  // 1, 2, 4, 8
   const void* sfa = nullptr;  // FP8 blockwise scales of a and b
   const void* sfb = nullptr;
+  int accumulate = 0;  // GG_WGRAD_F32: add to d instead of overwriting it
 };
 
 using RunFn = int (*)(const GroupedArgs&);

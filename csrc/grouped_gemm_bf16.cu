@@ -23,7 +23,7 @@
 #include "grouped_common.cuh"
 
 #ifndef TESSERA_GG_OP
-#error "compile with -DTESSERA_GG_OP=<0 fwd | 1 fwd_bt | 2 wgrad>"
+#error "compile with -DTESSERA_GG_OP=<0 fwd | 1 fwd_bt | 2 wgrad | 3 wgrad_f32>"
 #endif
 #ifndef TESSERA_GG_CONFIG
 #error "compile with -DTESSERA_GG_CONFIG=<index into Configs>"
@@ -137,26 +137,34 @@ static_assert(kOp >= 0 && kOp < TESSERA_GG_NUM_OPS, "TESSERA_GG_OP out of range"
 //   fwd:    M = rows of group, N = n, K = k; A = a_g row-major, B = b[g] (k x n, N-major)
 //   fwd_bt: same, B = b[g] stored n x k (K-major)
 //   wgrad:  M = k, N = n, K = rows of group; A = a_g^T (M-major), B = b_g (N-major)
+//   wgrad_f32: as wgrad, D fp32 and, when accumulating, C = D with beta = 1 (the main grad)
 // ---------------------------------------------------------------------------------------
+constexpr bool kWgrad = kOp == TESSERA_GG_WGRAD || kOp == TESSERA_GG_WGRAD_F32;
+constexpr bool kFp32Out = kOp == TESSERA_GG_WGRAD_F32;
 using Element = cutlass::bfloat16_t;
 using Accumulator = float;
-using LayoutA = std::conditional_t<kOp == TESSERA_GG_WGRAD, cutlass::layout::ColumnMajor,
-                                   cutlass::layout::RowMajor>;
+using ElementD = std::conditional_t<kFp32Out, float, Element>;
+// No C operand for bf16 outputs (void skips the C load); the fp32 output reads itself as C.
+using ElementC = std::conditional_t<kFp32Out, float, void>;
+using LayoutA = std::conditional_t<kWgrad, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
 using LayoutB = std::conditional_t<kOp == TESSERA_GG_FWD_BT, cutlass::layout::ColumnMajor,
                                    cutlass::layout::RowMajor>;
 using LayoutD = cutlass::layout::RowMajor;
 constexpr int kAlignment = 16 / sizeof(Element);  // TMA moves 16-byte rows
+constexpr int kAlignmentD = 16 / sizeof(ElementD);
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 using GroupShape = ProblemShape::UnderlyingProblemShape;
 
-// D = acc (alpha 1, no C operand: void source skips the C load entirely).
+// D = acc + beta * C: beta 0 (bf16 outputs have no C operand at all; an fp32 output that is
+// overwritten skips the C load at run time), beta 1 when adding into the fp32 main grad.
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile,
     typename Config::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator,
-    Accumulator, void, LayoutD*, kAlignment, Element, LayoutD*, kAlignment,
+    Accumulator, ElementC, LayoutD*, kAlignmentD, ElementD, LayoutD*, kAlignmentD,
     typename Config::EpilogueSchedule,
-    cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
+    cutlass::epilogue::fusion::LinearCombination<ElementD, Accumulator,
+                                                 std::conditional_t<kFp32Out, float, Element>>>::CollectiveOp;
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element,
@@ -178,7 +186,8 @@ struct GroupArrays {
   GroupShape* shapes;
   const Element** ptr_a;
   const Element** ptr_b;
-  Element** ptr_d;
+  ElementD** ptr_d;
+  const ElementD** ptr_c;  // the same addresses as ptr_d (fp32 output only)
   StrideA* stride_a;
   StrideB* stride_b;
   StrideD* stride_d;
@@ -191,7 +200,8 @@ GroupArrays carve(C& c, int groups) {
   g.shapes = c.template take<GroupShape>(groups);
   g.ptr_a = c.template take<const Element*>(groups);
   g.ptr_b = c.template take<const Element*>(groups);
-  g.ptr_d = c.template take<Element*>(groups);
+  g.ptr_d = c.template take<ElementD*>(groups);
+  g.ptr_c = c.template take<const ElementD*>(kFp32Out ? groups : 0);
   g.stride_a = c.template take<StrideA>(groups);
   g.stride_b = c.template take<StrideB>(groups);
   g.stride_d = c.template take<StrideD>(groups);
@@ -199,8 +209,20 @@ GroupArrays carve(C& c, int groups) {
   return g;
 }
 
+// The C operand: the fp32 output itself, or none (a template, so the branch not taken is never
+// instantiated for the other element types).
+template <class EpilogueArgs>
+void set_source(EpilogueArgs& epilogue, const GroupArrays& g) {
+  if constexpr (kFp32Out) {
+    epilogue.ptr_C = g.ptr_c;
+    epilogue.dC = g.stride_d;
+  } else {
+    epilogue.ptr_C = nullptr;
+  }
+}
+
 Gemm::Arguments make_arguments(const GroupArrays& g, int groups, int device, int sms, int raster,
-                               int swizzle) {
+                               int swizzle, bool accumulate) {
   Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = ProblemShape{groups, g.shapes, nullptr};  // sizes live on the device only
@@ -209,8 +231,8 @@ Gemm::Arguments make_arguments(const GroupArrays& g, int groups, int device, int
   args.mainloop.ptr_B = g.ptr_b;
   args.mainloop.dB = g.stride_b;
   args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = nullptr;
+  args.epilogue.thread.beta = accumulate ? 1.0f : 0.0f;
+  set_source(args.epilogue, g);
   args.epilogue.ptr_D = g.ptr_d;
   args.epilogue.dD = g.stride_d;
   args.hw_info.device_id = device;
@@ -224,25 +246,26 @@ Gemm::Arguments make_arguments(const GroupArrays& g, int groups, int device, int
 size_t workspace_bytes(const GroupedArgs& p, int sms) {
   Carver counter(nullptr);
   GroupArrays g = carve(counter, p.groups);
-  return counter.used + Gemm::get_workspace_size(make_arguments(g, p.groups, 0, sms, 0, 1));
+  return counter.used + Gemm::get_workspace_size(make_arguments(g, p.groups, 0, sms, 0, 1, false));
 }
 
 // Block 0 (one warp) writes the per-group arrays; the other blocks zero what no GEMM tile
-// writes (fwd: rows past the last group; wgrad: d[g] of empty groups), so the output is
-// fully defined without a memset of all of it.
+// writes (fwd: rows past the last group; wgrad: d[g] of empty groups, unless adding to d), so
+// the output is fully defined without a memset of all of it.
 __global__ void prepare_groups(GroupArrays g, const int32_t* __restrict__ offsets, int groups,
                                int64_t rows, int64_t k, int64_t n, const Element* a,
-                               const Element* b, Element* d) {
+                               const Element* b, ElementD* d, bool accumulate) {
   if (blockIdx.x == 0) {
     if (threadIdx.x >= 32) return;
     for_each_group(offsets, groups, rows, [&](int i, int64_t start, int64_t end) {
       const int count = static_cast<int>(end - start);
-      if constexpr (kOp == TESSERA_GG_WGRAD) {
+      if constexpr (kWgrad) {
         // K = rows of the group; an empty group gets M = 0 (no tiles) and is zeroed below.
         g.shapes[i] = GroupShape{count ? static_cast<int>(k) : 0, static_cast<int>(n), count};
         g.ptr_a[i] = a + start * k;
         g.ptr_b[i] = b + start * n;
         g.ptr_d[i] = d + i * k * n;
+        if constexpr (kFp32Out) g.ptr_c[i] = d + i * k * n;
         g.stride_a[i] = leading_stride<StrideA>(k);
         g.stride_b[i] = leading_stride<StrideB>(n);
       } else {
@@ -259,8 +282,8 @@ __global__ void prepare_groups(GroupArrays g, const int32_t* __restrict__ offset
   }
   const int64_t worker = int64_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;
   const int64_t workers = int64_t(gridDim.x - 1) * blockDim.x;
-  if constexpr (kOp == TESSERA_GG_WGRAD) {
-    zero_empty_groups(d, offsets, groups, rows, k, n, sizeof(Element), worker, workers);
+  if constexpr (kWgrad) {
+    if (!accumulate) zero_empty_groups(d, offsets, groups, rows, k, n, sizeof(ElementD), worker, workers);
   } else {
     zero_rows_past_groups(d, offsets, groups, rows, n, sizeof(Element), worker, workers);
   }
@@ -271,11 +294,11 @@ int run(const GroupedArgs& p) {
   GroupArrays g = carve(carver, p.groups);
   prepare_groups<<<1 + kZeroBlocks, 256, 0, p.stream>>>(
       g, p.offsets, p.groups, p.rows, p.k, p.n, static_cast<const Element*>(p.a),
-      static_cast<const Element*>(p.b), static_cast<Element*>(p.d));
+      static_cast<const Element*>(p.b), static_cast<ElementD*>(p.d), p.accumulate != 0);
   TESSERA_CUDA_TRY(cudaGetLastError());
 
   Gemm::Arguments args =
-      make_arguments(g, p.groups, p.device, sm_count(p.device), p.raster, p.swizzle);
+      make_arguments(g, p.groups, p.device, sm_count(p.device), p.raster, p.swizzle, p.accumulate != 0);
   Gemm gemm;
   cutlass::Status status = gemm.can_implement(args);
   if (status != cutlass::Status::kSuccess)

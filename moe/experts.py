@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.kernels import grouped_mm as kernels_grouped_mm
+from core.kernels.grouped_gemm import grouped_mm_wgrad_into_
 
 log = logging.getLogger(__name__)
 _reported: set[str] = set()
@@ -62,20 +63,51 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
     return torch.cat(outs, dim=0)
 
 
+def _product(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        return kernels_grouped_mm(x, w, offsets)
+    _report_once(f"device {x.device.type}")
+    return grouped_mm_loop(x, w, offsets)
+
+
+class _GroupedMMIntoMainGrad(torch.autograd.Function):
+    """grouped_mm(x, param, offsets) whose weight gradient the backward writes into the param's
+    fp32 main grad through `param.main_grad_sink` (gradient-accumulation fusion, set up by
+    core.parallel.data): on the CUTLASS path the wgrad GEMM's epilogue adds to the main grad, so
+    no bf16 gradient is written and read back and the separate fp32 accumulation pass is gone."""
+
+    @staticmethod
+    def forward(ctx, x, param, offsets, dtype):
+        w = param.to(dtype)  # the cast stays inside: its gradient never goes through autograd
+        ctx.save_for_backward(x, w, offsets)
+        ctx.sink = param.main_grad_sink
+        return _product(x, w, offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = _product(grad, w.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
+        ctx.sink.write(lambda main_grad, accumulate: grouped_mm_wgrad_into_(main_grad, x, grad, offsets, accumulate))
+        return dx, ctx.sink.stand_in(), None, None
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [N, K] with rows grouped by expert, w [G, K, M], offsets int32 [G] cumulative group
     ends (offsets[-1] == N) -> [N, M] where rows of group g are multiplied by w[g].
 
     Under autocast both operands are cast to the autocast dtype first, as torch.matmul's are:
     custom ops are invisible to autocast, and fp32 master weights there sent every expert
-    GEMM to the fp32 per-group loop (measured on an H100, 2026-11-23)."""
+    GEMM to the fp32 per-group loop (measured on an H100, 2026-11-23). A parameter with a
+    `main_grad_sink` (data parallelism with gradient_accumulation_fusion) gets its gradient
+    written into its fp32 main grad by the backward itself."""
+    dtype = w.dtype
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
-        x, w = x.to(dtype), w.to(dtype)
-    if x.is_cuda:
-        return kernels_grouped_mm(x, w, offsets)
-    _report_once(f"device {x.device.type}")
-    return grouped_mm_loop(x, w, offsets)
+        x = x.to(dtype)
+    if getattr(w, "main_grad_sink", None) is not None and w.requires_grad and torch.is_grad_enabled():
+        return _GroupedMMIntoMainGrad.apply(x, w, offsets, dtype)
+    return _product(x, w.to(dtype), offsets)
 
 
 def offsets_from_counts(tokens_per_expert: torch.Tensor) -> torch.Tensor:

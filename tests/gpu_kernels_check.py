@@ -122,7 +122,7 @@ CASES = [  # rows, k, n, groups, empty groups, rows past the end
 def check_grouped_variants(failures: Failures, device: torch.device, quick: bool) -> None:
     """Every built config x op (fwd, fwd with transposed weights, wgrad), outputs poisoned."""
     from core.kernels import library
-    from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, run_grouped
+    from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, run_grouped, run_wgrad_f32
 
     lib = library.kernel_library(device)
     gen = torch.Generator(device=device).manual_seed(1234)
@@ -144,6 +144,13 @@ def check_grouped_variants(failures: Failures, device: torch.device, quick: bool
             failures.check(f"fwd_bt {tag}", run_grouped(lib, OP_FWD_BT, dy, w, out, offsets, c), ref_bt)
             out = torch.full((groups, k, n), float("nan"), dtype=torch.bfloat16, device=device)
             failures.check(f"wgrad  {tag}", run_grouped(lib, OP_WGRAD, x, dy, out, offsets, c), ref_w)
+            # Into fp32: overwriting (empty groups zeroed), then adding to what is there.
+            out = torch.full((groups, k, n), float("nan"), dtype=torch.float32, device=device)
+            failures.check(f"wgrad_f32 overwrite {tag}", run_wgrad_f32(lib, x, dy, out, offsets, False, c), ref_w)
+            before = torch.randn((groups, k, n), generator=gen, device=device)
+            out = before.clone()
+            failures.check(f"wgrad_f32 add       {tag}", run_wgrad_f32(lib, x, dy, out, offsets, True, c),
+                           before.double() + ref_w)
 
 
 def check_custom_op_autograd(failures: Failures, device: torch.device) -> None:
@@ -171,6 +178,7 @@ def check_custom_op_autograd(failures: Failures, device: torch.device) -> None:
 def check_cuda_graph(failures: Failures, device: torch.device) -> None:
     """Capture forward + wgrad once, then replay with new offsets and data in the same buffers."""
     from core.kernels import grouped_mm, grouped_mm_wgrad
+    from core.kernels.grouped_gemm import grouped_mm_wgrad_into_
 
     gen = torch.Generator(device=device).manual_seed(11)
     cpu_gen = torch.Generator().manual_seed(11)
@@ -184,20 +192,27 @@ def check_cuda_graph(failures: Failures, device: torch.device) -> None:
     with torch.cuda.stream(stream):  # warm up outside the graph (lazy init, workspace sizes)
         grouped_mm(x, w, offsets)
         grouped_mm_wgrad(x, dy, offsets)
+        main_grad = torch.zeros(groups, k, n, device=device)
+        grouped_mm_wgrad_into_(main_grad, x, dy, offsets, True)
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = grouped_mm(x, w, offsets)
         dw = grouped_mm_wgrad(x, dy, offsets)
+        grouped_mm_wgrad_into_(main_grad, x, dy, offsets, True)
     for trial in range(2):
         offsets.copy_(uneven_offsets(rows, groups, cpu_gen, empty=2 + trial, tail=13 * trial).to(device))
         x.copy_(_bf16((rows, k), gen, device))
         y.fill_(float("nan"))
         dw.fill_(float("nan"))
+        before = torch.randn(main_grad.shape, generator=gen, device=device)
+        main_grad.copy_(before)
         graph.replay()
         torch.cuda.synchronize(device)
+        ref_w = reference_wgrad(x.double(), dy.double(), offsets)
         failures.check(f"graph replay {trial} forward", y, reference_mm(x.double(), w.double(), offsets))
-        failures.check(f"graph replay {trial} wgrad", dw, reference_wgrad(x.double(), dy.double(), offsets))
+        failures.check(f"graph replay {trial} wgrad", dw, ref_w)
+        failures.check(f"graph replay {trial} wgrad into fp32 main grad", main_grad, before.double() + ref_w)
 
 
 def main(argv: list[str] | None = None) -> int:

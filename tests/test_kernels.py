@@ -70,6 +70,30 @@ def test_wgrad_matches_reference_and_zeroes_empty_groups():
     assert dw[0].abs().sum() == 0 and dw[2].abs().sum() == 0
 
 
+def test_wgrad_into_fp32_overwrites_or_adds_and_keeps_empty_groups_right():
+    # The fused-accumulation op: overwrite (the step's first micro-batch) zeroes empty groups,
+    # add leaves them as they were; the CUTLASS path is checked the same way on the GPU.
+    from core.kernels.grouped_gemm import grouped_mm_wgrad_into_
+
+    x, dy = _operands(30, 16, 8, 1)[0], torch.randn(30, 24, dtype=torch.float32)
+    offsets = torch.tensor([0, 10, 10, 25, 30], dtype=torch.int32)
+    want = reference_wgrad(x.double(), dy.double(), offsets)
+    out = torch.full((5, 16, 24), float("nan"))
+    grouped_mm_wgrad_into_(out, x, dy, offsets, False)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert out[0].abs().sum() == 0 and out[2].abs().sum() == 0
+    before = torch.randn(5, 16, 24)
+    out = before.clone()
+    grouped_mm_wgrad_into_(out, x, dy, offsets, True)
+    torch.testing.assert_close(out.double(), before.double() + want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[0], before[0], rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.tessera.grouped_mm_wgrad_into_.default, (out, x, dy, offsets, True))
+    for bad, match in [(out.double(), "fp32 out"), (out[:, :8], r"fp32 out \[5, 16, 24\]"),
+                       (out.transpose(1, 2).contiguous().transpose(1, 2), "contiguous")]:
+        with pytest.raises(ValueError, match=match):
+            grouped_mm_wgrad_into_(bad, x, dy, offsets, True)
+
+
 def test_autograd_matches_reference_gradients():
     x, w = _operands(33, 16, 24, 4, dtype=torch.float64, seed=3)
     offsets = torch.tensor([5, 5, 20, 30], dtype=torch.int32)  # an empty group, 3 rows past the end
@@ -160,6 +184,12 @@ def test_c_abi_rejects_bad_arguments_with_a_message():
     assert rc == 1 and "op 9" in lib.error_message()
     rc = lib.gg_bf16(0, 0, fake, fake, fake, fake, 4, 64, 8, 16, fake, 1 << 20, 0, None, 0, 3)
     assert rc == 1 and "swizzle=3" in lib.error_message()
+    rc = lib.gg_bf16(3, 0, fake, fake, fake, fake, 4, 64, 8, 16, fake, 1 << 20, 0, None, 0, 1)
+    assert rc == 1 and "op 3" in lib.error_message()  # wgrad_f32 has its own entry point
+    rc = lib.gg_bf16_wgrad_f32(0, fake, fake, fake, fake, 4, 64, 8, 16, 2, fake, 1 << 20, 0, None, 0, 1)
+    assert rc == 1 and "accumulate=2" in lib.error_message()
+    rc = lib.gg_bf16_wgrad_f32(0, fake, fake, fake, fake, 4, 64, 8, 12, 1, fake, 1 << 20, 0, None, 0, 1)
+    assert rc == 1 and "multiples of 8" in lib.error_message()
     if not torch.cuda.is_available():
         assert lib.device_capability(0) == -1 and "no CUDA device" in lib.error_message()
         with pytest.raises(library.KernelError, match="SM count"):
@@ -170,8 +200,8 @@ def test_c_abi_rejects_bad_arguments_with_a_message():
 def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkeypatch):
     # No GPU needed: the choice reads only the built configurations' names.
     from core.kernels import fp8
-    from core.kernels.grouped_gemm import (CONFIG_ENV, DEFAULT_CONFIG, OP_FWD, OP_FWD_BT, OP_WGRAD, SMALL_GROUP_CONFIG,
-                                           N_CLUSTER_CONFIG, choose_config)
+    from core.kernels.grouped_gemm import (CONFIG_ENV, DEFAULT_CONFIG, OP_FWD, OP_FWD_BT, OP_WGRAD, OP_WGRAD_F32,
+                                           SMALL_GROUP_CONFIG, N_CLUSTER_CONFIG, choose_config)
 
     lib = library.KernelLibrary(LIB_PATH)
     names = lib.gg_bf16_config_names()
@@ -189,6 +219,9 @@ def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkey
                                    (OP_WGRAD, 65536, 64, 1408, 2816)]:
         assert choose_config(lib, op, rows, groups, k, n) == expected
     assert choose_config(lib, OP_WGRAD, 65536, 64, 1408, 2048) == (expected if dgrad is None else dgrad)
+    # The fp32 (fused-accumulation) weight gradient follows the same rule.
+    assert choose_config(lib, OP_WGRAD_F32, 65536, 64, 1408, 2048) == (expected if dgrad is None else dgrad)
+    assert choose_config(lib, OP_WGRAD_F32, 65536, 64, 2048, 1408) == expected
     assert choose_config(lib, OP_FWD_BT, 131072, 64, 1408, 2048) == (expected if dgrad is None else dgrad)
     # The forward of 512-row groups (the E=128 shape) takes the unclustered tile when built; so does
     # their dgrad where the 1x2 tile is not built.

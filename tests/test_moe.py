@@ -436,3 +436,61 @@ def test_weighted_combine_gradients_match_autograd_of_bmm():
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, **TIGHT)
     assert torch.autograd.gradcheck(_WeightedSum.apply, (weights, slots))
+
+
+def _main_grads_fused_and_not(param_dtype: torch.dtype, device: str, rows: int = 40):
+    """{fused: {param name: main grad}} and {fused: dp.stats["fused_grads"]} after three
+    micro-batches (two under no_sync) of the same MoE layer, with and without the fusion."""
+    from contextlib import nullcontext
+
+    from core.mesh import ParallelMesh
+    from core.parallel.data import apply_data_parallel
+
+    mesh = ParallelMesh.build(device_type=device)
+    main_grads, fused_counts = {}, {}
+    for fused in (False, True):
+        layer = _layer().float().to(device)
+        dp = apply_data_parallel(layer, mesh, distributed_optimizer=False, param_dtype=param_dtype,
+                                 gradient_accumulation_fusion=fused)
+        gen = torch.Generator().manual_seed(11)
+        for micro in range(3):
+            x = torch.randn(rows, 24, generator=gen).to(device)
+            with dp.no_sync() if micro < 2 else nullcontext(), \
+                    torch.autocast(device, dtype=torch.bfloat16, enabled=param_dtype == torch.bfloat16):
+                layer(x).float().square().sum().backward()
+        dp.finish_grad_sync()
+        main_grads[fused] = {slot.name: slot.main_grad.clone() for slot in dp.slots}
+        fused_counts[fused] = dp.stats["fused_grads"]
+        assert all(p.grad is None for p in layer.parameters())
+        dp.remove()
+        assert all(p.main_grad_sink is None for p in layer.parameters())
+    return main_grads, fused_counts
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_gradient_accumulation_fusion_gives_the_unfused_main_grads(param_dtype):
+    # The experts' backward writes their weight gradients into the fp32 main grads itself
+    # (copy on the step's first micro-batch, add after), the hook only does the bookkeeping.
+    # Three micro-batches (two under no_sync), bf16 params under autocast as on a GPU: the main
+    # grads equal the unfused path's (bf16 weight gradient, then the hook's fp32 pass).
+    main_grads, fused_counts = _main_grads_fused_and_not(param_dtype, "cpu")
+    assert fused_counts == {False: 0, True: 3 * 3}  # w1, w3, w2 in each of 3 micro-batches
+    tol = dict(rtol=1e-6, atol=1e-6) if param_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    for name, want in main_grads[False].items():
+        assert want.abs().max() > 0, name
+        torch.testing.assert_close(main_grads[True][name], want, **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gradient_accumulation_fusion_on_the_gpu_matches_the_unfused_main_grads():
+    # On an H100 with the library built the fused path is the CUTLASS wgrad whose epilogue adds
+    # to the fp32 main grad: it skips the bf16 rounding of each micro-batch's gradient, so the
+    # two agree to bf16 precision, not bit for bit.
+    main_grads, fused_counts = _main_grads_fused_and_not(torch.bfloat16, "cuda", rows=4096)
+    assert fused_counts == {False: 0, True: 3 * 3}
+    for name, want in main_grads[False].items():
+        got = main_grads[True][name]
+        assert want.abs().max() > 0 and torch.isfinite(got).all(), name
+        err = (got - want).norm() / want.norm()
+        assert err < 1e-2, (name, err.item())

@@ -21,9 +21,10 @@ import os
 import torch
 from torch import Tensor
 
+from core.kernels.fused import accumulate_fp32_
 from core.kernels.library import KernelLibrary, kernel_library, report_once
 
-OP_FWD, OP_FWD_BT, OP_WGRAD = 0, 1, 2  # TESSERA_GG_* in csrc/include/tessera_kernels.h
+OP_FWD, OP_FWD_BT, OP_WGRAD, OP_WGRAD_F32 = 0, 1, 2, 3  # TESSERA_GG_* in csrc/include/tessera_codes.h
 CONFIG_ENV, RASTER_ENV, SWIZZLE_ENV = "TESSERA_GG_CONFIG", "TESSERA_GG_RASTER", "TESSERA_GG_SWIZZLE"
 
 
@@ -182,7 +183,7 @@ def choose_config(lib: KernelLibrary, op: int, rows: int, groups: int, k: int, n
             raise ValueError(f"{CONFIG_ENV}={forced} is not built into {lib.path}; built: {built}")
         return forced
     if N_CLUSTER_CONFIG in built and (op == OP_FWD_BT or (
-            op == OP_WGRAD and _odd_tile_count(k, TILE_M) and not _odd_tile_count(n, TILE_N))):
+            op in (OP_WGRAD, OP_WGRAD_F32) and _odd_tile_count(k, TILE_M) and not _odd_tile_count(n, TILE_N))):
         return built.index(N_CLUSTER_CONFIG)
     small_groups = op in (OP_FWD, OP_FWD_BT) and rows < SMALL_GROUP_ROWS * max(groups, 1)
     if small_groups and SMALL_GROUP_CONFIG in built:
@@ -223,6 +224,8 @@ def run_grouped(lib: KernelLibrary, op: int, a: Tensor, b: Tensor, out: Tensor, 
     n = out.shape[-1]
     if rows == 0:  # nothing to multiply (and empty tensors may have null pointers)
         return out.zero_() if op == OP_WGRAD else out
+    if op == OP_WGRAD_F32:
+        raise ValueError("OP_WGRAD_F32 runs through run_wgrad_f32 (fp32 output, accumulate flag)")
     if config is None:
         config = choose_config(lib, op, rows, groups, k, n)
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
@@ -233,6 +236,29 @@ def run_grouped(lib: KernelLibrary, op: int, a: Tensor, b: Tensor, out: Tensor, 
                      rows, k, n, workspace.data_ptr(), ws_bytes, device, stream,
                      _env_int(RASTER_ENV, 0), _env_int(SWIZZLE_ENV, WGRAD_SWIZZLE if op == OP_WGRAD else 1))
     lib.check(rc, f"tessera_gg_bf16(op={op}, config={config}, rows={rows}, k={k}, n={n}, groups={groups})")
+    return out
+
+
+def run_wgrad_f32(lib: KernelLibrary, x: Tensor, dy: Tensor, out: Tensor, offsets: Tensor, accumulate: bool,
+                  config: int | None = None) -> Tensor:
+    """Launch the CUTLASS weight gradient into fp32 `out` [G, K, M] (overwritten, or added to when
+    `accumulate`) on the current stream. x, dy contiguous bf16, all 16-byte aligned."""
+    groups = offsets.shape[0]
+    rows, k = x.shape
+    n = dy.shape[1]
+    if rows == 0:
+        return out if accumulate else out.zero_()
+    if config is None:
+        config = choose_config(lib, OP_WGRAD_F32, rows, groups, k, n)
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    ws_bytes = lib.gg_bf16_workspace_bytes(OP_WGRAD_F32, config, groups, device)
+    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    rc = lib.gg_bf16_wgrad_f32(config, x.data_ptr(), dy.data_ptr(), out.data_ptr(), offsets.data_ptr(), groups, rows,
+                               k, n, int(accumulate), workspace.data_ptr(), ws_bytes, device, stream,
+                               _env_int(RASTER_ENV, 0), _env_int(SWIZZLE_ENV, WGRAD_SWIZZLE))
+    lib.check(rc, f"tessera_gg_bf16_wgrad_f32(config={config}, rows={rows}, k={k}, n={n}, groups={groups}, "
+                  f"accumulate={accumulate})")
     return out
 
 
@@ -277,6 +303,30 @@ def _wgrad_impl(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
     return _fallback_wgrad(x, dy, offsets)
 
 
+def _check_wgrad_into(out: Tensor, x: Tensor, dy: Tensor, offsets: Tensor) -> None:
+    _check_wgrad(x, dy, offsets)
+    want = [offsets.shape[0], x.shape[1], dy.shape[1]]
+    if out.dtype != torch.float32 or list(out.shape) != want or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"grouped_mm_wgrad_into_ needs a contiguous fp32 out {want} on {x.device}, got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}")
+
+
+def _wgrad_into_impl(out: Tensor, x: Tensor, dy: Tensor, offsets: Tensor, accumulate: bool) -> None:
+    _check_wgrad_into(out, x, dy, offsets)
+    lib = kernel_library(x.device)
+    if lib is not None:
+        reason = _cutlass_reason(x, dy)
+        if reason is None:
+            x, dy = x.contiguous(), dy.contiguous()
+            if _aligned(x, dy, out):
+                run_wgrad_f32(lib, x, dy, out, offsets, accumulate)
+                return
+            reason = "operands not 16-byte aligned"
+        report_once(f"grouped_mm_wgrad_into_: CUTLASS kernel skipped ({reason})")
+    # Unfused: the weight gradient in x's dtype, then one fp32 pass (what the main-grad hook does).
+    accumulate_fp32_(out, _wgrad_impl(x, dy, offsets), copy=not accumulate)
+
+
 # ---------------------------------------------------------------------------------------
 # Custom ops, fake implementations, autograd.
 # ---------------------------------------------------------------------------------------
@@ -303,6 +353,19 @@ def grouped_mm_wgrad(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
 def _(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
     _check_wgrad(x, dy, offsets)
     return x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1])
+
+
+@torch.library.custom_op("tessera::grouped_mm_wgrad_into_", mutates_args=("out",))
+def grouped_mm_wgrad_into_(out: Tensor, x: Tensor, dy: Tensor, offsets: Tensor, accumulate: bool) -> None:
+    """out [G, K, M] fp32 = (or, with accumulate, +=) x_g^T dy_g per group: the experts' weight
+    gradient written straight into an fp32 main-grad buffer (gradient-accumulation fusion; on the
+    CUTLASS path the GEMM epilogue reads and writes `out`, no bf16 gradient is materialised)."""
+    _wgrad_into_impl(out, x, dy, offsets, accumulate)
+
+
+@grouped_mm_wgrad_into_.register_fake
+def _(out: Tensor, x: Tensor, dy: Tensor, offsets: Tensor, accumulate: bool) -> None:
+    _check_wgrad_into(out, x, dy, offsets)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "TESSERA_KERNELS_LIB"
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "csrc" / "build" / "libtessera_kernels.so"
-ABI_VERSION = 3  # must equal TESSERA_ABI_VERSION in csrc/include/tessera_codes.h
+ABI_VERSION = 4  # must equal TESSERA_ABI_VERSION in csrc/include/tessera_codes.h
 BUILD_HINT = ("build it with `bash csrc/build.sh` (needs nvcc >= 12.3 and `pip install nvidia-cutlass`) "
               "or set TESSERA_KERNELS_LIB")
 
@@ -41,6 +41,8 @@ _SIGNATURES = [
     ("tessera_gg_bf16_workspace", _c_int, [_c_int, _c_int, _c_int, _c_int, ctypes.POINTER(_c_size)]),
     ("tessera_gg_bf16", _c_int, [_c_int, _c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64,
                                  *_TAIL]),
+    ("tessera_gg_bf16_wgrad_f32", _c_int, [_c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64,
+                                           _c_int, *_TAIL]),
     ("tessera_fp8_gemm_workspace", _c_int, [_c_int, _c_i64, _c_i64, _c_i64, _c_int, ctypes.POINTER(_c_size)]),
     ("tessera_fp8_gemm", _c_int, [*_SCALED_GEMM, _c_i64, _c_i64, _c_i64, *_TAIL]),
     ("tessera_fp8_gg_workspace", _c_int, [_c_int, _c_int, _c_int, ctypes.POINTER(_c_size)]),

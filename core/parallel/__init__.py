@@ -114,6 +114,6 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         compile_blocks(chunks)
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
-                             param_dtype=param_dtype)
+                             param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion)
     optimizer, scheduler = build_optimizer(dp, t)
     return model, optimizer, scheduler, GradControl(dp, mesh, model, pipeline=stage)

@@ -89,6 +89,7 @@ class ParamSlot:
         self.sharded = sharded
         self.ready = False
         self.written = False  # main_grad holds this step's gradient (else stale: zeroed before use)
+        self.fused_pending = False  # a backward wrote its gradient into main_grad itself (see MainGradSink)
         self.bucket: Bucket | None = None
         self.offset = 0  # into bucket.grad_buffer
         self.region_offsets: list[int] = []  # into each rank's region of the packed layout
@@ -191,6 +192,28 @@ class Bucket:
             torch._foreach_copy_(dst, src)
 
 
+class MainGradSink:
+    """`param.main_grad_sink`: lets a backward write the param's gradient into its fp32 main grad
+    itself (gradient-accumulation fusion, e.g. a GEMM epilogue that adds to it) instead of
+    returning it. `write(fill)` calls fill(main_grad, accumulate) with accumulate False on the
+    step's first gradient (fill must overwrite) and True after (fill must add); the backward then
+    returns `stand_in()` as the param's gradient, so the hook still does the bucket bookkeeping."""
+
+    def __init__(self, slot: ParamSlot):
+        self.slot = slot
+
+    def write(self, fill) -> None:
+        slot = self.slot
+        fill(slot.main_grad, slot.written)
+        slot.written = True
+        slot.fused_pending = True
+
+    def stand_in(self) -> torch.Tensor:
+        """A gradient-shaped zero that owns no memory (one element, expanded)."""
+        param = self.slot.param
+        return param.new_zeros(()).expand(param.shape)
+
+
 class DataParallel:
     """Handle returned by `apply_data_parallel`; owns hooks, buckets and fp32 master chunks."""
 
@@ -203,6 +226,7 @@ class DataParallel:
         shard_optimizer: bool = True,
         param_dtype: torch.dtype = torch.float32,
         grad_reduce: str = "sum",
+        gradient_accumulation_fusion: bool = True,
     ):
         if grad_reduce not in GRAD_REDUCE_OPS:
             raise ValueError(f"grad_reduce={grad_reduce!r} must be one of {', '.join(GRAD_REDUCE_OPS)}")
@@ -214,7 +238,8 @@ class DataParallel:
         self.shard_optimizer, self.param_dtype, self.grad_reduce = shard_optimizer, param_dtype, grad_reduce
         self.sync_grads = True  # False: accumulate only (earlier micro-batches); see no_sync()
         self.use_reduce_scatter = True  # False: all_reduce + slice (gloo builds without reduce_scatter)
-        self.stats = {"launched_in_backward": 0, "launched_at_finish": 0}
+        # fused_grads: gradients a backward wrote into main_grad itself (gradient_accumulation_fusion)
+        self.stats = {"launched_in_backward": 0, "launched_at_finish": 0, "fused_grads": 0}
         self._finished = False
         self._next = 0
         self.pending_grad_scale: torch.Tensor | None = None  # a clip factor the optimizer applies
@@ -227,6 +252,10 @@ class DataParallel:
         # `param.grad` is never allocated or stored.
         self._grad_nodes = [torch.autograd.graph.get_gradient_edge(slot.param).node for slot in self.slots]
         self._hooks = [node.register_prehook(self._hook(slot)) for node, slot in zip(self._grad_nodes, self.slots)]
+        # Ops that can compute a weight gradient straight into fp32 (the experts' grouped GEMM)
+        # find the sink on the param; the rest keep handing bf16 gradients to the hook.
+        for slot in self.slots:
+            slot.param.main_grad_sink = MainGradSink(slot) if gradient_accumulation_fusion else None
 
     # ------------------------------------------------------------------ layout
     def _make_slots(self, model: nn.Module) -> list[ParamSlot]:
@@ -270,28 +299,39 @@ class DataParallel:
         def on_grad(grads: tuple[torch.Tensor | None, ...]) -> tuple[None]:
             if grads[0] is None:
                 return (None,)
-            # fp32 accumulation whatever the param dtype. The step's first grad is copied, not
-            # added: zero_grad() then needs no pass over the buffers, and the copy moves 6 bytes
-            # per element where zero + add move 14 (memory-bound: ~3 ms per step on a 1B model).
-            # On CUDA one vectorised Triton pass (PyTorch's mixed-dtype add_ is not vectorised).
-            accumulate_fp32_(slot.main_grad, grads[0], copy=not slot.written)
-            slot.written = True
-            if not self.sync_grads:
-                return (None,)
-            if slot.ready or self._finished:
-                raise RuntimeError(
-                    f"gradient of '{slot.name}' arrived twice in synchronised backward passes: run earlier "
-                    "micro-batches under DataParallel.no_sync() and call zero_grad() after each optimizer step"
-                )
-            slot.ready = True
-            slot.bucket.pending -= 1
-            while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-                self._launch(self.buckets[self._next])
-                self._next += 1
-                self.stats["launched_in_backward"] += 1
-            return (None,)  # nothing left for AccumulateGrad to store
+            if slot.fused_pending:  # the backward already wrote main_grad (grads[0] is a stand-in)
+                slot.fused_pending = False
+                self.stats["fused_grads"] += 1
+            else:
+                self._accumulate(slot, grads[0])
+            return self._mark_ready(slot)
 
         return on_grad
+
+    @staticmethod
+    def _accumulate(slot: ParamSlot, grad: torch.Tensor) -> None:
+        # fp32 accumulation whatever the param dtype. The step's first grad is copied, not
+        # added: zero_grad() then needs no pass over the buffers, and the copy moves 6 bytes
+        # per element where zero + add move 14 (memory-bound: ~3 ms per step on a 1B model).
+        # On CUDA one vectorised Triton pass (PyTorch's mixed-dtype add_ is not vectorised).
+        accumulate_fp32_(slot.main_grad, grad, copy=not slot.written)
+        slot.written = True
+
+    def _mark_ready(self, slot: ParamSlot) -> tuple[None]:
+        if not self.sync_grads:
+            return (None,)
+        if slot.ready or self._finished:
+            raise RuntimeError(
+                f"gradient of '{slot.name}' arrived twice in synchronised backward passes: run earlier "
+                "micro-batches under DataParallel.no_sync() and call zero_grad() after each optimizer step"
+            )
+        slot.ready = True
+        slot.bucket.pending -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+            self.stats["launched_in_backward"] += 1
+        return (None,)  # nothing left for AccumulateGrad to store
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -381,7 +421,7 @@ class DataParallel:
         for bucket in self.buckets:
             bucket.pending = len(bucket.slots)
         for slot in self.slots:
-            slot.ready = slot.written = False
+            slot.ready = slot.written = slot.fused_pending = False
             slot.param.grad = None
         self.pending_grad_scale = None
         self._next, self._finished = 0, False
@@ -411,10 +451,12 @@ class DataParallel:
         return [slot.shard_grad for slot in self.slots]
 
     def remove(self) -> None:
-        """Detach the hooks (the model is left with its current params)."""
+        """Detach the hooks and sinks (the model is left with its current params)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for slot in self.slots:
+            slot.param.main_grad_sink = None
 
 
 def apply_data_parallel(
@@ -425,10 +467,13 @@ def apply_data_parallel(
     distributed_optimizer: bool = True,
     param_dtype: torch.dtype = torch.float32,
     grad_reduce: str = "sum",
+    gradient_accumulation_fusion: bool = True,
 ) -> DataParallel:
     """Attach bucketed, overlapped gradient reduction (and the ZeRO-1 layout when
-    `distributed_optimizer`) to a plain model; returns the handle the optimizer uses."""
+    `distributed_optimizer`) to a plain model; returns the handle the optimizer uses.
+    `gradient_accumulation_fusion`: ops that can (the experts' grouped GEMM) write weight
+    gradients straight into the fp32 main grads through `param.main_grad_sink`."""
     return DataParallel(
         model, mesh, bucket_mb=bucket_mb, shard_optimizer=distributed_optimizer,
-        param_dtype=param_dtype, grad_reduce=grad_reduce,
+        param_dtype=param_dtype, grad_reduce=grad_reduce, gradient_accumulation_fusion=gradient_accumulation_fusion,
     )

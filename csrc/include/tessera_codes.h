@@ -4,7 +4,7 @@
 #ifndef TESSERA_CODES_H
 #define TESSERA_CODES_H
 
-#define TESSERA_ABI_VERSION 3
+#define TESSERA_ABI_VERSION 4
 
 enum {
   TESSERA_OK = 0,
@@ -20,8 +20,17 @@ enum {
  *   GG_FWD:    a [rows, k] row-major, b [G, k, n]   -> d [rows, n], d_g = a_g @ b[g]
  *   GG_FWD_BT: a [rows, k] row-major, b [G, n, k]   -> d [rows, n], d_g = a_g @ b[g]^T
  *   GG_WGRAD:  a [rows, k], b [rows, n] row-major   -> d [G, k, n], d[g] = a_g^T @ b_g
- * Rows of d past offsets[G-1] (GG_FWD*) and d[g] of empty groups (GG_WGRAD) are zeroed. */
-enum { TESSERA_GG_FWD = 0, TESSERA_GG_FWD_BT = 1, TESSERA_GG_WGRAD = 2, TESSERA_GG_NUM_OPS = 3 };
+ *   GG_WGRAD_F32: as GG_WGRAD into fp32 d, which it overwrites or adds to (d[g] += a_g^T @ b_g):
+ *              the weight gradient written straight into an fp32 main-grad buffer
+ * Rows of d past offsets[G-1] (GG_FWD*) and d[g] of empty groups (GG_WGRAD*, when not adding)
+ * are zeroed. */
+enum {
+  TESSERA_GG_FWD = 0,
+  TESSERA_GG_FWD_BT = 1,
+  TESSERA_GG_WGRAD = 2,
+  TESSERA_GG_WGRAD_F32 = 3,
+  TESSERA_GG_NUM_OPS = 4
+};
 
 /* Kernel families; each has configurations (tile, cluster, schedule) chosen at run time. */
 enum { TESSERA_FAMILY_GG_BF16 = 0, TESSERA_FAMILY_FP8_GEMM = 1, TESSERA_FAMILY_FP8_GG = 2 };

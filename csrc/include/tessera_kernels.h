@@ -48,6 +48,15 @@ TESSERA_API int tessera_gg_bf16(int op, int config, const void* a, const void* b
                                 int64_t n, void* workspace, size_t workspace_bytes, int device,
                                 void* stream, int raster, int swizzle);
 
+/* TESSERA_GG_WGRAD_F32 (its own op index for tessera_gg_bf16_workspace): a, b bf16 as for
+ * TESSERA_GG_WGRAD, d fp32 [G, k, n]; accumulate = 0 overwrites d (empty groups zeroed),
+ * 1 adds to it (fp32 accumulator + d, one rounding to fp32; empty groups left as they are). */
+TESSERA_API int tessera_gg_bf16_wgrad_f32(int config, const void* a, const void* b, float* d,
+                                          const int32_t* offsets, int num_groups, int64_t rows,
+                                          int64_t k, int64_t n, int accumulate, void* workspace,
+                                          size_t workspace_bytes, int device, void* stream,
+                                          int raster, int swizzle);
+
 /* FP8 (e4m3) GEMMs with blockwise scales, fp32 accumulation, bf16 output (CUTLASS sm90a).
  * a: e4m3 row-major [rows, k] with 1x128 scales sfa (fp32, M-major: see
  * tessera_fp8_quantize_1x128); b: e4m3 K-major [n, k] (per group [G, n, k]) with 128x128
