@@ -214,6 +214,17 @@ def _cutlass_reason(x: Tensor, other: Tensor) -> str | None:
 WGRAD_SWIZZLE = 8
 
 
+def _launch_context(lib: KernelLibrary, op: int, a: Tensor, groups: int, rows: int, k: int, n: int,
+                    config: int | None) -> tuple[int, int, Tensor, int, int]:
+    """(config, device index, workspace, its bytes, current stream handle) of one launch."""
+    if config is None:
+        config = choose_config(lib, op, rows, groups, k, n)
+    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    ws_bytes = lib.gg_bf16_workspace_bytes(op, config, groups, device)
+    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=a.device)
+    return config, device, workspace, ws_bytes, torch.cuda.current_stream(a.device).cuda_stream
+
+
 def run_grouped(lib: KernelLibrary, op: int, a: Tensor, b: Tensor, out: Tensor, offsets: Tensor,
                 config: int | None = None) -> Tensor:
     """Launch one CUTLASS grouped GEMM into `out` on the current stream (see csrc/include).
@@ -226,12 +237,7 @@ def run_grouped(lib: KernelLibrary, op: int, a: Tensor, b: Tensor, out: Tensor, 
         return out.zero_() if op == OP_WGRAD else out
     if op == OP_WGRAD_F32:
         raise ValueError("OP_WGRAD_F32 runs through run_wgrad_f32 (fp32 output, accumulate flag)")
-    if config is None:
-        config = choose_config(lib, op, rows, groups, k, n)
-    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    ws_bytes = lib.gg_bf16_workspace_bytes(op, config, groups, device)
-    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=a.device)
-    stream = torch.cuda.current_stream(a.device).cuda_stream
+    config, device, workspace, ws_bytes, stream = _launch_context(lib, op, a, groups, rows, k, n, config)
     rc = lib.gg_bf16(op, config, a.data_ptr(), b.data_ptr(), out.data_ptr(), offsets.data_ptr(), groups,
                      rows, k, n, workspace.data_ptr(), ws_bytes, device, stream,
                      _env_int(RASTER_ENV, 0), _env_int(SWIZZLE_ENV, WGRAD_SWIZZLE if op == OP_WGRAD else 1))
@@ -248,12 +254,7 @@ def run_wgrad_f32(lib: KernelLibrary, x: Tensor, dy: Tensor, out: Tensor, offset
     n = dy.shape[1]
     if rows == 0:
         return out if accumulate else out.zero_()
-    if config is None:
-        config = choose_config(lib, OP_WGRAD_F32, rows, groups, k, n)
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    ws_bytes = lib.gg_bf16_workspace_bytes(OP_WGRAD_F32, config, groups, device)
-    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=x.device)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
+    config, device, workspace, ws_bytes, stream = _launch_context(lib, OP_WGRAD_F32, x, groups, rows, k, n, config)
     rc = lib.gg_bf16_wgrad_f32(config, x.data_ptr(), dy.data_ptr(), out.data_ptr(), offsets.data_ptr(), groups, rows,
                                k, n, int(accumulate), workspace.data_ptr(), ws_bytes, device, stream,
                                _env_int(RASTER_ENV, 0), _env_int(SWIZZLE_ENV, WGRAD_SWIZZLE))
