@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from core.kernels import fp8 as kfp8
 from core.kernels import fp8_wgrad as kwgrad
 from core.kernels import grouped_mm_wgrad
+from core.kernels.grouped_gemm import grouped_mm_wgrad_into_
 from core.kernels.library import custom_op, kernel_library, report_once
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,21 @@ def fp8_grouped_wgrad(x: Tensor, dy: Tensor, offsets: Tensor, dtype: torch.dtype
     return kwgrad.grouped_wgrad_blockwise(qx, sx, qd, sd, block_starts).to(dtype)
 
 
+def fp8_grouped_wgrad_into_(main_grad: Tensor, x: Tensor, dy: Tensor, offsets: Tensor, accumulate: bool) -> None:
+    """fp8_grouped_wgrad written into (accumulate: added to) the fp32 `main_grad` [G, in, out] by
+    the GEMM itself (gradient-accumulation fusion): no bf16 gradient, no separate fp32 pass."""
+    rows, groups = x.shape[0], offsets.shape[0]
+    if rows == 0:
+        if not accumulate:
+            main_grad.zero_()
+        return
+    row_starts, block_starts = kwgrad.group_blocks(offsets, rows)
+    blocks = kwgrad.padded_blocks(rows, groups)
+    qx, sx = kwgrad.quantize_grouped_t(x, row_starts, block_starts, blocks, True)
+    qd, sd = kwgrad.quantize_grouped_t(dy, row_starts, block_starts, blocks, False)
+    kwgrad.grouped_wgrad_blockwise_into_(main_grad, qx, sx, qd, sd, block_starts, accumulate)
+
+
 @custom_op("fp8_grouped_mm", differentiable=True)
 def _grouped(x: Tensor, w: Tensor, offsets: Tensor, expert_wgrad: str) -> Tensor:
     """Rows of group g times w[g] for experts w [G, in, out]; all three GEMMs in FP8 (the
@@ -227,6 +243,8 @@ def _(x, dy, offsets, dtype):
 def _save_grouped(ctx, inputs, output) -> None:
     x, w, offsets, ctx.expert_wgrad = inputs
     ctx.save_for_backward(x, w, offsets)
+    # Data parallelism's fp32 main grad of the expert weight, when the wgrad may write it itself.
+    ctx.sink = getattr(w, "main_grad_sink", None)
 
 
 def _grouped_backward(ctx, dy: Tensor):
@@ -236,7 +254,16 @@ def _grouped_backward(ctx, dy: Tensor):
     dw = None
     if ctx.needs_input_grad[1]:
         x = x.contiguous()
-        if ctx.expert_wgrad == "fp8":
+        if ctx.sink is not None:  # gradient-accumulation fusion: the GEMM writes the fp32 main grad
+            if ctx.expert_wgrad == "fp8":
+                ctx.sink.write(lambda main_grad, accumulate: fp8_grouped_wgrad_into_(main_grad, x, dy, offsets,
+                                                                                    accumulate))
+            else:
+                xb, dyb = x.to(torch.bfloat16), dy.to(torch.bfloat16).contiguous()
+                ctx.sink.write(lambda main_grad, accumulate: grouped_mm_wgrad_into_(main_grad, xb, dyb, offsets,
+                                                                                   accumulate))
+            dw = ctx.sink.stand_in()
+        elif ctx.expert_wgrad == "fp8":
             dw = _grouped_wgrad(x, dy, offsets, w.dtype)
         else:
             dw = grouped_mm_wgrad(x.to(torch.bfloat16), dy.to(torch.bfloat16), offsets).to(w.dtype)

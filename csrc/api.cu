@@ -243,4 +243,26 @@ int tessera_fp8_gg_wgrad(int config, const void* a, const float* sfa, const void
   return launch(kFamilyFp8Grouped, args, config, 16, "m, kp, n");
 }
 
+int tessera_fp8_gg_wgrad_f32_workspace(int config, int num_groups, int device, size_t* bytes) {
+  if (num_groups <= 0) return fail(TESSERA_ERR_INVALID, "num_groups=%d must be > 0", num_groups);
+  return query_workspace(kFamilyFp8Grouped, 2, config, sizes_only(num_groups, 0, 0, 0, device), bytes);
+}
+
+int tessera_fp8_gg_wgrad_f32(int config, const void* a, const float* sfa, const void* b, const float* sfb, float* d,
+                             const int32_t* block_starts, int num_groups, int64_t m, int64_t n, int64_t kp,
+                             int accumulate, void* workspace, size_t workspace_bytes, int device, void* stream,
+                             int raster, int swizzle) {
+  if (!sfa || !sfb || !block_starts)
+    return fail(TESSERA_ERR_INVALID, "scale and block_starts pointers must be non-null");
+  if (m <= 0 || m % 4 || kp <= 0 || kp % 128 || reinterpret_cast<uintptr_t>(sfa) % 16)
+    return fail(TESSERA_ERR_INVALID, "m=%lld must be a positive multiple of 4, kp=%lld a positive multiple of 128 "
+                "and sfa 16-byte aligned", (long long)m, (long long)kp);
+  if (accumulate != 0 && accumulate != 1)
+    return fail(TESSERA_ERR_INVALID, "accumulate=%d must be 0 (overwrite d) or 1 (add to d)", accumulate);
+  GroupedArgs args{2, a, b, d, block_starts, num_groups, m, kp, n, workspace, workspace_bytes,
+                   device, static_cast<cudaStream_t>(stream), raster, swizzle, sfa, sfb};
+  args.accumulate = accumulate;
+  return launch(kFamilyFp8Grouped, args, config, 16, "m, kp, n");
+}
+
 }  // extern "C"

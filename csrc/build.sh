@@ -68,6 +68,9 @@ for src in "$here"/fp8_*.cu; do
     [[ -n "$count" ]] || die "$src: no 'constexpr int kNumConfigs = N;' line"
     for c in $fp8_configs; do
       if (( c < count )); then units+=("${base}_c${c}.o $(basename "$src") -DTESSERA_FP8_CONFIG=$c"); fi
+      if (( c < count )) && grep -q TESSERA_FP8_WGRAD_F32 "$src"; then
+        units+=("${base}_f32_c${c}.o $(basename "$src") -DTESSERA_FP8_CONFIG=$c -DTESSERA_FP8_WGRAD_F32=1")
+      fi
     done
   else
     units+=("${base}.o $(basename "$src")")

@@ -7,7 +7,10 @@
 //   a [rows, K] e4m3 row-major; SFA per group g = rows [s, e): [ceil(K/128)][e - s] fp32 at
 //     SFA + s * ceil(K/128) (the kernel derives each group's scale layout from its M)
 //   b [G, N, K] e4m3 K-major; SFB [G][ceil(K/128)][ceil(N/128)] fp32
-// One translation unit per configuration: -DTESSERA_FP8_CONFIG=<index into Configs>.
+// One translation unit per configuration: -DTESSERA_FP8_CONFIG=<index into Configs>. With
+// -DTESSERA_FP8_WGRAD_F32=1 the unit holds op 2 instead: op 1 (K-grouped weight gradient) into
+// an fp32 output that is also its C operand (overwrite with beta 0, add with beta 1), so the
+// experts' gradient goes straight into the fp32 main grad (gradient-accumulation fusion).
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/detail/blockwise_scale_layout.hpp>
@@ -25,6 +28,9 @@
 
 #ifndef TESSERA_FP8_CONFIG
 #error "compile with -DTESSERA_FP8_CONFIG=<index into Configs>"
+#endif
+#ifndef TESSERA_FP8_WGRAD_F32
+#define TESSERA_FP8_WGRAD_F32 0
 #endif
 
 namespace tessera::fp8_grouped {
@@ -97,14 +103,16 @@ static_assert(kNumConfigs == std::tuple_size_v<Configs>, "kNumConfigs must count
 static_assert(TESSERA_FP8_CONFIG < std::tuple_size_v<Configs>, "TESSERA_FP8_CONFIG out of range");
 using Config = std::tuple_element_t<TESSERA_FP8_CONFIG, Configs>;
 
+constexpr bool kFp32Out = TESSERA_FP8_WGRAD_F32 != 0;
 using ElementAB = cutlass::float_e4m3_t;
-using ElementD = cutlass::bfloat16_t;
+using ElementD = std::conditional_t<kFp32Out, float, cutlass::bfloat16_t>;
+using ElementC = std::conditional_t<kFp32Out, float, void>;  // void: no C load at all
 using Accumulator = float;
 using LayoutA = cutlass::layout::RowMajor;
 using LayoutB = cutlass::layout::ColumnMajor;  // b[g] stored [N, K]: K-major
 using LayoutD = cutlass::layout::RowMajor;
 constexpr int kAlignAB = 16;
-constexpr int kAlignD = 8;
+constexpr int kAlignD = 16 / sizeof(ElementD);
 
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
 using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
@@ -116,9 +124,9 @@ using GroupShape = ProblemShape::UnderlyingProblemShape;
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile,
     typename Config::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator,
-    Accumulator, void, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
+    Accumulator, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
     typename Config::EpilogueSchedule,
-    cutlass::epilogue::fusion::LinearCombination<ElementD, Accumulator>>::CollectiveOp;
+    cutlass::epilogue::fusion::LinearCombination<ElementD, Accumulator, ElementD>>::CollectiveOp;
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB,
@@ -142,6 +150,7 @@ struct GroupArrays {
   const float** ptr_sfa;
   const float** ptr_sfb;
   ElementD** ptr_d;
+  const ElementD** ptr_c;  // the same addresses as ptr_d (fp32 output only)
   StrideA* stride_a;
   StrideB* stride_b;
   StrideD* stride_d;
@@ -159,6 +168,7 @@ GroupArrays carve(C& c, int groups) {
   g.ptr_sfa = c.template take<const float*>(groups);
   g.ptr_sfb = c.template take<const float*>(groups);
   g.ptr_d = c.template take<ElementD*>(groups);
+  g.ptr_c = c.template take<const ElementD*>(kFp32Out ? groups : 0);
   g.stride_a = c.template take<StrideA>(groups);
   g.stride_b = c.template take<StrideB>(groups);
   g.stride_d = c.template take<StrideD>(groups);
@@ -168,7 +178,20 @@ GroupArrays carve(C& c, int groups) {
   return g;
 }
 
-Gemm::Arguments make_arguments(const GroupArrays& g, int groups, int device, int sms, int raster, int swizzle) {
+// The C operand: the fp32 output itself, or none (a template, so that the branch not taken is
+// not instantiated).
+template <class EpilogueArgs>
+void set_source(EpilogueArgs& epilogue, const GroupArrays& g) {
+  if constexpr (kFp32Out) {
+    epilogue.ptr_C = g.ptr_c;
+    epilogue.dC = g.stride_d;
+  } else {
+    epilogue.ptr_C = nullptr;
+  }
+}
+
+Gemm::Arguments make_arguments(const GroupArrays& g, int groups, int device, int sms, int raster, int swizzle,
+                               bool accumulate) {
   Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = ProblemShape{groups, g.shapes, nullptr};
@@ -181,8 +204,8 @@ Gemm::Arguments make_arguments(const GroupArrays& g, int groups, int device, int
   args.mainloop.ptr_SFB = g.ptr_sfb;
   args.mainloop.layout_SFB = g.layout_sfb;
   args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.epilogue.ptr_C = nullptr;
+  args.epilogue.thread.beta = accumulate ? 1.0f : 0.0f;
+  set_source(args.epilogue, g);
   args.epilogue.ptr_D = g.ptr_d;
   args.epilogue.dD = g.stride_d;
   args.hw_info.device_id = device;
@@ -196,12 +219,13 @@ Gemm::Arguments make_arguments(const GroupArrays& g, int groups, int device, int
 size_t workspace_bytes(const GroupedArgs& p, int sms) {
   Carver counter(nullptr);
   GroupArrays g = carve(counter, p.groups);
-  return counter.used + Gemm::get_workspace_size(make_arguments(g, p.groups, 0, sms, 0, 1));
+  return counter.used + Gemm::get_workspace_size(make_arguments(g, p.groups, 0, sms, 0, 1, false));
 }
 
 // The GEMM over the per-group arrays that a prepare kernel wrote on the same stream.
 int launch_gemm(const GroupArrays& g, const GroupedArgs& p, const char* what) {
-  Gemm::Arguments args = make_arguments(g, p.groups, p.device, sm_count(p.device), p.raster, p.swizzle);
+  Gemm::Arguments args =
+      make_arguments(g, p.groups, p.device, sm_count(p.device), p.raster, p.swizzle, p.accumulate != 0);
   Gemm gemm;
   cutlass::Status status = gemm.can_implement(args);
   if (status != cutlass::Status::kSuccess)
@@ -269,7 +293,7 @@ __device__ __forceinline__ int64_t clamped_block(const int32_t* starts, int i, i
 
 __global__ void prepare_wgrad(GroupArrays g, const int32_t* __restrict__ block_starts, int groups, int64_t m,
                               int64_t n, int64_t kp, const ElementAB* a, const float* sfa, const ElementAB* b,
-                              const float* sfb, ElementD* d) {
+                              const float* sfb, ElementD* d, bool accumulate) {
   const int64_t total_blocks = kp / 128, nb = (n + 127) / 128;
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < groups; i += blockDim.x) {
@@ -284,6 +308,7 @@ __global__ void prepare_wgrad(GroupArrays g, const int32_t* __restrict__ block_s
       g.ptr_b[i] = b + first * 128;
       g.ptr_sfb[i] = sfb + first * nb;
       g.ptr_d[i] = d + i * m * n;
+      if constexpr (kFp32Out) g.ptr_c[i] = d + i * m * n;
       g.stride_a[i] = leading_stride<StrideA>(kp);
       g.stride_b[i] = leading_stride<StrideB>(kp);
       g.stride_d[i] = leading_stride<StrideD>(n);
@@ -294,6 +319,7 @@ __global__ void prepare_wgrad(GroupArrays g, const int32_t* __restrict__ block_s
   }
   const int64_t worker = int64_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;
   const int64_t workers = int64_t(gridDim.x - 1) * blockDim.x;
+  if (accumulate) return;  // adding nothing: an empty group's d[g] stays as it is
   for (int i = 0; i < groups; ++i) {
     const int64_t first = clamped_block(block_starts, i, 0, total_blocks);
     if (clamped_block(block_starts, i + 1, 0, total_blocks) <= first)
@@ -308,14 +334,20 @@ int run_wgrad(const GroupedArgs& p) {
   GroupArrays g = carve(carver, p.groups);
   prepare_wgrad<<<1 + kZeroBlocks, 256, 0, p.stream>>>(
       g, p.offsets, p.groups, p.rows, p.n, p.k, static_cast<const ElementAB*>(p.a), static_cast<const float*>(p.sfa),
-      static_cast<const ElementAB*>(p.b), static_cast<const float*>(p.sfb), static_cast<ElementD*>(p.d));
+      static_cast<const ElementAB*>(p.b), static_cast<const float*>(p.sfb), static_cast<ElementD*>(p.d),
+      p.accumulate != 0);
   TESSERA_CUDA_TRY(cudaGetLastError());
-  return launch_gemm(g, p, "fp8 grouped wgrad");
+  return launch_gemm(g, p, kFp32Out ? "fp8 grouped wgrad into fp32" : "fp8 grouped wgrad");
 }
 
+#if TESSERA_FP8_WGRAD_F32
+const RegisterVariant registered_wgrad_f32(kFamilyFp8Grouped, 2, TESSERA_FP8_CONFIG, Config::name(), &run_wgrad,
+                                           &workspace_bytes);
+#else
 const RegisterVariant registered(kFamilyFp8Grouped, 0, TESSERA_FP8_CONFIG, Config::name(), &run, &workspace_bytes);
 const RegisterVariant registered_wgrad(kFamilyFp8Grouped, 1, TESSERA_FP8_CONFIG, Config::name(), &run_wgrad,
                                        &workspace_bytes);
+#endif
 
 }  // namespace
 }  // namespace tessera::fp8_grouped

@@ -144,6 +144,15 @@ def check_grouped_wgrad(failures: Failures, device: torch.device) -> None:
         for cname in _each_grouped_config(lib, device):
             failures.check(f"fp8 grouped wgrad {cname} {tag}", kwgrad.grouped_wgrad_blockwise(qd, sd, qx, sx, bs),
                            ref, atol_rms=FP8_ATOL_RMS)
+            # Into fp32 (the main grad): NaN-poisoned and overwritten, then added onto random values.
+            out = torch.full(ref.shape, float("nan"), dtype=torch.float32, device=device)
+            kwgrad.grouped_wgrad_blockwise_into_(out, qd, sd, qx, sx, bs, False)
+            failures.check(f"fp8 grouped wgrad into fp32 {cname} {tag}", out, ref, atol_rms=FP8_ATOL_RMS)
+            before = torch.randn(ref.shape, generator=gen, device=device)
+            out = before.clone()
+            kwgrad.grouped_wgrad_blockwise_into_(out, qd, sd, qx, sx, bs, True)
+            failures.check(f"fp8 grouped wgrad added to fp32 {cname} {tag}", out, before.double() + ref,
+                           atol_rms=FP8_ATOL_RMS)
 
 
 def check_grouped_wgrad_graph(failures: Failures, device: torch.device) -> None:

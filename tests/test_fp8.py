@@ -362,3 +362,45 @@ def test_tessera_train_fp8_on_cpu(tmp_path):
     assert "layers.1.feed_forward.experts" not in log.split("keep bf16")[1].splitlines()[0]
     assert "emulated by the PyTorch fallbacks on cpu" in log
     assert (run_dir / "checkpoints" / "latest").exists()
+
+
+def _fp8_expert_main_grads(wgrad: str, fused: bool, device: str = "cpu") -> tuple[dict, int]:
+    """Main grads of FP8 experts after three micro-batches (two under no_sync, one with no
+    token for expert 1, one with no token at all), through data parallelism with or without
+    gradient-accumulation fusion; and the count of gradients the backward wrote itself."""
+    from contextlib import nullcontext
+
+    from core.mesh import ParallelMesh
+    from core.parallel.data import apply_data_parallel
+
+    torch.manual_seed(4)
+    experts = GroupedExperts(3, 128, 256).to(device)
+    experts.mm = fp8.Fp8GroupedMM(wgrad)
+    dp = apply_data_parallel(experts, ParallelMesh.build(device_type=device), distributed_optimizer=False,
+                             param_dtype=torch.bfloat16, gradient_accumulation_fusion=fused)
+    counts = [[70, 0, 96], [50, 60, 30], [0, 0, 0]]
+    for micro, per_expert in enumerate(counts):
+        x, _, dy = _inputs(max(sum(per_expert), 1), 128, 128, seed=10 + micro)
+        x, dy = x[:sum(per_expert)].to(device), dy[:sum(per_expert)].to(device)
+        with dp.no_sync() if micro < 2 else nullcontext():
+            experts(x, torch.tensor(per_expert, device=device)).backward(dy)
+    dp.finish_grad_sync()
+    grads = {slot.name: slot.main_grad.clone() for slot in dp.slots}
+    dp.remove()
+    return grads, dp.stats["fused_grads"]
+
+
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_fp8_experts_gradient_accumulation_fusion_gives_the_unfused_main_grads(wgrad, device):
+    # The fused backward adds the fp32 product straight into the main grad (on the GPU: the
+    # K-grouped FP8 kernel's epilogue, or the bf16 one's); unfused, it is rounded to bf16 first:
+    # the two agree to bf16 precision.
+    want, unfused_count = _fp8_expert_main_grads(wgrad, fused=False, device=device)
+    got, fused_count = _fp8_expert_main_grads(wgrad, fused=True, device=device)
+    assert (unfused_count, fused_count) == (0, 3 * 3)  # w1, w3, w2 in each micro-batch
+    for name, ref in want.items():
+        assert ref.abs().max() > 0, name
+        torch.testing.assert_close(got[name], ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")

@@ -441,15 +441,20 @@ def grouped_mm_blockwise(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, offsets
 
 
 def run_fp8_grouped(lib: KernelLibrary, entry: str, operands: tuple, out: Tensor, index: Tensor, groups: int,
-                    sizes: tuple, rows_per_group: float) -> Tensor:
+                    sizes: tuple, rows_per_group: float, accumulate: bool | None = None) -> Tensor:
     """One call of the FP8 grouped kernel's C entry `entry` (M-grouped "fp8_gg", K-grouped
-    "fp8_gg_wgrad"): operands (a, sfa, b, sfb), the group index tensor, its three sizes."""
-    config = _choose_fp8_config(lib, FAMILY_FP8_GG, rows_per_group, _fp8_gg_preferred(entry, sizes[1]))
+    "fp8_gg_wgrad", or "fp8_gg_wgrad_f32" into fp32 with `accumulate`): operands (a, sfa, b, sfb),
+    the group index tensor, its three sizes."""
+    into_f32 = entry == "fp8_gg_wgrad_f32"
+    config = _choose_fp8_config(lib, FAMILY_FP8_GG, rows_per_group,
+                                _fp8_gg_preferred("fp8_gg_wgrad" if into_f32 else entry, sizes[1]))
     device, stream = _device_stream(out)
-    ws = _workspace(lib, "fp8_gg_workspace", ("fp8_gg", config, groups, device), config, groups, device)
+    ws_entry = "fp8_gg_wgrad_f32_workspace" if into_f32 else "fp8_gg_workspace"
+    ws = _workspace(lib, ws_entry, (ws_entry, config, groups, device), config, groups, device)
     workspace = torch.empty(ws, dtype=torch.uint8, device=out.device)
+    flag = (int(accumulate),) if into_f32 else ()
     _call(lib, entry, config, *(t.data_ptr() for t in operands), out.data_ptr(), index.data_ptr(), groups, *sizes,
-          workspace.data_ptr(), ws, device, stream, _env_int("TESSERA_GG_RASTER", 0),
+          *flag, workspace.data_ptr(), ws, device, stream, _env_int("TESSERA_GG_RASTER", 0),
           _env_int("TESSERA_GG_SWIZZLE", 1))
     return out
 

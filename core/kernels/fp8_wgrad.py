@@ -13,7 +13,9 @@ own, as the per-expert loop it replaces did.
 - `quantize_grouped_t(x, row_starts, block_starts, out_blocks, per_column)` -> x^T in that
   padded layout, q e4m3 [cols, 128 * out_blocks], with 1x128 (per_column) or 128x128 scales.
 - `grouped_wgrad_blockwise(a, sfa, b, sfb, block_starts)` -> bf16 [G, M, N], entry g =
-  (a * sfa) (b * sfb)^T over group g's blocks (zeros for an empty group).
+  (a * sfa) (b * sfb)^T over group g's blocks (zeros for an empty group);
+  `grouped_wgrad_blockwise_into_(out, ..., accumulate)` the same into an fp32 `out` it
+  overwrites or adds to (the fp32 main grad: gradient-accumulation fusion).
 
 `out_blocks = padded_blocks(rows, G)` bounds the blocks any routing needs (ceil(rows/128) + G)
 without reading the offsets on the host; blocks past the last group are left unwritten and
@@ -30,7 +32,8 @@ from core.kernels.fp8 import (BLOCK, FP8, _blocks, _call, _device_stream, _fp8_l
                               _ref_128x128, dequantize_1x128, dequantize_128x128, run_fp8_grouped)
 from core.kernels.library import custom_op
 
-__all__ = ["group_blocks", "padded_blocks", "quantize_grouped_t", "grouped_wgrad_blockwise"]
+__all__ = ["group_blocks", "padded_blocks", "quantize_grouped_t", "grouped_wgrad_blockwise",
+           "grouped_wgrad_blockwise_into_"]
 
 
 def padded_blocks(rows: int, groups: int) -> int:
@@ -105,11 +108,8 @@ def _(x, row_starts, block_starts, out_blocks, per_column):
             x.new_empty(out_blocks, cols if per_column else _blocks(cols), dtype=torch.float32))
 
 
-@custom_op("fp8_grouped_wgrad_blockwise")
-def grouped_wgrad_blockwise(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, block_starts: Tensor) -> Tensor:
-    """bf16 [G, M, N]: entry g = (a * sfa)[:, K_g] @ ((b * sfb)[:, K_g])^T over group g's K columns
-    K_g = [128 block_starts[g], 128 block_starts[g+1]); a [M, Kp] (1x128 scales [Kp/128, M]),
-    b [N, Kp] (128x128 scales [Kp/128, N/128]), both from quantize_grouped_t."""
+def _check_wgrad_operands(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, block_starts: Tensor) -> tuple[int, int, int]:
+    """(m, n, kp) after checking the operands of the K-grouped weight gradient."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or a.shape[1] % BLOCK:
         raise ValueError(f"need a [M, Kp] and b [N, Kp] with Kp a multiple of {BLOCK}, got {list(a.shape)}, "
                          f"{list(b.shape)}")
@@ -121,24 +121,68 @@ def grouped_wgrad_blockwise(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, bloc
                          f"{b.dtype}, {sfa.dtype} {list(sfa.shape)}, {sfb.dtype} {list(sfb.shape)}")
     if block_starts.dtype != torch.int32 or block_starts.dim() != 1 or block_starts.shape[0] < 2:
         raise ValueError(f"block_starts must be int32 [G + 1], got {block_starts.dtype} {list(block_starts.shape)}")
+    return m, n, kp
+
+
+def _wgrad_kernel_ready(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, block_starts: Tensor, m: int, n: int) -> bool:
+    return (all(t.is_contiguous() for t in (a, b, sfa, sfb)) and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+            and sfa.data_ptr() % 16 == 0 and m % 4 == 0 and n % 16 == 0 and block_starts.device == a.device)
+
+
+def _wgrad_fallback(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, block_starts: Tensor, dtype: torch.dtype) -> Tensor:
+    """The kernel's arithmetic in PyTorch ([G, M, N] in `dtype`; reads block_starts on the host)."""
+    (m, kp), n = a.shape, b.shape[0]
+    kb = kp // BLOCK
     groups = block_starts.shape[0] - 1
-    ready = (all(t.is_contiguous() for t in (a, b, sfa, sfb)) and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-             and sfa.data_ptr() % 16 == 0 and m % 4 == 0 and n % 16 == 0 and block_starts.device == a.device)
-    lib = _fp8_lib(a, "fp8_grouped_wgrad_blockwise", ready)
+    out = torch.zeros(groups, m, n, dtype=dtype, device=a.device)
+    bs = block_starts.tolist()
+    for g in range(groups):
+        b0 = max(0, min(bs[g], kb))
+        b1 = max(b0, min(bs[g + 1], kb))
+        if b1 > b0:
+            cols = slice(b0 * BLOCK, b1 * BLOCK)
+            da = dequantize_1x128(a[:, cols], sfa[b0:b1])
+            db = dequantize_128x128(b[:, cols], sfb[b0:b1])
+            out[g] = (da @ db.t()).to(dtype)
+    return out
+
+
+@custom_op("fp8_grouped_wgrad_blockwise")
+def grouped_wgrad_blockwise(a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, block_starts: Tensor) -> Tensor:
+    """bf16 [G, M, N]: entry g = (a * sfa)[:, K_g] @ ((b * sfb)[:, K_g])^T over group g's K columns
+    K_g = [128 block_starts[g], 128 block_starts[g+1]); a [M, Kp] (1x128 scales [Kp/128, M]),
+    b [N, Kp] (128x128 scales [Kp/128, N/128]), both from quantize_grouped_t."""
+    m, n, kp = _check_wgrad_operands(a, sfa, b, sfb, block_starts)
+    groups = block_starts.shape[0] - 1
+    lib = _fp8_lib(a, "fp8_grouped_wgrad_blockwise", _wgrad_kernel_ready(a, sfa, b, sfb, block_starts, m, n))
     if lib is None:
-        out = torch.zeros(groups, m, n, dtype=torch.bfloat16, device=a.device)
-        bs = block_starts.tolist()
-        for g in range(groups):
-            b0 = max(0, min(bs[g], kb))
-            b1 = max(b0, min(bs[g + 1], kb))
-            if b1 > b0:
-                cols = slice(b0 * BLOCK, b1 * BLOCK)
-                da = dequantize_1x128(a[:, cols], sfa[b0:b1])
-                db = dequantize_128x128(b[:, cols], sfb[b0:b1])
-                out[g] = (da @ db.t()).to(torch.bfloat16)
-        return out
+        return _wgrad_fallback(a, sfa, b, sfb, block_starts, torch.bfloat16)
     out = torch.empty(groups, m, n, dtype=torch.bfloat16, device=a.device)
     return run_fp8_grouped(lib, "fp8_gg_wgrad", (a, sfa, b, sfb), out, block_starts, groups, (m, n, kp), kp / groups)
+
+
+@torch.library.custom_op("tessera::fp8_grouped_wgrad_blockwise_into_", mutates_args=("out",))
+def grouped_wgrad_blockwise_into_(out: Tensor, a: Tensor, sfa: Tensor, b: Tensor, sfb: Tensor, block_starts: Tensor,
+                                  accumulate: bool) -> None:
+    """grouped_wgrad_blockwise into fp32 `out` [G, M, N], overwritten (empty groups zeroed) or,
+    with accumulate, added to: the GEMM epilogue writes the fp32 main grad itself."""
+    m, n, kp = _check_wgrad_operands(a, sfa, b, sfb, block_starts)
+    groups = block_starts.shape[0] - 1
+    if out.dtype != torch.float32 or list(out.shape) != [groups, m, n] or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 [{groups}, {m}, {n}], got {out.dtype} {list(out.shape)}")
+    ready = _wgrad_kernel_ready(a, sfa, b, sfb, block_starts, m, n) and out.data_ptr() % 16 == 0
+    lib = _fp8_lib(a, "fp8_grouped_wgrad_blockwise_into_", ready)
+    if lib is None:
+        result = _wgrad_fallback(a, sfa, b, sfb, block_starts, torch.float32)
+        out.add_(result) if accumulate else out.copy_(result)
+        return
+    run_fp8_grouped(lib, "fp8_gg_wgrad_f32", (a, sfa, b, sfb), out, block_starts, groups, (m, n, kp), kp / groups,
+                    accumulate=accumulate)
+
+
+@grouped_wgrad_blockwise_into_.register_fake
+def _(out, a, sfa, b, sfb, block_starts, accumulate):
+    return None
 
 
 @grouped_wgrad_blockwise.register_fake

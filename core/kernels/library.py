@@ -48,6 +48,8 @@ _SIGNATURES = [
     ("tessera_fp8_gg_workspace", _c_int, [_c_int, _c_int, _c_int, ctypes.POINTER(_c_size)]),
     ("tessera_fp8_gg", _c_int, [*_SCALED_GEMM, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64, *_TAIL]),
     ("tessera_fp8_gg_wgrad", _c_int, [*_SCALED_GEMM, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64, *_TAIL]),
+    ("tessera_fp8_gg_wgrad_f32_workspace", _c_int, [_c_int, _c_int, _c_int, ctypes.POINTER(_c_size)]),
+    ("tessera_fp8_gg_wgrad_f32", _c_int, [*_SCALED_GEMM, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64, _c_int, *_TAIL]),
     ("tessera_fp8_quantize_tensorwise", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_int, _c_ptr]),
     ("tessera_fp8_quantize_rowwise", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int, _c_ptr]),
     ("tessera_fp8_quantize_1x128", _c_int, [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int, _c_ptr]),

@@ -91,6 +91,14 @@ TESSERA_API int tessera_fp8_gg_wgrad(int config, const void* a, const float* sfa
                                      int num_groups, int64_t m, int64_t n, int64_t kp, void* workspace,
                                      size_t workspace_bytes, int device, void* stream, int raster,
                                      int swizzle);
+/* As tessera_fp8_gg_wgrad into fp32 d [G, m, n]: accumulate = 0 overwrites d (empty groups
+ * zeroed), 1 adds to it (empty groups left as they are). Its own workspace query. */
+TESSERA_API int tessera_fp8_gg_wgrad_f32_workspace(int config, int num_groups, int device, size_t* bytes);
+TESSERA_API int tessera_fp8_gg_wgrad_f32(int config, const void* a, const float* sfa, const void* b,
+                                         const float* sfb, float* d, const int32_t* block_starts,
+                                         int num_groups, int64_t m, int64_t n, int64_t kp, int accumulate,
+                                         void* workspace, size_t workspace_bytes, int device, void* stream,
+                                         int raster, int swizzle);
 
 /* FP8 (float8_e4m3) quantisation of bf16 tensors: q = round_sat(x * 448 / amax) per block,
  * with fp32 dequantisation scales amax / 448 (1 for an all-zero block), so x ~= q * scale.
