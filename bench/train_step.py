@@ -129,12 +129,12 @@ def tessera_step_fn(cfg, batch, args):
     config = Config(model=cfg)
     config.train.recompute = args.recompute
     config.train.compile = args.compile
-    config.train.precision = "bf16"
+    config.train.precision = args.precision
     config.parallel.dp = 1
     config.parallel.gradient_accumulation_fusion = not args.no_wgrad_fusion
     device = batch[0].device
     mesh = ParallelMesh.build(device_type=device.type)
-    model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=0), mesh, config, device, "bf16")
+    model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=0), mesh, config, device, args.precision)
     count = batch[0].numel()
     before, after = moe_step_hooks(model, batch[3].cu_seqlens)
 
@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one Tessera step")
     parser.add_argument("--trace", default=None, help="with --profile: also write that step's Chrome trace (JSON) here")
     parser.add_argument("--only", choices=["baseline", "tessera"], default=None)
+    parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
+                        help="Tessera's precision (fp8: the blocks' linears and the experts; MFU still against bf16 peak)")
     parser.add_argument("--no-wgrad-fusion", action="store_true",
                         help="Tessera without gradient-accumulation fusion (expert wgrad in bf16, then an fp32 pass)")
     parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
