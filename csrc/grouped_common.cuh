@@ -80,6 +80,19 @@ __device__ Stride leading_stride(int64_t ld) {
   return s;
 }
 
+// The epilogue's C operand: `ptr_c` / `stride_c` when the kernel reads its output back (an fp32
+// main grad it adds to), else none. A template, so that the branch not taken is never
+// instantiated for epilogues whose C type is void.
+template <bool kWithSource, class EpilogueArgs, class PtrC, class StrideC>
+void set_epilogue_source(EpilogueArgs& epilogue, PtrC ptr_c, StrideC stride_c) {
+  if constexpr (kWithSource) {
+    epilogue.ptr_C = ptr_c;
+    epilogue.dC = stride_c;
+  } else {
+    epilogue.ptr_C = nullptr;
+  }
+}
+
 constexpr int kZeroBlocks = 64;  // blocks of a prepare kernel that zero-fill; idle ones exit at once
 
 }  // namespace tessera

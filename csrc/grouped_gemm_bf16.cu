@@ -209,18 +209,6 @@ GroupArrays carve(C& c, int groups) {
   return g;
 }
 
-// The C operand: the fp32 output itself, or none (a template, so the branch not taken is never
-// instantiated for the other element types).
-template <class EpilogueArgs>
-void set_source(EpilogueArgs& epilogue, const GroupArrays& g) {
-  if constexpr (kFp32Out) {
-    epilogue.ptr_C = g.ptr_c;
-    epilogue.dC = g.stride_d;
-  } else {
-    epilogue.ptr_C = nullptr;
-  }
-}
-
 Gemm::Arguments make_arguments(const GroupArrays& g, int groups, int device, int sms, int raster,
                                int swizzle, bool accumulate) {
   Gemm::Arguments args;
@@ -232,7 +220,7 @@ Gemm::Arguments make_arguments(const GroupArrays& g, int groups, int device, int
   args.mainloop.dB = g.stride_b;
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = accumulate ? 1.0f : 0.0f;
-  set_source(args.epilogue, g);
+  set_epilogue_source<kFp32Out>(args.epilogue, g.ptr_c, g.stride_d);  // C = the fp32 output itself
   args.epilogue.ptr_D = g.ptr_d;
   args.epilogue.dD = g.stride_d;
   args.hw_info.device_id = device;
