@@ -494,3 +494,25 @@ def test_gradient_accumulation_fusion_on_the_gpu_matches_the_unfused_main_grads(
         assert want.abs().max() > 0 and torch.isfinite(got).all(), name
         err = (got - want).norm() / want.norm()
         assert err < 1e-2, (name, err.item())
+
+
+def test_gradient_accumulation_fusion_keeps_a_gradient_from_outside_the_experts():
+    # An expert weight also used outside the grouped product: autograd sums that gradient with
+    # the fused backward's stand-in, and the hook must still add it to the main grad.
+    from core.mesh import ParallelMesh
+    from core.parallel.data import apply_data_parallel
+
+    grads = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(3, 8, 16))
+        model = torch.nn.ParameterList([w])
+        dp = apply_data_parallel(model, ParallelMesh.build(), distributed_optimizer=False,
+                                 gradient_accumulation_fusion=fused)
+        x = torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
+        offsets = torch.tensor([4, 4, 10], dtype=torch.int32)
+        (grouped_mm(x, w, offsets).square().sum() + (w ** 3).sum()).backward()
+        dp.finish_grad_sync()
+        grads[fused] = dp.slots[0].main_grad.clone()
+        assert dp.stats["fused_grads"] == int(fused)
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-6, atol=1e-6)

@@ -302,6 +302,8 @@ class DataParallel:
             if slot.fused_pending:  # the backward already wrote main_grad (grads[0] is a stand-in)
                 slot.fused_pending = False
                 self.stats["fused_grads"] += 1
+                if any(grads[0].stride()):  # stand-ins have all-zero strides: the param was also used
+                    self._accumulate(slot, grads[0])  # elsewhere, and autograd summed that gradient in
             else:
                 self._accumulate(slot, grads[0])
             return self._mark_ready(slot)
