@@ -176,34 +176,35 @@ def fp8_grouped_dgrad(dy: Tensor, qw: Tensor, sw: Tensor, offsets: Tensor) -> Te
     return kfp8.grouped_mm_blockwise(qd, sd, qw, sw, offsets)
 
 
+def _grouped_wgrad_operands(x: Tensor, dy: Tensor, offsets: Tensor) -> tuple:
+    """(qx, sx, qd, sd, block_starts): x^T 1x128 (per input channel and 128 tokens) and dy^T
+    128x128, each expert's tokens on their own 128-token blocks (core/kernels/fp8_wgrad.py)."""
+    rows, groups = x.shape[0], offsets.shape[0]
+    row_starts, block_starts = kwgrad.group_blocks(offsets, rows)
+    blocks = kwgrad.padded_blocks(rows, groups)
+    qx, sx = kwgrad.quantize_grouped_t(x, row_starts, block_starts, blocks, True)  # x^T [in, Kp], 1x128
+    qd, sd = kwgrad.quantize_grouped_t(dy, row_starts, block_starts, blocks, False)  # dy^T [out, Kp], 128x128
+    return qx, sx, qd, sd, block_starts
+
+
 def fp8_grouped_wgrad(x: Tensor, dy: Tensor, offsets: Tensor, dtype: torch.dtype) -> Tensor:
     """[G, in, out] with entry g = x_g^T dy_g, one K-grouped blockwise FP8 GEMM for all experts,
     each expert's tokens quantised on their own: x^T 1x128 (per input channel and 128 tokens),
     dy^T 128x128, the operand order that yields the experts' stored [in, out] layout (the
     dense layers' wgrad swaps them for the same reason); empty groups get zeros. No host sync."""
-    rows, groups = x.shape[0], offsets.shape[0]
-    if rows == 0:
-        return x.new_zeros(groups, x.shape[1], dy.shape[1], dtype=dtype)
-    row_starts, block_starts = kwgrad.group_blocks(offsets, rows)
-    blocks = kwgrad.padded_blocks(rows, groups)
-    qx, sx = kwgrad.quantize_grouped_t(x, row_starts, block_starts, blocks, True)  # x^T [in, Kp], 1x128
-    qd, sd = kwgrad.quantize_grouped_t(dy, row_starts, block_starts, blocks, False)  # dy^T [out, Kp], 128x128
-    return kwgrad.grouped_wgrad_blockwise(qx, sx, qd, sd, block_starts).to(dtype)
+    if x.shape[0] == 0:
+        return x.new_zeros(offsets.shape[0], x.shape[1], dy.shape[1], dtype=dtype)
+    return kwgrad.grouped_wgrad_blockwise(*_grouped_wgrad_operands(x, dy, offsets)).to(dtype)
 
 
 def fp8_grouped_wgrad_into_(main_grad: Tensor, x: Tensor, dy: Tensor, offsets: Tensor, accumulate: bool) -> None:
     """fp8_grouped_wgrad written into (accumulate: added to) the fp32 `main_grad` [G, in, out] by
     the GEMM itself (gradient-accumulation fusion): no bf16 gradient, no separate fp32 pass."""
-    rows, groups = x.shape[0], offsets.shape[0]
-    if rows == 0:
+    if x.shape[0] == 0:
         if not accumulate:
             main_grad.zero_()
         return
-    row_starts, block_starts = kwgrad.group_blocks(offsets, rows)
-    blocks = kwgrad.padded_blocks(rows, groups)
-    qx, sx = kwgrad.quantize_grouped_t(x, row_starts, block_starts, blocks, True)
-    qd, sd = kwgrad.quantize_grouped_t(dy, row_starts, block_starts, blocks, False)
-    kwgrad.grouped_wgrad_blockwise_into_(main_grad, qx, sx, qd, sd, block_starts, accumulate)
+    kwgrad.grouped_wgrad_blockwise_into_(main_grad, *_grouped_wgrad_operands(x, dy, offsets), accumulate)
 
 
 @custom_op("fp8_grouped_mm", differentiable=True)
@@ -259,7 +260,7 @@ def _grouped_backward(ctx, dy: Tensor):
                 ctx.sink.write(lambda main_grad, accumulate: fp8_grouped_wgrad_into_(main_grad, x, dy, offsets,
                                                                                     accumulate))
             else:
-                xb, dyb = x.to(torch.bfloat16), dy.to(torch.bfloat16).contiguous()
+                xb, dyb = x.to(torch.bfloat16), dy.to(torch.bfloat16)
                 ctx.sink.write(lambda main_grad, accumulate: grouped_mm_wgrad_into_(main_grad, xb, dyb, offsets,
                                                                                    accumulate))
             dw = ctx.sink.stand_in()

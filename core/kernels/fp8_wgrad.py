@@ -30,6 +30,7 @@ from torch import Tensor
 
 from core.kernels.fp8 import (BLOCK, FP8, _blocks, _call, _device_stream, _fp8_lib, _kernel_input, _ref_1x128,
                               _ref_128x128, dequantize_1x128, dequantize_128x128, run_fp8_grouped)
+from core.kernels.fused import accumulate_fp32_
 from core.kernels.library import custom_op
 
 __all__ = ["group_blocks", "padded_blocks", "quantize_grouped_t", "grouped_wgrad_blockwise",
@@ -173,8 +174,7 @@ def grouped_wgrad_blockwise_into_(out: Tensor, a: Tensor, sfa: Tensor, b: Tensor
     ready = _wgrad_kernel_ready(a, sfa, b, sfb, block_starts, m, n) and out.data_ptr() % 16 == 0
     lib = _fp8_lib(a, "fp8_grouped_wgrad_blockwise_into_", ready)
     if lib is None:
-        result = _wgrad_fallback(a, sfa, b, sfb, block_starts, torch.float32)
-        out.add_(result) if accumulate else out.copy_(result)
+        accumulate_fp32_(out, _wgrad_fallback(a, sfa, b, sfb, block_starts, torch.float32), copy=not accumulate)
         return
     run_fp8_grouped(lib, "fp8_gg_wgrad_f32", (a, sfa, b, sfb), out, block_starts, groups, (m, n, kp), kp / groups,
                     accumulate=accumulate)

@@ -289,18 +289,28 @@ def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return _fallback_mm(x, w, offsets)
 
 
+def _wgrad_cutlass_operands(op_name: str, x: Tensor, dy: Tensor, *also_aligned: Tensor):
+    """(library, x, dy made contiguous) when the CUTLASS weight gradient can take them, else None
+    with the reason reported once under `op_name`."""
+    lib = kernel_library(x.device)
+    if lib is None:
+        return None
+    reason = _cutlass_reason(x, dy)
+    if reason is None:
+        x, dy = x.contiguous(), dy.contiguous()
+        if _aligned(x, dy, *also_aligned):
+            return lib, x, dy
+        reason = "operands not 16-byte aligned"
+    report_once(f"{op_name}: CUTLASS kernel skipped ({reason})")
+    return None
+
+
 def _wgrad_impl(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
     _check_wgrad(x, dy, offsets)
-    lib = kernel_library(x.device)
-    if lib is not None:
-        reason = _cutlass_reason(x, dy)
-        if reason is None:
-            x, dy = x.contiguous(), dy.contiguous()
-            out = x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1])
-            if _aligned(x, dy):
-                return run_grouped(lib, OP_WGRAD, x, dy, out, offsets)
-            reason = "operands not 16-byte aligned"
-        report_once(f"grouped_mm_wgrad: CUTLASS kernel skipped ({reason})")
+    ready = _wgrad_cutlass_operands("grouped_mm_wgrad", x, dy)
+    if ready is not None:
+        lib, x, dy = ready
+        return run_grouped(lib, OP_WGRAD, x, dy, x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1]), offsets)
     return _fallback_wgrad(x, dy, offsets)
 
 
@@ -314,16 +324,11 @@ def _check_wgrad_into(out: Tensor, x: Tensor, dy: Tensor, offsets: Tensor) -> No
 
 def _wgrad_into_impl(out: Tensor, x: Tensor, dy: Tensor, offsets: Tensor, accumulate: bool) -> None:
     _check_wgrad_into(out, x, dy, offsets)
-    lib = kernel_library(x.device)
-    if lib is not None:
-        reason = _cutlass_reason(x, dy)
-        if reason is None:
-            x, dy = x.contiguous(), dy.contiguous()
-            if _aligned(x, dy, out):
-                run_wgrad_f32(lib, x, dy, out, offsets, accumulate)
-                return
-            reason = "operands not 16-byte aligned"
-        report_once(f"grouped_mm_wgrad_into_: CUTLASS kernel skipped ({reason})")
+    ready = _wgrad_cutlass_operands("grouped_mm_wgrad_into_", x, dy, out)
+    if ready is not None:
+        lib, x, dy = ready
+        run_wgrad_f32(lib, x, dy, out, offsets, accumulate)
+        return
     # Unfused: the weight gradient in x's dtype, then one fp32 pass (what the main-grad hook does).
     accumulate_fp32_(out, _wgrad_impl(x, dy, offsets), copy=not accumulate)
 

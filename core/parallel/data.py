@@ -209,7 +209,7 @@ class MainGradSink:
         slot.fused_pending = True
 
     def stand_in(self) -> torch.Tensor:
-        """A gradient-shaped zero that owns no memory (one element, expanded)."""
+        """A gradient-shaped zero that owns one element (expanded: all strides 0)."""
         param = self.slot.param
         return param.new_zeros(()).expand(param.shape)
 
