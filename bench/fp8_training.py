@@ -133,6 +133,7 @@ def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, bat
     t = config.train
     t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.precision = lr, lr / 10, warmup, steps, precision
     t.compile = compile_model
+    t.micro_batch_size = t.global_batch_size = batch  # one micro-batch per step (what parallelize reads)
     config.parallel.dp = 1
     mesh = ParallelMesh.build(device_type=device.type)
     model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=seed), mesh, config, device, precision)

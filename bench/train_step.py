@@ -132,6 +132,8 @@ def tessera_step_fn(cfg, batch, args):
     config.train.precision = args.precision
     config.parallel.dp = 1
     config.parallel.gradient_accumulation_fusion = not args.no_wgrad_fusion
+    config.train.fp8_weight_cache = not args.no_fp8_weight_cache
+    config.train.global_batch_size = config.train.micro_batch_size * args.accum  # what parallelize reads
     device = batch[0].device
     mesh = ParallelMesh.build(device_type=device.type)
     model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=0), mesh, config, device, args.precision)
@@ -175,6 +177,8 @@ def main() -> None:
                         help="Tessera's precision (fp8: the blocks' linears and the experts; MFU still against bf16 peak)")
     parser.add_argument("--no-wgrad-fusion", action="store_true",
                         help="Tessera without gradient-accumulation fusion (expert wgrad in bf16, then an fp32 pass)")
+    parser.add_argument("--no-fp8-weight-cache", action="store_true",
+                        help="with --precision fp8: quantise the weights in every micro-batch (train.fp8_weight_cache off)")
     parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -209,6 +213,10 @@ def main() -> None:
             "params": total,
             "active_params": active,
         }
+        if name == "tessera" and args.precision == "fp8":
+            from core.fp8_cache import WEIGHT_CACHE
+
+            results[name]["fp8_weight_cache"] = dict(WEIGHT_CACHE.stats, enabled=WEIGHT_CACHE.enabled)
         del model, step
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -216,6 +224,8 @@ def main() -> None:
         print(f"{name:9s} step {r['step_ms']:7.1f} ms  {r['tokens_per_s'] / 1e3:7.1f}k tok/s  "
               f"MFU {100 * r['mfu']:5.1f}%  peak {r['peak_mem_gib']:5.1f} GiB  params {r['params'] / 1e9:.3f}B "
               f"({r['active_params'] / 1e9:.3f}B active)")
+        if "fp8_weight_cache" in r:
+            print(f"{'':9s} fp8 weight cache: {r['fp8_weight_cache']}")
     if len(results) == 2:
         print(f"tessera / baseline tokens/s: {results['tessera']['tokens_per_s'] / results['baseline']['tokens_per_s']:.3f}")
     print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args),

@@ -101,6 +101,9 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     precision: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "fp32" | "bf16" | "fp8"
+    # fp8: quantise each weight once per optimizer step, not per micro-batch (core/fp8_cache.py);
+    # holds an FP8 copy of every FP8 weight in both GEMM layouts through the step.
+    fp8_weight_cache: bool = True
     recompute: str = "none"  # "none" | "selective" | "full"
     run_dir: str = "runs/default"
     log_interval: int = 1

@@ -44,6 +44,7 @@ from core.kernels import fp8_wgrad as kwgrad
 from core.kernels import grouped_mm_wgrad
 from core.kernels.grouped_gemm import grouped_mm_wgrad_into_
 from core.kernels.library import custom_op, kernel_library, report_once
+from core.fp8_cache import WEIGHT_CACHE
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ def _pad_rows(t: Tensor, multiple: int = ROW_ALIGN) -> Tensor:
     """Zero rows up to a multiple: zeros change neither a block's amax nor a product's sum."""
     extra = -t.shape[0] % multiple
     return F.pad(t, (0, 0, 0, extra)) if extra else t
+
+
+def _weight_blocks(w: Tensor, transpose: bool = False) -> tuple[Tensor, Tensor]:
+    """quantize_128x128(w, transpose), once per optimizer step for the trainer's weights
+    (core/fp8_cache.py; `train.fp8_weight_cache`)."""
+    return WEIGHT_CACHE.quantize(w, transpose, kfp8.quantize_128x128)
 
 
 def _as_operand(dy: Tensor, dtype: torch.dtype) -> Tensor:
@@ -106,7 +113,7 @@ def _linear(x: Tensor, weight: Tensor) -> Tensor:
     """y = x W^T with x [M, K] (2-D), W [N, K]; forward, dgrad and wgrad GEMMs in FP8."""
     _note_device(x)
     # The kernels read dense rows; anything else would take the slow fallback.
-    return fp8_matmul_fwd(x.contiguous(), *kfp8.quantize_128x128(weight)).to(x.dtype)
+    return fp8_matmul_fwd(x.contiguous(), *_weight_blocks(weight)).to(x.dtype)
 
 
 @_linear.register_fake
@@ -117,7 +124,7 @@ def _(x, weight):
 @custom_op("fp8_linear_dgrad")
 def _linear_dgrad(dy: Tensor, weight: Tensor) -> Tensor:
     """dy W: W^T quantised in one transposing pass (the forward's 128x128 blocks and scales)."""
-    return fp8_matmul_dgrad(dy, *kfp8.quantize_128x128(weight, transpose=True)).to(dy.dtype)
+    return fp8_matmul_dgrad(dy, *_weight_blocks(weight, transpose=True)).to(dy.dtype)
 
 
 @_linear_dgrad.register_fake
@@ -212,7 +219,7 @@ def _grouped(x: Tensor, w: Tensor, offsets: Tensor, expert_wgrad: str) -> Tensor
     """Rows of group g times w[g] for experts w [G, in, out]; all three GEMMs in FP8 (the
     weight gradient as `expert_wgrad` says)."""
     _note_device(x)
-    return fp8_grouped_fwd(x.contiguous(), *kfp8.quantize_128x128(w, transpose=True), offsets).to(x.dtype)
+    return fp8_grouped_fwd(x.contiguous(), *_weight_blocks(w, transpose=True), offsets).to(x.dtype)
 
 
 @_grouped.register_fake
@@ -222,7 +229,7 @@ def _(x, w, offsets, expert_wgrad):
 
 @custom_op("fp8_grouped_dgrad")
 def _grouped_dgrad(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    return fp8_grouped_dgrad(dy, *kfp8.quantize_128x128(w), offsets).to(dy.dtype)
+    return fp8_grouped_dgrad(dy, *_weight_blocks(w), offsets).to(dy.dtype)
 
 
 @_grouped_dgrad.register_fake

@@ -115,5 +115,20 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion)
+    if precision == "fp8":
+        _cache_fp8_weights(model, dp, config)
     optimizer, scheduler = build_optimizer(dp, t)
     return model, optimizer, scheduler, GradControl(dp, mesh, model, pipeline=stage)
+
+
+def _cache_fp8_weights(model: nn.Module, dp, config: Config) -> None:
+    """Quantise each FP8 weight once per step when a step runs several micro-batches (with one,
+    the forward and dgrad layouts are never reused and the cache would only cost memory)."""
+    from core.config import grad_accum_steps
+    from core.fp8_cache import WEIGHT_CACHE
+
+    if config.train.fp8_weight_cache and grad_accum_steps(config) > 1:
+        WEIGHT_CACHE.track(p for p in model.parameters() if p.requires_grad)
+        dp.on_new_weights.append(WEIGHT_CACHE.clear)
+    else:
+        WEIGHT_CACHE.track([])

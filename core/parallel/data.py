@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -243,6 +244,9 @@ class DataParallel:
         self._finished = False
         self._next = 0
         self.pending_grad_scale: torch.Tensor | None = None  # a clip factor the optimizer applies
+        # Called after gather_params() wrote new weights (through .data, unseen by version
+        # counters): e.g. core.fp8_cache drops the quantised weights it keeps for the step.
+        self.on_new_weights: list[Callable[[], None]] = []
         self.slots = self._make_slots(model)
         if not self.slots:
             raise ValueError("the model has no parameters that require gradients")
@@ -447,6 +451,8 @@ class DataParallel:
             work.wait()
             skip = bucket.rank if all(s.master_is_param for s in bucket.slots) else None
             bucket.unpack_params(recv, skip)
+        for callback in self.on_new_weights:
+            callback()
 
     def local_grads(self) -> list[torch.Tensor]:
         """The reduced gradients this rank's optimizer consumes (ZeRO chunks or full grads)."""

@@ -1,0 +1,177 @@
+"""FP8 weight cache (core/fp8_cache.py): quantise each weight once per optimizer step.
+
+Proof by the real trainer path (`parallelize`: bf16 params, fp32 masters, FP8 GEMMs emulated
+on CPU): with several micro-batches per step the cached run is bit-identical to the uncached
+one over several optimizer steps, while the cache answered most quantisations; and a cache
+that is not cleared after the optimizer step gives a different run (so the comparison sees
+stale weights). Then the cache's own rules: what it refuses to cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import Config, ModelConfig, MoEConfig
+from core.fp8_cache import WEIGHT_CACHE, Fp8WeightCache
+from core.kernels import fp8 as kfp8
+from core.loss import cross_entropy_sum
+from core.model import build_model
+
+ACCUM, STEPS = 3, 3
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    torch.set_num_threads(1)
+    WEIGHT_CACHE.track([])
+    WEIGHT_CACHE.stats.update(hits=0, misses=0)
+    yield
+    WEIGHT_CACHE.track([])
+
+
+def _batches(vocab: int, steps: int, accum: int, seq: int = 64):
+    from core.model import AttentionMeta
+
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps * accum):
+        rows = torch.randint(0, vocab, (2, seq + 1), generator=gen)
+        meta = AttentionMeta(cu_seqlens=torch.tensor([0, seq, 2 * seq], dtype=torch.int32), max_seqlen=seq)
+        out.append((rows[:, :-1].reshape(-1), rows[:, 1:].reshape(-1), torch.arange(seq).repeat(2), meta))
+    return out
+
+
+def _train(cache: bool, clear_after_step: bool = True, device: str = "cpu",
+           compile_blocks: bool = False) -> tuple[list[float], list[torch.Tensor]]:
+    from core.mesh import ParallelMesh
+    from core.parallel import parallelize
+
+    moe = MoEConfig(num_experts=4, top_k=2, ffn_dim=128, num_shared_experts=1, first_k_dense=1)
+    cfg = ModelConfig(vocab_size=256, dim=128, num_layers=2, num_heads=4, num_kv_heads=4, ffn_dim=384, moe=moe)
+    config = Config(model=cfg)
+    t = config.train
+    t.precision, t.lr, t.warmup_steps, t.fp8_weight_cache = "fp8", 1e-2, 1, cache
+    t.micro_batch_size, t.global_batch_size = 2, 2 * ACCUM
+    t.compile = compile_blocks
+    config.parallel.dp = 1
+    torch._dynamo.reset()
+    model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=0), ParallelMesh.build(device_type=device),
+                                                     config, torch.device(device), "fp8")
+    if not clear_after_step:
+        grads.dp.on_new_weights.remove(WEIGHT_CACHE.clear)
+    from core.model import AttentionMeta
+
+    batches = iter(_batches(cfg.vocab_size, STEPS, ACCUM))
+    losses = []
+    for _ in range(STEPS):
+        total = 0.0
+        for micro in range(ACCUM):
+            tokens, labels, positions, meta = (t.to(device) if torch.is_tensor(t) else t for t in next(batches))
+            meta = AttentionMeta(meta.cu_seqlens.to(device), meta.max_seqlen)
+            with grads.sync_context(last=micro == ACCUM - 1):
+                loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
+                (loss_sum / (count * ACCUM)).backward()
+            total += loss_sum.item() / count.item() / ACCUM
+        grads.finish_and_clip(1.0)
+        optimizer.step()
+        scheduler.step()
+        grads.zero_grad()
+        losses.append(total)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_cached_weights_train_exactly_like_uncached():
+    ref_losses, ref_params = _train(cache=False)
+    assert not WEIGHT_CACHE.enabled and WEIGHT_CACHE.stats == {"hits": 0, "misses": 0}
+    losses, params = _train(cache=True)
+    # The same quantisation of the same weights: bit-identical, not merely close.
+    assert losses == ref_losses
+    for p, ref in zip(params, ref_params):
+        assert torch.equal(p, ref)
+    # 17 FP8 weights (2 x 4 attention, 3 dense FFN, 3 shared expert, the experts' w1 / w2 / w3) x
+    # 2 layouts (forward, dgrad): quantised on each step's first micro-batch, reused on the rest.
+    assert WEIGHT_CACHE.stats == {"misses": STEPS * 17 * 2, "hits": STEPS * 17 * 2 * (ACCUM - 1)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cached_weights_on_the_gpu_with_compiled_blocks():
+    # The kernels' quantisers, compiled blocks (their FP8 linears get the parameters as graph
+    # inputs) and the shared experts on a side stream: every weight is still found in the cache.
+    ref_losses, ref_params = _train(cache=False, device="cuda", compile_blocks=True)
+    losses, params = _train(cache=True, device="cuda", compile_blocks=True)
+    assert WEIGHT_CACHE.stats == {"misses": STEPS * 17 * 2, "hits": STEPS * 17 * 2 * (ACCUM - 1)}
+    # Routing's scatter-adds may order their sums differently from run to run on the GPU.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
+    for p, ref in zip(params, ref_params):
+        torch.testing.assert_close(p.float(), ref.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_a_cache_kept_past_the_optimizer_step_changes_the_run():
+    # The negative control: without the clear after the weight update, the next step's GEMMs use
+    # the previous step's weights, and the run leaves the uncached one.
+    ref_losses, _ = _train(cache=False)
+    stale_losses, _ = _train(cache=True, clear_after_step=False)
+    assert stale_losses[0] == ref_losses[0]
+    assert stale_losses[1:] != ref_losses[1:]
+
+
+def test_one_micro_batch_per_step_does_not_cache():
+    from core.mesh import ParallelMesh
+    from core.parallel import parallelize
+
+    cfg = ModelConfig(vocab_size=256, dim=128, num_layers=1, num_heads=4, num_kv_heads=4, ffn_dim=256)
+    config = Config(model=cfg)
+    config.train.precision, config.parallel.dp = "fp8", 1
+    config.train.micro_batch_size = config.train.global_batch_size = 2
+    parallelize(build_model(cfg, seed=0), ParallelMesh.build(device_type="cpu"), config, torch.device("cpu"), "fp8")
+    assert not WEIGHT_CACHE.enabled
+
+
+def test_cache_rules():
+    cache = Fp8WeightCache()
+    calls = []
+
+    def quantiser(w, transpose):
+        calls.append(transpose)
+        return kfp8.quantize_128x128(w, transpose)
+
+    w = torch.nn.Parameter(torch.randn(256, 128, dtype=torch.bfloat16))
+    other = torch.randn(256, 128, dtype=torch.bfloat16)
+    assert not cache.enabled
+    cache.quantize(w, False, quantiser)
+    cache.quantize(w, False, quantiser)
+    assert len(calls) == 2  # nothing tracked: nothing cached
+
+    cache.track([w])
+    first = cache.quantize(w, False, quantiser)
+    again = cache.quantize(w, False, quantiser)
+    assert again[0] is first[0] and len(calls) == 3
+    cache.quantize(w, True, quantiser)  # the other layout is its own entry
+    assert len(calls) == 4
+    assert cache.cached_bytes() == 2 * (w.numel() + 2 * 4)  # e4m3 bytes + one fp32 scale per block
+
+    cache.quantize(other, False, quantiser)  # not a tracked parameter
+    cache.quantize(w.detach()[:128], False, quantiser)  # a view of a different shape
+    assert len(calls) == 6
+
+    alias = w.detach()  # an alias of the parameter (as compiled graphs pass it): same storage, cached
+    assert cache.quantize(alias, False, quantiser)[0] is first[0] and len(calls) == 6
+
+    with torch.no_grad():
+        w.mul_(2)  # an in-place update bumps the version counter: the entry is stale
+    fresh = cache.quantize(w, False, quantiser)
+    assert len(calls) == 7 and torch.equal(fresh[1], first[1] * 2)
+
+    w.data.mul_(2)  # .data writes are invisible to the counter: the writer must clear()
+    assert cache.quantize(w, False, quantiser)[0] is fresh[0]
+    cache.clear()
+    assert torch.equal(cache.quantize(w, False, quantiser)[1], first[1] * 4) and len(calls) == 8
+    assert cache.stats == {"hits": 3, "misses": 4}, cache.stats
+
+    del w, first, again, fresh, alias  # the parameter dies: its address may be reused by anything
+    newcomer = torch.randn(256, 128, dtype=torch.bfloat16)
+    cache.quantize(newcomer, False, quantiser)
+    cache.quantize(newcomer, False, quantiser)
+    assert len(calls) == 10 and cache.stats["hits"] == 3
