@@ -89,16 +89,23 @@ def time_steps(step_fn, steps: int, warmup: int) -> float:
 
 
 def print_profile(step_fn, rows: int = 25, trace: str | None = None) -> None:
-    """Where one (warm) step's GPU time goes, by kernel: what to attack next. The trace shows
-    when the GPU idles and what the host was doing meanwhile."""
+    """Where one (warm) step's GPU time goes, by kernel: what to attack next; then when the GPU
+    idled and what the host was doing meanwhile (bench/gpu_idle.py on the step's trace)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         step_fn()
         _sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
-    if trace:
-        prof.export_chrome_trace(trace)
+    import tempfile
+
+    from bench.gpu_idle import summarise
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace or f"{tmp}/trace.json"
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            print(summarise(json.load(f), min_gap_us=20, top=25))
 
 
 def baseline_step_fn(cfg, batch, compile_model: bool, accum: int):
