@@ -30,16 +30,11 @@ def fresh_cache():
     WEIGHT_CACHE.track([])
 
 
-def _batches(vocab: int, steps: int, accum: int, seq: int = 64):
-    from core.model import AttentionMeta
+def _batches(vocab: int, steps: int, accum: int, device: str, seq: int = 64):
+    from bench.fp8_training import packed
 
     gen = torch.Generator().manual_seed(3)
-    out = []
-    for _ in range(steps * accum):
-        rows = torch.randint(0, vocab, (2, seq + 1), generator=gen)
-        meta = AttentionMeta(cu_seqlens=torch.tensor([0, seq, 2 * seq], dtype=torch.int32), max_seqlen=seq)
-        out.append((rows[:, :-1].reshape(-1), rows[:, 1:].reshape(-1), torch.arange(seq).repeat(2), meta))
-    return out
+    return [packed(torch.randint(0, vocab, (2, seq + 1), generator=gen), device) for _ in range(steps * accum)]
 
 
 def _train(cache: bool, clear_after_step: bool = True, device: str = "cpu",
@@ -60,15 +55,12 @@ def _train(cache: bool, clear_after_step: bool = True, device: str = "cpu",
                                                      config, torch.device(device), "fp8")
     if not clear_after_step:
         grads.dp.on_new_weights.remove(WEIGHT_CACHE.clear)
-    from core.model import AttentionMeta
-
-    batches = iter(_batches(cfg.vocab_size, STEPS, ACCUM))
+    batches = iter(_batches(cfg.vocab_size, STEPS, ACCUM, device))
     losses = []
     for _ in range(STEPS):
         total = 0.0
         for micro in range(ACCUM):
-            tokens, labels, positions, meta = (t.to(device) if torch.is_tensor(t) else t for t in next(batches))
-            meta = AttentionMeta(meta.cu_seqlens.to(device), meta.max_seqlen)
+            tokens, labels, positions, meta = next(batches)
             with grads.sync_context(last=micro == ACCUM - 1):
                 loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
                 (loss_sum / (count * ACCUM)).backward()
