@@ -38,7 +38,8 @@ import torch.distributed as dist  # noqa: E402
 from core.attention import varlen_attention  # noqa: E402
 from core.config import ModelConfig  # noqa: E402
 from core.loss import cross_entropy_sum  # noqa: E402
-from core.model import AttentionMeta, build_model  # noqa: E402
+from core.layers import AttentionMeta  # noqa: E402
+from core.model import build_model  # noqa: E402
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs, shard_for_cp  # noqa: E402
 from core.parallel.ring_attention import block_backward, block_forward, ring_attention  # noqa: E402
 from dataservice.cp_plan import CostModel, H200_COST, plan_static, plan_step  # noqa: E402

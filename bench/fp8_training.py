@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from core.config import Config, ModelConfig, MoEConfig  # noqa: E402
 from core.loss import cross_entropy_sum  # noqa: E402
 from core.fp8 import EXPERT_WGRAD_ENV  # noqa: E402
-from core.model import AttentionMeta, build_model  # noqa: E402
+from core.layers import AttentionMeta  # noqa: E402
+from core.model import build_model  # noqa: E402
 from dataservice.build import corpus_loss_floor  # noqa: E402
 
 # Every GEMM dimension of the blocks is a multiple of 128, so every block GEMM runs in FP8.
@@ -126,7 +127,7 @@ def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, bat
               log_every: int = 0, compile_model: bool = False, profile: bool = False) -> RunResult:
     """Train a fresh model (`build_model(cfg, seed)`) for `steps` steps; the batches depend only on `seed`."""
     from core.mesh import ParallelMesh
-    from core.parallel import parallelize
+    from core.parallelize import parallelize
 
     torch._dynamo.reset()  # each run compiles afresh: no shapes marked dynamic by an earlier run
     config = Config(model=cfg)

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import ModelConfig, MoEConfig  # noqa: E402
-from core.model import FeedForward  # noqa: E402
+from core.layers import FeedForward  # noqa: E402
 from moe.experts import grouped_mm_loop  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
 

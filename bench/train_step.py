@@ -31,8 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from core.config import Config, ModelConfig  # noqa: E402
 from core.loss import cross_entropy_sum  # noqa: E402
 from core.metrics import PEAK_FLOPS, flops_per_token  # noqa: E402
-from core.model import AttentionMeta, build_model  # noqa: E402
-from core.train import count_params  # noqa: E402
+from core.layers import AttentionMeta  # noqa: E402
+from core.model import build_model  # noqa: E402
+from core.model import count_params  # noqa: E402
 
 
 def model_config(layers: int, moe: bool) -> ModelConfig:
@@ -131,7 +132,7 @@ def baseline_step_fn(cfg, batch, compile_model: bool, accum: int):
 
 def tessera_step_fn(cfg, batch, args):
     from core.mesh import ParallelMesh
-    from core.parallel import parallelize
+    from core.parallelize import parallelize
 
     config = Config(model=cfg)
     config.train.recompute = args.recompute

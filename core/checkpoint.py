@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from core import placement
 from core.mesh import ParallelMesh
 from core.parallel.data import ParamSlot
 
@@ -66,22 +67,22 @@ def _meshes(mesh: ParallelMesh) -> dict:
 
 def _global_shape(param: torch.Tensor, mesh: ParallelMesh) -> list[int]:
     """Shape before every split: `ep_full_shape` for experts, else `tp_full_shape`."""
-    if getattr(param, "expert_parallel", False):
-        if getattr(param, "ep_full_shape", None) is not None:
-            return list(param.ep_full_shape)
-        shape = list(getattr(param, "tp_full_shape", None) or param.shape)
-        shape[getattr(param, "ep_shard_dim", 0)] *= mesh.ep
+    if placement.is_expert(param):
+        if placement.ep_full_shape(param) is not None:
+            return list(placement.ep_full_shape(param))
+        shape = list(placement.tp_full_shape(param))
+        shape[placement.ep_shard_dim(param)] *= mesh.ep
         return shape
-    return list(getattr(param, "tp_full_shape", None) or param.shape)
+    return list(placement.tp_full_shape(param))
 
 
 def _placements(param: torch.Tensor, zero_dim: int | None, with_dp: bool) -> list:
     from torch.distributed.tensor import Replicate, Shard
 
-    tp_dim = getattr(param, "tp_shard_dim", None)
+    tp_dim = placement.tp_shard_dim(param)
     out = [Shard(tp_dim) if tp_dim is not None else Replicate()]
-    if getattr(param, "expert_parallel", False):
-        out.insert(0, Shard(getattr(param, "ep_shard_dim", 0)))
+    if placement.is_expert(param):
+        out.insert(0, Shard(placement.ep_shard_dim(param)))
     if with_dp:
         out.insert(0, Shard(zero_dim) if zero_dim is not None else Replicate())
     return out
@@ -93,7 +94,7 @@ def _as_global(local: torch.Tensor, param: torch.Tensor, mesh: ParallelMesh, mes
         return local
     from torch.distributed.tensor import DTensor
 
-    expert = getattr(param, "expert_parallel", False)
+    expert = placement.is_expert(param)
     device_mesh = meshes[("expert" if with_dp else "expert_model") if expert else ("dense" if with_dp else "tp")]
     shape = _global_shape(param, mesh)
     stride = torch.empty(shape, device="meta").stride()

@@ -12,7 +12,10 @@ import os
 import subprocess
 import sys
 
+import torch.distributed as dist
+
 from core.config import ConfigError, load_config, resolve_layout
+from core.trainer import train
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,16 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         return _launch_local(args, argv)
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="[%(name)s] %(message)s")
-    from core.train import train
-
     try:
         train(config, resume=args.resume)
     except ConfigError as err:
         print(f"tessera-train: error: {err}", file=sys.stderr)
         return 2
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.parallel.schedules import check_schedule, partition_layers
+from dataservice.cp_plan import CostModel
+
 
 class ConfigError(ValueError):
     """A configuration the run cannot start with; the message is meant for the user."""
@@ -260,8 +263,6 @@ def resolve_layout(config: Config, world_size: int) -> Config:
     if p.sequence_parallel and p.tp > 1 and p.cp == 1 and not p.dynamic_cp and (t.micro_batch_size * t.seq_len) % p.tp:
         raise ConfigError("micro_batch_size*seq_len must be divisible by parallel.tp for sequence parallelism")
     if p.pp > 1:
-        from core.parallel.schedules import check_schedule, partition_layers
-
         try:
             check_schedule(p.pp_schedule, p.pp, p.pp_virtual_stages)
             partition_layers(m.num_layers, p.pp * p.pp_virtual_stages, p.pp_first_stage_layers, p.pp_last_stage_layers)
@@ -288,8 +289,6 @@ def resolve_layout(config: Config, world_size: int) -> Config:
 
 
 def _check_cp_cost(config: Config) -> None:
-    from dataservice.cp_plan import CostModel
-
     if not config.data.dataset:
         raise ConfigError("data.cp_cost is the cost model of the trainer's own server (data.dataset); a running "
                           "service (data.address) takes it as `tessera-data serve --cp-cost FILE`")

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from core.config import Config
+from core.layers import AttentionMeta
 from core.mesh import ParallelMesh
-from core.model import AttentionMeta
+from dataservice.client import DataClient
 
 
 @dataclass
@@ -89,8 +90,6 @@ def open_stream(config: Config, mesh: ParallelMesh, address: str, resume_token: 
     """This rank's stream: every tp/cp/pp peer of a data-parallel rank reads the same rows
     (the service is deterministic), so no broadcast inside the model-parallel group. With
     dynamic CP every tp/pp peer of a (dp, cp) rank reads the same plan entries."""
-    from dataservice.client import DataClient
-
     t, p = config.train, config.parallel
     # Dynamic CP: the stream of this (dp, cp) rank carries its entries of each step's plan.
     cp = dict(cp_rank=mesh.coordinate("cp"), cp_size=mesh.size("cp"), dynamic_cp=True,

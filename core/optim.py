@@ -18,6 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from core import placement
 from core.mesh import ParallelMesh
 from core.parallel.data import DataParallel
 
@@ -168,7 +169,7 @@ def clip_grad_norm_(dp: DataParallel, max_norm: float | None, mesh: ParallelMesh
     counted = [
         s.shard_grad for s in dp.slots
         if s.counts_in_norm
-        and (getattr(s.param, "tp_shard_dim", None) is not None or tp_rank == 0)
+        and (placement.tp_shard_dim(s.param) is not None or tp_rank == 0)
         and not getattr(s.param, "pp_tied_duplicate", False)  # the first stage counts the tied weight
     ]
     if counted:

@@ -14,6 +14,10 @@ import os
 import pathlib
 import sys
 
+from dataservice.build import BuildError, build_dataset, summary_line
+from dataservice.serve_cli import add_peek, add_serve
+from dataservice.shards import DatasetError, load_manifest, verify_dataset
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports misuse as a single line (no usage block) and exits with 2."""
@@ -51,8 +55,6 @@ def _add_build(sub) -> None:
 
 
 def _run_build(args) -> int:
-    from .build import BuildError, build_dataset, summary_line
-
     prog = "tessera-data build"
     if not args.shard_size_mb > 0:
         return _fail(prog, f"--shard-size-mb must be positive, got {args.shard_size_mb}")
@@ -135,8 +137,6 @@ def _print_human(s: dict) -> None:
 
 
 def _run_inspect(args) -> int:
-    from .shards import DatasetError, load_manifest, verify_dataset
-
     prog = "tessera-data inspect"
     path = pathlib.Path(args.dataset)
     if not path.is_dir():
@@ -167,14 +167,10 @@ def _run_inspect(args) -> int:
 # ---- serve / peek (implemented in serve_cli.py) ----------------------------------------
 
 def _add_serve(sub) -> None:
-    from .serve_cli import add_serve
-
     add_serve(sub)
 
 
 def _add_peek(sub) -> None:
-    from .serve_cli import add_peek
-
     add_peek(sub)
 
 

@@ -16,6 +16,13 @@ import sys
 import threading
 from pathlib import Path
 
+import grpc
+
+from dataservice.client import DataClient, DataServiceError
+from dataservice.cp_plan import H200_COST, CostModel
+from dataservice.server import open_datasets, serve
+from dataservice.shards import DatasetError
+
 
 def _fail(prog: str, message: str) -> int:
     sys.stderr.write(f"{prog}: error: {' '.join(str(message).split())}\n")
@@ -69,9 +76,6 @@ def add_serve(sub) -> None:
 
 def run_serve(args) -> int:
     """Serve until SIGTERM/SIGINT, then shut down gracefully and return 0."""
-    from dataservice.server import open_datasets, serve
-    from dataservice.shards import DatasetError
-
     prog = "tessera-data serve"
     if not 0 <= args.port <= 65535:
         return _fail(prog, f"--port {args.port} must be in [0, 65535]")
@@ -80,8 +84,6 @@ def run_serve(args) -> int:
     if args.grace < 0:
         return _fail(prog, f"--grace {args.grace} must be >= 0")
     try:
-        from dataservice.cp_plan import H200_COST, CostModel
-
         cp_cost = CostModel.from_json(args.cp_cost) if args.cp_cost else H200_COST
         specs = [parse_data_spec(s) for s in args.data]
         datasets = open_datasets(specs)
@@ -133,8 +135,6 @@ def _parse_blend(text: str) -> dict[str, float]:
 
 def run_peek(args) -> int:
     """Print `--steps` batches, one JSON object per line."""
-    from dataservice.client import DataClient, DataServiceError
-
     prog = "tessera-data peek"
     for name in ("seq_len", "micro_batch_size", "steps", "dp_size"):
         if getattr(args, name) < 1:
@@ -166,8 +166,6 @@ def run_peek(args) -> int:
                     "resume_token": batch.resume_token,
                 }), flush=True)
     except DataServiceError as err:
-        import grpc
-
         sys.stderr.write(f"{prog}: error: {' '.join(str(err).split())}\n")
         return 2 if err.code == grpc.StatusCode.INVALID_ARGUMENT else 1
     return 0

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core.config import ModelConfig
-from core.model import FeedForward
+from core.layers import FeedForward
 from core.parallel.comm import (
     all_gather_tokens,
     all_reduce,

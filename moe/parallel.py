@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from core import placement
 from core.mesh import ParallelMesh
 from moe.dispatcher import build_dispatcher
 from moe.layer import MoELayer, moe_layers
@@ -43,17 +44,7 @@ def _slice(full: nn.Parameter, dim: int, rank: int, size: int, what: str) -> nn.
         raise ValueError(f"{what}: size {full.shape[dim]} along dim {dim} is not divisible by {size}")
     chunk = full.shape[dim] // size
     param = nn.Parameter(full.detach().narrow(dim, rank * chunk, chunk).clone(), requires_grad=full.requires_grad)
-    for tag in ("expert_parallel", "ep_shard_dim", "ep_full_shape"):
-        if hasattr(full, tag):
-            setattr(param, tag, getattr(full, tag))
-    return param
-
-
-def _tag_tp(param: nn.Parameter, shard_dim: int | None, full_shape, partial: bool) -> None:
-    param.tp_shard_dim = shard_dim
-    param.tp_full_shape = tuple(full_shape)
-    if partial:
-        param.sequence_parallel_partial = True
+    return placement.copy_expert_tags(full, param)
 
 
 def _shard_layer(layer: MoELayer, name: str, ep: int, ep_rank: int, tp: int, tp_rank: int, etp: int) -> None:
@@ -62,17 +53,17 @@ def _shard_layer(layer: MoELayer, name: str, ep: int, ep_rank: int, tp: int, tp_
         raise ValueError(f"{name}: parallel.ep={ep} must divide num_experts={experts.num_experts}")
     for pname, tp_dim in (("w1", 2), ("w3", 2), ("w2", 1)):
         full = getattr(experts, pname)
-        full.ep_shard_dim, full.ep_full_shape = 0, tuple(full.shape)
+        placement.tag_expert(full, 0, full.shape)
         param = _slice(full, 0, ep_rank, ep, f"{name}.experts.{pname}") if ep > 1 else full
         before_tp = param.shape
         if etp > 1:
             param = _slice(param, tp_dim, tp_rank, etp, f"{name}.experts.{pname}")
-        _tag_tp(param, tp_dim if etp > 1 else None, before_tp, partial=tp > 1 and etp == 1)
+        placement.tag_tp(param, tp_dim if etp > 1 else None, before_tp, partial_grad=tp > 1 and etp == 1)
         setattr(experts, pname, param)
     experts.num_experts //= ep
     if etp > 1:
         experts.hidden //= etp
-    _tag_tp(layer.router.weight, None, layer.router.weight.shape, partial=tp > 1)
+    placement.tag_tp(layer.router.weight, None, layer.router.weight.shape, partial_grad=tp > 1)
     shared = layer.shared_experts
     if shared is not None:
         for pname, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
@@ -80,7 +71,7 @@ def _shard_layer(layer: MoELayer, name: str, ep: int, ep_rank: int, tp: int, tp_
             full = linear.weight
             if etp > 1:
                 linear.weight = _slice(full, dim, tp_rank, etp, f"{name}.shared_experts.{pname}.weight")
-            _tag_tp(linear.weight, dim if etp > 1 else None, full.shape, partial=tp > 1 and etp == 1)
+            placement.tag_tp(linear.weight, dim if etp > 1 else None, full.shape, partial_grad=tp > 1 and etp == 1)
 
 
 def apply_ep(model: nn.Module, mesh: ParallelMesh, etp: int = 1, sequence_parallel: bool = True,
@@ -119,7 +110,7 @@ def expert_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.P
     """(expert-parallel parameters, all others): the first reduce over "edp", the rest over "dp_cp"."""
     expert, other = [], []
     for param in model.parameters():
-        (expert if getattr(param, "expert_parallel", False) else other).append(param)
+        (expert if placement.is_expert(param) else other).append(param)
     return expert, other
 
 

@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 from core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from core.config import ModelConfig, MoEConfig
 from core.mesh import ParallelMesh
-from core.model import AttentionMeta, build_model
+from core.layers import AttentionMeta
+from core.model import build_model
 from core.optim import AdamW, clip_grad_norm_
 from core.parallel.data import apply_data_parallel
 from tests.distributed import free_port, run_distributed

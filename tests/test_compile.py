@@ -13,8 +13,9 @@ import torch
 
 from core.config import ModelConfig, MoEConfig
 from core.loss import cross_entropy_sum
-from core.model import AttentionMeta, build_model
-from core.parallel import COMPILE_BACKEND_ENV, compile_blocks
+from core.layers import AttentionMeta
+from core.model import build_model
+from core.parallelize import COMPILE_BACKEND_ENV, compile_blocks
 from moe.layer import moe_metrics, set_moe_sequences
 
 

@@ -51,7 +51,7 @@ def packed_batch(lengths: list[int], pad: int = 0, seed: int = 0):
 
 def reference(batch):
     """Single process: (loss sum, {name: grad}) of the plain GPT on the whole batch."""
-    from core.model import AttentionMeta
+    from core.layers import AttentionMeta
 
     tokens, labels, positions, cu = batch
     model = build_model(CFG, seed=SEED)

@@ -24,7 +24,8 @@ from torch import nn
 
 from core.config import ModelConfig
 from core.mesh import ParallelMesh
-from core.model import AttentionMeta, build_model
+from core.layers import AttentionMeta
+from core.model import build_model
 from core.optim import AdamW, WarmupCosine, clip_grad_norm_, uses_weight_decay
 from core.parallel.data import apply_data_parallel, chunk_bounds, zero_shard_dim
 from tests.distributed import run_distributed

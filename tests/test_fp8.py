@@ -35,6 +35,7 @@ from torch import nn
 from core import fp8
 from core.config import ModelConfig, MoEConfig
 from core.model import build_model
+from core.parallelize import apply_fp8
 from core.parallel.tensor import ColumnParallelLinear
 from moe.experts import GroupedExperts
 
@@ -209,7 +210,7 @@ def test_apply_fp8_swaps_block_gemms_only_and_keeps_names(caplog):
     attn = model.layers["0"].attention
     attn.wq = ColumnParallelLinear(attn.wq.weight, None, None, "none")
     with caplog.at_level(logging.WARNING, logger="core.fp8"):
-        plan = fp8.apply_fp8(model)
+        plan = apply_fp8(model)
     # wk/wv are [64, 128] (2 kv heads of 32): bf16, named in one warning line.
     assert {n for n, how in plan.items() if how == "bf16"} == {f"layers.{i}.attention.{p}" for i in "01" for p in ("wk", "wv")}
     warnings = [r.getMessage() for r in caplog.records if "keep bf16" in r.getMessage()]
@@ -225,7 +226,7 @@ def test_apply_fp8_swaps_block_gemms_only_and_keeps_names(caplog):
     assert list(model.state_dict()) == names  # checkpoints keep their names ...
     assert all(p is params[n] for n, p in model.named_parameters())  # ... and the very parameters
     with pytest.raises(ValueError, match="applied twice"):
-        fp8.apply_fp8(model)
+        apply_fp8(model)
 
 
 def _tp_layer_worker(rank: int, world: int):
@@ -270,18 +271,18 @@ def test_fp8_tensor_parallel_layers_equal_single_rank():
 
 def test_apply_fp8_bad_input(monkeypatch):
     with pytest.raises(ValueError, match="needs a core.model.GPT"):
-        fp8.apply_fp8(nn.Linear(128, 128))
+        apply_fp8(nn.Linear(128, 128))
     with pytest.raises(ValueError, match="expert_wgrad='fp16' must be one of"):
-        fp8.apply_fp8(build_model(_moe_config(), seed=0), expert_wgrad="fp16")
+        apply_fp8(build_model(_moe_config(), seed=0), expert_wgrad="fp16")
     monkeypatch.setenv(fp8.EXPERT_WGRAD_ENV, "e5m2")
     with pytest.raises(ValueError, match="TESSERA_FP8_EXPERT_WGRAD='e5m2' must be one of"):
-        fp8.apply_fp8(build_model(_moe_config(), seed=0))
+        apply_fp8(build_model(_moe_config(), seed=0))
 
 
 def test_fp8_model_forward_backward_close_to_bf16(corpus):
     cfg = _moe_config(num_kv_heads=4)  # every block GEMM in FP8
     ref, model = build_model(cfg, seed=0).bfloat16(), build_model(cfg, seed=0).bfloat16()
-    plan = fp8.apply_fp8(model)
+    plan = apply_fp8(model)
     assert set(plan.values()) == {"fp8"}
     from bench.fp8_training import packed
 

@@ -40,7 +40,7 @@ def _batches(vocab: int, steps: int, accum: int, device: str, seq: int = 64):
 def _train(cache: bool, clear_after_step: bool = True, device: str = "cpu",
            compile_blocks: bool = False) -> tuple[list[float], list[torch.Tensor]]:
     from core.mesh import ParallelMesh
-    from core.parallel import parallelize
+    from core.parallelize import parallelize
 
     moe = MoEConfig(num_experts=4, top_k=2, ffn_dim=128, num_shared_experts=1, first_k_dense=1)
     cfg = ModelConfig(vocab_size=256, dim=128, num_layers=2, num_heads=4, num_kv_heads=4, ffn_dim=384, moe=moe)
@@ -111,7 +111,7 @@ def test_a_cache_kept_past_the_optimizer_step_changes_the_run():
 
 def test_one_micro_batch_per_step_does_not_cache():
     from core.mesh import ParallelMesh
-    from core.parallel import parallelize
+    from core.parallelize import parallelize
 
     cfg = ModelConfig(vocab_size=256, dim=128, num_layers=1, num_heads=4, num_kv_heads=4, ffn_dim=256)
     config = Config(model=cfg)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from core.config import ConfigError, ModelConfig, load_config, resolve_layout
-from core.model import AttentionMeta, build_model
+from core.layers import AttentionMeta
+from core.model import build_model
 from core.attention import varlen_attention
 
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from core.config import ModelConfig, MoEConfig
 from core.loss import cross_entropy_sum
 from core.mesh import ParallelMesh
-from core.model import AttentionMeta, build_model
+from core.layers import AttentionMeta
+from core.model import build_model
 from moe.layer import moe_layers, set_moe_loss_scale, set_moe_sequences
 from moe.parallel import apply_ep, reduce_moe_grads
 from tests.distributed import run_distributed

@@ -31,7 +31,7 @@ from torch import nn
 
 from core.attention import varlen_attention
 from core.mesh import ParallelMesh
-from core.model import AttentionMeta
+from core.layers import AttentionMeta
 from core.parallel.ring_attention import CPLayout, ring_attention
 
 __all__ = ["CPInputs", "CPLayout", "shard_for_cp", "RingCoreAttention", "apply_cp", "CPSubgroups",

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core import placement
 from core.kernels.fused import accumulate_fp32_
 from core.mesh import ParallelMesh
 
@@ -63,9 +64,9 @@ def chunk_bounds(size: int, parts: int) -> list[tuple[int, int]]:
 def zero_shard_dim(param: torch.Tensor) -> int | None:
     """The dim ZeRO-1 chunks a parameter along: the first one that tensor parallelism
     (`tp_shard_dim`) and expert parallelism (`ep_shard_dim`, default 0) leave whole."""
-    taken = {getattr(param, "tp_shard_dim", None)}
-    if getattr(param, "expert_parallel", False):
-        taken.add(getattr(param, "ep_shard_dim", 0))
+    taken = {placement.tp_shard_dim(param)}
+    if placement.is_expert(param):
+        taken.add(placement.ep_shard_dim(param))
     for dim in range(param.dim()):
         if dim not in taken:
             return dim
@@ -82,7 +83,7 @@ class ParamSlot:
         if sharded and self.shard_dim is None:
             raise ValueError(
                 f"parameter '{name}' of shape {tuple(param.shape)} has no dim left for the distributed optimizer "
-                f"(tp_shard_dim={getattr(param, 'tp_shard_dim', None)}); use parallel.distributed_optimizer=false"
+                f"(tp_shard_dim={placement.tp_shard_dim(param)}); use parallel.distributed_optimizer=false"
             )
         size = param.shape[self.shard_dim] if sharded else 0
         # Without sharding the "chunk" of every rank is the whole parameter.
@@ -267,7 +268,7 @@ class DataParallel:
         for name, param in model.named_parameters():  # deduplicated: tied weights once
             if not param.requires_grad:
                 continue
-            group_name = "edp" if getattr(param, "expert_parallel", False) else "dp_cp"
+            group_name = "edp" if placement.is_expert(param) else "dp_cp"
             group = self.mesh.group(group_name)
             size = dist.get_world_size(group) if group is not None else 1
             rank = dist.get_rank(group) if group is not None else 0
@@ -399,7 +400,7 @@ class DataParallel:
     def _sum_sequence_parallel_grads(self) -> None:
         # LayerNorm-like weights under sequence parallelism see only this TP rank's tokens; their
         # (already DP-reduced) grads are partial sums over TP. Chunks match across TP ranks.
-        grads = [s.shard_grad for s in self.slots if getattr(s.param, "sequence_parallel_partial", False)]
+        grads = [s.shard_grad for s in self.slots if placement.is_sequence_parallel_partial(s.param)]
         if not grads or self.mesh.tp == 1 or not self.mesh.distributed:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])

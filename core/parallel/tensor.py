@@ -49,8 +49,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from core import placement
 from core.mesh import ParallelMesh
-from core.model import GPT, Attention, FeedForward
+from core.layers import Attention, FeedForward
 from core.parallel.comm import (
     all_gather_tokens,
     copy_to_group,
@@ -65,17 +66,11 @@ def _shard(full: torch.Tensor, dim: int, rank: int, size: int, what: str) -> nn.
         raise ValueError(f"{what}: size {full.shape[dim]} along dim {dim} is not divisible by tp={size}")
     chunk = full.shape[dim] // size
     param = nn.Parameter(full.detach().narrow(dim, rank * chunk, chunk).clone(), requires_grad=full.requires_grad)
-    param.tp_shard_dim = dim
-    param.tp_full_shape = tuple(full.shape)
-    return param
+    return placement.tag_tp(param, dim, full.shape)
 
 
 def _replicated(param: nn.Parameter, partial_grad: bool) -> nn.Parameter:
-    param.tp_shard_dim = None
-    param.tp_full_shape = tuple(param.shape)
-    if partial_grad:
-        param.sequence_parallel_partial = True
-    return param
+    return placement.tag_tp(param, None, param.shape, partial_grad)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -188,7 +183,7 @@ def _check_heads(attn: Attention, tp: int, prefix: str) -> None:
             )
 
 
-def apply_tp(model: GPT, mesh: ParallelMesh, sequence_parallel: bool = True) -> GPT:
+def apply_tp(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool = True) -> nn.Module:
     """Shard `model` in place over the mesh's "tp" group (see the module docstring); returns it.
 
     Works on a pipeline stage too: missing layers and `None` embeddings/norm/output are skipped.
@@ -247,7 +242,7 @@ def apply_tp(model: GPT, mesh: ParallelMesh, sequence_parallel: bool = True) -> 
     # Everything else not sharded above is replicated over TP; foreign modules that tagged
     # their own parameters keep their tags.
     for param in model.parameters():
-        if not hasattr(param, "tp_shard_dim"):
+        if not placement.has_tp_tags(param):
             _replicated(param, partial_grad=False)
     return model
 
@@ -261,7 +256,7 @@ def sync_sequence_parallel_grads(model: nn.Module, mesh: ParallelMesh) -> None:
     group = mesh.group("tp")
     if mesh.size("tp") == 1 or group is None:
         return
-    params = [p for p in model.parameters() if getattr(p, "sequence_parallel_partial", False) and p.requires_grad]
+    params = [p for p in model.parameters() if placement.is_sequence_parallel_partial(p) and p.requires_grad]
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
         if p.grad is None:  # keep the flat layout identical on every rank

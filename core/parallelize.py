@@ -1,0 +1,179 @@
+"""Where the parallelisms compose: one function applies each step to the plain model in order.
+
+    tensor (+sequence) -> experts -> context -> fp8 GEMMs -> pipeline split -> recompute -> device/compile
+    -> data (+ZeRO-1)
+
+Each step is a function of its own module that rewrites the plain model in place; this
+module only fixes their order and hands the Trainer what it needs. It sits above both
+`core` and `moe`: the only place besides the model assembly that knows both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from core import fp8
+from core.config import Config, grad_accum_steps
+from core.fp8_cache import WEIGHT_CACHE
+from core.mesh import ParallelMesh
+from core.optim import build_optimizer, clip_grad_norm_
+from core.parallel.context import apply_cp
+from core.parallel.data import DataParallel, apply_data_parallel
+from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_data_parallel
+from core.parallel.recompute import apply_recompute
+from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear, apply_tp
+from moe.experts import GroupedExperts
+from moe.layer import moe_layers, update_expert_bias
+from moe.parallel import apply_ep
+
+log = logging.getLogger(__name__)
+
+COMPILE_BACKEND_ENV = "TESSERA_COMPILE_BACKEND"
+
+
+def compile_blocks(chunks: list[nn.Module]) -> None:
+    """torch.compile each transformer block, with static shapes.
+
+    A micro-batch's token count is fixed by the packer, so static shapes cost one graph for
+    training and one per other size met (held-out batches, dynamic-CP shares); dynamic-shape
+    recompiles crashed inside inductor's generated code on an H100 (docs/fp8.md). What
+    changes with every batch stays outside the graphs: the attention core (document
+    boundaries) and the MoE dispatch and experts (row counts per expert).
+    TESSERA_COMPILE_BACKEND picks another backend ("aot_eager" to bisect an inductor bug)."""
+    backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+    for chunk in chunks:
+        for block in chunk.layers.values():
+            block.compile(backend=backend, dynamic=False)
+
+
+@dataclass
+class GradControl:
+    """The loop's handle on gradients: when to communicate, when to clip, when to clear."""
+
+    dp: DataParallel
+    mesh: ParallelMesh
+    model: nn.Module
+    pipeline: PipelineStage | None = None  # when pp > 1
+
+    uses_autocast: bool = False  # params are already in the compute dtype
+
+    def sync_context(self, last: bool):
+        """Micro-batches before the last accumulate without communication."""
+        return contextlib.nullcontext() if last else self.dp.no_sync()
+
+    def finish_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Wait for the reductions, then clip by the global norm over every parallel group (the
+        factor is applied by the optimizer step that follows, inside its own pass)."""
+        self.dp.finish_grad_sync()
+        _after_grad_sync(self.model, self.mesh)
+        return clip_grad_norm_(self.dp, max_norm, self.mesh, defer=True)
+
+    def zero_grad(self) -> None:
+        self.dp.zero_grad()
+
+
+def _after_grad_sync(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Expert-bias updates read loads that are final only once the step's grads are in."""
+    if moe_layers(model):
+        update_expert_bias(model, mesh)
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: torch.device, precision: str):
+    """Apply every configured parallelism; returns (model, optimizer, scheduler, grads)."""
+    p, t = config.parallel, config.train
+    if mesh.tp > 1:
+        apply_tp(model, mesh, sequence_parallel=p.sequence_parallel)
+    if config.model.moe.num_experts:
+        apply_ep(model, mesh, etp=p.etp, sequence_parallel=p.sequence_parallel)
+    if mesh.cp > 1:
+        apply_cp(model, mesh)
+    if precision == "fp8":  # after TP/EP: it reads the local shards' shapes
+        apply_fp8(model)
+    stage = None
+    chunks = [model]
+    if mesh.pp > 1:
+        stage = build_pipeline_stage(model, mesh, config)
+        tie_for_data_parallel(stage)
+        chunks = stage.chunks
+    for chunk in chunks:
+        apply_recompute(chunk, t.recompute)
+    model.to(device)
+    if t.compile:
+        compile_blocks(chunks)
+    param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
+    dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
+                             param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion)
+    if precision == "fp8":
+        _cache_fp8_weights(model, dp, config)
+    optimizer, scheduler = build_optimizer(dp, t)
+    return model, optimizer, scheduler, GradControl(dp, mesh, model, pipeline=stage)
+
+
+def _cache_fp8_weights(model: nn.Module, dp, config: Config) -> None:
+    """Quantise each FP8 weight once per step when a step runs several micro-batches (with one,
+    the forward and dgrad layouts are never reused and the cache would only cost memory)."""
+    if config.train.fp8_weight_cache and grad_accum_steps(config) > 1:
+        WEIGHT_CACHE.track(p for p in model.parameters() if p.requires_grad)
+        dp.on_new_weights.append(WEIGHT_CACHE.clear)
+    else:
+        WEIGHT_CACHE.track([])
+
+
+def apply_fp8(model: nn.Module, expert_wgrad: str | None = None) -> dict[str, str]:
+    """Switch the GEMMs of `model.layers` to FP8 in place; returns {module name: "fp8" | "bf16"}.
+
+    Touches the blocks' linear layers (`nn.Linear` -> `Fp8Linear`; tensor-parallel layers get
+    `matmul = fp8_linear`) and `GroupedExperts.mm`; everything outside the blocks (embedding,
+    output head, final norm) and the non-GEMM parts inside them (norms, router, attention core)
+    keep their precision. A layer whose local feature sizes are not multiples of 128 keeps its
+    bf16 GEMM; those are logged in one line. Apply after tensor/expert parallelism (it reads
+    the local shards' shapes) and before the pipeline split, recompute and compile."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise ValueError(f"apply_fp8 needs a core.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
+    mode = expert_wgrad or os.environ.get(fp8.EXPERT_WGRAD_ENV) or "fp8"
+    if mode not in fp8.EXPERT_WGRAD_MODES:
+        where = "expert_wgrad" if expert_wgrad else fp8.EXPERT_WGRAD_ENV
+        raise ValueError(f"{where}={mode!r} must be one of {fp8.EXPERT_WGRAD_MODES}")
+    grouped = fp8.Fp8GroupedMM(mode)
+    plan: dict[str, str] = {}
+    kept: list[str] = []
+    for layer_name, block in layers.items():
+        for name, module in list(block.named_modules()):
+            full = f"layers.{layer_name}.{name}"
+            if isinstance(module, fp8.Fp8Linear) or getattr(module, "matmul", None) is fp8.fp8_linear \
+                    or isinstance(getattr(module, "mm", None), fp8.Fp8GroupedMM):
+                raise ValueError(f"{full} already runs in FP8: apply_fp8 was applied twice")
+            if isinstance(module, nn.Linear):
+                ok = fp8.fits_blocks(module.in_features, module.out_features)
+                if ok:
+                    parent, _, child = name.rpartition(".")
+                    setattr(block.get_submodule(parent), child, fp8.Fp8Linear.from_linear(module))
+                shape = [module.out_features, module.in_features]
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                shape = list(module.weight.shape)
+                ok = fp8.fits_blocks(*shape)
+                if ok:
+                    module.matmul = fp8.fp8_linear
+            elif isinstance(module, GroupedExperts):
+                shape = list(module.w1.shape)
+                ok = fp8.fits_blocks(*shape[1:])
+                if ok:
+                    module.mm = grouped
+            else:
+                continue
+            plan[full] = "fp8" if ok else "bf16"
+            if not ok:
+                kept.append(f"{full} {shape}")
+    if kept:
+        log.warning("fp8: %d of %d block GEMM layers keep bf16 (local feature sizes not multiples of %d): %s",
+                    len(kept), len(plan), fp8.BLOCK, ", ".join(kept))
+    experts = any(isinstance(m, GroupedExperts) for m in layers.modules())
+    log.info("fp8: %d block GEMM layers in FP8%s", len(plan) - len(kept), f" (expert wgrad {mode})" if experts else "")
+    return plan

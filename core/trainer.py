@@ -1,0 +1,296 @@
+"""The Trainer: data service -> parallel model -> loss -> distributed optimizer, in small phases.
+
+One optimizer step consumes `train.global_batch_size` packed rows: `accum` micro-batches of
+`micro_batch_size` rows on each of the `dp` data-parallel ranks. The loss is the sum of the
+token losses over the whole global batch divided by its number of counted labels, so it
+equals the single-process loss on the same rows whatever the layout.
+
+    trainer = Trainer(config)            # mesh, model, parallelize, optimizer
+    trainer.open_data(resume=False)      # the data service (or none: feed `step` yourself)
+    micro = trainer.next_micro_batches() # this rank's micro-batches of one step
+    result = trainer.step(micro)         # forward/backward, clip, optimizer; no host sync
+    record = trainer.record(result, t0)  # the metrics line (syncs)
+    trainer.save()
+
+`run()` is that loop with logging and checkpoints; the benchmarks and tests call `step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from core.config import Config, grad_accum_steps, resolve_layout
+from core.data import StepInputs, open_stream, resolve_address, to_inputs
+from core.dynamic_cp import DynamicCP
+from core.loss import cross_entropy_sum
+from core.mesh import ParallelMesh, init_distributed
+from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
+from core.model import build_model, count_params
+from core.parallel.context import shard_for_cp
+from core.parallel.pipeline import run_pipeline_step
+from core.parallelize import parallelize
+from moe.comm import EXCHANGE_TIMER
+from moe.layer import moe_metrics, set_moe_loss_scale, set_moe_sequences
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """One optimizer step as the device left it: tensors are not read back until `record`."""
+
+    loss_sum: torch.Tensor  # this rank's summed token loss
+    grad_norm: torch.Tensor
+    lr: float
+    global_labels: float
+    global_tokens: float
+    data_wait_sum: float  # seconds blocked on data, summed over the data-parallel ranks
+    metrics: dict = field(default_factory=dict)  # the pipeline schedule's figures
+
+
+class Trainer:
+    """Owns a run's mesh, model, optimizer, data stream and step counter."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.rank, self.world, device = init_distributed()
+        self.device = torch.device("cpu") if config.train.device == "cpu" else device
+        resolve_layout(config, self.world)
+        p, t = config.parallel, config.train
+        self.mesh = ParallelMesh.build(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, device_type=self.device.type)
+        torch.manual_seed(t.seed + self.rank)  # dropout-free model: only affects user code that draws
+
+        model = build_model(config.model, seed=t.seed)
+        _, embedding_params, active_params = count_params(model)
+        # The step's plan comes from the data service; the sub-groups are built once, here.
+        self.dynamic = DynamicCP.build(config, self.mesh, model) if p.dynamic_cp else None
+        self.precision = resolve_precision(config, self.device)
+        self.model, self.optimizer, self.scheduler, self.grads = parallelize(model, self.mesh, config, self.device,
+                                                                             self.precision)
+        self.accum = grad_accum_steps(config)
+        self._shard = _context_sharder(config, self.mesh)
+        if config.model.moe.num_experts:
+            set_moe_loss_scale(self.model, self.accum * self.mesh.size("dp_cp"))
+            EXCHANGE_TIMER.enabled = p.ep > 1 and config.model.moe.dispatcher == "alltoall"
+        self.tp_group = self.mesh.group("tp") if p.tp > 1 else None
+        self.reduce_size = self.mesh.size("dp_cp")
+        self.reduce_group = self.mesh.group("dp_cp") if self.reduce_size > 1 else None
+        self.flops_per_token = flops_per_token(active_params, embedding_params, config.model.num_layers,
+                                               config.model.dim, t.seq_len)
+        self.peak_flops = PEAK_FLOPS.get(self.precision) if self.device.type == "cuda" else None
+        uses_autocast = self.precision == "bf16" and self.grads.uses_autocast
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if uses_autocast else contextlib.nullcontext()
+
+        self.run_dir = Path(t.run_dir)
+        self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.run_dir / "checkpoints"
+        self.step_count = 0
+        self.stream = None
+        self._server = None
+        self._batches = None
+
+    # -- data ------------------------------------------------------------------------------
+
+    def open_data(self, resume: bool = False) -> None:
+        """Find or start the data service; with `resume`, load the newest checkpoint first so
+        the stream continues where it stopped."""
+        address, self._server = resolve_address(self.config)
+        resume_token = self.load_latest() if resume else None
+        self.stream = open_stream(self.config, self.mesh, address, resume_token)
+        self._batches = iter(self.stream)
+
+    def next_micro_batches(self) -> list[StepInputs]:
+        """This rank's micro-batches of the next optimizer step, on the device."""
+        if self.dynamic is not None:
+            return self.dynamic.next_step(self._batches, self.device)
+        return [self._shard(to_inputs(next(self._batches), self.device)) for _ in range(self.accum)]
+
+    # -- one step --------------------------------------------------------------------------
+
+    def step(self, micro: list[StepInputs], data_wait: float = 0.0) -> StepResult:
+        """Forward and backward over `micro`, gradient reduction and clipping, optimizer and
+        schedule step. Reads nothing back from the device."""
+        local = [float(sum(m.num_labels for m in micro)), float(sum(m.num_tokens for m in micro)), data_wait]
+        global_labels, global_tokens, wait_sum = self._sum_over_data_ranks(local)
+        if self.grads.pipeline is not None:
+            loss_sum, metrics = self._pipeline_forward_backward(micro, global_labels)
+        else:
+            loss_sum, metrics = self._forward_backward(micro, global_labels), {}
+        grad_norm = self.grads.finish_and_clip(self.config.train.grad_clip)
+        lr = self.optimizer.lr
+        self.optimizer.step()
+        self.scheduler.step()
+        self.grads.zero_grad()
+        self.step_count += 1
+        return StepResult(loss_sum, grad_norm, lr, global_labels, global_tokens, wait_sum, metrics)
+
+    def _forward_backward(self, micro: list[StepInputs], global_labels: float) -> torch.Tensor:
+        """Gradient accumulation over this rank's micro-batches; returns the summed token loss.
+
+        The gradient reduction starts during the last micro-batch's backward, except under
+        dynamic CP, where ranks run different numbers of micro-batches (a rank may run none):
+        then `finish_and_clip` reduces every bucket once, after all of them."""
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        compiled = self.config.train.compile
+        with contextlib.nullcontext() if self.dynamic is None else self.grads.dp.no_sync():
+            for i, m in enumerate(micro):
+                if self.config.model.moe.num_experts:
+                    set_moe_sequences(self.model, m.meta.cu_seqlens, m.tokens.numel())
+                with self.grads.sync_context(last=i == len(micro) - 1):
+                    with self.autocast:
+                        logits = self.model(m.tokens, m.position_ids, m.meta)
+                        part, _ = cross_entropy_sum(logits, m.labels, self.tp_group, compiled=compiled)
+                    (part / max(global_labels, 1.0)).backward()
+                loss_sum += part.detach()
+        return loss_sum
+
+    def _pipeline_forward_backward(self, micro: list[StepInputs], global_labels: float):
+        compiled = self.config.train.compile
+
+        def loss_fn(out, mb):
+            return cross_entropy_sum(out, mb.labels, self.tp_group, compiled=compiled)
+
+        # The schedule interleaves micro-batches' backwards: reduce once, at the end.
+        with self.grads.dp.no_sync():
+            result = run_pipeline_step(self.grads.pipeline, micro, loss_fn, self.mesh, self.config, global_labels,
+                                       forward_context=lambda: self.autocast)
+        return result.loss_sum, result.metrics()
+
+    def record(self, result: StepResult, step_start: float) -> dict:
+        """The step's metrics line; reads the loss back (a host sync)."""
+        loss = self._sum_over_data_ranks([float(result.loss_sum)])[0] / max(result.global_labels, 1.0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - step_start
+        peak = self.peak_flops
+        record = {
+            "step": self.step_count,
+            "loss": loss,
+            "grad_norm": float(result.grad_norm),
+            "lr": result.lr,
+            "tokens_per_s": result.global_tokens / elapsed,
+            "step_s": elapsed,
+            "data_wait_s": result.data_wait_sum / self.reduce_size,  # mean over the data-parallel ranks
+            "mfu": (self.flops_per_token * result.global_tokens / elapsed / (peak * self.world)) if peak else None,
+            "mem_gb": (torch.cuda.max_memory_allocated() / 2**30) if self.device.type == "cuda" else _rss_gb(),
+        }
+        record.update(result.metrics)
+        if self.config.model.moe.num_experts:
+            record.update(moe_metrics(self.model))
+        return record
+
+    def _sum_over_data_ranks(self, values: list[float]) -> list[float]:
+        if self.reduce_group is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.reduce_group)
+        return t.tolist()
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def load_latest(self) -> str | None:
+        """Load the newest checkpoint of the run; returns its data resume token."""
+        path = latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {self.ckpt_dir}")
+        self.step_count, extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.mesh)
+        return extra.get("data", {}).get("resume_token")
+
+    def save(self) -> Path:
+        # Every data-parallel rank is at the same global row offset after a step, so rank 0's
+        # token resumes all of them, on any dp size.
+        extra = {"data": self.stream.state_dict()} if self.stream is not None else {}
+        path = save_checkpoint(self.ckpt_dir, self.step_count, self.model, self.optimizer, self.scheduler, self.mesh,
+                               extra, keep=self.config.checkpoint.keep)
+        if self.rank == 0:
+            print(f"checkpoint: {path}", flush=True)
+        return path
+
+    def _checkpoint_due(self, last_step: int) -> bool:
+        c = self.config.checkpoint
+        return bool(c.interval and self.step_count % c.interval == 0) or (self.step_count == last_step and c.save_at_end)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> list[dict]:
+        """Train to `train.max_steps` (or `stop_at_step`); returns the metrics records (on the writer rank)."""
+        t = self.config.train
+        if self.stream is None:
+            self.open_data()
+        writer = MetricsWriter(self.run_dir, enabled=self.rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard)
+        last_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
+        try:
+            while self.step_count < last_step:
+                step_start = time.perf_counter()
+                micro = self.next_micro_batches()
+                data_wait = time.perf_counter() - step_start  # blocked on the data client (+ the copy in)
+                record = self.record(self.step(micro, data_wait), step_start)
+                if self.step_count % t.log_interval == 0 or self.step_count == t.max_steps:
+                    writer.log(record)
+                else:
+                    writer.history.append(record)
+                if self._checkpoint_due(last_step):
+                    self.save()
+        finally:
+            self.close()
+        plot = writer.close(plot=t.plot)
+        if plot is not None:
+            print(f"loss plot: {plot}", flush=True)
+        return writer.history
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+def train(config: Config, resume: bool = False) -> list[dict]:
+    """Run `train.max_steps` optimizer steps; returns the metrics records (on the writer rank)."""
+    trainer = Trainer(config)
+    try:
+        trainer.open_data(resume=resume)
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer.run()
+
+
+def resolve_precision(config: Config, device: torch.device) -> str:
+    precision = config.train.precision
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def _context_sharder(config: Config, mesh: ParallelMesh):
+    """Each context-parallel rank keeps its zigzag share of every document of a micro-batch."""
+    cp = mesh.size("cp")
+    if cp == 1:
+        return lambda inputs: inputs
+    tp = mesh.size("tp")
+    multiple_of = tp if config.parallel.sequence_parallel and tp > 1 else 1
+    rank = mesh.coordinate("cp")
+
+    def shard(m):
+        s = shard_for_cp(m.tokens, m.labels, m.position_ids, m.meta.cu_seqlens, rank, cp, multiple_of=multiple_of)
+        # Counts are summed over dp x cp ranks, and the cp ranks of a data-parallel rank share
+        # one micro-batch: each counts 1/cp of it (exact in floating point: cp is small).
+        return dataclasses.replace(m, tokens=s.tokens, labels=s.labels, position_ids=s.position_ids, meta=s.meta,
+                                   num_tokens=m.num_tokens / cp, num_labels=m.num_labels / cp)
+
+    return shard
+
+
+def _rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
