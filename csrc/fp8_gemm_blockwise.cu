@@ -66,8 +66,8 @@ struct Coop256x128C1x2 {
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 };
 
-// Tried and dropped (session 16): config 0's tile in 2x1 and 2x2 clusters ran 0.87-1.03x cuBLAS
-// blockwise against config 0's 0.92-1.03x in the same two runs (BENCHMARKS.md).
+// Measured and not kept: config 0's tile in 2x1 and 2x2 clusters ran 0.87-1.03x cuBLAS
+// blockwise against config 0's 0.92-1.03x in the same two runs (docs/fp8.md).
 using Configs = std::tuple<Coop128x128C1x2, Pingpong64x128C1, Coop256x128C1x2>;
 constexpr int kNumConfigs = 3;  // csrc/build.sh reads this line: which indices to build
 static_assert(kNumConfigs == std::tuple_size_v<Configs>, "kNumConfigs must count Configs");

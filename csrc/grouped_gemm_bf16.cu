@@ -109,7 +109,7 @@ struct Coop128x256C1 {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-// Config 0's tile in a 1x2 cluster (session 16): multicasts the activation tile to both N
+// Config 0's tile in a 1x2 cluster: multicasts the activation tile to both N
 // neighbours, and pads a group's N tiles (not its row tiles) to an even count, which costs
 // nothing where the group's N is a multiple of 512 or rounds up to one anyway (1408 -> 1536).
 struct Coop128x256C1x2 {
@@ -120,8 +120,8 @@ struct Coop128x256C1x2 {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-// Tried and dropped (session 16): a 128x176 tile (1408 = 8 x 176, no N padding) ran at 0.52-0.58x
-// torch._grouped_mm on every shape and pass (BENCHMARKS.md).
+// Measured and not kept: a 128x176 tile (1408 = 8 x 176, no N padding) ran at 0.52-0.58x
+// torch._grouped_mm on every shape and pass (docs/performance-notes.md).
 using Configs = std::tuple<Coop128x256C2x1, Pingpong128x128C1, Pingpong64x256C1, Coop256x128C2x1,
                            Coop128x128C2x1, Coop128x256C1, Coop128x256C1x2>;
 constexpr int kNumConfigs = 7;  // csrc/build.sh reads this line: which indices to build

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One node's scaling runs (issue 7), through the real trainer and one data service process
+# One node's scaling runs, through the real trainer and one data service process
 # (the trainer's loopback server) feeding every rank, at each GPU count N asked for and at 1:
 #   moe      the DeepSeek-like fine-grained MoE (launch/configs/deepseek_like.toml, 4 layers so
 #            that one GPU holds all 64 experts) at ep=N over dp=N, and ep=N/2 (2 copies of each
