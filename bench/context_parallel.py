@@ -10,7 +10,7 @@ Modes (one JSON line per measurement on rank 0):
   (outputs and q/k/v grads, GQA, odd document lengths).
 - attention: ring attention forward+backward, one document of S tokens, CP = 1, 2, 4 (every
   CP size dividing the world; groups of consecutive ranks run at once). Reported:
-  `eff_issue` = t(CP=1 on S/cp) / t(CP=cp on S) (the issue's definition; ideal 1/cp for
+  `eff_issue` = t(CP=1 on S/cp) / t(CP=cp on S) (per-rank efficiency; ideal 1/cp for
   attention alone, since CP=cp on S does cp times the pairs of CP=1 on S/cp per rank),
   `eff_work` = cp * t(CP=1 on S/cp) / t(CP=cp on S) (the same, normalised by work; ideal 1),
   `eff_strong` = t(CP=1 on S) / (cp * t(CP=cp on S)) (ideal 1).

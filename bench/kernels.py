@@ -4,7 +4,7 @@
 
 Each section (check, bf16, fp8) runs in its own process so a crashing kernel cannot take the
 others down. --check runs tests/gpu_kernels_check.py first (float64 references, poisoned
-outputs, CUDA graphs). --bench times, on the MoE shapes of shared/PERFORMANCE.md with uniform random
+outputs, CUDA graphs). --bench times, on Mixtral-like and fine-grained MoE shapes with uniform random
 routing (seeded; --routing balanced for equal groups):
 - bf16 grouped GEMM, forward (x @ w[e]), dgrad (dy @ w[e]^T) and wgrad (x_e^T dy_e), each
   CUTLASS configuration (--configs all) or the default choice, against torch._grouped_mm
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT_TAG + json.dumps({"status": status, "results": results}), flush=True)
         return status
     # Each section runs in its own process, so a crashed kernel (a poisoned CUDA context)
-    # costs only its section, not the rest of a device session.
+    # costs only its section, not the rest of the run.
     sections = (["check"] if args.check else []) + (["bf16"] + (["fp8"] if args.fp8 else []) if args.bench else [])
     passthrough = ["--configs", args.configs, "--shapes", args.shapes, "--routing", args.routing,
                    "--rounds", str(args.rounds)]

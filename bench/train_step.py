@@ -7,13 +7,13 @@ SwiGLU 5632) at seq 4096, micro-batch 2, bf16, on synthetic tokens, in the same 
 - tessera: the same model through `core.parallel.parallelize` on one rank (bf16 params, fp32
   master weights and grads in the optimizer, the configured recompute and compile).
 MFU counts 6*(params - input embedding) + 6*layers*d*seq FLOPs per token against 989 TFLOP/s
-(the accounting of shared/PERFORMANCE.md). --moe runs the DeepSeek-like fine-grained MoE
+(the usual 6N + attention accounting). --moe runs the DeepSeek-like fine-grained MoE
 instead (4 layers by default, 64 experts, top-8), MFU on active parameters (top_k of E).
 
     python bench/train_step.py [--steps 10] [--layers 20] [--compile] [--accum 4] [--moe]
 
 --accum N runs N micro-batches per optimizer step on both sides (one step per micro-batch
-is the default, as in PERFORMANCE.md; real global batches are many micro-batches).
+is the default; real global batches are many micro-batches).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ q [T, Hq, D], k/v [T, Hkv, D] (Hq a multiple of Hkv: grouped-query attention), w
 
 Backends, chosen per call:
 - CUDA, all segments the same length (an unpacked batch): SDPA on [B, H, S, D], cuDNN first
-  (it measured 1.9x the flash backend's forward on H100, see shared/PERFORMANCE.md);
+  (it measured 1.9x the flash backend's forward on H100);
 - CUDA, packed: `torch.nn.attention.varlen.varlen_attn` (FlashAttention varlen); when the
   host knows the document lengths (`doc_lengths`), documents of at least `CUDNN_MIN_DOC`
   tokens go through cuDNN SDPA instead (1.6-1.7x flash varlen's speed on H100, BENCHMARKS.md),

@@ -1,4 +1,4 @@
-"""launch/scaling.sh (issue 7's node scaling runs): its CPU smoke mode runs the real trainer
+"""launch/scaling.sh (one node's scaling runs): its CPU smoke mode runs the real trainer
 and data service at cp=1 and cp=2 and writes one summary row per run; bad arguments exit 2."""
 
 from __future__ import annotations

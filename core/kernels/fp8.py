@@ -354,14 +354,14 @@ def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float, p
 
 # The FP8 grouped GEMM's default per C entry: the 1x2 cluster (config 4: the two CTAs of a cluster
 # take neighbouring N tiles and share each activation tile by TMA multicast). Two interleaved runs of
-# 5 rounds on one H100 (session 17, bench/kernels.py --fp8 --rounds 5), ratio to torch rowwise fast
+# 5 rounds on one H100 (2026-11-24, bench/kernels.py --fp8 --rounds 5), ratio to torch rowwise fast
 # accumulation, config 4 / config 0: forward 0.908, 0.905 / 0.859, 0.823 (Mixtral-like), 1.002,
 # 1.016 / 0.860, 0.894 (fine E=128); dgrad ahead on all three shapes; the K-grouped wgrad 0.744,
 # 0.733 / 0.689, 0.697 (Mixtral-like), 0.899, 0.900 / 0.859, 0.872 (fine E=128).
 GG_PREFERRED_CONFIG = {"fp8_gg": 4, "fp8_gg_wgrad": 4}
 # The grouped tile scheduler pads each group's tiles along the cluster's long side to an even count,
 # so a 1x2 cluster computes 12 N tiles where an output of 1408 columns (fine E=64) has 11: there the
-# 2x1 cluster (config 3) takes over. Three runs (BENCHMARKS.md, session 17), config 3 / config 4:
+# 2x1 cluster (config 3) takes over. Three runs (H100, 2026-11-24), config 3 / config 4:
 # fine E=64 forward 0.980, 0.970, 0.981 / 0.961, 0.943, 0.942; its K-grouped wgrad (1408 output
 # columns too) 0.875, 0.860, 0.970 / 0.834, 0.819, 0.878. Every other measured output width is an
 # even number of 128-wide tiles.

@@ -152,12 +152,12 @@ DEFAULT_CONFIG = "coop_128x256x64_c2x1"
 # groups of 2048+ rows the clustered tile stays ahead (0.99x vs 1.04x on E=64 forward).
 SMALL_GROUP_CONFIG, SMALL_GROUP_ROWS = "coop_128x256x64_c1x1", 1024
 # Config 0's tile in a 1x2 cluster (multicast along N), for the data gradient. Two interleaved runs
-# of 5 rounds on one H100 (session 17; bench/kernels.py --rounds 5, every config timed in turn with
+# of 5 rounds on one H100 (2026-11-24; bench/kernels.py --rounds 5, every config timed in turn with
 # torch): dgrad 1.046 / 1.061x torch on fine E=128 against 1.002 / 1.009x for DEFAULT_CONFIG, a tie
 # (within 1%) on Mixtral-like and fine E=64. Not for the forward (fine E=128 forward 0.75-0.77x).
 # The weight gradient takes DEFAULT_CONFIG: the same runs put it at 0.997-1.006 / 0.998-0.999 /
 # 0.977-0.996x against 0.974-0.996 / 0.970-0.973 / 0.979-0.987x for this tile (Mixtral-like / fine
-# E=64 / fine E=128); the +9-11% of session 16 came from timings taken minutes apart. Except where
+# E=64 / fine E=128); this tile's +9-11% in non-interleaved runs came from timings minutes apart. Except where
 # a cluster would pad: a 2x1 cluster rounds the wgrad's M tiles (the layer's input size / 128) up
 # to an even count, a 1x2 cluster its N tiles (output size / 256); when only the M count is odd
 # (a down projection of 1408 inputs: 11 tiles, 9% of the work wasted) the 1x2 cluster wastes nothing:
