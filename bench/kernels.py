@@ -10,7 +10,7 @@ routing (seeded; --routing balanced for equal groups):
   CUTLASS configuration (--configs all) or the default choice, against torch._grouped_mm
   on the same tensors, plus the equal-FLOP dense torch.mm for context;
 - with --fp8 (when built): see bench/kernels_fp8.py.
-Timing: triton.testing.do_bench when available (the method of PERFORMANCE.md: L2 flushed,
+Timing: triton.testing.do_bench when available (L2 flushed,
 CUDA events, median), else the same method here. A baseline and its candidates are timed in
 turn, --rounds times (each round starting one further along the list): a ratio is the median
 over rounds of the same-round ratios, so clock and thermal drift between measurements (torch's
