@@ -146,8 +146,15 @@ def save_checkpoint(directory, step: int, model: nn.Module, optimizer, scheduler
             "layout": {n: mesh.size(n) for n in ("pp", "dp", "cp", "tp", "ep")},
         }
         state["meta"] = pickle.dumps(meta)
-    dcp.save(state, checkpoint_id=str(tmp))
-    _barrier()
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+        _barrier()
+    except BaseException:
+        # Interrupted or failed mid-save: leave no partial folder behind (the start-up sweep
+        # catches what a killed process could not remove).
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     if _rank() == 0:
         if final.exists():  # re-saving a step: keep the old copy until the new one is in place
@@ -192,6 +199,14 @@ def _prune(root: Path, keep: int, current: str) -> None:
     for _, path in _complete_steps(root)[:-keep]:
         if path.name != current:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def step_of(path) -> int:
+    """The step number of a `step_NNNNNN` checkpoint folder."""
+    match = _STEP_DIR.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"'{path}' is not a checkpoint folder (step_NNNNNN)")
+    return int(match.group(1))
 
 
 def latest_checkpoint(directory) -> Path | None:

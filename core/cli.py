@@ -1,7 +1,9 @@
-"""`tessera-train --config FILE [--set KEY=VALUE ...] [--nproc-per-node N] [--resume]`.
+"""`tessera-train --config FILE [--set KEY=VALUE ...] [--nproc-per-node N] [--resume [RUN_DIR]] [--overwrite]`.
 
 Launched by torchrun (one process per rank), or with `--nproc-per-node N`, which starts
-torchrun itself on this machine with the same arguments.
+torchrun itself on this machine (`core/launcher.py`). The run directory protects itself
+(`core/rundir.py`): one run at a time, the effective config saved as RUN_DIR/config.toml, and
+`--resume RUN_DIR` continues a run with nothing else typed.
 """
 
 from __future__ import annotations
@@ -9,71 +11,163 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
 import sys
+from pathlib import Path
 
+import tomli_w
 import torch.distributed as dist
 
-from core.config import ConfigError, load_config, resolve_layout
+from core.config import Config, ConfigError, load_config, resolve_layout
+from core.launcher import interrupted_line, launch_local
+from core.lifecycle import Interrupted, die_with_parent, install_stop_handlers, interrupted_by
+from core.mesh import init_distributed
+from core.rundir import (CONFIG_NAME, LOCK_OWNER_ENV, RunDirError, RunLock, check_resume_changes, config_dict,
+                         load_saved_config, prepare, save_config)
 from core.trainer import train
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera-train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="TOML file, e.g. launch/configs/tiny_dense.toml")
+    parser.add_argument("--config", help="TOML file, e.g. launch/configs/tiny_dense.toml (with --resume RUN_DIR: "
+                                         "default RUN_DIR/config.toml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config key, e.g. --set parallel.tp=2 (repeatable)")
     parser.add_argument("--nproc-per-node", type=int, default=0,
                         help="launch N local worker processes through torchrun")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run dir")
+    parser.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN_DIR",
+                        help="continue from the newest checkpoint of RUN_DIR (default: train.run_dir), with its "
+                             "saved config; --set changes only what it names")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start again in a run directory that already holds a run (its metrics and checkpoints go)")
+    parser.add_argument("--print-config", action="store_true", help="print the effective config as TOML and exit")
     return parser
 
 
-def _launch_local(args, argv: list[str]) -> int:
-    """Re-run this command under torchrun with N workers (without --nproc-per-node)."""
-    rest, skip = [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if arg == "--nproc-per-node":
-            skip = True
-            continue
-        if arg.startswith("--nproc-per-node="):
-            continue
-        rest.append(arg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
-           "-m", "core.cli", *rest]
-    env = dict(os.environ)
-    # N workers on a CPU-only machine share its cores: one thread each avoids thrashing.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+def effective_config(args) -> tuple[Config, str | None]:
+    """The config to run and, on resume, the line listing changes that alter the trajectory."""
+    saved = None
+    if args.resume:  # a run directory: its saved config is the base
+        run_dir = Path(args.resume)
+        saved = load_saved_config(run_dir)
+        config = load_config(args.config, args.overrides) if args.config else load_saved_config(run_dir, args.overrides)
+        config.train.run_dir = str(run_dir)
+    else:
+        if not args.config:
+            raise ConfigError("--config FILE is required (or --resume RUN_DIR to continue a run)")
+        config = load_config(args.config, args.overrides)
+        saved_path = Path(config.train.run_dir) / CONFIG_NAME
+        if args.resume is not None and saved_path.is_file():
+            saved = load_config(saved_path)
+    return config, (check_resume_changes(saved, config) if saved is not None else None)
+
+
+def _paths(config: Config) -> tuple[Path, Path]:
+    run_dir = Path(config.train.run_dir)
+    return run_dir, Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+
+
+def _take_run_dir(config: Config, resume: bool, overwrite: bool, note: str | None) -> RunLock:
+    """Lock the run directory, apply the start rules, save the effective config."""
+    run_dir, ckpt_dir = _paths(config)
+    lock = RunLock(run_dir)
+    taken_over = lock.acquire()
+    try:
+        if taken_over:
+            print(f"tessera-train: {taken_over}", file=sys.stderr)
+        prepare(run_dir, ckpt_dir, resume, overwrite)
+        if note:
+            print(f"tessera-train: {note}", file=sys.stderr)
+        save_config(run_dir, config)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _error(message: str) -> int:
+    print(f"tessera-train: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
+    is_worker = "RANK" in os.environ
+    first = os.environ.get("RANK", "0") == "0"
     try:
-        config = load_config(args.config, args.overrides)
-        world = args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
+        config, note = effective_config(args)
+        world = args.nproc_per_node if args.nproc_per_node and not is_worker else int(os.environ.get("WORLD_SIZE", "1"))
         resolve_layout(config, world)
-    except ConfigError as err:
-        print(f"tessera-train: error: {err}", file=sys.stderr)
-        return 2
-    if args.nproc_per_node and "RANK" not in os.environ:
-        return _launch_local(args, argv)
+    except (ConfigError, RunDirError) as err:
+        return _error(str(err)) if first else 2
+    if args.print_config:
+        if first:
+            sys.stdout.write(tomli_w.dumps(config_dict(config)))
+        return 0
+    resume = args.resume is not None
+    if args.nproc_per_node and not is_worker:
+        try:
+            lock = _take_run_dir(config, resume, args.overwrite, note)
+        except (ConfigError, RunDirError) as err:
+            return _error(str(err))
+        run_dir, ckpt_dir = _paths(config)
+        try:
+            # The workers read the saved effective config: nothing is resolved twice.
+            return launch_local(args.nproc_per_node, ["--config", str(run_dir / CONFIG_NAME)] +
+                                (["--resume"] if resume else []), run_dir, ckpt_dir)
+        finally:
+            lock.release()
+    return _run_worker(config, resume, args.overwrite, note)
+
+
+def _run_worker(config: Config, resume: bool, overwrite: bool, note: str | None) -> int:
+    """One rank under torchrun (or the only process): train, and turn every stop into an exit code."""
+    install_stop_handlers()
+    if "RANK" in os.environ:
+        die_with_parent()
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="[%(name)s] %(message)s")
+    owns_dir = LOCK_OWNER_ENV not in os.environ  # else the launcher holds the directory for us
+    lock = None
+    rank = 0
     try:
-        train(config, resume=args.resume)
-    except ConfigError as err:
-        print(f"tessera-train: error: {err}", file=sys.stderr)
-        return 2
+        rank, _, _ = init_distributed()
+        if owns_dir:
+            lock, failure = _take_run_dir_on_rank0(config, resume, overwrite, note, rank)
+            if failure:
+                return _error(failure) if rank == 0 else 2
+        train(config, resume=resume)
+    except Interrupted as stop:
+        if rank == 0 and owns_dir:
+            print(interrupted_line(*_paths(config), stop.signum), file=sys.stderr, flush=True)
+        return stop.exit_code
+    except (ConfigError, RunDirError) as err:
+        return _error(str(err)) if rank == 0 else 2
+    except BaseException:
+        if interrupted_by() is not None:  # a peer's stop surfaced here as a failed collective
+            return 128 + interrupted_by()
+        raise
     finally:
-        if dist.is_initialized():
+        if lock is not None:
+            lock.release()
+        if dist.is_initialized() and interrupted_by() is None:
             dist.destroy_process_group()
     return 0
+
+
+def _take_run_dir_on_rank0(config, resume, overwrite, note, rank) -> tuple[RunLock | None, str]:
+    """Rank 0 takes the directory; every rank learns whether that worked."""
+    lock, failure = None, ""
+    if rank == 0:
+        try:
+            lock = _take_run_dir(config, resume, overwrite, note)
+        except (ConfigError, RunDirError) as err:
+            failure = str(err)
+    if dist.is_initialized():
+        box = [failure]
+        dist.broadcast_object_list(box, src=0)
+        failure = box[0]
+    return lock, failure
 
 
 if __name__ == "__main__":

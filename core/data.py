@@ -37,7 +37,8 @@ class LocalServer:
     """A data service on loopback in its own process, for `data.dataset`; stopped at exit."""
 
     def __init__(self, dataset: str, timeout: float = 120.0, cp_cost: str = ""):
-        cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--data", dataset, "--host", "127.0.0.1", "--port", "0"]
+        cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--data", dataset, "--host", "127.0.0.1", "--port", "0",
+               "--exit-with-parent"]
         if cp_cost:
             cmd += ["--cp-cost", cp_cost]
         # The server's log goes to a file: a pipe nobody reads would fill and stall it, and

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -21,10 +22,31 @@ def flops_per_token(active_params: int, embedding_params: int, num_layers: int, 
     return 6.0 * (active_params - embedding_params) + 6.0 * num_layers * dim * seq_len
 
 
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl; a torn last line (a process killed mid-write) is skipped."""
+    records = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return records
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
 class MetricsWriter:
     """Only the writer rank writes files; every rank may call it."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool, max_steps: int, tensorboard: bool = False):
+    def __init__(self, run_dir: str | Path, enabled: bool, max_steps: int, tensorboard: bool = False,
+                 start_step: int = 0):
+        """`start_step`: the step the run continues from. The records of earlier steps are kept
+        (the plot shows the whole run); later ones, written by an interrupted attempt, are
+        dropped, so each step has one record."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.max_steps = max_steps
@@ -33,20 +55,29 @@ class MetricsWriter:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        path = self.run_dir / "metrics.jsonl"
+        self.history = [r for r in read_metrics(path) if r["step"] <= start_step] if start_step else []
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        os.replace(tmp, path)
+        self._file = open(path, "a", buffering=1)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+                # purge_step: events of steps after the resume point are discarded.
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
             except ImportError:
                 log.warning("train.tensorboard=true but tensorboard is not installed: pip install tensorboard")
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, show: bool = True) -> None:
+        """Every step goes to metrics.jsonl; `show`: also the progress line and TensorBoard."""
         if not self.enabled:
             return
         self.history.append(record)
         self._file.write(json.dumps(record) + "\n")
+        if not show:
+            return
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):

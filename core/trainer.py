@@ -226,7 +226,8 @@ class Trainer:
         t = self.config.train
         if self.stream is None:
             self.open_data()
-        writer = MetricsWriter(self.run_dir, enabled=self.rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard)
+        writer = MetricsWriter(self.run_dir, enabled=self.rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard,
+                               start_step=self.step_count)
         last_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         try:
             while self.step_count < last_step:
@@ -234,10 +235,7 @@ class Trainer:
                 micro = self.next_micro_batches()
                 data_wait = time.perf_counter() - step_start  # blocked on the data client (+ the copy in)
                 record = self.record(self.step(micro, data_wait), step_start)
-                if self.step_count % t.log_interval == 0 or self.step_count == t.max_steps:
-                    writer.log(record)
-                else:
-                    writer.history.append(record)
+                writer.log(record, show=self.step_count % t.log_interval == 0 or self.step_count == t.max_steps)
                 if self._checkpoint_due(last_step):
                     self.save()
         finally:

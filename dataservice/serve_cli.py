@@ -71,6 +71,8 @@ def add_serve(sub) -> None:
                    help="dynamic-CP cost model of the trainers' model and GPUs: a JSON object with per_token, "
                         "per_pair[, ring_per_token, ring_step, per_microbatch] in seconds (docs/dynamic_cp.md; "
                         "default: the built-in 2xH200 calibration)")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop when the process that started this one ends (a trainer's own loopback server)")
     p.set_defaults(func=run_serve)
 
 
@@ -97,8 +99,10 @@ def run_serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"serving on {args.host}:{port}", flush=True)
+    parent = os.getppid()
     while not stop.wait(0.5):  # wake up now and then so signals are handled promptly
-        pass
+        if args.exit_with_parent and os.getppid() != parent:  # re-parented: the trainer is gone
+            break
     sys.stderr.write(f"{prog}: shutting down (grace {args.grace:g}s)\n")
     server.stop(args.grace)
     return 0

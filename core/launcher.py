@@ -1,0 +1,118 @@
+"""`tessera-train --nproc-per-node N`: torchrun on this machine, and nothing left behind.
+
+The launcher owns the run: it holds the run directory's lock for its workers, starts torchrun
+in a session of its own (so a Ctrl-C reaches the launcher once, not every process twice), and
+on SIGINT / SIGTERM forwards the signal to torchrun, which stops its workers. Whatever
+remains after `STOP_GRACE_S` — or after torchrun ends, normally or not — is killed: the
+launcher is a child subreaper, so workers and the loopback data server stay its descendants
+even when torchrun dies first. After a stop it prints one line and exits 128 + the signal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from core.checkpoint import latest_checkpoint, step_of
+from core.lifecycle import STOP_SIGNALS, become_subreaper, descendants_of, die_with_parent, signal_all
+from core.metrics import read_metrics
+from core.rundir import LOCK_OWNER_ENV, METRICS_NAME
+
+STOP_GRACE_S = 30.0  # torchrun's own grace for its workers is 30 s; ours covers torchrun itself
+LEFTOVER_GRACE_S = 5.0
+
+
+def interrupted_line(run_dir: Path, ckpt_dir: Path, signum: int) -> str:
+    records = read_metrics(run_dir / METRICS_NAME)
+    done = records[-1]["step"] if records else 0
+    latest = latest_checkpoint(ckpt_dir)
+    name = signal.Signals(signum).name
+    if latest is None:
+        return (f"tessera-train: {name}: interrupted after step {done}; no checkpoint was completed, "
+                f"so nothing to resume (start again with --overwrite)")
+    return (f"tessera-train: {name}: interrupted after step {done}; the last complete checkpoint is step "
+            f"{step_of(latest)}; continue with --resume {run_dir}")
+
+
+def _relay(stream, quiet: threading.Event) -> None:
+    """Copy torchrun's stderr (its workers' too) to ours until a stop; then only drain it, so
+    the tracebacks of interrupted ranks do not bury the one line that matters."""
+    for line in iter(stream.readline, b""):
+        if not quiet.is_set():
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+    stream.close()
+
+
+def _stop_leftovers() -> None:
+    leftovers = descendants_of(os.getpid())
+    if not leftovers:
+        return
+    signal_all(leftovers, signal.SIGTERM)
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while time.monotonic() < deadline and descendants_of(os.getpid()):
+        time.sleep(0.1)
+    signal_all(descendants_of(os.getpid()), signal.SIGKILL)
+    _reap()
+
+
+def _reap() -> None:
+    """Collect the exit status of re-parented children so they do not linger as zombies."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Path) -> int:
+    """Run `python -m core.cli WORKER_ARGV` on `nproc` local ranks; returns the exit code."""
+    become_subreaper()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "core.cli", *worker_argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # N workers on a CPU-only machine share its cores
+    env[LOCK_OWNER_ENV] = str(os.getpid())
+    received: list[int] = []
+    quiet = threading.Event()
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=die_with_parent)  # the launcher has no threads yet: preexec is safe
+
+    def on_stop(signum, frame):
+        if received:
+            return
+        received.append(signum)
+        quiet.set()
+        signal_all([proc.pid], signum)
+
+    previous = {sig: signal.signal(sig, on_stop) for sig in STOP_SIGNALS}
+    relay = threading.Thread(target=_relay, args=(proc.stderr, quiet), daemon=True)
+    relay.start()
+    stop_at = None
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if received and stop_at is None:
+                stop_at = time.monotonic() + STOP_GRACE_S
+            if stop_at is not None and time.monotonic() > stop_at:
+                signal_all([proc.pid, *descendants_of(os.getpid())], signal.SIGKILL)
+    finally:
+        _stop_leftovers()
+        relay.join(timeout=5)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        print(interrupted_line(run_dir, ckpt_dir, received[0]), file=sys.stderr, flush=True)
+        return 128 + received[0]
+    return code

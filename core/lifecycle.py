@@ -1,0 +1,118 @@
+"""Process lifetime: signals become a clean stop, and no process of a run outlives its parent.
+
+Workers turn SIGINT / SIGTERM into `Interrupted`, which unwinds the Trainer (closing the data
+stream, stopping the loopback data server, removing a half-written checkpoint) and ends the
+process with 128 + the signal's number, without a traceback. A worker whose parent (torchrun,
+or `tessera-train`) dies gets SIGTERM from the kernel (Linux `PR_SET_PDEATHSIG`), so nothing
+keeps training on its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """A stop signal arrived. BaseException, like KeyboardInterrupt: `except Exception` must not eat it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class _State:
+    signum: int | None = None
+
+
+def interrupted_by() -> int | None:
+    """The stop signal this process received, if any (also after `Interrupted` was caught)."""
+    return _State.signum
+
+
+def _raise_interrupted(signum, frame) -> None:
+    if _State.signum is not None:
+        return  # one stop is enough: a second signal must not break the cleanup of the first
+    _State.signum = signum
+    raise Interrupted(signum)
+
+
+def install_stop_handlers() -> None:
+    """SIGINT / SIGTERM raise `Interrupted` in the main thread."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _raise_interrupted)
+
+
+def _prctl(option: int, value: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel for `sig` when the parent process ends; if it already has, stop now."""
+    parent = os.getppid()
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
+    if parent == 1 or os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants are re-parented to this process instead of init, so it can find
+    and stop them (torchrun starts its workers in sessions of their own)."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of `pid`, read from /proc (Linux); [] elsewhere."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses: fields resume after the last ')'.
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def descendants_of(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for child in children_of(todo.pop()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,247 @@
+"""A run's life on real processes: stop signals at random moments, no orphans, self-protecting
+run directories, resume without retyping.
+
+Every process of a run carries a tag in its environment (inherited by torchrun, the workers and
+the loopback data server), so "no process of the run remains" is read from /proc. Reference
+for the loss trajectory: the same 2-process run without interruption; a resumed run must match
+it step for step (same layout, same data order; 1e-6 relative covers only the fp32 reduction
+order of a restarted gloo group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dataservice.build import build_dataset, make_corpus
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "launch" / "configs" / "tiny_dense.toml"
+STEPS = 8
+SMALL = [
+    "model.dim=64", "model.num_layers=2", "model.ffn_dim=128", "train.seq_len=64", "train.micro_batch_size=2",
+    "train.global_batch_size=8", f"train.max_steps={STEPS}", "train.warmup_steps=1", "train.plot=true",
+    "checkpoint.interval=1", "checkpoint.keep=3",
+]
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("lifecycle-data")
+    corpus = make_corpus(tmp, n_docs=300, seed=3, min_len=16, max_len=600)
+    return build_dataset([corpus], tmp / "shards")
+
+
+def _env(tag: str) -> dict:
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, TESSERA_TEST_RUN=tag)
+
+
+def train_cmd(run_dir: Path, dataset: Path, *extra: str, launcher: bool = True) -> list[str]:
+    sets = []
+    for item in [*SMALL, f"data.dataset={dataset}", f"train.run_dir={run_dir}"]:
+        sets += ["--set", item]
+    if launcher:
+        return [sys.executable, "-m", "core.cli", "--config", str(CONFIG), *sets, "--nproc-per-node", "2", *extra]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "core.cli",
+            "--config", str(CONFIG), *sets, *extra]
+
+
+def start(cmd: list[str], tag: str) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as a terminal job has
+
+
+def run(cmd: list[str], tag: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=_env(tag or uuid.uuid4().hex), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def processes_tagged(tag: str) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+            if f"TESSERA_TEST_RUN={tag}".encode() in environ.split(b"\0"):
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":  # a zombie has ended; only its exit status waits for a reaper
+                    found.append(Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+        except OSError:
+            continue
+    return found
+
+
+def wait_for_no_process(tag: str, timeout: float = 60.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not processes_tagged(tag):
+            return []
+        time.sleep(0.5)
+    return processes_tagged(tag)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_until(predicate, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("the run never reached the moment to interrupt")
+
+
+def assert_only_complete_checkpoints(run_dir: Path) -> None:
+    for path in (run_dir / "checkpoints").iterdir():
+        assert path.name == "latest" or (path.name.startswith("step_") and (path / ".metadata").is_file()), path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, dataset) -> dict[int, float]:
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    proc = run(train_cmd(run_dir, dataset))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r["step"]: r["loss"] for r in metrics(run_dir)}
+
+
+def resume_and_check(run_dir: Path, reference: dict[int, float]) -> None:
+    """`--resume RUN_DIR` alone finishes the run on the reference trajectory, one record per step."""
+    proc = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--nproc-per-node", "2"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert r["loss"] == pytest.approx(reference[r["step"]], rel=RTOL), (r["step"], records, reference)
+    assert (run_dir / "loss.png").stat().st_size > 1000
+
+
+# Moments: after a random step has been logged (during the next step's compute or collectives),
+# and the instant a checkpoint save has started writing (a step_N.tmp folder exists).
+def _during_step(run_dir: Path, rng: random.Random):
+    target = rng.randint(2, 5)
+    return lambda: len(metrics(run_dir)) >= target and (time.sleep(rng.uniform(0.0, 0.4)) or True)
+
+
+def _during_save(run_dir: Path, rng: random.Random):
+    target = rng.randint(2, 4)
+    return lambda: len(metrics(run_dir)) >= target and any((run_dir / "checkpoints").glob("step_*.tmp"))
+
+
+CASES = {
+    "sigint-launcher-during-step": (True, signal.SIGINT, "launcher", _during_step),
+    "sigterm-group-during-save": (True, signal.SIGTERM, "group", _during_save),
+    "sigint-group-during-save": (True, signal.SIGINT, "group", _during_save),
+    "sigterm-torchrun-during-step": (False, signal.SIGTERM, "launcher", _during_step),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_stop_signal_leaves_no_process_and_resume_continues_the_trajectory(tmp_path, dataset, reference, case):
+    launcher, sig, target, moment = CASES[case]
+    rng = random.Random(case)
+    run_dir, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = start(train_cmd(run_dir, dataset, launcher=launcher), tag)
+    try:
+        wait_until(moment(run_dir, rng))
+        if target == "group":
+            os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C does
+        else:
+            os.kill(proc.pid, sig)
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert wait_for_no_process(tag) == []
+    assert_only_complete_checkpoints(run_dir)
+    if launcher:
+        assert proc.returncode == 128 + sig, stderr[-3000:]
+        lines = [line for line in stderr.splitlines() if "interrupted after step" in line]
+        assert len(lines) == 1 and "continue with --resume" in lines[0], stderr[-3000:]
+        assert "Traceback" not in stderr, stderr[-3000:]
+    resume_and_check(run_dir, reference)
+
+
+def test_killed_launcher_takes_its_workers_along_and_the_stale_lock_is_taken_over(tmp_path, dataset, reference):
+    run_dir, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = start(train_cmd(run_dir, dataset), tag)
+    try:
+        wait_until(lambda: len(metrics(run_dir)) >= 3)
+        os.kill(proc.pid, signal.SIGKILL)  # no chance to clean up: the kernel tells the children
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert wait_for_no_process(tag) == []
+    assert (run_dir / "run.lock").exists()  # left behind by the killed owner
+    proc = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--nproc-per-node", "2"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "taking over the lock" in proc.stderr
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
+    assert not (run_dir / "run.lock").exists()
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path, dataset):
+    run_dir, tag = tmp_path / "run", uuid.uuid4().hex
+    first = start(train_cmd(run_dir, dataset, "--set", "train.max_steps=200"), tag)
+    try:
+        wait_until(lambda: len(metrics(run_dir)) >= 1)
+        second = run(train_cmd(run_dir, dataset, "--overwrite"))
+        assert second.returncode == 2
+        assert second.stderr.strip().count("\n") == 0 and "is in use by process" in second.stderr, second.stderr
+        assert first.poll() is None  # the first run goes on
+    finally:
+        os.killpg(first.pid, signal.SIGTERM)
+        first.communicate(timeout=90)
+    assert wait_for_no_process(tag) == []
+
+
+def test_run_directory_rules_and_resume_with_changes(tmp_path, dataset):
+    """Single process (no torchrun): the same rules hold where rank 0 owns the directory."""
+    run_dir = tmp_path / "run"
+    base = [sys.executable, "-m", "core.cli", "--config", str(CONFIG)]
+    sets = []
+    for item in [*SMALL, "train.max_steps=3", "train.plot=false", f"data.dataset={dataset}", f"train.run_dir={run_dir}"]:
+        sets += ["--set", item]
+    assert run(base + sets).returncode == 0
+    saved = (run_dir / "config.toml").read_text()
+    assert "max_steps = 3" in saved and f'dataset = "{dataset}"' in saved
+
+    again = run(base + sets)  # the same command again, neither --resume nor --overwrite
+    assert again.returncode == 2 and "already holds a run" in again.stderr and "--resume" in again.stderr
+    assert len(metrics(run_dir)) == 3  # nothing was appended
+
+    (run_dir / "checkpoints" / "step_000009.tmp").mkdir()  # a save that died
+    shape = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--set", "model.dim=128"])
+    assert shape.returncode == 2 and "different model shape" in shape.stderr and "model.dim" in shape.stderr
+
+    printed = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--set", "train.max_steps=5",
+                   "--print-config"])
+    assert printed.returncode == 0 and "max_steps = 5" in printed.stdout and len(metrics(run_dir)) == 3
+
+    more = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--set", "train.max_steps=5"])
+    assert more.returncode == 0, more.stderr[-3000:]
+    changes = [line for line in more.stderr.splitlines() if "alter the trajectory" in line]
+    assert len(changes) == 1 and "train.max_steps 3 -> 5" in changes[0]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4, 5]
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    assert "max_steps = 5" in (run_dir / "config.toml").read_text()
+
+    fresh = run(base + sets + ["--overwrite"])
+    assert fresh.returncode == 0 and [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
