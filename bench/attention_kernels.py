@@ -1,7 +1,7 @@
 """Attention kernels for packed batches on one GPU: which kernel runs a document fastest.
 
-    python bench/attention_kernels.py                 # GPU: both modes
-    python bench/attention_kernels.py --smoke         # CPU: tiny sizes, checks the script runs
+    python -m bench.attention_kernels                 # GPU: both modes
+    python -m bench.attention_kernels --smoke         # CPU: tiny sizes, checks the script runs
 
 `kernels`: forward and backward time of one attention block, FlashAttention varlen (what
 `varlen_attn` runs) against cuDNN SDPA on [docs, H, S, D] views (`aten._scaled_dot_product_cudnn_attention`,
@@ -10,41 +10,21 @@ forward's output and LSE, as the ring feeds merged ones, and checked against fla
 `packed`: `core.attention.varlen_attention` on rows packed from a long-tail document mix,
 with the long documents split off to cuDNN (the default when the host knows the lengths)
 against every document on flash varlen (`TESSERA_VARLEN_KERNEL=flash`), forward+backward, and
-the largest difference between the two. One JSON line per measurement.
+the largest difference between the two. The kernels of one case are timed together in --iters
+interleaved rounds (bench.harness); one record (JSON line) per measurement.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from core import attention  # noqa: E402
-from core.parallel import ring_attention as ra  # noqa: E402
-
-
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
-
-
-def timed(fn, warmup: int, iters: int, device) -> float:
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+from bench.harness import compare, emit, ratio
+from core import attention
+from core.parallel import ring_attention as ra
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,30 +46,34 @@ def mode_kernels(args, device) -> None:
         dout = torch.randn_like(q)
         out, lse = ra._flash_fwd(q, k, v, cq, ck, sq, sk, causal, scale)
         grads = ra._flash_bwd(dout, q, k, v, out, lse, cq, ck, sq, sk, causal, scale)
-        rec = {"mode": "kernels", "block": name, "docs": docs, "sq": sq, "sk": sk, "heads": h, "kv_heads": hk,
-               "flash_fwd_ms": 1e3 * timed(lambda: ra._flash_fwd(q, k, v, cq, ck, sq, sk, causal, scale), 2, args.iters, device),
-               "flash_bwd_ms": 1e3 * timed(lambda: ra._flash_bwd(dout, q, k, v, out, lse, cq, ck, sq, sk, causal, scale),
-                                           2, args.iters, device)}
         c_out, c_lse = ra._cudnn_fwd(q, k, v, docs, causal, scale)
         c_grads = ra._cudnn_bwd(dout, q, k, v, out, lse, docs, causal, scale)
-        rec.update(cudnn_fwd_ms=1e3 * timed(lambda: ra._cudnn_fwd(q, k, v, docs, causal, scale), 2, args.iters, device),
-                   cudnn_bwd_ms=1e3 * timed(lambda: ra._cudnn_bwd(dout, q, k, v, out, lse, docs, causal, scale),
-                                            2, args.iters, device),
-                   cudnn_out_err=rel_err(c_out, out), cudnn_lse_err=float((c_lse - lse).abs().max()),
-                   cudnn_grad_err=max(rel_err(a, b) for a, b in zip(c_grads, grads)))
+        rec = {"mode": "kernels", "block": name, "docs": docs, "sq": sq, "sk": sk, "heads": h, "kv_heads": hk,
+               "cudnn_out_err": rel_err(c_out, out), "cudnn_lse_err": float((c_lse - lse).abs().max()),
+               "cudnn_grad_err": max(rel_err(a, b) for a, b in zip(c_grads, grads))}
+        kernels = {
+            "flash_fwd": lambda: ra._flash_fwd(q, k, v, cq, ck, sq, sk, causal, scale),
+            "flash_bwd": lambda: ra._flash_bwd(dout, q, k, v, out, lse, cq, ck, sq, sk, causal, scale),
+            "cudnn_fwd": lambda: ra._cudnn_fwd(q, k, v, docs, causal, scale),
+            "cudnn_bwd": lambda: ra._cudnn_bwd(dout, q, k, v, out, lse, docs, causal, scale),
+        }
         if args.ragged:  # cuDNN's ragged path, for the record: it can fault, so it runs last and opt-in
             ragged = lambda: torch.ops.aten._cudnn_attention_forward(  # noqa: E731
                 q, k, v, None, cq, ck, sq, sk, True, 0.0, causal, False, scale=scale)
             r = ragged()
-            rec["ragged_fwd_ms"] = 1e3 * timed(ragged, 2, args.iters, device)
             rec["ragged_out_err"] = rel_err(r[0], out)
             lse_in = lse.t().contiguous().unsqueeze(-1)
             g = torch.ops.aten._cudnn_attention_backward(dout, q, k, v, out, lse_in, r[6], r[7], None, cq, ck, sq, sk,
                                                          0.0, causal, scale=scale)
             rec["ragged_grad_err"] = max(rel_err(a, b) for a, b in zip(g, grads))
-        rec["cudnn_speedup_fwd"] = rec["flash_fwd_ms"] / rec["cudnn_fwd_ms"]
-        rec["cudnn_speedup_bwd"] = rec["flash_bwd_ms"] / rec["cudnn_bwd_ms"]
-        emit(rec)
+            kernels["ragged_fwd"] = ragged
+        times = compare(kernels, rounds=args.iters, warmup=2, device=device)
+        for kernel, t in times.items():
+            rec[f"{kernel}_ms"] = t.ms
+            rec[f"{kernel}_ms_range"] = (t.min_ms, t.max_ms)
+        rec["cudnn_speedup_fwd"] = ratio(times["flash_fwd"], times["cudnn_fwd"])["median"]
+        rec["cudnn_speedup_bwd"] = ratio(times["flash_bwd"], times["cudnn_bwd"])["median"]
+        emit("attention_kernels", rec, device)
 
 
 def long_tail(total: int, mu: float, sigma: float, cap: int, seed: int) -> tuple[int, ...]:
@@ -111,11 +95,12 @@ def mode_packed(args, device, dtype) -> None:
         q = torch.randn(seq, h, d, device=device, dtype=dtype, requires_grad=True)
         k, v = (torch.randn(seq, hk, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
         dout = torch.randn_like(q)
-        outs, times = {}, {}
+        outs, steps = {}, {}
         for kernel in ("flash", "split"):
-            os.environ[attention.VARLEN_KERNEL_ENV] = "flash" if kernel == "flash" else "auto"
 
-            def step():
+            def step(kernel=kernel):
+                # Each call sets the kernel choice itself: the two are timed in alternation.
+                os.environ[attention.VARLEN_KERNEL_ENV] = "flash" if kernel == "flash" else "auto"
                 for t in (q, k, v):
                     t.grad = None
                 if device.type == "cuda":
@@ -128,14 +113,18 @@ def mode_packed(args, device, dtype) -> None:
                 return out
 
             outs[kernel] = [step().detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
-            times[kernel] = timed(step, 2, args.iters, device)
+            steps[kernel] = step
+        times = compare(steps, rounds=args.iters, warmup=2, device=device)
         os.environ.pop(attention.VARLEN_KERNEL_ENV, None)
         long_tokens = sum(n for n in lengths if n >= attention.CUDNN_MIN_DOC)
-        emit({"mode": "packed", "seq": seq, "docs": len(lengths), "longest": max(lengths),
-              "tokens_in_long_docs": long_tokens, "min_doc": attention.CUDNN_MIN_DOC, "bucket": attention.CUDNN_BUCKET,
-              "flash_ms": 1e3 * times["flash"], "split_ms": 1e3 * times["split"],
-              "speedup": times["flash"] / times["split"],
-              "max_rel_diff": max(rel_err(a, b) for a, b in zip(outs["split"], outs["flash"]))})
+        emit("attention_kernels", {
+            "mode": "packed", "seq": seq, "docs": len(lengths), "longest": max(lengths),
+            "tokens_in_long_docs": long_tokens, "min_doc": attention.CUDNN_MIN_DOC, "bucket": attention.CUDNN_BUCKET,
+            "flash_ms": times["flash"].ms, "split_ms": times["split"].ms,
+            "flash_ms_range": (times["flash"].min_ms, times["flash"].max_ms),
+            "split_ms_range": (times["split"].min_ms, times["split"].max_ms),
+            "speedup": ratio(times["flash"], times["split"])["median"],
+            "max_rel_diff": max(rel_err(a, b) for a, b in zip(outs["split"], outs["flash"]))}, device)
 
 
 def main() -> None:
@@ -149,8 +138,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--mix-mu", type=float, default=7.5, help="log-normal document lengths (as bench/context_parallel.py)")
+    p.add_argument("--iters", type=int, default=5, help="interleaved timing rounds per case")
+    p.add_argument("--mix-mu", type=float, default=7.5, help="log-normal document lengths (as bench.context_parallel)")
     p.add_argument("--mix-sigma", type=float, default=1.6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-doc", type=int, default=attention.CUDNN_MIN_DOC, help="documents this long go to cuDNN")
@@ -158,6 +147,8 @@ def main() -> None:
     args = p.parse_args()
     if args.min_doc < 1 or args.bucket < 1:
         p.error("--min-doc and --bucket must be >= 1")
+    if args.iters < 1:
+        p.error("--iters must be >= 1")
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
         p.error("needs a CUDA GPU (or --smoke for the CPU check)")
@@ -166,8 +157,6 @@ def main() -> None:
         args.mode, args.packed_seqs, args.heads, args.kv_heads, args.head_dim = ["packed"], [512], 4, 2, 16
         args.mix_mu, args.mix_sigma, args.min_doc, args.bucket, args.iters = 3.5, 1.0, 32, 16, 1
     attention.CUDNN_MIN_DOC, attention.CUDNN_BUCKET = args.min_doc, args.bucket
-    emit({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-          "date": time.strftime("%Y-%m-%d")})
     if "kernels" in args.mode:
         mode_kernels(args, device)
     if "packed" in args.mode:

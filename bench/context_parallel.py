@@ -1,11 +1,13 @@
 """Context-parallel benchmarks: ring attention scaling, dynamic vs static CP, cost calibration.
 
 Run under torchrun (GPU: NCCL, bf16, FlashAttention varlen blocks):
-    torchrun --nproc-per-node 4 bench/context_parallel.py --mode all
+    torchrun --nproc-per-node 4 -m bench.context_parallel --mode all
 CPU smoke test (gloo, fp32, tiny sizes, exact dense blocks):
-    torchrun --nproc-per-node 2 bench/context_parallel.py --smoke
+    torchrun --nproc-per-node 2 -m bench.context_parallel --smoke
 
-Modes (one JSON line per measurement on rank 0):
+Timing: bench.harness over the whole world (a barrier before each measurement, the slowest
+rank's time), the candidates of one comparison in interleaved rounds. Modes (one record, a
+JSON line, per measurement on rank 0):
 - check: ring attention vs `core.attention.varlen_attention` on the whole packed batch
   (outputs and q/k/v grads, GQA, odd document lengths).
 - attention: ring attention forward+backward, one document of S tokens, CP = 1, 2, 4 (every
@@ -24,50 +26,34 @@ Modes (one JSON line per measurement on rank 0):
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+import torch
+import torch.distributed as dist
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from core.attention import varlen_attention  # noqa: E402
-from core.config import ModelConfig  # noqa: E402
-from core.loss import cross_entropy_sum  # noqa: E402
-from core.layers import AttentionMeta  # noqa: E402
-from core.model import build_model  # noqa: E402
-from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs, shard_for_cp  # noqa: E402
-from core.parallel.ring_attention import block_backward, block_forward, ring_attention  # noqa: E402
-from dataservice.cp_plan import CostModel, H200_COST, plan_static, plan_step  # noqa: E402
+from bench import harness
+from core.attention import varlen_attention
+from core.config import ModelConfig
+from core.layers import AttentionMeta
+from core.loss import cross_entropy_sum
+from core.mesh import ParallelMesh
+from core.model import build_model
+from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs, shard_for_cp
+from core.parallel.ring_attention import block_backward, block_forward, ring_attention
+from dataservice.cp_plan import CostModel, H200_COST, plan_static, plan_step
 
 
-def emit(record: dict) -> None:
-    if dist.get_rank() == 0:
-        print(json.dumps(record), flush=True)
+def emit(record: dict, device) -> None:
+    harness.emit("context_parallel", {**record, "world": dist.get_world_size()}, device)
 
 
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device, warmup: int, iters: int, group=None) -> float:
-    """Mean seconds of fn() over iters after warmup, the slowest rank of `group` (or world)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    dist.barrier(group=group)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(device)
-    t = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
+def timed(candidates: dict, device, warmup: int, rounds: int, iters: int = 1) -> dict[str, float]:
+    """Seconds per call of each candidate: interleaved rounds over the whole world, each
+    measurement the slowest rank's; the median over rounds."""
+    times = harness.compare(candidates, rounds=rounds, iters=iters, warmup=warmup, device=device,
+                            group=dist.group.WORLD)
+    return {name: t.ms / 1e3 for name, t in times.items()}
 
 
 def consecutive_groups(cp: int):
@@ -114,53 +100,61 @@ def check_one(args, device, dtype, case, lengths):
     t = torch.tensor(list(errs.values()), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     emit({"mode": "check", "case": case, "equal_docs": s.meta.extra["cp"].equal_docs, "cp": world,
-          "dtype": str(dtype), "max_rel_err": dict(zip(errs, t.tolist()))})
+          "dtype": str(dtype), "max_rel_err": dict(zip(errs, t.tolist()))}, device)
 
 
 def mode_attention(args, device, dtype):
+    """Per sequence length, every CP size and its CP=1 references timed in the same rounds."""
     world = dist.get_world_size()
     sizes = [c for c in (1, 2, 4, 8) if c <= world and world % c == 0]
     groups = {c: consecutive_groups(c) if c > 1 else None for c in sizes}
-    times: dict[tuple[int, int], float] = {}
 
-    def run(cp: int, seq: int, kernel: str = "model") -> float:
-        key = (cp, seq, kernel)
-        if key not in times:
-            group = groups[cp]
-            rank = dist.get_rank(group) if group is not None else 0
-            ids = torch.arange(seq, device=device)
-            doc = args.doc_len or seq
-            cu = torch.tensor(list(range(0, seq, doc)) + [seq], dtype=torch.int32, device=device)
-            s = shard_for_cp(ids, ids, ids, cu, rank, cp)
-            q, k, v = qkv(s.tokens.numel(), args.heads, args.kv_heads, args.head_dim, dtype, device)
-            dout = torch.randn_like(q)
-            blocks = cp == 1 and kernel == "blocks"
-            equal_docs = seq // doc if seq % doc == 0 else 0  # as the ring's layout would say
+    def attention_step(cp: int, seq: int, kernel: str = "model"):
+        group = groups[cp]
+        rank = dist.get_rank(group) if group is not None else 0
+        ids = torch.arange(seq, device=device)
+        doc = args.doc_len or seq
+        cu = torch.tensor(list(range(0, seq, doc)) + [seq], dtype=torch.int32, device=device)
+        s = shard_for_cp(ids, ids, ids, cu, rank, cp)
+        q, k, v = qkv(s.tokens.numel(), args.heads, args.kv_heads, args.head_dim, dtype, device)
+        dout = torch.randn_like(q)
+        blocks = cp == 1 and kernel == "blocks"
+        equal_docs = seq // doc if seq % doc == 0 else 0  # as the ring's layout would say
 
-            def step():
-                if cp > 1:
-                    out = ring_attention(q, k, v, s.meta.extra["cp"], group)
-                elif blocks:  # the ring's own block kernel on one GPU: isolates the parallel cost
-                    out = _BlockAttention.apply(q, k, v, s.meta.cu_seqlens, s.meta.max_seqlen, equal_docs)
-                else:  # the model's default path (cuDNN SDPA for one document, flash varlen if packed)
-                    out = varlen_attention(q, k, v, s.meta.cu_seqlens, s.meta.max_seqlen)
-                out.backward(dout)
+        def step():
+            if cp > 1:
+                out = ring_attention(q, k, v, s.meta.extra["cp"], group)
+            elif blocks:  # the ring's own block kernel on one GPU: isolates the parallel cost
+                out = _BlockAttention.apply(q, k, v, s.meta.cu_seqlens, s.meta.max_seqlen, equal_docs)
+            else:  # the model's default path (cuDNN SDPA for one document, flash varlen if packed)
+                out = varlen_attention(q, k, v, s.meta.cu_seqlens, s.meta.max_seqlen)
+            out.backward(dout)
 
-            times[key] = timed(step, device, args.warmup, args.iters)
-        return times[key]
+        return step
 
     for seq in args.seqs:
-        for cp in sizes:
-            if cp == 1 or seq % (2 * cp):
-                continue
-            t_cp = run(cp, seq)
+        cps = [cp for cp in sizes if cp > 1 and seq % (2 * cp) == 0]
+        if not cps:
+            continue
+        steps = {}  # (cp, tokens, kernel) -> step; CP=1 references are shared between CP sizes
+        keys = [(cp, seq, "model") for cp in cps]
+        for cp in cps:
+            keys += [(1, seq // cp, kernel) for kernel in ("model", "blocks")]
+            keys += [] if args.no_strong else [(1, seq, kernel) for kernel in ("model", "blocks")]
+        for key in keys:
+            if key not in steps:
+                steps[key] = attention_step(*key)
+        times = timed({f"cp{c}_{n}_{k}": fn for (c, n, k), fn in steps.items()}, device, args.warmup, args.iters)
+        t = lambda c, n, k: times[f"cp{c}_{n}_{k}"]  # noqa: E731
+        for cp in cps:
+            t_cp = t(cp, seq, "model")
             for kernel in ("model", "blocks"):
-                t_part = run(1, seq // cp, kernel)
-                t_full = run(1, seq, kernel) if not args.no_strong else float("nan")
+                t_part = t(1, seq // cp, kernel)
+                t_full = t(1, seq, kernel) if not args.no_strong else float("nan")
                 emit({"mode": "attention", "seq": seq, "doc_len": args.doc_len or seq, "cp": cp, "cp1_kernel": kernel,
                       "t_cp_s": t_cp, "t_cp1_part_s": t_part, "t_cp1_full_s": t_full, "eff_issue": t_part / t_cp,
                       "eff_work": cp * t_part / t_cp, "eff_strong": t_full / (cp * t_cp), "heads": args.heads,
-                      "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": str(dtype)})
+                      "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": str(dtype)}, device)
 
 
 class _BlockAttention(torch.autograd.Function):
@@ -202,7 +196,8 @@ def make_step(model_cfg, lengths, device, seed=0):
     return [t.to(device) for t in (tokens, labels, positions, cu)]
 
 
-def run_plan(model, plan, step, subgroups, device, dtype) -> float:
+def plan_runner(model, plan, step, subgroups, device, dtype):
+    """One training step's forward and backward of the plan's micro-batches on this rank."""
     tokens, labels, positions, cu = step
 
     def once():
@@ -213,10 +208,7 @@ def run_plan(model, plan, step, subgroups, device, dtype) -> float:
             loss.backward()
         model.zero_grad(set_to_none=True)
 
-    return timed(once, device, 1, max(1, args_iters_dynamic))
-
-
-args_iters_dynamic = 3
+    return once
 
 
 def mode_calibrate(args, device, dtype):
@@ -236,10 +228,10 @@ def mode_calibrate(args, device, dtype):
                     loss, _ = cross_entropy_sum(model(step[0], step[2], meta), step[1])
                 loss.backward()
 
-            t = timed(once, device, args.warmup, args.iters)
+            t = timed({"step": once}, device, args.warmup, args.iters)["step"]
             rows.append([1.0, total, float(sum(x * x for x in lengths))])
             ts.append(t)
-            emit({"mode": "calibrate_point", "tokens": total, "doc_len": doc, "t_s": t})
+            emit({"mode": "calibrate_point", "tokens": total, "doc_len": doc, "t_s": t}, device)
     coef, *_ = np.linalg.lstsq(np.asarray(rows), np.asarray(ts), rcond=None)
     fit = np.asarray(rows) @ coef
     # Ring traffic per token per ring step, forward+backward: K/V (bf16) forward; K/V and
@@ -249,12 +241,12 @@ def mode_calibrate(args, device, dtype):
     cost = {"per_microbatch": max(0.0, float(coef[0])), "per_token": max(0.0, float(coef[1])),
             "per_pair": max(0.0, float(coef[2])), "ring_per_token": bytes_per_token / bw if bw else 0.0,
             "ring_step": 3 * lat * cfg.num_layers}  # 1 exchange forward, 2 backward, per layer
-    emit({"mode": "calibrate_exchange", "cost": dict(cost)})
+    emit({"mode": "calibrate_exchange", "cost": dict(cost)}, device)
     if dist.get_world_size() >= 2 and not args.smoke:
         cost.update(fit_ring_terms(args, device, dtype, cfg, model, CostModel(**cost)))
     emit({"mode": "calibrate", "cost": cost, "max_fit_err": float(np.max(np.abs(fit - ts) / ts)), "p2p_GBps": bw / 1e9,
           "p2p_latency_us": lat * 1e6, "model": {"dim": cfg.dim, "layers": cfg.num_layers, "heads": cfg.num_heads,
-                                                   "kv_heads": cfg.num_kv_heads, "ffn": cfg.ffn_dim}})
+                                                   "kv_heads": cfg.num_kv_heads, "ffn": cfg.ffn_dim}}, device)
     return CostModel(**cost)
 
 
@@ -276,9 +268,10 @@ def fit_ring_terms(args, device, dtype, cfg, model, cost: CostModel) -> dict:
                 loss, _ = cross_entropy_sum(model(s.tokens, s.position_ids, s.meta), s.labels)
             loss.backward()
 
-        t = timed(once, device, args.warmup, args.iters)
+        t = timed({"step": once}, device, args.warmup, args.iters)["step"]
         plain = CostModel(cost.per_token, cost.per_pair, per_microbatch=cost.per_microbatch).time([doc] * (total // doc), 2)
-        emit({"mode": "calibrate_ring_point", "tokens": total, "doc_len": doc, "t_s": t, "no_ring_model_s": plain})
+        emit({"mode": "calibrate_ring_point", "tokens": total, "doc_len": doc, "t_s": t, "no_ring_model_s": plain},
+             device)
         if doc == 512:
             over.append(t - plain)
             tokens.append(total / 2)
@@ -289,7 +282,7 @@ def fit_ring_terms(args, device, dtype, cfg, model, cost: CostModel) -> dict:
     fitted = CostModel(cost.per_token, cost.per_pair, c, d, cost.per_microbatch)
     for total, doc, t in checks:
         emit({"mode": "calibrate_ring_check", "tokens": total, "doc_len": doc, "t_s": t,
-              "model_s": fitted.time([doc] * (total // doc), 2)})
+              "model_s": fitted.time([doc] * (total // doc), 2)}, device)
     return {"ring_per_token": c, "ring_step": d}
 
 
@@ -299,17 +292,18 @@ def p2p_bandwidth(device, args) -> tuple[float, float]:
     if world < 2:
         return 0.0, 0.0
     nxt, prv = (rank + 1) % world, (rank - 1) % world
-    out = {}
-    for n in (1024, (64 << 20) if not args.smoke else 1 << 16):
+    big = (64 << 20) if not args.smoke else 1 << 16
+    exchanges = {}
+    for n in (1024, big):
         send, recv = torch.ones(n // 4, device=device), torch.empty(n // 4, device=device)
 
-        def once():
+        def once(send=send, recv=recv):
             for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]):
                 w.wait()
 
-        out[n] = timed(once, device, 3, 20)
+        exchanges[n] = once
+    out = timed(exchanges, device, 3, 5, iters=20)
     lat = out[1024]
-    big = max(out)
     return big / max(out[big] - lat, 1e-9), lat
 
 
@@ -328,24 +322,25 @@ def dynamic_one(args, device, dtype, cost: CostModel, seed: int):
         lengths.append(int(min(max(1, rng.lognormal(args.mix_mu, args.mix_sigma)), world * budget)))
     step = make_step(cfg, lengths, device, seed=seed)
     model = apply_cp(build_model(cfg, seed=0).to(device), None)
-    from core.mesh import ParallelMesh
-
     subgroups = CPSubgroups.build(ParallelMesh.build(cp=world))
     plans = {"dynamic": plan_step(lengths, world, budget, cost), f"static_cp{world}": plan_static(lengths, world, world, budget, cost)}
     total = float(sum(lengths))
-    res = {}
+    runners = {name: plan_runner(model, plan, step, subgroups, device, dtype) for name, plan in plans.items()}
+    times = harness.compare(runners, rounds=args.dynamic_rounds, iters=1, warmup=1, device=device,
+                            group=dist.group.WORLD)
     for name, plan in plans.items():
-        t = run_plan(model, plan, step, subgroups, device, dtype)
-        res[name] = t
-        emit({"mode": "dynamic", "plan": name, "step_s": t, "tokens_per_s": total / t, "modelled_s": plan.makespan,
+        t = times[name].ms / 1e3
+        emit({"mode": "dynamic", "plan": name, "step_s": t, "step_s_range": (times[name].min_ms / 1e3,
+              times[name].max_ms / 1e3), "tokens_per_s": total / t, "modelled_s": plan.makespan,
               "microbatches": len(plan.microbatches), "group_sizes": sorted({m.group_size for m in plan.microbatches}),
-              "docs": len(lengths), "tokens": int(total), "max_doc": max(lengths), "budget": budget})
-    emit({"mode": "dynamic_vs_static", "seed": seed, "speedup": res[f"static_cp{world}"] / res["dynamic"], "world": world,
-          "modelled_speedup": plans[f"static_cp{world}"].makespan / plans["dynamic"].makespan})
+              "docs": len(lengths), "tokens": int(total), "max_doc": max(lengths), "budget": budget}, device)
+    speedup = harness.ratio(times[f"static_cp{world}"], times["dynamic"])
+    emit({"mode": "dynamic_vs_static", "seed": seed, "speedup": speedup["median"],
+          "speedup_range": (speedup["min"], speedup["max"]),
+          "modelled_speedup": plans[f"static_cp{world}"].makespan / plans["dynamic"].makespan}, device)
 
 
 def main():
-    global args_iters_dynamic
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", nargs="+", default=["all"], choices=["all", "check", "attention", "calibrate", "dynamic"])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU/gloo friendly")
@@ -355,7 +350,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=5, help="interleaved timing rounds per comparison")
+    p.add_argument("--dynamic-rounds", type=int, default=3, help="dynamic mode: timing rounds of the two plans")
     p.add_argument("--no-strong", action="store_true", help="skip CP=1 on the whole sequence")
     p.add_argument("--doc-len", type=int, default=0, help="attention mode: documents of this length (0: one document)")
     p.add_argument("--calib-tokens", type=int, nargs="+", default=[16384, 32768, 65536])
@@ -374,9 +370,7 @@ def main():
     if args.smoke:
         args.seqs, args.heads, args.kv_heads, args.head_dim = [64, 128], 4, 2, 8
         args.calib_tokens, args.budget, args.warmup, args.iters = [64, 128], 64, 1, 1
-        args.mix_mu, args.mix_sigma, args_iters_dynamic = 3.0, 1.0, 1
-    emit({"device": torch.cuda.get_device_name() if use_cuda else "cpu", "world": dist.get_world_size(),
-          "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")})
+        args.mix_mu, args.mix_sigma, args.dynamic_rounds = 3.0, 1.0, 1
     try:
         if {"all", "check"} & set(args.mode):
             mode_check(args, device, dtype)

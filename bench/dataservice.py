@@ -7,11 +7,13 @@ real tokens/s, packing efficiency, and the client's time per `next()` with a war
 (the consumer sleeps like a training step, so the prefetch queue is full).
 
 Baseline in the same run: the StreamPlan alone (`plan.rows` + message building +
-serialisation, in one process, no gRPC), i.e. what one core can produce; the service's
-tokens/s are also given as a ratio to it.
+serialisation, in one process, no gRPC), i.e. what one core can produce, its three phases timed
+in interleaved rounds (bench.harness, on the CPU clock); the service's tokens/s are also given
+as a ratio to it. The service figures are the clients' own: tokens over the common interval of
+all streams. Ends with one record (JSON line).
 
-    .venv/bin/python bench/dataservice.py                 # defaults: seq_len 8192, B 4, 1 and 8 streams
-    .venv/bin/python bench/dataservice.py --streams 1 2 8 --batches 300
+    python -m bench.dataservice                 # defaults: seq_len 8192, B 4, 1 and 8 streams
+    python -m bench.dataservice --streams 1 2 8 --batches 300
 """
 
 from __future__ import annotations
@@ -27,55 +29,60 @@ import tempfile
 import time
 from pathlib import Path
 
+import protos
+from bench.harness import compare, emit
+from dataservice.build import build_dataset, make_corpus
+from dataservice.client import DataClient
+from dataservice.plan import StreamPlan, rows_for
+from dataservice.server import DataServicer
+from dataservice.shards import ShardedDataset
+from dataservice.tokens import ResumeToken
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def make_dataset(folder: Path, docs: int) -> Path:
     """A long-tailed corpus (34 .. 32k tokens per document, byte tokenizer) built into shards."""
-    from dataservice.build import build_dataset, make_corpus
-
     corpus = make_corpus(folder, docs, seed=11, min_len=32, max_len=32768)
     return Path(build_dataset([corpus], folder / "web", progress=False, overwrite=True))
 
 
-def plan_baseline(path: Path, seq_len: int, batch: int, steps: int) -> dict:
-    """Single-process cost of what the server does per batch, without gRPC."""
-    import protos
-    from dataservice.plan import StreamPlan, rows_for
-    from dataservice.server import DataServicer
-    from dataservice.shards import ShardedDataset
-    from dataservice.tokens import ResumeToken
-
-    pb2, _ = protos.load()
+def plan_baseline(path: Path, seq_len: int, batch: int, rounds: int = 5, iters: int = 20) -> dict:
+    """Single-process cost of what the server does per batch, without gRPC: the rows of the next
+    step, its message, the message's serialisation, timed in interleaved rounds."""
+    protos.load()  # generates the message modules on first use
     ds = ShardedDataset.open(path)
     plan = StreamPlan([ds], [1.0], seed=0, seq_len=seq_len)
-    anchor = plan.start_anchor()
-    t_rows = t_msg = t_ser = 0.0
-    for step in range(steps):
-        t0 = time.perf_counter()
-        mb, anchor = plan.rows(rows_for(step, 0, 1, batch), anchor)
-        t1 = time.perf_counter()
+    state = {"step": 0, "anchor": plan.start_anchor()}
+
+    def rows():
+        state["mb"], state["anchor"] = plan.rows(rows_for(state["step"], 0, 1, batch), state["anchor"])
+        state["step"] += 1
+
+    def message():
         token = ResumeToken(plan.fingerprint, "0" * 16, (("web", 1.0),), 0, seq_len,
-                            (step + 1) * batch, anchor.to_dict()).encode()
-        msg = DataServicer._message(mb, step, batch, seq_len, token)
-        t2 = time.perf_counter()
-        msg.SerializeToString()
-        t3 = time.perf_counter()
-        t_rows, t_msg, t_ser = t_rows + t1 - t0, t_msg + t2 - t1, t_ser + t3 - t2
+                            state["step"] * batch, state["anchor"].to_dict()).encode()
+        state["msg"] = DataServicer._message(state["mb"], state["step"] - 1, batch, seq_len, token)
+
+    def serialize():
+        state["msg"].SerializeToString()
+
+    rows(), message()  # the first message exists before any candidate runs
+    times = compare({"rows": rows, "message": message, "serialize": serialize}, rounds=rounds, iters=iters,
+                    warmup=1, device="cpu")
     ds.close()
-    tokens = steps * batch * seq_len
+    tokens = batch * seq_len
+    per_batch_s = sum(t.ms for t in times.values()) / 1e3
     return {
-        "rows_ms": 1e3 * t_rows / steps, "message_ms": 1e3 * t_msg / steps, "serialize_ms": 1e3 * t_ser / steps,
-        "tokens_per_s": tokens / (t_rows + t_msg + t_ser), "rows_tokens_per_s": tokens / t_rows,
+        "rows_ms": times["rows"].ms, "message_ms": times["message"].ms, "serialize_ms": times["serialize"].ms,
+        "timings": {name: t.summary() for name, t in times.items()},
+        "tokens_per_s": tokens / per_batch_s, "rows_tokens_per_s": tokens / (times["rows"].ms / 1e3),
     }
 
 
 def client_main(args) -> None:
     """One trainer rank: warm up, wait for "go", read `--batches` as fast as possible, then
     time next() with a warm queue while sleeping like a training step."""
-    from dataservice.client import DataClient
-
     client = DataClient(args.address, dp_rank=args.dp_rank, dp_size=args.dp_size, seq_len=args.seq_len,
                         micro_batch_size=args.micro_batch_size, prefetch=args.prefetch, consumer="bench")
     for _ in range(3):
@@ -103,7 +110,7 @@ def run_streams(address: str, n: int, args) -> dict:
     """n client processes, one per dp rank; aggregate throughput over the common interval."""
     procs = []
     for rank in range(n):
-        cmd = [sys.executable, __file__, "--client", "--address", address, "--dp-rank", str(rank),
+        cmd = [sys.executable, "-m", "bench.dataservice", "--client", "--address", address, "--dp-rank", str(rank),
                "--dp-size", str(n), "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size),
                "--batches", str(args.batches), "--prefetch", str(args.prefetch),
                "--warm-steps", str(args.warm_steps), "--step-sleep", str(args.step_sleep)]
@@ -164,7 +171,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
         path = args.data or make_dataset(Path(tmp), args.docs)
-        base = plan_baseline(path, args.seq_len, args.micro_batch_size, 100)
+        base = plan_baseline(path, args.seq_len, args.micro_batch_size)
         server, address = start_server(path, args.workers, Path(tmp) / "server.log")
         try:
             rows = [run_streams(address, n, args) for n in args.streams]
@@ -184,6 +191,9 @@ def main() -> None:
         print(f"{r['streams']:>7} {r['tokens_per_s'] / 1e6:>9.2f} {r['real_tokens_per_s'] / 1e6:>12.2f} "
               f"{r['tokens_per_s'] / base['tokens_per_s']:>10.2f}x {r['efficiency']:>10.4f} "
               f"{r['next_median_us']:>11.0f}us {r['next_p99_us']:>9.0f}us  {per}")
+    emit("dataservice", {"seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size, "cpu_cores": cores,
+                         "baseline": base, "streams": [dict(r, vs_baseline=r["tokens_per_s"] / base["tokens_per_s"])
+                                                       for r in rows]}, device="cpu")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,22 @@
 """bf16 against FP8 training on one device: same seed, same data, final losses and step times.
 
 For each model (a dense and an MoE transformer) the script trains twice from the same weights
-on the same batches, through `core.parallel.parallelize` on one rank (bf16 params, fp32 master
-weights and grads, the project's AdamW): once with `precision="bf16"`, once with `"fp8"` (the
-recipe of core/fp8.py). Data: the bytes of `dataservice.build.make_corpus` documents, rows of
+on the same batches, through the trainer's own step (`core.trainer.Trainer.step` on one rank:
+bf16 params, fp32 master weights and grads, the project's AdamW): once with `precision="bf16"`,
+once with `"fp8"` (the recipe of core/fp8.py). Data: the bytes of `dataservice.build.make_corpus` documents, rows of
 `seq` tokens drawn by a seeded generator; a held-out tail of the stream gives the eval loss.
 It prints, per model: final train loss (mean of the last 10 steps), held-out loss (at least
 4096 tokens), their relative differences to bf16, and the median step time of each run (steps
-after the first 5). `--floor` adds an fp32 run: its drift from bf16 is what any change of
+after the first 5, each step timed by bench.harness.time_call; the runs follow one another, so
+the step-time ratio is one of medians). `--floor` adds an fp32 run: its drift from bf16 is what any change of
 rounding does to such a short run, the scale against which FP8's drift is read. The corpus's
 loss floor (`dataservice.build.corpus_loss_floor`: its words are drawn independently) is printed
 too: runs still far above it are in the steep part of training, where any rounding change moves
 the final loss by percents; near it, two good runs must end close together.
 
-    python bench/fp8_training.py --expert-wgrad both --floor   # GPU: small dense + MoE, 300 steps
-    python bench/fp8_training.py --smoke                           # CPU: tiny models, 8 steps
-    python bench/fp8_training.py --device cpu --size tiny --steps 200 --floor   # CPU parity
+    python -m bench.fp8_training --expert-wgrad both --floor   # GPU: small dense + MoE, 300 steps
+    python -m bench.fp8_training --smoke                           # CPU: tiny models, 8 steps
+    python -m bench.fp8_training --device cpu --size tiny --steps 200 --floor   # CPU parity
 
 Where no kernel library runs (CPU), the FP8 GEMMs are the kernels' exact PyTorch emulation:
 the losses then mean what they mean on a GPU, the step times do not.
@@ -29,21 +30,19 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from core.config import Config, ModelConfig, MoEConfig  # noqa: E402
-from core.loss import cross_entropy_sum  # noqa: E402
-from core.fp8 import EXPERT_WGRAD_ENV  # noqa: E402
-from core.layers import AttentionMeta  # noqa: E402
-from core.model import build_model  # noqa: E402
-from dataservice.build import corpus_loss_floor  # noqa: E402
+from bench.harness import Timing, emit, time_call
+from core.config import Config, ModelConfig, MoEConfig
+from core.data import StepInputs
+from core.fp8 import EXPERT_WGRAD_ENV
+from core.layers import AttentionMeta
+from core.loss import cross_entropy_sum
+from core.trainer import Trainer
+from dataservice.build import corpus_loss_floor, make_corpus
 
 # Every GEMM dimension of the blocks is a multiple of 128, so every block GEMM runs in FP8.
 SIZES = {
@@ -78,8 +77,6 @@ class TokenData:
 
     @classmethod
     def from_corpus(cls, n_docs: int, seed: int = 0, held_out: float = 0.05) -> "TokenData":
-        from dataservice.build import make_corpus
-
         with tempfile.TemporaryDirectory() as tmp:
             path = make_corpus(tmp, n_docs=n_docs, seed=seed, min_len=64, max_len=4096)
             texts = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
@@ -103,71 +100,76 @@ def packed(rows: torch.Tensor, device: torch.device):
     return rows[:, :-1].reshape(-1), rows[:, 1:].reshape(-1), positions, AttentionMeta(cu_seqlens=cu, max_seqlen=seq)
 
 
+def step_inputs(rows: torch.Tensor, device: torch.device) -> StepInputs:
+    """One micro-batch of the trainer from rows [B, seq + 1] (every label counts)."""
+    tokens, labels, positions, meta = packed(rows, device)
+    return StepInputs(tokens, labels, positions, meta, num_tokens=float(tokens.numel()),
+                      num_labels=float(labels.numel()))
+
+
 @dataclasses.dataclass
 class RunResult:
     losses: list[float]
     eval_loss: float
-    step_ms: float
+    steps: Timing  # milliseconds of the timed steps (after the first 5)
 
     @property
     def final_loss(self) -> float:
         return statistics.fmean(self.losses[-10:])
 
+    @property
+    def step_ms(self) -> float:
+        return self.steps.ms
+
 
 def _last_step_profiler(active: bool, device: torch.device):
     if not active:
         return contextlib.nullcontext()
-    from torch.profiler import ProfilerActivity, profile
-
     return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+
+
+def run_config(cfg: ModelConfig, precision: str, steps: int, batch: int, seq: int, device: torch.device,
+               lr: float, warmup: int, seed: int, compile_model: bool) -> Config:
+    """The trainer's settings of one run: one micro-batch of `batch` rows per step on one rank."""
+    config = Config(model=cfg)
+    t = config.train
+    t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.precision = lr, lr / 10, warmup, steps, precision
+    t.compile, t.seed, t.seq_len, t.device = compile_model, seed, seq, device.type
+    t.micro_batch_size = t.global_batch_size = batch
+    return config
 
 
 def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, batch: int, seq: int,
               device: torch.device, lr: float = 3e-3, warmup: int = 20, seed: int = 0, eval_rows: int = 16,
               log_every: int = 0, compile_model: bool = False, profile: bool = False) -> RunResult:
-    """Train a fresh model (`build_model(cfg, seed)`) for `steps` steps; the batches depend only on `seed`."""
-    from core.mesh import ParallelMesh
-    from core.parallelize import parallelize
-
+    """Train a fresh model (`build_model(cfg, seed)`) for `steps` steps of the trainer; the batches
+    depend only on `seed`."""
     torch._dynamo.reset()  # each run compiles afresh: no shapes marked dynamic by an earlier run
-    config = Config(model=cfg)
-    t = config.train
-    t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.precision = lr, lr / 10, warmup, steps, precision
-    t.compile = compile_model
-    t.micro_batch_size = t.global_batch_size = batch  # one micro-batch per step (what parallelize reads)
-    config.parallel.dp = 1
-    mesh = ParallelMesh.build(device_type=device.type)
-    model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=seed), mesh, config, device, precision)
+    trainer = Trainer(run_config(cfg, precision, steps, batch, seq, device, lr, warmup, seed, compile_model))
     gen = torch.Generator().manual_seed(seed)
-    losses, times = [], []
+    losses, times, done = [], [], []
     for step in range(steps):
-        tokens, labels, positions, meta = packed(data.rows(data.train, batch, seq, gen), device)
-        profiler = _last_step_profiler(profile and step == steps - 1, device)
-        start = time.perf_counter()
-        with profiler, grads.sync_context(last=True):
-            loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels, compiled=compile_model)
-            (loss_sum / count).backward()
-        grads.finish_and_clip(t.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        grads.zero_grad()
-        losses.append(loss_sum.item() / count.item())  # reads back: the step is done
-        times.append(time.perf_counter() - start)
+        micro = [step_inputs(data.rows(data.train, batch, seq, gen), trainer.device)]
+        profiler = _last_step_profiler(profile and step == steps - 1, trainer.device)
+        with profiler:
+            times.append(time_call(lambda: done.append(trainer.step(micro)), device=trainer.device))
+        result = done.pop()
+        losses.append(float(result.loss_sum) / result.global_labels)
         if profile and step == steps - 1:
             print(f"  {precision}: the last step's CUDA time by kernel", flush=True)
             print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
         if log_every and (step + 1) % log_every == 0:
-            print(f"  {precision} step {step + 1:4d} loss {losses[-1]:.4f} {1e3 * times[-1]:7.1f} ms", flush=True)
+            print(f"  {precision} step {step + 1:4d} loss {losses[-1]:.4f} {times[-1]:7.1f} ms", flush=True)
     # Held-out loss in training-sized batches: a new shape would make compiled blocks recompile
     # with dynamic shapes, where inductor has crashed (docs/fp8.md).
     eval_gen = torch.Generator().manual_seed(seed + 1)
     total, tokens_seen = 0.0, 0
     with torch.no_grad():
         for _ in range(-(-eval_rows // batch)):  # whole batches, at least eval_rows rows
-            tokens, labels, positions, meta = packed(data.rows(data.held_out, batch, seq, eval_gen), device)
-            loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
+            tokens, labels, positions, meta = packed(data.rows(data.held_out, batch, seq, eval_gen), trainer.device)
+            loss_sum, count = cross_entropy_sum(trainer.model(tokens, positions, meta), labels)
             total, tokens_seen = total + float(loss_sum), tokens_seen + int(count)
-    return RunResult(losses, total / tokens_seen, 1e3 * statistics.median(times[5:] or times))
+    return RunResult(losses, total / tokens_seen, Timing(times[5:] or times))
 
 
 def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.device) -> dict:
@@ -199,7 +201,8 @@ def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.de
     out = {"model": name, "steps": args.steps, "eval_tokens": eval_rows * args.seq}
     b = runs.get("bf16")
     for label, r in runs.items():
-        entry = {"final": r.final_loss, "eval": r.eval_loss, "step_ms": r.step_ms, "first_loss": r.losses[0]}
+        entry = {"final": r.final_loss, "eval": r.eval_loss, "step_ms": r.step_ms,
+                 "step_ms_range": (r.steps.min_ms, r.steps.max_ms), "first_loss": r.losses[0]}
         line = f"{name:6s} {label:14s} final loss {r.final_loss:.4f}"
         if b is None or label == "bf16":
             line += f" | eval {r.eval_loss:.4f} | step {r.step_ms:8.1f} ms"
@@ -211,19 +214,6 @@ def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.de
         out[label] = entry
         print(line, flush=True)
     return out
-
-
-def _commit() -> str:
-    """HEAD, with "+wt" when the working tree differs from it (a copied tree's .git can be stale)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=here).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=here).stdout.strip()
-    except OSError:
-        return "unknown"
-    return f"{head}+wt" if head and dirty else head or "unknown"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -247,7 +237,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--floor", action="store_true", help="also train in fp32: the drift of a non-FP8 change")
     parser.add_argument("--runs", default="", help="only these runs (comma list of bf16, fp8, fp8-wgrad-bf16, fp32); "
                         "the differences to bf16 are printed when bf16 is among them")
-    parser.add_argument("--json", default="", help="also write the results here")
+    parser.add_argument("--json", default="", help="also append the record (one JSON line) to this file")
     args = parser.parse_args(argv)
     models = args.models.split(",")
     for name in models:
@@ -274,13 +264,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for name in models:
         results.append(compare(name, model_config(size, name == "moe"), data, args, device))
-    record = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
-              "size": size, "args": vars(args), "loss_floor": floor, "results": results}
-    print(json.dumps(record))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+    emit("fp8_training", {"size": size, "args": vars(args), "loss_floor": floor, "results": results}, device,
+         argv=argv, path=args.json or None)
     return results
 
 

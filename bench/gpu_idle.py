@@ -1,13 +1,13 @@
 """Where the GPU idles in a profiled step, and what the host was doing meanwhile.
 
-Reads a Chrome trace written by torch.profiler (`bench/train_step.py --profile --trace F`),
+Reads a Chrome trace written by torch.profiler (`python -m bench.train_step --profile --trace F`),
 merges the GPU's busy intervals (kernels, copies, memsets, all streams), and reports the idle
 gaps between the first and the last GPU activity: their total and size histogram, then, for
 the gaps of at least --min-gap-us, the host events that overlapped them (by name, time
 overlapped): host syncs (`cudaStreamSynchronize`, `aten::item`, ...) show up as such; a gap with
 only launches under it means the host was too slow to feed the GPU.
 
-    python bench/gpu_idle.py TRACE.json [--min-gap-us 20] [--top 40]
+    python -m bench.gpu_idle TRACE.json [--min-gap-us 20] [--top 40]
 """
 
 from __future__ import annotations

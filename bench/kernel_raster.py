@@ -1,31 +1,28 @@
 """Tile order of our CUTLASS kernels: raster (along M or N) x swizzle (1, 2, 4, 8), each timed
 against the PyTorch baseline of the same operands in the same run, on one GPU.
 
-    python bench/kernel_raster.py [--shapes mixtral,fine64,fine128] [--families bf16,fp8,dense]
+    python -m bench.kernel_raster [--shapes mixtral,fine64,fine128] [--families bf16,fp8,dense] [--graph]
 
 Neighbouring CTAs of a persistent kernel share operand tiles in L2 when the scheduler walks
 the output in swizzled strips; which order is best depends on the shape. This picks the
 defaults (core/kernels: TESSERA_GG_RASTER / TESSERA_GG_SWIZZLE override them at run time).
-Each kernel runs its default configuration. The baseline and the eight orders are timed in turn,
---rounds times; a ratio is the median of same-round ratios. Prints one line per case, then one
-JSON line.
+Each kernel runs its default configuration. The baseline and the eight orders are timed in
+--rounds interleaved rounds (bench.gemm_common.time_gemms); a ratio is the median of same-round
+ratios. Prints one line per case, then one record (JSON line).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.kernels import DEFAULT_SHAPES, GRAPH_ENV, SHAPES, candidate_stats, compare_ms, routed_offsets  # noqa: E402
-from core.kernels import fp8, library  # noqa: E402
-from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, RASTER_ENV, SWIZZLE_ENV, choose_config, run_grouped  # noqa: E402
+from bench.gemm_common import DEFAULT_SHAPES, SHAPES, gemm_stats, routed_offsets, time_gemms
+from bench.harness import emit
+from core.kernels import fp8, library
+from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, RASTER_ENV, SWIZZLE_ENV, choose_config, run_grouped
 
 ORDERS = [(r, s) for r in (0, 1) for s in (1, 2, 4, 8)]
 
@@ -40,14 +37,13 @@ def _with_order(ours, raster: int, swizzle: int):
     return run
 
 
-def sweep(name: str, baseline, ours, flops: float, rounds: int) -> dict:
+def sweep(name: str, baseline, ours, flops: float, rounds: int, graph: bool) -> dict:
     fns = {"torch": baseline, **{f"r{r}s{s}": _with_order(ours, r, s) for r, s in ORDERS}}
-    times = compare_ms(fns, rounds)
-    base_ms = statistics.median(times["torch"])
-    row = {"case": name, "rounds": rounds, "torch_tflops": flops / base_ms / 1e9, "orders": {}}
+    times = time_gemms(fns, rounds, graph)
+    row = {"case": name, "rounds": rounds, "torch_tflops": flops / times["torch"].ms / 1e9, "orders": {}}
     for key in fns:
         if key != "torch":
-            row["orders"][key] = candidate_stats(times["torch"], times[key], flops)
+            row["orders"][key] = gemm_stats(times["torch"], times[key], flops)
     best = max(row["orders"].items(), key=lambda kv: kv[1]["ratio"])
     print(f"{name:22s} torch {row['torch_tflops']:6.0f} | "
           + " ".join(f"{k} {v['ratio']:.3f}" for k, v in row["orders"].items())
@@ -55,7 +51,7 @@ def sweep(name: str, baseline, ours, flops: float, rounds: int) -> dict:
     return row
 
 
-def bf16_cases(shape, lib, device, rounds: int) -> list[dict]:
+def bf16_cases(shape, lib, device, rounds: int, graph: bool) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     t, d, h, e = shape.routed, shape.dim, shape.hidden, shape.experts
     x = torch.randn(t, d, generator=gen, device=device).to(torch.bfloat16)
@@ -72,11 +68,11 @@ def bf16_cases(shape, lib, device, rounds: int) -> list[dict]:
         out = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
         rows.append(sweep(f"bf16 {shape.name} {name}", baseline,
                           lambda op=op, a=a, b=b, out=out, c=config: run_grouped(lib, op, a, b, out, offsets, c),
-                          2.0 * t * d * h, rounds))
+                          2.0 * t * d * h, rounds, graph))
     return rows
 
 
-def fp8_grouped_cases(shape, device, rounds: int) -> list[dict]:
+def fp8_grouped_cases(shape, device, rounds: int, graph: bool) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     t, d, h, e = shape.routed, shape.dim, shape.hidden, shape.experts
     offsets = routed_offsets(shape, "random", device)
@@ -96,11 +92,11 @@ def fp8_grouped_cases(shape, device, rounds: int) -> list[dict]:
             use_fast_accum=True)
         rows.append(sweep(f"fp8 {shape.name} {name}", baseline,
                           lambda qa=qa, sa=sa, qw=qw, sw=sw: fp8.grouped_mm_blockwise(qa, sa, qw, sw, offsets),
-                          2.0 * t * a_dim * qw.shape[1], rounds))
+                          2.0 * t * a_dim * qw.shape[1], rounds, graph))
     return rows
 
 
-def fp8_dense_cases(device, rounds: int) -> list[dict]:
+def fp8_dense_cases(device, rounds: int, graph: bool) -> list[dict]:
     rows = []
     for m, n, k in [(8192, 8192, 8192), (16384, 14336, 4096), (16384, 4096, 14336), (8192, 4096, 4096)]:
         gen = torch.Generator(device=device).manual_seed(1)
@@ -114,7 +110,7 @@ def fp8_dense_cases(device, rounds: int) -> list[dict]:
             qa_r, qb_r.t(), sa_r, sb_r.t(), out_dtype=torch.bfloat16, use_fast_accum=True)
         rows.append(sweep(f"fp8 dense {m}x{n}x{k}", baseline,
                           lambda qa=qa, sa=sa, qb=qb, sb=sb: fp8.gemm_blockwise(qa, sa, qb, sb), 2.0 * m * n * k,
-                          rounds))
+                          rounds, graph))
     return rows
 
 
@@ -123,32 +119,30 @@ def main() -> int:
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     parser.add_argument("--families", default="bf16,fp8,dense")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per case")
-    parser.add_argument("--graph", action="store_true", help="time CUDA-graph replays (bench/kernels.py --graph)")
+    parser.add_argument("--graph", action="store_true", help="time CUDA-graph replays (no host gaps, no L2 flush)")
     args = parser.parse_args()
     if args.rounds < 1:
-        print("bench/kernel_raster.py: --rounds must be at least 1", file=sys.stderr)
+        print("bench.kernel_raster: --rounds must be at least 1", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("bench/kernel_raster.py: needs a CUDA GPU", file=sys.stderr)
+        print("bench.kernel_raster: needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.graph:
-        os.environ[GRAPH_ENV] = "1"
     device = torch.device("cuda")
     lib = library.kernel_library(device)
     if lib is None:
-        print("bench/kernel_raster.py: the kernel library is not loaded (bash csrc/build.sh)", file=sys.stderr)
+        print("bench.kernel_raster: the kernel library is not loaded (bash csrc/build.sh)", file=sys.stderr)
         return 2
     families = args.families.split(",")
     rows = []
     for shape in (SHAPES[n] for n in args.shapes.split(",")):
         if "bf16" in families:
-            rows += bf16_cases(shape, lib, device, args.rounds)
+            rows += bf16_cases(shape, lib, device, args.rounds, args.graph)
         if "fp8" in families:
-            rows += fp8_grouped_cases(shape, device, args.rounds)
+            rows += fp8_grouped_cases(shape, device, args.rounds, args.graph)
         torch.cuda.empty_cache()
     if "dense" in families:
-        rows += fp8_dense_cases(device, args.rounds)
-    print(json.dumps({"bench": "kernel_raster", "device": torch.cuda.get_device_name(), "rows": rows}))
+        rows += fp8_dense_cases(device, args.rounds, args.graph)
+    emit("kernel_raster", {"graph": args.graph, "rows": rows})
     return 0
 
 

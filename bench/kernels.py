@@ -1,6 +1,6 @@
 """CUTLASS kernels (csrc/) against their PyTorch baselines, measured in the same run on one GPU.
 
-    python bench/kernels.py --check --bench [--configs all] [--shapes mixtral,fine64,fine128]
+    python -m bench.kernels --check --bench [--configs all] [--shapes mixtral,fine64,fine128]
 
 Each section (check, bf16, fp8) runs in its own process so a crashing kernel cannot take the
 others down. --check runs tests/gpu_kernels_check.py first (float64 references, poisoned
@@ -10,126 +10,36 @@ routing (seeded; --routing balanced for equal groups):
   CUTLASS configuration (--configs all) or the default choice, against torch._grouped_mm
   on the same tensors, plus the equal-FLOP dense torch.mm for context;
 - with --fp8 (when built): see bench/kernels_fp8.py.
-Timing: triton.testing.do_bench when available (L2 flushed,
-CUDA events, median), else the same method here. A baseline and its candidates are timed in
-turn, --rounds times (each round starting one further along the list): a ratio is the median
-over rounds of the same-round ratios, so clock and thermal drift between measurements (torch's
-baselines moved by up to 10% between calls) hit both sides alike. Prints a table, then one JSON line.
+Timing: bench.harness, --rounds interleaved rounds (each round starting one further along the
+list), CUDA events, the L2 flushed before each call (--graph: CUDA-graph replays instead, no
+host gaps, no flush). A ratio is the median over rounds of the same-round ratios, so clock and
+thermal drift between measurements (torch's baselines moved by up to 10% between calls) hit
+both sides alike. Prints a table, then one record (JSON line).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import kernels_fp8
+from bench.gemm_common import DEFAULT_SHAPES, SHAPES, MoEShape, gemm_stats, routed_offsets, time_gemms
+from bench.harness import emit
+from core.kernels import library
+from core.kernels.fused import accumulate_fp32_
+from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, choose_config, run_grouped, run_wgrad_f32
 
-from core.kernels import library  # noqa: E402
-from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, choose_config, run_grouped  # noqa: E402
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    name: str
-    experts: int
-    top_k: int
-    routed: int  # rows after dispatch (tokens x top_k)
-    dim: int
-    hidden: int
-
-
+ROOT = Path(__file__).resolve().parents[1]
 RESULT_TAG = "@@results "
 
-SHAPES = {
-    "mixtral": MoEShape("mixtral", 8, 2, 32768, 4096, 14336),
-    "fine64": MoEShape("fine64", 64, 8, 131072, 2048, 1408),
-    "fine128": MoEShape("fine128", 128, 8, 65536, 7168, 2048),
-    # fine64's down projection (1408 -> 2048): its wgrad has 11 M tiles of 128 (not in the default list)
-    "fine64down": MoEShape("fine64down", 64, 8, 131072, 1408, 2048),
-}
-DEFAULT_SHAPES = "mixtral,fine64,fine128"
 
-
-# --graph: time CUDA-graph replays of fn (triton's do_bench_cudagraph): no host time between
-# calls, no L2 flush. An environment variable, so the section processes and bench/kernels_fp8.py
-# (which imports this file as a module, not as __main__) see it.
-GRAPH_ENV = "TESSERA_BENCH_GRAPH"
-
-
-def bench_ms(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0, graph: bool | None = None) -> float:
-    """Median milliseconds of fn() with the L2 cache flushed before each run, or, with graph (by
-    default: TESSERA_BENCH_GRAPH=1), of fn() replayed back to back from a CUDA graph. Callables that
-    sync with the host cannot be captured: pass graph=False."""
-    if graph if graph is not None else (os.environ.get(GRAPH_ENV) == "1"):
-        from triton.testing import do_bench_cudagraph
-
-        return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
-    try:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    except ImportError:
-        pass
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end) / 5, 1e-3)
-    for _ in range(max(1, int(warmup_ms / estimate))):
-        fn()
-    times = []
-    for _ in range(max(5, int(rep_ms / estimate))):
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def compare_ms(fns: dict, rounds: int) -> dict[str, list[float]]:
-    """Milliseconds of each named function, one bench_ms per round, the functions taken in turn."""
-    names = list(fns)
-    times = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(bench_ms(fns[name]))
-    return times
-
-
-def candidate_stats(base_rounds: list[float], rounds_ms: list[float], flops: float) -> dict:
-    """One candidate against the baseline timed in the same rounds: its median time, and the median
-    (and lowest, highest) of the same-round ratios baseline / candidate."""
-    ratios = [b / o for b, o in zip(base_rounds, rounds_ms)]
-    ms = statistics.median(rounds_ms)
-    return {"ms": ms, "ms_rounds": rounds_ms, "tflops": flops / ms / 1e9, "ratio": statistics.median(ratios),
-            "ratio_range": (min(ratios), max(ratios))}
-
-
-def routed_offsets(shape: MoEShape, routing: str, device) -> torch.Tensor:
-    if routing == "balanced":
-        counts = torch.full((shape.experts,), shape.routed // shape.experts, dtype=torch.int64)
-    else:
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, shape.experts, (shape.routed,), generator=gen)
-        counts = torch.bincount(ids, minlength=shape.experts)
-    return counts.cumsum(0).to(torch.int32).to(device)
-
-
-def bench_grouped_bf16(shape: MoEShape, routing: str, configs: str, lib, device, rounds: int) -> list[dict]:
+def bench_grouped_bf16(shape: MoEShape, routing: str, configs: str, lib, device, rounds: int,
+                       graph: bool = False) -> list[dict]:
     """Rows of results for forward, dgrad and wgrad of one MoE shape."""
     gen = torch.Generator(device=device).manual_seed(0)
     t, d, h, e = shape.routed, shape.dim, shape.hidden, shape.experts
@@ -156,14 +66,13 @@ def bench_grouped_bf16(shape: MoEShape, routing: str, configs: str, lib, device,
             def ours(c=c):
                 run_grouped(lib, op, a, b, torch.empty(out_shape, dtype=torch.bfloat16, device=device), offsets, c)
             fns[names[c]] = ours
-        times = compare_ms(fns, rounds)
-        base_ms = statistics.median(times["torch"])
-        row = {"shape": shape.name, "pass": name, "routing": routing, "rounds": rounds, "torch_ms": base_ms,
-               "torch_ms_rounds": times["torch"], "torch_tflops": flops / base_ms / 1e9,
-               "dense_tflops": flops / statistics.median(times["dense"]) / 1e9, "configs": {}}
+        times = time_gemms(fns, rounds, graph)
+        base = times["torch"]
+        row = {"shape": shape.name, "pass": name, "routing": routing, "rounds": rounds, "torch_ms": base.ms,
+               "torch_ms_rounds": base.rounds_ms, "torch_tflops": flops / base.ms / 1e9,
+               "dense_tflops": flops / times["dense"].ms / 1e9, "configs": {}}
         for c in chosen:
-            row["configs"][names[c]] = {**candidate_stats(times["torch"], times[names[c]], flops),
-                                        "default": c == default}
+            row["configs"][names[c]] = {**gemm_stats(base, times[names[c]], flops), "default": c == default}
         rows.append(row)
         best = max(row["configs"].items(), key=lambda kv: kv[1]["ratio"], default=(None, None))
         print(f"{shape.name:8s} {name:6s} torch {row['torch_tflops']:6.0f} TFLOP/s (dense {row['dense_tflops']:4.0f})"
@@ -172,18 +81,16 @@ def bench_grouped_bf16(shape: MoEShape, routing: str, configs: str, lib, device,
                         for n, r in row["configs"].items())
               + (f" | best {best[0]}" if best[0] else ""), flush=True)
     if lib is not None:
-        rows.append(bench_wgrad_into_main_grad(x, dy, offsets, e, lib, rounds, shape.name, flops))
+        rows.append(bench_wgrad_into_main_grad(x, dy, offsets, e, lib, rounds, shape.name, flops, graph))
     return rows
 
 
-def bench_wgrad_into_main_grad(x, dy, offsets, experts: int, lib, rounds: int, shape_name: str, flops: float) -> dict:
+def bench_wgrad_into_main_grad(x, dy, offsets, experts: int, lib, rounds: int, shape_name: str, flops: float,
+                               graph: bool = False) -> dict:
     """The experts' weight gradient as training consumes it: added into an fp32 main grad.
     Baseline: torch._grouped_mm in bf16, then the trainer's fp32 accumulation pass; ours
     unfused: our bf16 wgrad and the same pass; ours fused: the wgrad GEMM's epilogue adds to the
     main grad (gradient_accumulation_fusion)."""
-    from core.kernels.fused import accumulate_fp32_
-    from core.kernels.grouped_gemm import run_wgrad_f32
-
     main_grad = torch.zeros(experts, x.shape[1], dy.shape[1], device=x.device)
     dw = torch.empty(experts, x.shape[1], dy.shape[1], dtype=torch.bfloat16, device=x.device)
     fns = {
@@ -191,10 +98,10 @@ def bench_wgrad_into_main_grad(x, dy, offsets, experts: int, lib, rounds: int, s
         "ours_unfused": lambda: accumulate_fp32_(main_grad, run_grouped(lib, OP_WGRAD, x, dy, dw, offsets), copy=False),
         "ours_fused": lambda: run_wgrad_f32(lib, x, dy, main_grad, offsets, accumulate=True),
     }
-    times = compare_ms(fns, rounds)
+    times = time_gemms(fns, rounds, graph)
     row = {"shape": shape_name, "pass": "wgrad_into_main_grad", "rounds": rounds,
-           "torch_ms": statistics.median(times["torch"]), "torch_ms_rounds": times["torch"],
-           "configs": {n: candidate_stats(times["torch"], times[n], flops) for n in ("ours_unfused", "ours_fused")}}
+           "torch_ms": times["torch"].ms, "torch_ms_rounds": times["torch"].rounds_ms,
+           "configs": {n: gemm_stats(times["torch"], times[n], flops) for n in ("ours_unfused", "ours_fused")}}
     print(f"{shape_name:8s} wgrad+fp32 main grad: torch+pass {row['torch_ms']:.3f} ms"
           + "".join(f" | {n} {r['ms']:.3f} ms x{r['ratio']:.3f}[{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}]"
                     for n, r in row["configs"].items()), flush=True)
@@ -205,7 +112,7 @@ def run_section(section: str, args) -> tuple[int, list[dict]]:
     """One section in this process: 'check', 'bf16' or 'fp8'."""
     device = torch.device("cuda", torch.cuda.current_device())
     if section == "check":
-        from tests import gpu_kernels_check
+        from tests import gpu_kernels_check  # CUDA-only checks, loaded only for this section
 
         return gpu_kernels_check.main([]), []
     lib = library.kernel_library(device)
@@ -213,12 +120,10 @@ def run_section(section: str, args) -> tuple[int, list[dict]]:
           f"library {library.library_path() if lib else 'NOT LOADED (torch only)'}, routing {args.routing}", flush=True)
     shapes = [SHAPES[n] for n in args.shapes.split(",")]
     if section == "fp8":
-        from bench import kernels_fp8
-
-        return 0, kernels_fp8.run(shapes, args.routing, lib, device, args.rounds)
+        return 0, kernels_fp8.run(shapes, args.routing, lib, device, args.rounds, args.graph)
     results = []
     for shape in shapes:
-        results += bench_grouped_bf16(shape, args.routing, args.configs, lib, device, args.rounds)
+        results += bench_grouped_bf16(shape, args.routing, args.configs, lib, device, args.rounds, args.graph)
         torch.cuda.empty_cache()
     return 0, results
 
@@ -238,16 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     unknown = [n for n in args.shapes.split(",") if n not in SHAPES]
     if unknown:
-        print(f"bench/kernels.py: unknown shapes {unknown}; known: {list(SHAPES)}", file=sys.stderr)
+        print(f"bench.kernels: unknown shapes {unknown}; known: {list(SHAPES)}", file=sys.stderr)
         return 2
     if args.rounds < 1:
-        print("bench/kernels.py: --rounds must be at least 1", file=sys.stderr)
+        print("bench.kernels: --rounds must be at least 1", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("bench/kernels.py: needs a CUDA GPU", file=sys.stderr)
+        print("bench.kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.graph:
-        os.environ[GRAPH_ENV] = "1"
     if args.section:  # child process: run one section, hand results back on a tagged line
         status, results = run_section(args.section, args)
         print(RESULT_TAG + json.dumps({"status": status, "results": results}), flush=True)
@@ -256,13 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     # costs only its section, not the rest of the run.
     sections = (["check"] if args.check else []) + (["bf16"] + (["fp8"] if args.fp8 else []) if args.bench else [])
     passthrough = ["--configs", args.configs, "--shapes", args.shapes, "--routing", args.routing,
-                   "--rounds", str(args.rounds)]
-    report = {"bench": "kernels", "device": torch.cuda.get_device_name(), "torch": torch.__version__, "sections": {}}
+                   "--rounds", str(args.rounds)] + (["--graph"] if args.graph else [])
+    report = {"graph": args.graph, "sections": {}}
     results, status = [], 0
     for section in sections:
         try:
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--section", section, *passthrough],
-                                  stdout=subprocess.PIPE, text=True, timeout=args.timeout)
+            proc = subprocess.run([sys.executable, "-m", "bench.kernels", "--section", section, *passthrough],
+                                  stdout=subprocess.PIPE, text=True, timeout=args.timeout, cwd=ROOT)
             out, code = proc.stdout, proc.returncode
         except subprocess.TimeoutExpired as exc:
             out, code = exc.stdout or "", "timeout"
@@ -275,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         report["sections"][section] = code
         status = status or (code if isinstance(code, int) else 1)
     report["results"] = results
-    print(json.dumps(report), flush=True)
+    emit("kernels", report, argv=argv)
     return status
 
 

@@ -1,4 +1,4 @@
-"""FP8 kernels against torch's FP8 GEMMs, measured in the same run (called by bench/kernels.py --fp8).
+"""FP8 kernels against torch's FP8 GEMMs, measured in the same run (`python -m bench.kernels --bench --fp8`).
 
 - grouped, per MoE shape (forward and dgrad): our blockwise grouped GEMM (1x128 activations,
   128x128 weights), each built configuration, against torch._scaled_grouped_mm with rowwise
@@ -12,16 +12,19 @@
   torch._scaled_mm tensorwise and rowwise (fast accumulation), and cuBLAS blockwise through
   torch._scaled_mm when this torch accepts blockwise scales (checked against ours first);
 - quantisers: GB/s of our fused kernels against the PyTorch fallback ops (same math).
-Operands are quantised once, outside the timed region.
+Operands are quantised once, outside the timed region. Timing: bench.gemm_common.time_gemms
+(interleaved rounds, cold L2, or CUDA-graph replays with --graph).
 """
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
+from bench.gemm_common import gemm_stats, routed_offsets, time_gemms
+from bench.harness import Timing, ratio
+from core import fp8 as recipe
 from core.kernels import fp8
+from core.kernels import fp8_wgrad as kwgrad
 
 
 def _print(row: dict) -> None:
@@ -32,12 +35,10 @@ def _print(row: dict) -> None:
 
 
 def _compare(baselines: dict, base_keys: tuple, ours_fn, family: int, lib, flops: float, rounds: int,
-             base_scale: dict | None = None) -> dict:
-    """Baselines and each built configuration of ours, timed in turn over rounds (bench.kernels.compare_ms).
+             graph: bool, base_scale: dict | None = None) -> dict:
+    """Baselines and each built configuration of ours, timed in interleaved rounds (time_gemms).
     A configuration's ratio is the median over rounds of the faster of base_keys in that round over ours.
     base_scale multiplies a baseline's times (one that did more work than ours, counted per unit of ours)."""
-    from bench.kernels import candidate_stats, compare_ms
-
     def forced(c):
         def run():
             with fp8.forced_config(c):
@@ -48,18 +49,16 @@ def _compare(baselines: dict, base_keys: tuple, ours_fn, family: int, lib, flops
     candidates = {name: forced(c) for name, c in configs.items()}
     if lib is not None:
         candidates["default"] = ours_fn  # the configuration the op picks by itself
-    times = compare_ms({**baselines, **candidates}, rounds)
+    times = time_gemms({**baselines, **candidates}, rounds, graph)
     for key, factor in (base_scale or {}).items():
-        times[key] = [t * factor for t in times[key]]
-    base_rounds = [min(times[k][r] for k in base_keys if k in times) for r in range(rounds)]
-    ours = {name: candidate_stats(base_rounds, times[name], flops) for name in candidates}
-    return {"rounds": rounds, "baselines_tflops": {k: flops / statistics.median(times[k]) / 1e9 for k in baselines},
-            "baseline_ms_rounds": {k: times[k] for k in baselines}, "configs": ours}
+        times[key] = Timing([t * factor for t in times[key].rounds_ms], times[key].iters)
+    base = Timing([min(times[k].rounds_ms[r] for k in base_keys if k in times) for r in range(rounds)])
+    ours = {name: gemm_stats(base, times[name], flops) for name in candidates}
+    return {"rounds": rounds, "baselines_tflops": {k: flops / times[k].ms / 1e9 for k in baselines},
+            "baseline_ms_rounds": {k: times[k].rounds_ms for k in baselines}, "configs": ours}
 
 
-def bench_grouped(shape, routing: str, lib, device, rounds: int) -> list[dict]:
-    from bench.kernels import routed_offsets
-
+def bench_grouped(shape, routing: str, lib, device, rounds: int, graph: bool = False) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     t, d, h, e = shape.routed, shape.dim, shape.hidden, shape.experts
     offsets = routed_offsets(shape, routing, device)
@@ -87,7 +86,7 @@ def bench_grouped(shape, routing: str, lib, device, rounds: int) -> list[dict]:
         row = {"shape": shape.name, "pass": name, "kind": "fp8_grouped", "routing": routing,
                **_compare(baselines, ("rowwise_fast", "rowwise"),
                           lambda: fp8.grouped_mm_blockwise(qa, sa, qw, sw, offsets), fp8.FAMILY_FP8_GG, lib, flops,
-                          rounds)}
+                          rounds, graph)}
         _print(row)
         rows.append(row)
     return rows
@@ -99,11 +98,7 @@ def _aligned_offsets(offsets: torch.Tensor, multiple: int) -> torch.Tensor:
     return (-(-counts // multiple) * multiple).cumsum(0).to(torch.int32)
 
 
-def bench_grouped_wgrad(shape, routing: str, lib, device, rounds: int) -> list[dict]:
-    from bench.kernels import bench_ms, routed_offsets
-    from core import fp8 as recipe
-    from core.kernels import fp8_wgrad as kwgrad
-
+def bench_grouped_wgrad(shape, routing: str, lib, device, rounds: int, graph: bool = False) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(3)
     t, d, h, e = shape.routed, shape.dim, shape.hidden, shape.experts
     offsets = routed_offsets(shape, routing, device)
@@ -136,7 +131,7 @@ def bench_grouped_wgrad(shape, routing: str, lib, device, rounds: int) -> list[d
     row = {"shape": shape.name, "pass": "wgrad", "kind": "fp8_grouped_wgrad", "routing": routing,
            **_compare(baselines, fp8_base or ("bf16_grouped",),
                       lambda: kwgrad.grouped_wgrad_blockwise(qx, sx, qd, sd, bs), fp8.FAMILY_FP8_GG, lib, flops,
-                      rounds, base_scale={k: t / t16 for k in fp8_base})}  # per routed token
+                      rounds, graph, base_scale={k: t / t16 for k in fp8_base})}  # per routed token
     _print(row)
 
     def per_expert_loop():  # what expert_wgrad="fp8" ran before the K-grouped kernel
@@ -157,14 +152,16 @@ def bench_grouped_wgrad(shape, routing: str, lib, device, rounds: int) -> list[d
             start = max(start, end)
         return out
 
-    whole = {name: bench_ms(fn, graph=False) for name, fn in (  # the loops read offsets on the host
-        ("per_expert_loop", per_expert_loop),
-        ("per_expert_loop_untransposed", per_expert_loop_untransposed),
-        ("bf16_grouped_fp32_out", lambda: torch._grouped_mm(x.t(), dy, offs=offsets).float()),
-        ("ours", lambda: recipe.fp8_grouped_wgrad(x, dy, offsets, torch.float32)))}
+    timed = time_gemms({  # never graphed: the loops read offsets on the host
+        "per_expert_loop": per_expert_loop,
+        "per_expert_loop_untransposed": per_expert_loop_untransposed,
+        "bf16_grouped_fp32_out": lambda: torch._grouped_mm(x.t(), dy, offs=offsets).float(),
+        "ours": lambda: recipe.fp8_grouped_wgrad(x, dy, offsets, torch.float32)}, rounds, graph=False)
+    whole = {name: t.ms for name, t in timed.items()}
     whole_row = {"shape": shape.name, "pass": "wgrad_whole", "kind": "fp8_grouped_wgrad_whole", "routing": routing,
-                 "ms": whole, "ours_vs_loop": whole["per_expert_loop"] / whole["ours"],
-                 "ours_vs_bf16": whole["bf16_grouped_fp32_out"] / whole["ours"]}
+                 "ms": whole, "ms_range": {name: (t.min_ms, t.max_ms) for name, t in timed.items()},
+                 "ours_vs_loop": ratio(timed["per_expert_loop"], timed["ours"])["median"],
+                 "ours_vs_bf16": ratio(timed["bf16_grouped_fp32_out"], timed["ours"])["median"]}
     print(f"fp8 {shape.name:10s} wgrad whole (quantise + GEMM + fp32 out), ms and ours' speed-up: "
           + " | ".join(f"{k} {v:.3f} (x{v / whole['ours']:.2f})" for k, v in whole.items()), flush=True)
     return [row, whole_row]
@@ -192,7 +189,7 @@ def _torch_blockwise(qa, sa, qb, sb, reference: torch.Tensor):
     return None
 
 
-def bench_dense(m: int, n: int, k: int, lib, device, rounds: int) -> dict:
+def bench_dense(m: int, n: int, k: int, lib, device, rounds: int, graph: bool = False) -> dict:
     gen = torch.Generator(device=device).manual_seed(1)
     a = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
     b = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(torch.bfloat16)
@@ -215,14 +212,12 @@ def bench_dense(m: int, n: int, k: int, lib, device, rounds: int) -> dict:
         baselines["cublas_blockwise"] = blockwise
     row = {"shape": f"{m}x{n}x{k}", "pass": "dense", "kind": "fp8_gemm",
            **_compare(baselines, ("cublas_blockwise",) if blockwise is not None else ("rowwise_fast",),
-                      lambda: fp8.gemm_blockwise(qa, sa, qb, sb), fp8.FAMILY_FP8_GEMM, lib, flops, rounds)}
+                      lambda: fp8.gemm_blockwise(qa, sa, qb, sb), fp8.FAMILY_FP8_GEMM, lib, flops, rounds, graph)}
     _print(row)
     return row
 
 
-def bench_quantizers(device) -> list[dict]:
-    from bench.kernels import bench_ms
-
+def bench_quantizers(device, rounds: int, graph: bool = False) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(2)
     x = torch.randn(65536, 7168, generator=gen, device=device).to(torch.bfloat16)
     w = (torch.randn(16, 2048, 7168, generator=gen, device=device) * 0.02).to(torch.bfloat16)
@@ -241,25 +236,27 @@ def bench_quantizers(device) -> list[dict]:
     rows = []
     for name, ours, torch_ops, numel in cases:
         gbytes = numel * 3 / 1e9  # read bf16, write e4m3
-        ours_ms, base_ms = bench_ms(ours), bench_ms(torch_ops)
-        row = {"kind": "fp8_quantize", "pass": name, "ours_gbps": gbytes / ours_ms * 1e3,
-               "torch_ops_gbps": gbytes / base_ms * 1e3, "ratio": base_ms / ours_ms}
+        times = time_gemms({"ours": ours, "torch_ops": torch_ops}, rounds, graph)
+        r = ratio(times["torch_ops"], times["ours"])
+        row = {"kind": "fp8_quantize", "pass": name, "ours_gbps": gbytes / times["ours"].ms * 1e3,
+               "torch_ops_gbps": gbytes / times["torch_ops"].ms * 1e3, "ratio": r["median"],
+               "ratio_range": (r["min"], r["max"])}
         print(f"fp8 quantize {name:14s} ours {row['ours_gbps']:6.0f} GB/s | torch ops {row['torch_ops_gbps']:6.0f} GB/s"
               f" | x{row['ratio']:.1f}", flush=True)
         rows.append(row)
     return rows
 
 
-def run(shapes, routing: str, lib, device, rounds: int) -> list[dict]:
+def run(shapes, routing: str, lib, device, rounds: int, graph: bool = False) -> list[dict]:
     """All FP8 rows: quantisers, grouped GEMMs per MoE shape, dense GEMMs."""
-    rows = bench_quantizers(device)
+    rows = bench_quantizers(device, rounds, graph)
     torch.cuda.empty_cache()
     for shape in shapes:
-        rows += bench_grouped(shape, routing, lib, device, rounds)
+        rows += bench_grouped(shape, routing, lib, device, rounds, graph)
         torch.cuda.empty_cache()
-        rows += bench_grouped_wgrad(shape, routing, lib, device, rounds)
+        rows += bench_grouped_wgrad(shape, routing, lib, device, rounds, graph)
         torch.cuda.empty_cache()
     for m, n, k in [(8192, 8192, 8192), (16384, 14336, 4096), (16384, 4096, 14336)]:
-        rows.append(bench_dense(m, n, k, lib, device, rounds))
+        rows.append(bench_dense(m, n, k, lib, device, rounds, graph))
         torch.cuda.empty_cache()
     return rows

@@ -5,14 +5,16 @@ For each micro-batch count M the trainer (`python -m core.cli`) runs twice on pp
 `parallel.pp_schedule=1f1b`, once `interleaved` with 2 virtual stages per rank. Over the
 steps after the first 3 (warm-up) it takes the medians of the trainer's own per-step metrics:
 `pp_idle_mean` (measured idle share, the mean over the pipeline ranks), `pp_bubble_theory`
-((p-1)/(v*M+p-1)), `tokens_per_s`, `step_s`, `mfu`. It prints one line per run and, per M,
-interleaved / 1f1b of tokens/s and of the measured idle share; OUT/summary.jsonl gets one
-JSON row per run (the interleaved rows carry the two ratios).
+((p-1)/(v*M+p-1)), `tokens_per_s`, `step_s` (with its spread, as a bench.harness Timing), `mfu`.
+It prints one line per run and, per M, interleaved / 1f1b of tokens/s and of the measured idle
+share; each run's row is a bench.harness record, printed and appended to OUT/summary.jsonl (the
+interleaved rows carry the two ratios). The step times are the trainer's: the two schedules
+are whole trainer processes, so they alternate run by run, not step by step.
 
-    python bench/pipeline.py                                  # every visible GPU (>= 2), M = 8,16, 8 steps
-    python bench/pipeline.py --gpus 4 --micro 8,16,32 --steps 12 --out runs/pp4
-    python bench/pipeline.py --set train.compile=true         # extra trainer settings for every run
-    python bench/pipeline.py --smoke                          # 2 CPU processes (gloo), tiny model: it works
+    python -m bench.pipeline                                  # every visible GPU (>= 2), M = 8,16, 8 steps
+    python -m bench.pipeline --gpus 4 --micro 8,16,32 --steps 12 --out runs/pp4
+    python -m bench.pipeline --set train.compile=true         # extra trainer settings for every run
+    python -m bench.pipeline --smoke                          # 2 CPU processes (gloo), tiny model: it works
 
 GPU model: launch/configs/tiny_dense.toml at dim 2048, 16 layers, 16 heads (4 KV), FFN 5632,
 4096-token rows, one row per micro-batch (bf16): Llama-like stages big enough that compute,
@@ -30,10 +32,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness import Timing, emit
+from core.config import ConfigError, load_config, resolve_layout
+from dataservice.build import build_dataset, make_corpus
 
-from core.config import ConfigError, load_config, resolve_layout  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CONFIG = ROOT / "launch" / "configs" / "tiny_dense.toml"
 SCHEDULES = (("1f1b", 1), ("interleaved", 2))  # (parallel.pp_schedule, parallel.pp_virtual_stages)
@@ -48,7 +51,7 @@ GPU_DOCS, SMOKE_DOCS = (2000, 200, 20000), (200, 64, 2000)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench/pipeline.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=0,
                         help="pipeline ranks, one per GPU (default: every visible GPU; --smoke: 2 CPU processes)")
     parser.add_argument("--micro", default="8,16", help="micro-batches per step, comma-separated (default 8,16)")
@@ -106,8 +109,6 @@ def trainer_settings(args: argparse.Namespace, schedule: str, virtual: int, micr
 
 def build_corpus(args: argparse.Namespace) -> Path:
     """The shard folder every run reads (built once per work folder): same data for both schedules."""
-    from dataservice.build import build_dataset, make_corpus
-
     n_docs, lo, hi = SMOKE_DOCS if args.smoke else GPU_DOCS
     out = args.out / f"data-n{n_docs}-{lo}-{hi}"
     if not (out / "manifest.json").is_file():
@@ -130,14 +131,16 @@ def run(args: argparse.Namespace, data: Path, schedule: str, virtual: int, micro
         lines = log_path.read_text().splitlines()
         rejected = [line for line in lines if "tessera-train: error:" in line]  # the trainer's config check
         print("\n".join(rejected or lines[-30:]), file=sys.stderr)
-        print(f"bench/pipeline.py: {name} failed (exit {rc}); log: {log_path}", file=sys.stderr)
+        print(f"bench.pipeline: {name} failed (exit {rc}); log: {log_path}", file=sys.stderr)
         sys.exit(2 if rejected else 1)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = records[min(WARMUP, len(records) - 1):]  # with --steps <= 3, the last step alone
     med = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
+    steps = Timing([1e3 * r["step_s"] for r in timed])
     return {"run": name, "pp": args.gpus, "schedule": schedule, "virtual_stages": virtual, "micro": micro,
             "steps": len(timed), "pp_idle_mean": med("pp_idle_mean"), "pp_bubble_theory": med("pp_bubble_theory"),
-            "tokens_per_s": med("tokens_per_s"), "step_s": med("step_s"),
+            "tokens_per_s": med("tokens_per_s"), "step_s": steps.ms / 1e3,
+            "step_s_range": (steps.min_ms / 1e3, steps.max_ms / 1e3),
             "mfu": med("mfu") if timed[0].get("mfu") is not None else None}  # no MFU on the CPU
 
 
@@ -158,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 base = rows["1f1b"]
                 row["tokens_per_s_vs_1f1b"] = row["tokens_per_s"] / base["tokens_per_s"]
                 row["idle_vs_1f1b"] = row["pp_idle_mean"] / base["pp_idle_mean"] if base["pp_idle_mean"] > 0 else None
-            with open(summary, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            emit("pipeline", row, device="cpu" if args.smoke else "cuda", argv=argv, path=summary)
             mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
             print(f"{row['run']:24s} v={virtual} | idle {row['pp_idle_mean']:.3f} "
                   f"(theory {row['pp_bubble_theory']:.3f}) | {row['tokens_per_s']:10.0f} tok/s "

@@ -4,36 +4,53 @@ Both run the same ~1B Llama-style model (vocab 32000, d 2048, 20 layers, 16 head
 SwiGLU 5632) at seq 4096, micro-batch 2, bf16, on synthetic tokens, in the same process:
 - baseline: the plain model, bf16 autocast, fused torch AdamW, SDPA (cuDNN) — what a user
   writes without a framework (optionally `torch.compile`d, --compile-baseline);
-- tessera: the same model through `core.parallel.parallelize` on one rank (bf16 params, fp32
-  master weights and grads in the optimizer, the configured recompute and compile).
+- tessera: the trainer itself (`core.trainer.Trainer` on one rank: `step` then `record`, as its
+  own loop runs them, without the data service): bf16 params, fp32 master weights and grads in
+  the optimizer, the configured recompute and compile.
+Both sides are built and warmed up, then timed in --steps interleaved rounds (bench.harness:
+one optimizer step of each per round, CUDA events; the median and spread over rounds), so
+drift hits both alike and the ratio is the median of same-round ratios. --sequential builds,
+times and frees one side after the other instead, for models whose two states do not fit on
+the GPU together (the DeepSeek-like --moe model on an 80 GB GPU). Peak memory is each side's
+own: the most allocated during its warm-up above what was allocated before it was built.
 MFU counts 6*(params - input embedding) + 6*layers*d*seq FLOPs per token against 989 TFLOP/s
-(the usual 6N + attention accounting). --moe runs the DeepSeek-like fine-grained MoE
-instead (4 layers by default, 64 experts, top-8), MFU on active parameters (top_k of E).
+(the accounting of shared/PERFORMANCE.md; also for --precision fp8). --moe runs the
+DeepSeek-like fine-grained MoE instead (4 layers by default, 64 experts, top-8), MFU on active
+parameters (top_k of E).
 
-    python bench/train_step.py [--steps 10] [--layers 20] [--compile] [--accum 4] [--moe]
+    python -m bench.train_step [--steps 10] [--layers 20] [--compile] [--accum 4] [--moe]
+    python -m bench.train_step --dim 128 --layers 2 --seq 64 --steps 2 --warmup 1   # CPU smoke
 
 --accum N runs N micro-batches per optimizer step on both sides (one step per micro-batch
-is the default; real global batches are many micro-batches).
+is the default, as in PERFORMANCE.md; real global batches are many micro-batches).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.gpu_idle import summarise
+from bench.harness import Timing, compare, emit, ratio
+from core.config import Config, ModelConfig, load_config
+from core.data import StepInputs
+from core.fp8_cache import WEIGHT_CACHE
+from core.layers import AttentionMeta
+from core.metrics import PEAK_FLOPS, flops_per_token
+from core.model import build_model, count_params
+from core.trainer import Trainer
+from moe.layer import moe_layers, moe_metrics, set_moe_sequences, update_expert_bias
 
-from core.config import Config, ModelConfig  # noqa: E402
-from core.loss import cross_entropy_sum  # noqa: E402
-from core.metrics import PEAK_FLOPS, flops_per_token  # noqa: E402
-from core.layers import AttentionMeta  # noqa: E402
-from core.model import build_model  # noqa: E402
-from core.model import count_params  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+SIDES = ("baseline", "tessera")
 
 
 def model_config(layers: int, moe: bool) -> ModelConfig:
@@ -42,18 +59,22 @@ def model_config(layers: int, moe: bool) -> ModelConfig:
                            rope_theta=500000.0)
     # launch/configs/deepseek_like.toml's model, fewer layers to fit one GPU with all 64 experts
     # (at ep=8 each GPU holds 8 experts but runs the same FLOPs per token).
-    from core.config import load_config
+    return load_config(ROOT / "launch" / "configs" / "deepseek_like.toml", [f"model.num_layers={layers}"]).model
 
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "configs",
-                          "deepseek_like.toml")
-    return load_config(config, [f"model.num_layers={layers}"]).model
+
+def synthetic_batch(batch: int, seq: int, vocab: int, device) -> StepInputs:
+    """`batch` rows of `seq` random tokens, one document each: the same micro-batch every time."""
+    tokens = torch.randint(0, vocab, (batch * seq,), device=device)
+    labels = torch.roll(tokens, -1)
+    positions = torch.arange(seq, device=device).repeat(batch)
+    cu = torch.arange(0, batch * seq + 1, seq, dtype=torch.int32, device=device)
+    meta = AttentionMeta(cu_seqlens=cu, max_seqlen=seq)
+    return StepInputs(tokens, labels, positions, meta, num_tokens=float(batch * seq), num_labels=float(batch * seq))
 
 
 def moe_step_hooks(model, cu_seqlens):
-    """What the training loop does around a MoE step (no-ops for a dense model): per-sequence
+    """What a plain training loop does around a MoE step (no-ops for a dense model): per-sequence
     balancing boundaries before the forward, the expert-bias update after the optimizer."""
-    from moe.layer import moe_layers, moe_metrics, set_moe_sequences, update_expert_bias
-
     if not moe_layers(model):
         return lambda: None, lambda: None
 
@@ -61,47 +82,93 @@ def moe_step_hooks(model, cu_seqlens):
         update_expert_bias(model)
         moe_metrics(model)
 
-    num_tokens = int(cu_seqlens[-1])  # once, on the host, as the trainer knows it
+    num_tokens = int(cu_seqlens[-1])  # once, on the host, as a loop knows it
     return lambda: set_moe_sequences(model, cu_seqlens, num_tokens), after
 
 
-def synthetic_batch(batch: int, seq: int, vocab: int, device):
-    tokens = torch.randint(0, vocab, (batch * seq,), device=device)
-    labels = torch.roll(tokens, -1)
-    positions = torch.arange(seq, device=device).repeat(batch)
-    cu = torch.arange(0, batch * seq + 1, seq, dtype=torch.int32, device=device)
-    return tokens, labels, positions, AttentionMeta(cu_seqlens=cu, max_seqlen=seq)
+@dataclass
+class Side:
+    """One side of the comparison, built and warmed up."""
+
+    step: Callable[[], object]  # one optimizer step
+    model: torch.nn.Module
+    flops_per_token: float
+    peak_mem_gib: float
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
+def baseline_side(cfg: ModelConfig, batch: StepInputs, compile_model: bool, accum: int, seq: int):
+    """The plain PyTorch loop: the baseline, deliberately without anything of Tessera's."""
+    device = batch.tokens.device
+    model = build_model(cfg, seed=0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    run = torch.compile(model) if compile_model else model
+    before, after = moe_step_hooks(model, batch.meta.cu_seqlens)
+
+    def step():
+        for _ in range(accum):
+            before()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = run(batch.tokens, batch.position_ids, batch.meta)
+            loss = torch.nn.functional.cross_entropy(logits.float(), batch.labels) / accum
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after()
+
+    _, embedding, active = count_params(model)
+    return step, model, flops_per_token(active, embedding, cfg.num_layers, cfg.dim, seq)
+
+
+def tessera_config(cfg: ModelConfig, args, device: torch.device) -> Config:
+    config = Config(model=cfg)
+    t = config.train
+    t.device, t.seed, t.seq_len = device.type, 0, args.seq  # seq_len: the trainer's MFU accounting
+    t.recompute, t.compile, t.precision = args.recompute, args.compile, args.precision
+    t.fp8_weight_cache = not args.no_fp8_weight_cache
+    t.micro_batch_size = args.batch
+    t.global_batch_size = args.batch * args.accum  # one rank: accum micro-batches per step
+    config.parallel.gradient_accumulation_fusion = not args.no_wgrad_fusion
+    return config
+
+
+def tessera_side(cfg: ModelConfig, batch: StepInputs, args):
+    """The trainer's own step and metrics record, as `Trainer.run` calls them, fed `accum`
+    copies of the batch instead of the data service's micro-batches."""
+    trainer = Trainer(tessera_config(cfg, args, batch.tokens.device))
+    micro = [batch] * args.accum
+
+    def step():
+        start = time.perf_counter()
+        return trainer.record(trainer.step(micro), start)
+
+    return step, trainer.model, trainer.flops_per_token
+
+
+def build_side(name: str, cfg: ModelConfig, batch: StepInputs, args) -> Side:
+    """Build one side and run its warm-up steps (compilation, optimizer state), measuring its
+    peak memory above what was allocated before it (the other side's state, when interleaved)."""
+    cuda = batch.tokens.device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize()
-
-
-def time_steps(step_fn, steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        step_fn()
-    _sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step_fn()
-    _sync()
-    return (time.perf_counter() - start) / steps
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    if name == "baseline":
+        step, model, fpt = baseline_side(cfg, batch, args.compile_baseline, args.accum, args.seq)
+    else:
+        step, model, fpt = tessera_side(cfg, batch, args)
+    for _ in range(args.warmup):
+        step()
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else 0.0
+    return Side(step, model, fpt, peak)
 
 
 def print_profile(step_fn, rows: int = 25, trace: str | None = None) -> None:
     """Where one (warm) step's GPU time goes, by kernel: what to attack next; then when the GPU
-    idled and what the host was doing meanwhile (bench/gpu_idle.py on the step's trace)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    idled and what the host was doing meanwhile (bench.gpu_idle on the step's trace)."""
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         step_fn()
-        _sync()
+        torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
-    import tempfile
-
-    from bench.gpu_idle import summarise
-
     with tempfile.TemporaryDirectory() as tmp:
         path = trace or f"{tmp}/trace.json"
         prof.export_chrome_trace(path)
@@ -109,65 +176,59 @@ def print_profile(step_fn, rows: int = 25, trace: str | None = None) -> None:
             print(summarise(json.load(f), min_gap_us=20, top=25))
 
 
-def baseline_step_fn(cfg, batch, compile_model: bool, accum: int):
-    device = batch[0].device
-    model = build_model(cfg, seed=0).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    run = torch.compile(model) if compile_model else model
-    before, after = moe_step_hooks(model, batch[3].cu_seqlens)
-
-    def step():
-        for _ in range(accum):
-            before()
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                logits = run(batch[0], batch[2], batch[3])
-            loss = torch.nn.functional.cross_entropy(logits.float(), batch[1]) / accum
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        after()
-
-    return step, model
+def side_figures(side: Side, t: Timing, tokens: int, name: str, args) -> dict:
+    total, _, active = count_params(side.model)
+    seconds = t.ms / 1e3
+    figures = {
+        "step_ms": t.ms, "step_ms_range": (t.min_ms, t.max_ms), "step_ms_iqr": t.iqr_ms, "rounds": len(t.rounds_ms),
+        "tokens_per_s": tokens / seconds,
+        "mfu": side.flops_per_token * tokens / seconds / PEAK_FLOPS["bf16"],
+        "peak_mem_gib": side.peak_mem_gib,
+        "params": total,
+        "active_params": active,
+    }
+    if name == "tessera" and args.precision == "fp8":
+        figures["fp8_weight_cache"] = dict(WEIGHT_CACHE.stats, enabled=WEIGHT_CACHE.enabled)
+    return figures
 
 
-def tessera_step_fn(cfg, batch, args):
-    from core.mesh import ParallelMesh
-    from core.parallelize import parallelize
-
-    config = Config(model=cfg)
-    config.train.recompute = args.recompute
-    config.train.compile = args.compile
-    config.train.precision = args.precision
-    config.parallel.dp = 1
-    config.parallel.gradient_accumulation_fusion = not args.no_wgrad_fusion
-    config.train.fp8_weight_cache = not args.no_fp8_weight_cache
-    config.train.global_batch_size = config.train.micro_batch_size * args.accum  # what parallelize reads
-    device = batch[0].device
-    mesh = ParallelMesh.build(device_type=device.type)
-    model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=0), mesh, config, device, args.precision)
-    count = batch[0].numel()
-    before, after = moe_step_hooks(model, batch[3].cu_seqlens)
-
-    def step():
-        for micro in range(args.accum):
-            before()
-            with grads.sync_context(last=micro == args.accum - 1):
-                logits = model(batch[0], batch[2], batch[3])
-                loss_sum, _ = cross_entropy_sum(logits, batch[1], compiled=args.compile)
-                (loss_sum / (count * args.accum)).backward()
-        grads.finish_and_clip(1.0)
-        optimizer.step()
-        scheduler.step()
-        grads.zero_grad()
-        after()
-
-    return step, model
+def run_sides(cfg: ModelConfig, batch: StepInputs, args, names: list[str]) -> tuple[dict[str, dict], dict | None]:
+    """Per side its figures, and the same-round ratio baseline / tessera step time (tessera's
+    speed-up in tokens/s) when both ran interleaved, else the ratio of the medians."""
+    cuda = batch.tokens.device.type == "cuda"
+    tokens = args.batch * args.seq * args.accum
+    results, times = {}, {}
+    if args.sequential:
+        for name in names:
+            side = build_side(name, cfg, batch, args)
+            times[name] = compare({name: side.step}, rounds=args.steps, iters=1, warmup=0)[name]
+            if args.profile and name == "tessera" and cuda:
+                print_profile(side.step, trace=args.trace)
+            results[name] = side_figures(side, times[name], tokens, name, args)
+            del side
+            if cuda:
+                torch.cuda.empty_cache()
+    else:
+        try:
+            sides = {name: build_side(name, cfg, batch, args) for name in names}
+            times = compare({name: side.step for name, side in sides.items()}, rounds=args.steps, iters=1, warmup=0)
+        except torch.cuda.OutOfMemoryError as err:
+            raise SystemExit(f"bench.train_step: the two sides do not fit on the GPU together; rerun with "
+                             f"--sequential ({str(err).splitlines()[0]})") from None
+        if args.profile and "tessera" in sides and cuda:
+            print_profile(sides["tessera"].step, trace=args.trace)
+        results = {name: side_figures(side, times[name], tokens, name, args) for name, side in sides.items()}
+    if len(times) < 2:
+        return results, None
+    if args.sequential:
+        return results, {"median": times["baseline"].ms / times["tessera"].ms, "min": None, "max": None}
+    return results, ratio(times["baseline"], times["tessera"])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed rounds: one optimizer step of each side per round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each side first (at least 1)")
     parser.add_argument("--layers", type=int, default=None, help="default 20 dense, 4 with --moe")
     parser.add_argument("--moe", action="store_true",
                         help="the DeepSeek-like fine-grained MoE (64 experts of 1408, top-8, 2 shared); MFU on active parameters")
@@ -180,7 +241,9 @@ def main() -> None:
                         help="micro-batches per optimizer step (both sides): real global batches amortise the step")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one Tessera step")
     parser.add_argument("--trace", default=None, help="with --profile: also write that step's Chrome trace (JSON) here")
-    parser.add_argument("--only", choices=["baseline", "tessera"], default=None)
+    parser.add_argument("--only", choices=list(SIDES), default=None)
+    parser.add_argument("--sequential", action="store_true",
+                        help="time one side after the other, each alone on the GPU (when both do not fit together)")
     parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
                         help="Tessera's precision (fp8: the blocks' linears and the experts; MFU still against bf16 peak)")
     parser.add_argument("--no-wgrad-fusion", action="store_true",
@@ -189,55 +252,30 @@ def main() -> None:
                         help="with --precision fp8: quantise the weights in every micro-batch (train.fp8_weight_cache off)")
     parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
     args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 1 or args.accum < 1:
+        parser.error("--steps, --warmup and --accum must be >= 1 (the warm-up compiles, allocates the optimizer "
+                     "state and gives the peak memory)")
     torch.backends.cuda.matmul.allow_tf32 = True
     args.layers = args.layers or (4 if args.moe else 20)
     cfg = model_config(args.layers, args.moe)
     if args.dim != 2048:
         cfg.dim, cfg.ffn_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size = args.dim, args.dim * 2, 4, 2, 512
         cfg.moe.ffn_dim = args.dim // 2 if args.moe else 0
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, device)
-    tokens = args.batch * args.seq * args.accum
-    results = {}
-    for name in ("baseline", "tessera"):
-        if args.only and name != args.only:
-            continue
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        if name == "baseline":
-            step, model = baseline_step_fn(cfg, batch, args.compile_baseline, args.accum)
-        else:
-            step, model = tessera_step_fn(cfg, batch, args)
-        total, embed, active = count_params(model)
-        seconds = time_steps(step, args.steps, args.warmup)
-        if args.profile and name == "tessera" and device == "cuda":
-            print_profile(step, trace=args.trace)
-        fpt = flops_per_token(active, embed, cfg.num_layers, cfg.dim, args.seq)
-        results[name] = {
-            "step_ms": 1e3 * seconds,
-            "tokens_per_s": tokens / seconds,
-            "mfu": fpt * tokens / seconds / PEAK_FLOPS["bf16"],
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
-            "params": total,
-            "active_params": active,
-        }
-        if name == "tessera" and args.precision == "fp8":
-            from core.fp8_cache import WEIGHT_CACHE
-
-            results[name]["fp8_weight_cache"] = dict(WEIGHT_CACHE.stats, enabled=WEIGHT_CACHE.enabled)
-        del model, step
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    names = [name for name in SIDES if not args.only or name == args.only]
+    results, speedup = run_sides(cfg, batch, args, names)
     for name, r in results.items():
-        print(f"{name:9s} step {r['step_ms']:7.1f} ms  {r['tokens_per_s'] / 1e3:7.1f}k tok/s  "
-              f"MFU {100 * r['mfu']:5.1f}%  peak {r['peak_mem_gib']:5.1f} GiB  params {r['params'] / 1e9:.3f}B "
-              f"({r['active_params'] / 1e9:.3f}B active)")
+        print(f"{name:9s} step {r['step_ms']:7.1f} ms [{r['step_ms_range'][0]:.1f} - {r['step_ms_range'][1]:.1f}]  "
+              f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s  MFU {100 * r['mfu']:5.1f}%  peak {r['peak_mem_gib']:5.1f} GiB  "
+              f"params {r['params'] / 1e9:.3f}B ({r['active_params'] / 1e9:.3f}B active)")
         if "fp8_weight_cache" in r:
             print(f"{'':9s} fp8 weight cache: {r['fp8_weight_cache']}")
-    if len(results) == 2:
-        print(f"tessera / baseline tokens/s: {results['tessera']['tokens_per_s'] / results['baseline']['tokens_per_s']:.3f}")
-    print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args),
-                      "results": results}))
+    if speedup is not None:
+        spread = f" [{speedup['min']:.3f} - {speedup['max']:.3f}]" if speedup["min"] is not None else " (sequential)"
+        print(f"tessera / baseline tokens/s: {speedup['median']:.3f}{spread}")
+    emit("train_step", {"interleaved": not args.sequential and len(results) == 2, "args": vars(args),
+                        "results": results, "tessera_vs_baseline_tokens_per_s": speedup}, device)
 
 
 if __name__ == "__main__":

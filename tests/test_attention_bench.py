@@ -1,4 +1,4 @@
-"""bench/attention_kernels.py: the CPU smoke mode runs the packed comparison (the split of long
+"""bench.attention_kernels: the CPU smoke mode runs the packed comparison (the split of long
 documents against one varlen call) and finds them equal; without a GPU and --smoke it exits 2."""
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "attention_kernels.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "bench.attention_kernels", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_smoke_split_equals_one_varlen_call():

@@ -1,4 +1,4 @@
-"""bench/context_parallel.py: its smoke mode (2 CPU processes, gloo) runs every mode; the ring
+"""bench.context_parallel: its smoke mode (2 CPU processes, gloo) runs every mode; the ring
 check finds the ring equal to one-process attention on documents of different and of equal
 lengths (the layout says which), and the dynamic mode compares both plans on the same documents."""
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_smoke_runs_every_mode():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          str(ROOT / "bench" / "context_parallel.py"), "--smoke"],
+                          "-m", "bench.context_parallel", "--smoke"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]

@@ -1,4 +1,4 @@
-"""bench/pipeline.py: its CPU smoke mode runs the real trainer at pp=2 with the 1F1B and the
+"""bench.pipeline: its CPU smoke mode runs the real trainer at pp=2 with the 1F1B and the
 interleaved schedule on the same data and writes one summary row per run; bad arguments exit 2.
 
 Reference for the theoretical bubble: with p ranks, v virtual stages per rank and m
@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "pipeline.py"
 
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "bench.pipeline", *args, "--out", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
