@@ -11,19 +11,29 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
+import grpc
 import tomli_w
+import torch
 import torch.distributed as dist
 
-from core.config import Config, ConfigError, load_config, resolve_layout
+from core.config import Config, ConfigError, load_config, reference, validate
+from core.data import check_data_source
 from core.launcher import interrupted_line, launch_local
 from core.lifecycle import Interrupted, die_with_parent, install_stop_handlers, interrupted_by
 from core.mesh import init_distributed
 from core.rundir import (CONFIG_NAME, LOCK_OWNER_ENV, RunDirError, RunLock, check_resume_changes, config_dict,
                          load_saved_config, prepare, save_config)
 from core.trainer import train
+from dataservice.client import DataServiceError
+
+#: How long a rank other than 0 that met a bad input waits for rank 0 to report it (torchrun
+#: stops the other ranks as soon as one exits, which could cut rank 0 off before its line).
+PEER_WAIT_S = 30.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true",
                         help="start again in a run directory that already holds a run (its metrics and checkpoints go)")
     parser.add_argument("--print-config", action="store_true", help="print the effective config as TOML and exit")
+    parser.add_argument("--help-config", action="store_true",
+                        help="list every config key with its type, default and meaning, and exit")
     return parser
 
 
@@ -89,17 +101,44 @@ def _error(message: str) -> int:
     return 2
 
 
+def _report(message: str, first: bool, code: int = 2) -> int:
+    """Rank 0 prints the one line (`error:` for a bad input, exit 2; `failed:` otherwise); the
+    other ranks exit with the same code without a word, but only once rank 0 has said it
+    (torchrun then stops them) or after PEER_WAIT_S."""
+    if first:
+        print(f"tessera-train: {'error' if code == 2 else 'failed'}: {message}", file=sys.stderr, flush=True)
+        return code
+    if "RANK" in os.environ:
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+        time.sleep(PEER_WAIT_S)
+    return code
+
+
+def check_inputs(config: Config) -> None:
+    """What the config names outside itself: the data (core.data.check_data_source) and the device."""
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA GPU is visible here; use train.device=auto or cpu")
+    check_data_source(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.help_config:
+        print("\n".join(reference()))
+        return 0
     is_worker = "RANK" in os.environ
     first = os.environ.get("RANK", "0") == "0"
     try:
+        if args.nproc_per_node < 0:
+            raise ConfigError(f"--nproc-per-node {args.nproc_per_node} must be >= 1 (0: no launcher)")
         config, note = effective_config(args)
         world = args.nproc_per_node if args.nproc_per_node and not is_worker else int(os.environ.get("WORLD_SIZE", "1"))
-        resolve_layout(config, world)
+        validate(config, world)
+        if not args.print_config:
+            check_inputs(config)
     except (ConfigError, RunDirError) as err:
-        return _error(str(err)) if first else 2
+        return _report(str(err), first)
     if args.print_config:
         if first:
             sys.stdout.write(tomli_w.dumps(config_dict(config)))
@@ -135,14 +174,16 @@ def _run_worker(config: Config, resume: bool, overwrite: bool, note: str | None)
         if owns_dir:
             lock, failure = _take_run_dir_on_rank0(config, resume, overwrite, note, rank)
             if failure:
-                return _error(failure) if rank == 0 else 2
+                return _report(failure, rank == 0)
         train(config, resume=resume)
     except Interrupted as stop:
         if rank == 0 and owns_dir:
             print(interrupted_line(*_paths(config), stop.signum), file=sys.stderr, flush=True)
         return stop.exit_code
     except (ConfigError, RunDirError) as err:
-        return _error(str(err)) if rank == 0 else 2
+        return _report(str(err), rank == 0)
+    except DataServiceError as err:  # the service refused the stream (2) or went away (1)
+        return _report(str(err), rank == 0, 2 if err.code == grpc.StatusCode.INVALID_ARGUMENT else 1)
     except BaseException:
         if interrupted_by() is not None:  # a peer's stop surfaced here as a failed collective
             return 128 + interrupted_by()

@@ -2,18 +2,35 @@
 
 A TOML file names the sections below (`[model]`, `[model.moe]`, `[parallel]`, `[train]`,
 `[data]`, `[checkpoint]`); the command line overrides single keys with dotted paths
-(`--set model.num_layers=4`). Unknown keys and impossible layouts fail at start with one
-message that says what was wrong and what would be right.
+(`--set model.num_layers=4`).
+
+Every key is a typed field (`Literal[...]` for a choice) with a one-line docstring on the line
+after it; `field_docs()` reads those back and `reference()` lists every key with its type,
+default and doc (`tessera-train --help-config`). Checks run in two places only:
+
+- `load_config`: each value from TOML or `--set` against its field's type (unknown keys,
+  a string for an int, a float for an int, a choice that does not exist);
+- `validate(config, world_size)`: every range and every check between fields (model, MoE,
+  parallel layout, train, data, checkpoint), and the derived values (`parallel.dp`,
+  `parallel.cp_token_budget`). The launcher runs it before it starts any worker, each rank
+  again at start. The runtime modules keep assertions of their own, but a config that passes
+  here does not reach them.
+
+Each failure is a `ConfigError` whose message names the key, the value and what would be right.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import functools
 import math
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from core.parallel.schedules import check_schedule, partition_layers
 from dataservice.cp_plan import CostModel
@@ -25,39 +42,68 @@ class ConfigError(ValueError):
 
 @dataclass
 class MoEConfig:
-    num_experts: int = 0  # 0: dense model
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: a dense model (the other model.moe keys are then unused)."""
     top_k: int = 2
-    ffn_dim: int = 0  # per-expert hidden size; 0: model.ffn_dim
+    """Experts each token is routed to, 1..num_experts."""
+    ffn_dim: int = 0
+    """Hidden size of each routed expert; 0: model.ffn_dim."""
     num_shared_experts: int = 0
-    router: str = "softmax"  # "softmax" | "sigmoid"
+    """Always-on experts that every token passes through besides its top_k."""
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    """Scores from the gate's logits: softmax over the experts, or a sigmoid per expert (DeepSeek-V3)."""
     normalize_topk: bool = True
-    n_groups: int = 1  # group-limited routing: experts split into groups ...
-    topk_groups: int = 1  # ... of which tokens may use this many
+    """Rescale each token's top_k combine weights to sum to 1."""
+    n_groups: int = 1
+    """Group-limited routing: the experts split into this many groups (n_groups divides num_experts)."""
+    topk_groups: int = 1
+    """Group-limited routing: groups each token may use, 1..n_groups."""
     aux_loss_coeff: float = 0.01
+    """Weight of the load-balancing auxiliary loss (>= 0)."""
     aux_loss_per_sequence: bool = False
+    """Balance the load per sequence instead of per micro-batch."""
     z_loss_coeff: float = 0.0
-    bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (per-expert bias)
-    capacity_factor: float = 0.0  # 0: dropless
+    """Weight of the router z-loss on the gate's logits (>= 0)."""
+    bias_update_rate: float = 0.0
+    """> 0: auxiliary-loss-free balancing, a per-expert bias moved by this much each step."""
+    capacity_factor: float = 0.0
+    """Tokens an expert takes, as a multiple of an even share (the rest are dropped); 0: dropless."""
     first_k_dense: int = 0
+    """The first this many layers keep a dense feed-forward layer."""
     moe_every: int = 1
-    dispatcher: str = "alltoall"  # "alltoall" | "allgather"
-    routed_scaling_factor: float = 1.0  # routed experts' combine weights are scaled by this (DeepSeek-V3: 2.5)
-    shared_ffn_dim: int = 0  # hidden size of the shared experts together; 0: num_shared_experts * expert ffn_dim
+    """After those, every moe_every-th layer is an MoE layer (1: all of them)."""
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach the experts held by other ranks under expert parallelism."""
+    routed_scaling_factor: float = 1.0
+    """Scale of the routed experts' combine weights (DeepSeek-V3: 2.5)."""
+    shared_ffn_dim: int = 0
+    """Hidden size of the shared experts together; 0: num_shared_experts * the expert ffn_dim."""
 
 
 @dataclass
 class ModelConfig:
     vocab_size: int = 512
+    """Rows of the embedding and the output head; at least the dataset tokenizer's vocabulary."""
     dim: int = 64
+    """Width of the residual stream (the hidden size)."""
     num_layers: int = 2
+    """Transformer blocks."""
     num_heads: int = 4
+    """Query heads; they divide model.dim into heads of an even size."""
     num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); they divide model.num_heads."""
     ffn_dim: int = 176
+    """Hidden size of the dense SwiGLU feed-forward layers."""
     rope_theta: float = 10000.0
+    """Base of the rotary position embedding's frequencies."""
     norm_eps: float = 1e-5
+    """Epsilon of the RMS norms."""
     tie_embeddings: bool = False
+    """One weight shared by the input embedding and the output head."""
     init_std: float = 0.02
+    """Standard deviation of the normal initialisation of the weights."""
     moe: MoEConfig = field(default_factory=MoEConfig)
+    """The mixture-of-experts layers ([model.moe])."""
 
     @property
     def head_dim(self) -> int:
@@ -67,142 +113,292 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1
+    """Tensor-parallel size: heads, feed-forward and vocabulary split over this many ranks."""
     pp: int = 1
+    """Pipeline-parallel stages."""
     cp: int = 1
+    """Context-parallel size: each document's tokens split over this many ranks (ring attention)."""
     ep: int = 1
-    etp: int = 1  # expert tensor parallel size (divides tp-free expert ranks)
+    """Expert-parallel size: each MoE layer's experts split over this many of the dp*cp ranks."""
+    etp: int = 1
+    """Expert tensor parallelism: 1 (whole experts on every TP rank) or parallel.tp (expert hidden sizes split)."""
     sequence_parallel: bool = True
-    distributed_optimizer: bool = True  # ZeRO-1 over data parallel ranks
+    """With tp > 1: norms and residuals hold 1/tp of the tokens on each rank."""
+    distributed_optimizer: bool = True
+    """ZeRO-1: the optimizer state sharded over the data-parallel ranks."""
     bucket_mb: float = 25.0
-    # The experts' weight gradients go straight into the fp32 main grads (GEMM epilogue adds to
-    # them) instead of through a bf16 gradient and a separate accumulation pass.
+    """MiB of gradients per bucket reduced while the backward still runs."""
     gradient_accumulation_fusion: bool = True
-    pp_schedule: str = "1f1b"  # "1f1b" | "interleaved"
+    """The experts' weight-gradient GEMMs add straight into the fp32 main grads (no bf16 gradient)."""
+    pp_schedule: Literal["1f1b", "interleaved"] = "1f1b"
+    """Pipeline schedule: 1f1b (one model chunk per rank) or interleaved (pp_virtual_stages chunks per rank)."""
     pp_virtual_stages: int = 1
-    pp_first_stage_layers: int = 0  # 0: even split
+    """Model chunks per pipeline rank: 1 for 1f1b, >= 2 for interleaved."""
+    pp_first_stage_layers: int = 0
+    """Layers of the first pipeline stage; 0: an even split."""
     pp_last_stage_layers: int = 0
-    dynamic_cp: bool = False  # per step, a CP group size per micro-batch, planned by the data service
-    cp_token_budget: int = 0  # dynamic_cp: most tokens a rank holds in one micro-batch (after padding);
-    # 0: micro_batch_size*seq_len/cp, what a rank holds under static CP with the same settings
-    dp: int = 0  # derived: world // (pp*cp*tp); a value given must match
+    """Layers of the last pipeline stage; 0: an even split."""
+    dynamic_cp: bool = False
+    """Per step, a CP group size per micro-batch, planned by the data service (docs/dynamic_cp.md)."""
+    cp_token_budget: int = 0
+    """Dynamic CP: most tokens a rank holds in one micro-batch; 0: micro_batch_size*seq_len/cp."""
+    dp: int = 0
+    """Data-parallel size, derived as world // (pp*cp*tp); 0: derive it (a value given must match)."""
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 20  # the schedule's length
-    stop_at_step: int = 0  # > 0: leave after this step (a job slot's end); resume continues the schedule
+    max_steps: int = 20
+    """Optimizer steps of the schedule (the learning-rate schedule ends here)."""
+    stop_at_step: int = 0
+    """> 0: leave after this step (a job slot's end); a resume continues the schedule."""
     seed: int = 1234
+    """Seed of the weights and of the data order."""
     seq_len: int = 256
+    """Tokens per packed row (>= 2)."""
     micro_batch_size: int = 2
-    global_batch_size: int = 8  # sequences (packed rows) per optimizer step
+    """Packed rows per micro-batch on each data-parallel rank."""
+    global_batch_size: int = 8
+    """Packed rows per optimizer step, a multiple of micro_batch_size * dp."""
     lr: float = 3e-3
+    """Peak learning rate, reached after warmup_steps."""
     min_lr: float = 3e-4
+    """Learning rate at max_steps, the end of the cosine decay (0..lr)."""
     warmup_steps: int = 5
+    """Steps of linear warmup."""
     weight_decay: float = 0.1
+    """AdamW weight decay of matrices and embeddings."""
     beta1: float = 0.9
+    """AdamW first-moment decay, in [0, 1)."""
     beta2: float = 0.95
+    """AdamW second-moment decay, in [0, 1)."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     grad_clip: float = 1.0
-    precision: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU) | "fp32" | "bf16" | "fp8"
-    # fp8: quantise each weight once per optimizer step, not per micro-batch (core/fp8_cache.py);
-    # holds an FP8 copy of every FP8 weight in both GEMM layouts through the step.
+    """Most global gradient L2 norm; larger gradients are scaled down; 0: no clipping."""
+    precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
+    """Compute precision; auto: bf16 on GPU, fp32 on CPU."""
     fp8_weight_cache: bool = True
-    recompute: str = "none"  # "none" | "selective" | "full"
+    """fp8: quantise each weight once per optimizer step, not per micro-batch (core/fp8_cache.py)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation in the backward: none, selective (attention core) or full (whole blocks)."""
     run_dir: str = "runs/default"
+    """Folder of the run: config.toml, metrics.jsonl, loss.png, checkpoints/."""
     log_interval: int = 1
+    """Steps between progress lines (every step is recorded in metrics.jsonl)."""
     tensorboard: bool = False
+    """Also write TensorBoard events to RUN_DIR/tensorboard."""
     plot: bool = True
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    """Draw RUN_DIR/loss.png at the end."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs; auto: the GPUs when there are any."""
     compile: bool = False
+    """torch.compile each block and the loss (static shapes)."""
 
 
 @dataclass
 class DataConfig:
-    address: str = ""  # host:port of a running data service (comma-separated replicas)
-    dataset: str = ""  # a shard folder: the trainer serves it on loopback itself
-    cp_cost: str = ""  # with `dataset`: JSON cost model of dynamic CP for that server (docs/dynamic_cp.md)
+    address: str = ""
+    """HOST:PORT of a running data service (comma-separated replicas); used before data.dataset."""
+    dataset: str = ""
+    """A dataset folder (`tessera-data build`) that the trainer serves on loopback itself."""
+    cp_cost: str = ""
+    """With data.dataset: a JSON cost model of dynamic CP for that server (docs/dynamic_cp.md)."""
     prefetch: int = 4
+    """Batches each rank's data client reads ahead."""
     consumer: str = "tessera-train"
+    """The name this trainer gives the data service (its logs)."""
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 0  # steps between saves; 0: only at the end
-    dir: str = ""  # default: RUN_DIR/checkpoints
+    interval: int = 0
+    """Steps between saves; 0: only at the end."""
+    dir: str = ""
+    """Checkpoint folder; empty: RUN_DIR/checkpoints."""
     keep: int = 2
+    """Newest checkpoints kept (>= 1)."""
     save_at_end: bool = True
+    """Save after the last step."""
 
 
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The network ([model])."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the ranks split the work ([parallel])."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The optimisation and the run ([train])."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Where the batches come from ([data])."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When and where the run saves ([checkpoint])."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+# ---- keys, types and docs ---------------------------------------------------------------
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return " | ".join(repr(c) for c in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Every key's docstring (the string literal on the line after its field), by dotted key."""
+    docs_of: dict[str, dict[str, str]] = {}
+    for node in ast.parse(Path(__file__).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            docs_of[node.name] = {
+                a.target.id: b.value.value
+                for a, b in zip(body, body[1:])
+                if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)
+            }
+    out: dict[str, str] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            out[prefix + f.name] = docs_of.get(cls.__name__, {}).get(f.name, "")
+            hint = _hints(cls)[f.name]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, f"{prefix}{f.name}.")
+
+    walk(Config, "")
+    return out
+
+
+def reference() -> list[str]:
+    """One line per key: `key = default  # type: doc`, sections as `[section]  # doc`."""
+    docs, lines = field_docs(), []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            key, hint = prefix + f.name, _hints(cls)[f.name]
+            if dataclasses.is_dataclass(hint):
+                lines.append(f"[{key}]  # {docs[key]}")
+                walk(hint, key + ".")
+            else:
+                value = _default(f)
+                shown = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else value
+                lines.append(f"{key} = {shown}  # {_type_name(hint)}: {docs[key]}")
+
+    walk(Config, "")
+    return lines
+
+
+class _Bare(str):
+    """A `--set` value that is not a TOML literal (a bare word such as a path)."""
+
+
+def _alternatives(choices: tuple) -> str:
+    quoted = [repr(c) for c in choices]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+def _convert(value: Any, hint: Any, path: str, default: Any) -> Any:
+    """`value` as the field's type, or ConfigError naming the key, the value and the type wanted."""
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        if isinstance(value, str) and value in choices:
+            return str(value)
+        raise ConfigError(f"{path}={value!r} must be {_alternatives(choices)}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{path} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path} must be int (a whole number, e.g. {path}={default}), got {value!r}")
+    if hint is float:
+        number = value
+        if isinstance(value, _Bare):  # `--set train.lr=.001`: not TOML, but a number
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if isinstance(number, (int, float)) and not isinstance(number, bool):
+            if not math.isfinite(number):
+                raise ConfigError(f"{path} must be a finite number, got {value!r}")
+            return float(number)
+        raise ConfigError(f"{path} must be float (a number, e.g. {path}={default!r}), got {value!r}")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{path} must be str (text, e.g. {path}=\"...\"), got {value!r}")
+    raise TypeError(f"{path}: no conversion for the type {hint!r}")  # a field type this module forgot
+
+
+def _unknown_key(path: str, key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean '{path.rpartition('.')[0] + '.' if '.' in path else ''}{close[0]}'? " if close else ""
+    return ConfigError(f"unknown config key '{path}' ({hint}known keys here: {', '.join(sorted(known))})")
+
+
 def _apply(obj: Any, values: dict[str, Any], where: str) -> None:
     """Set fields of a dataclass from a nested dict, refusing unknown keys and wrong types."""
     fields = {f.name: f for f in dataclasses.fields(obj)}
+    hints = _hints(type(obj))
     for key, value in values.items():
         path = f"{where}.{key}" if where else key
         if key not in fields:
-            known = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown config key '{path}' (known keys here: {known})")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
+            raise _unknown_key(path, key, list(fields))
+        if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, dict):
                 raise ConfigError(f"'{path}' is a section; give keys like '{path}.<name>'")
-            _apply(current, value, path)
+            _apply(getattr(obj, key), value, path)
             continue
-        setattr(obj, key, _coerce(value, current, path))
-
-
-def _coerce(value: Any, current: Any, path: str) -> Any:
-    kind = type(current)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif kind is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-    raise ConfigError(f"'{path}' must be {kind.__name__}, got {value!r}")
+        setattr(obj, key, _convert(value, hints[key], path, _default(fields[key])))
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
-        raise ConfigError(f"--set expects KEY=VALUE, got '{text}'")
+        raise ConfigError(f"--set expects KEY=VALUE (e.g. --set model.num_layers=4), got '{text}'")
     key, raw = text.split("=", 1)
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw  # bare words are strings: --set data.dataset=/tmp/ds
-    return key.strip().split("."), value
+        value = _Bare(raw)  # bare words are strings: --set data.dataset=/tmp/ds
+    keys = key.strip().split(".")
+    if not all(keys):
+        raise ConfigError(f"--set {text!r}: the key must be a dotted path such as model.num_layers")
+    return keys, value
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the TOML file, then each `KEY=VALUE` override in order."""
+    """Defaults, then the TOML file, then each `KEY=VALUE` override in order; types are checked here."""
     config = Config()
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file '{path}' is a folder; give a TOML file such as launch/configs/tiny_dense.toml")
         if not path.is_file():
             raise ConfigError(f"config file '{path}' does not exist")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file '{path}' is not UTF-8 text (is it a TOML file?)") from None
+        except OSError as err:
+            raise ConfigError(f"config file '{path}' cannot be read: {err.strerror}") from None
         _apply(config, data, "")
     for text in overrides:
         keys, value = _parse_override(text)
@@ -213,18 +409,127 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config
 
 
-def resolve_layout(config: Config, world_size: int) -> Config:
-    """Derive the data-parallel size and check the layout; raise ConfigError when impossible."""
-    m, p = config.model, config.parallel
-    for name in ("tp", "pp", "cp", "ep", "etp"):
-        if getattr(p, name) < 1:
-            raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+# ---- validation -------------------------------------------------------------------------
+
+# Ranges that hold whatever the other keys say: ">= N", "> N", or an interval "[a, b)".
+RANGES = {
+    "model.vocab_size": ">= 1", "model.dim": ">= 1", "model.num_layers": ">= 1", "model.num_heads": ">= 1",
+    "model.num_kv_heads": ">= 1", "model.ffn_dim": ">= 1", "model.rope_theta": "> 0", "model.norm_eps": "> 0",
+    "model.init_std": "> 0",
+    "model.moe.num_experts": ">= 0", "model.moe.top_k": ">= 1", "model.moe.ffn_dim": ">= 0",
+    "model.moe.num_shared_experts": ">= 0", "model.moe.n_groups": ">= 1", "model.moe.topk_groups": ">= 1",
+    "model.moe.aux_loss_coeff": ">= 0", "model.moe.z_loss_coeff": ">= 0", "model.moe.bias_update_rate": ">= 0",
+    "model.moe.capacity_factor": ">= 0", "model.moe.first_k_dense": ">= 0", "model.moe.moe_every": ">= 1",
+    "model.moe.routed_scaling_factor": "> 0", "model.moe.shared_ffn_dim": ">= 0",
+    "parallel.tp": ">= 1", "parallel.pp": ">= 1", "parallel.cp": ">= 1", "parallel.ep": ">= 1", "parallel.etp": ">= 1",
+    "parallel.bucket_mb": "> 0", "parallel.pp_virtual_stages": ">= 1", "parallel.pp_first_stage_layers": ">= 0",
+    "parallel.pp_last_stage_layers": ">= 0", "parallel.cp_token_budget": ">= 0", "parallel.dp": ">= 0",
+    "train.max_steps": ">= 1", "train.stop_at_step": ">= 0", "train.seed": "[0, 9223372036854775807]",
+    "train.seq_len": ">= 2", "train.micro_batch_size": ">= 1", "train.global_batch_size": ">= 1", "train.lr": "> 0",
+    "train.min_lr": ">= 0", "train.warmup_steps": ">= 0", "train.weight_decay": ">= 0", "train.beta1": "[0, 1)",
+    "train.beta2": "[0, 1)", "train.eps": ">= 0", "train.grad_clip": ">= 0", "train.log_interval": ">= 1",
+    "data.prefetch": ">= 1",
+    "checkpoint.interval": ">= 0", "checkpoint.keep": ">= 1",
+}
+
+
+def _number(text: str) -> float:
+    text = text.strip()
+    return int(text) if text.lstrip("-").isdigit() else float(text)
+
+
+def _in_range(value: float, spec: str) -> bool:
+    if spec.startswith(">="):
+        return value >= _number(spec[2:])
+    if spec.startswith(">"):
+        return value > _number(spec[1:])
+    low, high = (_number(s) for s in spec[1:-1].split(","))
+    return (value >= low if spec[0] == "[" else value > low) and (value <= high if spec[-1] == "]" else value < high)
+
+
+def _walk(obj: Any, prefix: str):
+    """(dotted key, owning dataclass, field, type hint) of every leaf key under `obj`."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key = prefix + f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _walk(getattr(obj, f.name), key + ".")
+        else:
+            yield key, obj, f, hints[f.name]
+
+
+def _check_fields(obj: Any, prefix: str) -> None:
+    """Types (also of configs built in code) and the fixed ranges of every key under `obj`."""
+    for key, owner, f, hint in _walk(obj, prefix):
+        value = _convert(getattr(owner, f.name), hint, key, _default(f))
+        setattr(owner, f.name, value)
+        spec = RANGES.get(key)
+        if spec is not None and not _in_range(value, spec):
+            raise ConfigError(f"{key}={value!r} must be {spec}")
+
+
+def check_moe(moe: MoEConfig, where: str = "model.moe") -> None:
+    """The checks of an MoE layer's settings; ConfigError names the key and the accepted values."""
+    _check_fields(moe, where + ".")
+    e, k = moe.num_experts, moe.top_k
+    if e < 1:
+        raise ConfigError(f"{where}.num_experts must be >= 1 for an MoE layer, got {e}")
+    if not 1 <= k <= e:
+        raise ConfigError(f"{where}.top_k={k} must be between 1 and num_experts={e}")
+    if e % moe.n_groups:
+        raise ConfigError(f"{where}.n_groups={moe.n_groups} must be >= 1 and divide num_experts={e}")
+    if not 1 <= moe.topk_groups <= moe.n_groups:
+        raise ConfigError(f"{where}.topk_groups={moe.topk_groups} must be between 1 and n_groups={moe.n_groups}")
+    if k > moe.topk_groups * (e // moe.n_groups):
+        raise ConfigError(
+            f"{where}.top_k={k} exceeds the experts reachable in topk_groups={moe.topk_groups} groups of "
+            f"{e // moe.n_groups}; raise topk_groups or lower top_k"
+        )
+
+
+def validate(config: Config, world_size: int) -> Config:
+    """Check everything about `config` on `world_size` ranks and derive `parallel.dp` (and the
+    dynamic-CP token budget); raise ConfigError at the first problem. The one place of checks."""
+    if world_size < 1:
+        raise ConfigError(f"the world size must be >= 1, got {world_size}")
+    _check_fields(config, "")
+    _check_model(config.model)
+    dp = _check_layout(config, world_size)
+    _check_train(config)
+    if config.parallel.dynamic_cp:
+        _check_dynamic_cp(config, dp)
+    if config.data.cp_cost:
+        _check_cp_cost(config)
+    return config
+
+
+resolve_layout = validate  # the name the trainer and the benchmarks call it by
+
+
+def _check_model(m: ModelConfig) -> None:
     if m.dim % m.num_heads:
         raise ConfigError(f"model.dim={m.dim} must be divisible by model.num_heads={m.num_heads}")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}"
         )
+    if m.head_dim % 2:
+        raise ConfigError(f"model.dim / model.num_heads = {m.dim} / {m.num_heads} = {m.head_dim} must be even "
+                          f"(rotary embeddings turn pairs of features); change model.dim or model.num_heads")
+    moe = m.moe
+    if not moe.num_experts:
+        return
+    check_moe(moe)
+    if moe.first_k_dense >= m.num_layers:
+        raise ConfigError(f"model.moe.first_k_dense={moe.first_k_dense} leaves no MoE layer among "
+                          f"model.num_layers={m.num_layers}; lower it, or set model.moe.num_experts=0 for a dense model")
+
+
+def _check_layout(config: Config, world_size: int) -> int:
+    """The parallel layout: divisibility of the model by tp/ep, the world by pp*cp*tp, the
+    pipeline split; sets and returns parallel.dp."""
+    m, p, t = config.model, config.parallel, config.train
+    moe = m.moe
     if m.num_heads % p.tp or m.num_kv_heads % p.tp:
         raise ConfigError(
             f"parallel.tp={p.tp} must divide model.num_heads={m.num_heads} and "
@@ -247,11 +552,20 @@ def resolve_layout(config: Config, world_size: int) -> Config:
     p.dp = dp
     if (dp * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide dp*cp = {dp}*{p.cp} = {dp * p.cp}")
-    if m.moe.num_experts and m.moe.num_experts % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.num_experts={m.moe.num_experts}")
+    if moe.num_experts:
+        if moe.num_experts % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.num_experts={moe.num_experts}")
+        if p.etp not in (1, p.tp):
+            raise ConfigError(f"parallel.etp={p.etp} must be 1 (whole experts on every TP rank) or "
+                              f"parallel.tp={p.tp} (expert hidden sizes split over TP)")
+        hidden = moe.ffn_dim or m.ffn_dim
+        shared = moe.shared_ffn_dim or moe.num_shared_experts * hidden
+        for name, size in (("expert hidden size (model.moe.ffn_dim or model.ffn_dim)", hidden),
+                           ("shared experts' hidden size", shared)):
+            if size % p.etp:
+                raise ConfigError(f"parallel.etp={p.etp} must divide the {name} = {size}")
     if m.num_layers < p.pp:
         raise ConfigError(f"model.num_layers={m.num_layers} is smaller than parallel.pp={p.pp}")
-    t = config.train
     rows_per_micro_step = t.micro_batch_size * dp
     if t.global_batch_size % rows_per_micro_step:
         raise ConfigError(
@@ -261,7 +575,8 @@ def resolve_layout(config: Config, world_size: int) -> Config:
     # Under (dynamic) context parallelism each rank's token count varies per batch; the CP
     # split pads it to a multiple of tp itself.
     if p.sequence_parallel and p.tp > 1 and p.cp == 1 and not p.dynamic_cp and (t.micro_batch_size * t.seq_len) % p.tp:
-        raise ConfigError("micro_batch_size*seq_len must be divisible by parallel.tp for sequence parallelism")
+        raise ConfigError(f"train.micro_batch_size*train.seq_len = {t.micro_batch_size}*{t.seq_len} must be "
+                          f"divisible by parallel.tp={p.tp} for sequence parallelism")
     if p.pp > 1:
         try:
             check_schedule(p.pp_schedule, p.pp, p.pp_virtual_stages)
@@ -272,20 +587,15 @@ def resolve_layout(config: Config, world_size: int) -> Config:
         if p.pp_schedule == "interleaved" and accum % p.pp:
             raise ConfigError(f"the interleaved schedule needs micro-batches per step ({accum}) to be a multiple of "
                               f"parallel.pp={p.pp}: raise train.global_batch_size")
-    if p.dynamic_cp:
-        _check_dynamic_cp(config, dp)
-    for name, allowed in (
-        ("precision", ("auto", "fp32", "bf16", "fp8")),
-        ("recompute", ("none", "selective", "full")),
-        ("device", ("auto", "cpu", "cuda")),
-    ):
-        if getattr(t, name) not in allowed:
-            raise ConfigError(f"train.{name}={getattr(t, name)!r} must be one of {', '.join(allowed)}")
-    if not math.isfinite(t.lr) or t.lr <= 0:
-        raise ConfigError(f"train.lr must be a positive number, got {t.lr}")
-    if config.data.cp_cost:
-        _check_cp_cost(config)
-    return config
+    return dp
+
+
+def _check_train(config: Config) -> None:
+    t = config.train
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} must not exceed train.lr={t.lr} (the cosine decays from lr to min_lr)")
+    if not t.run_dir.strip():
+        raise ConfigError("train.run_dir is empty; give the run a folder, e.g. train.run_dir=runs/my_run")
 
 
 def _check_cp_cost(config: Config) -> None:
@@ -306,8 +616,6 @@ def _check_dynamic_cp(config: Config, dp: int) -> None:
     if config.model.moe.num_experts:
         raise ConfigError("parallel.dynamic_cp with MoE (model.moe.num_experts > 0) is not supported yet: the "
                           "auxiliary losses are scaled for a fixed number of micro-batches per rank")
-    if p.cp_token_budget < 0:
-        raise ConfigError(f"parallel.cp_token_budget must be >= 0 (0: the default), got {p.cp_token_budget}")
     if p.cp_token_budget == 0:
         p.cp_token_budget = max(1, t.micro_batch_size * t.seq_len // p.cp)
     # A document piece has up to seq_len tokens; it must fit the largest aligned power-of-two

@@ -1,5 +1,5 @@
-"""The trainer's side of the data service: find or start a server, open this rank's stream,
-and turn a packed batch into model inputs on the device."""
+"""The trainer's side of the data service: check the data a config names, find or start a
+server, open this rank's stream, and turn a packed batch into model inputs on the device."""
 
 from __future__ import annotations
 
@@ -15,10 +15,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from core.config import Config
+from core.config import Config, ConfigError
 from core.layers import AttentionMeta
 from core.mesh import ParallelMesh
-from dataservice.client import DataClient
+from dataservice.client import DataClient, DataServiceError, check_address, server_info
+from dataservice.server import MAX_MESSAGE_BYTES, MAX_SEQ_LEN, worst_case_message_bytes
+from dataservice.shards import MANIFEST_NAME, DatasetError, ShardedDataset
+
+#: Seconds `check_data_source` waits for a data service's answer (a refused connection fails at once).
+PROBE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -58,7 +63,11 @@ class LocalServer:
         self.stop()
         self.log.seek(0)
         tail = self.log.read()[-2000:]
-        raise RuntimeError(f"the data service for '{dataset}' did not start (exit code {self.proc.poll()}):\n{tail}")
+        code = self.proc.poll()
+        lines = [line for line in tail.splitlines() if line.strip()]
+        if code == 2 and lines:  # `tessera-data serve` refused its arguments: one line says why
+            raise ConfigError(f"data.dataset={dataset!r}: {lines[-1].partition('error: ')[2] or lines[-1]}")
+        raise RuntimeError(f"the data service for '{dataset}' did not start (exit code {code}):\n{tail}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -71,19 +80,73 @@ class LocalServer:
             os.unlink(self.log.name)  # the open handle still reads it
 
 
+def check_data_source(config: Config, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """The data the config names exists and fits the model; ConfigError saying what is wrong.
+
+    `data.address`: a replica answers within `timeout` seconds. `data.dataset`: the folder is a
+    dataset (`tessera-data build`). Either way the tokenizer's vocabulary fits model.vocab_size
+    and the server can send rows of train.seq_len. Runs before any worker starts."""
+    d, m, t = config.data, config.model, config.train
+    if d.address:
+        try:
+            addresses = [check_address(a) for a in d.address.split(",")]
+            info = server_info(addresses, timeout)
+        except ValueError as err:
+            raise ConfigError(f"data.address: {err}") from None
+        except DataServiceError as err:
+            raise ConfigError(f"data.address={d.address!r}: {err}; start one with `tessera-data serve --data DIR` "
+                              "or correct the address") from None
+        source, vocab, max_seq_len, max_bytes = f"the data service at {d.address}", info["vocab_size"], \
+            info["max_seq_len"], info["max_message_bytes"]
+    elif d.dataset:
+        build = "give a folder made by `tessera-data build INPUT... --output DIR`"
+        if not os.path.isdir(d.dataset):
+            raise ConfigError(f"data.dataset={d.dataset!r}: no such folder; {build}")
+        if not os.path.isfile(os.path.join(d.dataset, MANIFEST_NAME)):
+            raise ConfigError(f"data.dataset={d.dataset!r} is not a dataset (it has no {MANIFEST_NAME}); {build}")
+        try:
+            with ShardedDataset.open(d.dataset) as dataset:
+                vocab = dataset.vocab_size
+        except DatasetError as err:
+            raise ConfigError(f"data.dataset={d.dataset!r}: {err}") from None
+        source, max_seq_len, max_bytes = f"the dataset {d.dataset}", MAX_SEQ_LEN, MAX_MESSAGE_BYTES
+    else:
+        raise ConfigError("no data: set data.dataset=DIR (a folder made by `tessera-data build`, which the trainer "
+                          "serves itself) or data.address=HOST:PORT (a running `tessera-data serve`)")
+    if vocab > m.vocab_size:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the vocabulary of {source} ({vocab} "
+                          f"token ids); give model.vocab_size >= {vocab}")
+    if t.seq_len > max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} is longer than {source} serves (at most {max_seq_len})")
+    need = worst_case_message_bytes(t.micro_batch_size, t.seq_len)
+    if not config.parallel.dynamic_cp and need > max_bytes:
+        raise ConfigError(f"train.micro_batch_size*train.seq_len = {t.micro_batch_size}*{t.seq_len} can need messages "
+                          f"of {need} bytes, over the {max_bytes} that {source} sends; lower either")
+
+
 def resolve_address(config: Config) -> tuple[str, LocalServer | None]:
-    """`data.address`, or a loopback server over `data.dataset` started by rank 0 and shared."""
+    """`data.address`, or a loopback server over `data.dataset` started by rank 0 and shared.
+    When rank 0 cannot start it, every rank raises (ConfigError for a refused dataset)."""
     if config.data.address:
         return config.data.address, None
     if not config.data.dataset:
-        raise ValueError("set data.address (a running data service) or data.dataset (a shard folder)")
-    server = None
-    box = [""]
+        raise ConfigError("no data: set data.dataset=DIR (a shard folder) or data.address=HOST:PORT (a running service)")
+    server, failure = None, None
+    box = ["", "", False]  # the address; else why rank 0 could not start it, and whether that is the config's fault
     if not dist.is_initialized() or dist.get_rank() == 0:
-        server = LocalServer(config.data.dataset, cp_cost=config.data.cp_cost)
-        box[0] = server.address
+        try:
+            server = LocalServer(config.data.dataset, cp_cost=config.data.cp_cost)
+            box[0] = server.address
+        except Exception as err:
+            failure = err
+            box[1:] = [str(err) if isinstance(err, ConfigError) else "rank 0 could not start the data service",
+                       isinstance(err, ConfigError)]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if box[1]:
+        raise (ConfigError if box[2] else RuntimeError)(box[1])
     return box[0], server
 
 

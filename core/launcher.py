@@ -39,13 +39,22 @@ def interrupted_line(run_dir: Path, ckpt_dir: Path, signum: int) -> str:
             f"{step_of(latest)}; continue with --resume {run_dir}")
 
 
-def _relay(stream, quiet: threading.Event) -> None:
-    """Copy torchrun's stderr (its workers' too) to ours until a stop; then only drain it, so
-    the tracebacks of interrupted ranks do not bury the one line that matters."""
+# The line rank 0 ends a run with (core/cli.py), and the exit code it stands for.
+REPORT_LINES = {b"tessera-train: error: ": 2, b"tessera-train: failed: ": 1}
+
+
+def _relay(stream, quiet: threading.Event, reported: list[int]) -> None:
+    """Copy torchrun's stderr (its workers' too) to ours until a stop, or until rank 0's
+    one-line report of why the run ends; then only drain it, so torchrun's account of the
+    failed ranks and the tracebacks of interrupted ones do not bury the line that matters."""
     for line in iter(stream.readline, b""):
         if not quiet.is_set():
             sys.stderr.buffer.write(line)
             sys.stderr.buffer.flush()
+            code = next((c for prefix, c in REPORT_LINES.items() if line.startswith(prefix)), None)
+            if code is not None:
+                reported.append(code)
+                quiet.set()
     stream.close()
 
 
@@ -81,6 +90,7 @@ def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Pa
     env.setdefault("OMP_NUM_THREADS", "1")  # N workers on a CPU-only machine share its cores
     env[LOCK_OWNER_ENV] = str(os.getpid())
     received: list[int] = []
+    reported: list[int] = []
     quiet = threading.Event()
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=die_with_parent)  # the launcher has no threads yet: preexec is safe
@@ -93,7 +103,7 @@ def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Pa
         signal_all([proc.pid], signum)
 
     previous = {sig: signal.signal(sig, on_stop) for sig in STOP_SIGNALS}
-    relay = threading.Thread(target=_relay, args=(proc.stderr, quiet), daemon=True)
+    relay = threading.Thread(target=_relay, args=(proc.stderr, quiet, reported), daemon=True)
     relay.start()
     stop_at = None
     try:
@@ -115,4 +125,4 @@ def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Pa
     if received:
         print(interrupted_line(run_dir, ckpt_dir, received[0]), file=sys.stderr, flush=True)
         return 128 + received[0]
-    return code
+    return reported[0] if reported and code else code

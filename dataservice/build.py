@@ -45,6 +45,7 @@ JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 PROBLEMS = ("invalid_utf8", "empty", "broken_json", "missing_field")
 BATCH_DOCS = 1024
 BATCH_BYTES = 8 << 20
+MAX_SHARD_SIZE_MB = 1 << 20  # 1 TiB: a bound LMDB maps on 64-bit systems
 
 
 class BuildError(Exception):
@@ -71,7 +72,11 @@ def _input_files(inputs: Sequence[str | os.PathLike], glob: str) -> list[pathlib
     for inp in inputs:
         p = pathlib.Path(inp)
         if p.is_dir():
-            files.extend(sorted(q for q in p.glob(glob) if q.is_file()))
+            try:
+                files.extend(sorted(q for q in p.glob(glob) if q.is_file()))
+            except (ValueError, NotImplementedError) as e:  # '', an absolute pattern, ...
+                raise BuildError(f"--glob {glob!r} is not a pattern relative to the input folders "
+                                 f"(e.g. '**/*.txt'): {e}") from None
         elif p.is_file():
             files.append(p)
         else:
@@ -286,8 +291,8 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
     """
     t0 = time.perf_counter()
     output = pathlib.Path(output).absolute()
-    if not shard_size_mb > 0:
-        raise BuildError(f"--shard-size-mb must be positive, got {shard_size_mb}")
+    if not 0 < shard_size_mb <= MAX_SHARD_SIZE_MB:
+        raise BuildError(f"--shard-size-mb must be positive and at most {MAX_SHARD_SIZE_MB} (1 TiB), got {shard_size_mb}")
     try:
         tok = load_tokenizer(tokenizer)
     except Exception as e:  # TokenizerError or an OS error: both are the user's input

@@ -16,7 +16,7 @@ import sys
 
 from dataservice.build import BuildError, build_dataset, summary_line
 from dataservice.serve_cli import add_peek, add_serve
-from dataservice.shards import DatasetError, load_manifest, verify_dataset
+from dataservice.shards import MANIFEST_NAME, DatasetError, load_manifest, verify_dataset
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,8 +56,6 @@ def _add_build(sub) -> None:
 
 def _run_build(args) -> int:
     prog = "tessera-data build"
-    if not args.shard_size_mb > 0:
-        return _fail(prog, f"--shard-size-mb must be positive, got {args.shard_size_mb}")
     try:
         out = build_dataset(args.inputs, args.output, tokenizer=args.tokenizer, text_field=args.text_field,
                             glob=args.glob, shard_size_mb=args.shard_size_mb, overwrite=args.overwrite,
@@ -141,12 +139,15 @@ def _run_inspect(args) -> int:
     path = pathlib.Path(args.dataset)
     if not path.is_dir():
         return _fail(prog, f"dataset folder {str(path)!r} does not exist or is not a folder")
+    if not (path / MANIFEST_NAME).is_file():  # not a dataset at all (a build publishes its folder whole)
+        return _fail(prog, f"{str(path)!r} is not a dataset: it has no {MANIFEST_NAME}; "
+                           "give a folder made by `tessera-data build`")
     try:
         manifest = load_manifest(path)
         problems = None if args.no_verify else verify_dataset(path, manifest)
         summary = _inspect_summary(path, manifest, problems)
     except (DatasetError, KeyError, TypeError) as e:
-        # A folder that exists but holds no usable manifest is a dataset that fails verification.
+        # A manifest that does not parse or lacks fields: a dataset that fails verification.
         msg = str(e) if isinstance(e, DatasetError) else f"{path / 'manifest.json'}: malformed ({e!r})"
         if args.json:
             print(json.dumps({"path": str(path), "ok": False, "verification_problems": [msg]}, indent=2))

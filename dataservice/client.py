@@ -139,6 +139,68 @@ class DataServiceError(RuntimeError):
 _END = object()
 
 
+def check_address(address: str) -> str:
+    """`address` without surrounding blanks if it reads HOST:PORT (or unix:PATH); else
+    ValueError saying what a replica address looks like."""
+    text = address.strip()
+    if text.startswith(("unix:", "unix-abstract:")):
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"address {address!r} must read HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:50051")
+    return text
+
+
+def _reason(err: grpc.RpcError, timeout: float | None = None) -> str:
+    """A failed call's cause in a few words."""
+    code, details = err.code(), err.details() or ""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+        return f"no answer within {timeout:g} s"
+    for marker, words in (("Connection refused", "connection refused"), ("Domain name not found", "unknown host"),
+                          ("resolving", "unknown host"), ("No route to host", "no route to host")):
+        if marker in details:
+            return words
+    return f"{code.name}: {details}" if details else code.name
+
+
+def _get_info(channels: "_Channels", addresses: Sequence[str], timeout: float) -> dict:
+    errors = []
+    for address in addresses:
+        try:
+            reply = pb2_grpc.DataServiceStub(channels.get(address)).GetInfo(pb2.InfoRequest(), timeout=timeout)
+        except grpc.RpcError as err:
+            errors.append(f"{address} ({_reason(err, timeout)})")
+            continue
+        return {
+            "format_version": reply.format_version,
+            "tokenizer": reply.tokenizer,
+            "vocab_size": reply.vocab_size,
+            "pad_id": reply.pad_id,
+            "eos_id": reply.eos_id,
+            "bos_id": reply.bos_id,
+            "fingerprint": reply.fingerprint,
+            "max_message_bytes": reply.max_message_bytes,
+            "max_seq_len": reply.max_seq_len,
+            "datasets": [
+                {"name": d.name, "path": d.path, "fingerprint": d.fingerprint,
+                 "num_documents": d.num_documents, "num_tokens": d.num_tokens, "weight": d.weight}
+                for d in reply.datasets
+            ],
+        }
+    raise DataServiceError("no data service answers at " + ", ".join(errors), grpc.StatusCode.UNAVAILABLE)
+
+
+def server_info(addresses: str | Sequence[str], timeout: float = 5.0) -> dict:
+    """GetInfo of the first replica that answers within `timeout` seconds (a connection
+    refused fails at once); DataServiceError naming each replica's cause when none does."""
+    addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+    channels = _Channels(client_options(MAX_RECEIVE_BYTES))
+    try:
+        return _get_info(channels, addresses, timeout)
+    finally:
+        channels.close()
+
+
 def client_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     """Channel arguments: explicit limits, keep-alive that notices a dead server, fast reconnect."""
     return [
@@ -298,32 +360,7 @@ class DataClient:
 
     def info(self, timeout: float = 10.0) -> dict:
         """The server's GetInfo as a dict; tries each replica in turn."""
-        errors = []
-        for address in self.addresses:
-            try:
-                reply = pb2_grpc.DataServiceStub(self._channels.get(address)).GetInfo(
-                    pb2.InfoRequest(), timeout=timeout
-                )
-            except grpc.RpcError as err:
-                errors.append(f"{address}: {err.code().name} {err.details()}")
-                continue
-            return {
-                "format_version": reply.format_version,
-                "tokenizer": reply.tokenizer,
-                "vocab_size": reply.vocab_size,
-                "pad_id": reply.pad_id,
-                "eos_id": reply.eos_id,
-                "bos_id": reply.bos_id,
-                "fingerprint": reply.fingerprint,
-                "max_message_bytes": reply.max_message_bytes,
-                "max_seq_len": reply.max_seq_len,
-                "datasets": [
-                    {"name": d.name, "path": d.path, "fingerprint": d.fingerprint,
-                     "num_documents": d.num_documents, "num_tokens": d.num_tokens, "weight": d.weight}
-                    for d in reply.datasets
-                ],
-            }
-        raise DataServiceError("GetInfo failed on every replica: " + "; ".join(errors))
+        return _get_info(self._channels, self.addresses, timeout)
 
     def _stop_worker(self, wait: bool = True) -> None:
         if self._worker is not None:
@@ -428,11 +465,11 @@ class _Prefetcher:
                                                f"{code.name}: {details}", code))
                     return
                 failures += 1
-                tried.append(f"{address} ({code.name}: {details})")
+                tried.append(f"{address} ({_reason(err)})")
                 if failures > c.max_retries:
                     self._put(DataServiceError(
                         f"no data service replica answered after {c.max_retries} retries; tried "
-                        + "; ".join(tried), code))
+                        + "; ".join(dict.fromkeys(tried)), code))
                     return
                 index += 1
                 delay = min(c.max_backoff, c.backoff * 2 ** (failures - 1))

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
+import errno
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
 
 import grpc
 
-from dataservice.client import DataClient, DataServiceError
+from dataservice.client import DataClient, DataServiceError, check_address, server_info
 from dataservice.cp_plan import H200_COST, CostModel
 from dataservice.server import open_datasets, serve
 from dataservice.shards import DatasetError
@@ -47,6 +49,27 @@ def parse_data_spec(spec: str) -> tuple[str, float]:
     if not (math.isfinite(weight) and weight > 0):
         raise ValueError(f"--data {spec!r}: weight {tail} must be a finite number > 0")
     return path, weight
+
+
+def check_listen(host: str, port: int) -> str | None:
+    """Why this process cannot listen on HOST:PORT (an unknown host, a port in use, an address
+    that is not this machine's), or None; found with a plain socket before gRPC tries."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as err:
+        return f"--host {host!r} is not a host name or address of this machine ({getattr(err, 'strerror', err)})"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                return f"cannot listen on {host}:{port}: the port is in use (--port 0 picks a free one)"
+            if err.errno == errno.EADDRNOTAVAIL:
+                return f"cannot listen on {host}:{port}: {host} is not an address of this machine (see --host)"
+            return f"cannot listen on {host}:{port}: {err.strerror}"
+    return None
 
 
 # ---- serve -----------------------------------------------------------------------------
@@ -83,8 +106,11 @@ def run_serve(args) -> int:
         return _fail(prog, f"--port {args.port} must be in [0, 65535]")
     if args.workers < 8:
         return _fail(prog, f"--workers {args.workers} must be at least 8")
-    if args.grace < 0:
+    if not args.grace >= 0:
         return _fail(prog, f"--grace {args.grace} must be >= 0")
+    problem = check_listen(args.host, args.port)
+    if problem:
+        return _fail(prog, problem)
     try:
         cp_cost = CostModel.from_json(args.cp_cost) if args.cp_cost else H200_COST
         specs = [parse_data_spec(s) for s in args.data]
@@ -131,9 +157,15 @@ def _parse_blend(text: str) -> dict[str, float]:
     blend = {}
     for item in text.split(","):
         name, sep, weight = item.partition("=")
-        if not sep:
-            raise ValueError(f"--blend item {item!r} must look like NAME=WEIGHT")
-        blend[name.strip()] = float(weight)
+        if not sep or not name.strip():
+            raise ValueError(f"--blend item {item!r} must look like NAME=WEIGHT (e.g. --blend web=0.7,code=0.3)")
+        try:
+            value = float(weight)
+        except ValueError:
+            raise ValueError(f"--blend item {item!r}: weight {weight!r} is not a number") from None
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--blend item {item!r}: weight {weight} must be a finite number > 0")
+        blend[name.strip()] = value
     return blend
 
 
@@ -147,9 +179,14 @@ def run_peek(args) -> int:
         return _fail(prog, f"--dp-rank {args.dp_rank} must be in [0, {args.dp_size - 1}]")
     try:
         blend = _parse_blend(args.blend) if args.blend else None
+        addresses = [check_address(a) for a in args.address]
     except ValueError as err:
         return _fail(prog, str(err))
-    client = DataClient(args.address, dp_rank=args.dp_rank, dp_size=args.dp_size, seq_len=args.seq_len,
+    try:  # nothing listening there is a wrong address (2), not a service that failed (1)
+        server_info(addresses, timeout=5.0)
+    except DataServiceError as err:
+        return _fail(prog, f"{err}; check --address (`tessera-data serve` prints 'serving on HOST:PORT')")
+    client = DataClient(addresses, dp_rank=args.dp_rank, dp_size=args.dp_size, seq_len=args.seq_len,
                         micro_batch_size=args.micro_batch_size, seed=args.seed, consumer="peek",
                         blend=blend, resume_token=args.resume_token or None, max_batches=args.steps,
                         max_retries=2)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.config import MoEConfig
+from core.config import MoEConfig, check_moe
 
 
 @dataclass
@@ -56,30 +56,9 @@ class Routing:
 
 
 def check_moe_config(moe: MoEConfig, where: str = "model.moe") -> None:
-    """Raise ValueError naming the bad field and the accepted values."""
-    e, k = moe.num_experts, moe.top_k
-    if e < 1:
-        raise ValueError(f"{where}.num_experts must be >= 1 for an MoE layer, got {e}")
-    if not 1 <= k <= e:
-        raise ValueError(f"{where}.top_k={k} must be between 1 and num_experts={e}")
-    if moe.router not in ("softmax", "sigmoid"):
-        raise ValueError(f"{where}.router={moe.router!r} must be 'softmax' or 'sigmoid'")
-    if moe.n_groups < 1 or e % moe.n_groups:
-        raise ValueError(f"{where}.n_groups={moe.n_groups} must be >= 1 and divide num_experts={e}")
-    if not 1 <= moe.topk_groups <= moe.n_groups:
-        raise ValueError(f"{where}.topk_groups={moe.topk_groups} must be between 1 and n_groups={moe.n_groups}")
-    if k > moe.topk_groups * (e // moe.n_groups):
-        raise ValueError(
-            f"{where}.top_k={k} exceeds the experts reachable in topk_groups={moe.topk_groups} groups of "
-            f"{e // moe.n_groups}; raise topk_groups or lower top_k"
-        )
-    if moe.capacity_factor < 0:
-        raise ValueError(f"{where}.capacity_factor={moe.capacity_factor} must be >= 0 (0: dropless)")
-    for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
-        if getattr(moe, name) < 0:
-            raise ValueError(f"{where}.{name}={getattr(moe, name)} must be >= 0")
-    if moe.dispatcher not in ("alltoall", "allgather"):
-        raise ValueError(f"{where}.dispatcher={moe.dispatcher!r} must be 'alltoall' or 'allgather'")
+    """Raise ValueError (a ConfigError) naming the bad field and the accepted values: the
+    config's own MoE checks (`core.config.check_moe`), for layers built outside a validated run."""
+    check_moe(moe, where)
 
 
 def limit_to_groups(scores: torch.Tensor, n_groups: int, topk_groups: int, top_k: int) -> torch.Tensor:

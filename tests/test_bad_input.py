@@ -1,0 +1,385 @@
+"""Bad input to `tessera-train` and `tessera-data`: one line on stderr that says what is wrong
+and what would be right, exit code 2, no traceback, nothing left half-written.
+
+Each case runs the real command line as a subprocess and fails at start (no training); the
+cases that spawn torchrun workers are marked slow. A check that ran and FOUND a problem in
+the data (`tessera-data inspect` on a damaged dataset) exits 1 instead: tests/test_build.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import typing
+from pathlib import Path
+
+import pytest
+
+from core.config import RANGES, Config, ConfigError, field_docs, load_config, validate
+from dataservice.build import build_dataset, make_corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+DENSE = ROOT / "launch" / "configs" / "tiny_dense.toml"
+MOE = ROOT / "launch" / "configs" / "tiny_moe.toml"
+
+
+def _env() -> dict:
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
+
+
+def run(module: str, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line(proc: subprocess.CompletedProcess, *words: str, code: int = 2) -> str:
+    """Exit `code`, exactly one line on stderr, no traceback, and `words` in that line."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("bad-input-data")
+    return build_dataset([make_corpus(tmp, n_docs=40, seed=5, max_len=300)], tmp / "shards")
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound and released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the config itself (in process) -----------------------------------------------------
+
+def test_every_key_has_a_type_and_a_one_line_doc():
+    docs = field_docs()
+    assert len(docs) > 60 and "model.moe.top_k" in docs
+    for key, doc in docs.items():
+        assert doc and "\n" not in doc and len(doc) < 140, (key, doc)
+    hints = typing.get_type_hints(type(Config().train))
+    assert typing.get_args(hints["precision"]) == ("auto", "fp32", "bf16", "fp8")
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_every_range_is_checked_and_names_the_key(key):
+    spec = RANGES[key]
+    if spec.startswith(">="):
+        bad = int(spec[2:]) - 1
+    elif spec.startswith(">"):
+        bad = int(spec[1:])
+    else:  # [a, b) or [a, b]: the top, or just above it
+        bad = int(spec[1:-1].split(",")[1]) + (spec.endswith("]"))
+    section, _, name = key.rpartition(".")
+    config = Config()
+    owner = functools.reduce(getattr, section.split("."), config)
+    setattr(owner, name, type(getattr(owner, name))(bad))
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{key}={getattr(owner, name)!r} must be {spec}")):
+        validate(config, 1)
+
+
+def test_code_built_configs_go_through_the_same_checks():
+    config = Config()
+    config.train.precision = "fp16"
+    with pytest.raises(ConfigError, match=r"train.precision='fp16' must be 'auto', 'fp32', 'bf16' or 'fp8'"):
+        validate(config, 1)
+    config = Config()
+    config.model.dim = 64.0
+    with pytest.raises(ConfigError, match="model.dim must be int"):
+        validate(config, 1)
+    assert dataclasses.asdict(validate(load_config(None, ["train.lr=.01"]), 1))["train"]["lr"] == 0.01
+
+
+# ---- tessera-train: the config ----------------------------------------------------------
+
+def train(tmp_path: Path, dataset: Path | None, *sets: str, config: Path = DENSE, extra=()) -> subprocess.CompletedProcess:
+    args = ["--config", config, "--set", f"train.run_dir={tmp_path / 'run'}"]
+    if dataset is not None:
+        args += ["--set", f"data.dataset={dataset}"]
+    for item in sets:
+        args += ["--set", item]
+    return run("core.cli", *args, *extra)
+
+
+def test_the_moe_top_k_above_the_experts(tmp_path, dataset):
+    proc = train(tmp_path, dataset, "model.moe.top_k=64", config=MOE)
+    assert_one_line(proc, "model.moe.top_k=64", "num_experts=8")
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_config_file(tmp_path):
+    proc = run("core.cli", "--config", tmp_path / "nope.toml")
+    assert_one_line(proc, "config file", "nope.toml", "does not exist")
+
+
+def test_config_file_that_is_not_toml(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\ndim = 64\n")
+    assert_one_line(run("core.cli", "--config", bad), "bad.toml", "is not valid TOML", "line 1")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert_one_line(run("core.cli", "--config", binary), "not UTF-8 text")
+
+
+def test_unknown_key_in_the_file_suggests_the_right_one(tmp_path):
+    cfg = tmp_path / "typo.toml"
+    cfg.write_text("[modle]\ndim = 64\n")
+    assert_one_line(run("core.cli", "--config", cfg), "unknown config key 'modle'", "did you mean 'model'")
+    cfg.write_text("[model]\nnum_layer = 2\n")
+    assert_one_line(run("core.cli", "--config", cfg), "unknown config key 'model.num_layer'",
+                    "did you mean 'model.num_layers'")
+
+
+def test_unknown_key_and_set_without_equals(tmp_path, dataset):
+    assert_one_line(train(tmp_path, dataset, "train.max_step=5"), "unknown config key 'train.max_step'",
+                    "did you mean 'train.max_steps'")
+    assert_one_line(train(tmp_path, dataset, "train.max_steps"), "--set expects KEY=VALUE", "'train.max_steps'")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("item, words", [
+    ("model.dim=abc", ["model.dim must be int", "'abc'"]),                # a string for an int
+    ("model.dim=64.5", ["model.dim must be int", "64.5"]),                # a float for an int
+    ("train.precision=fp16", ["train.precision='fp16'", "'bf16'", "'fp8'"]),  # not one of the choices
+    ("model.moe.router=relu", ["model.moe.router='relu'", "'softmax' or 'sigmoid'"]),
+    ("parallel.pp_schedule=gpipe", ["parallel.pp_schedule='gpipe'", "'1f1b' or 'interleaved'"]),
+    ("train.compile=maybe", ["train.compile must be true or false", "'maybe'"]),
+    ("train.lr=fast", ["train.lr must be float", "'fast'"]),
+    ("train.lr=nan", ["train.lr must be a finite number"]),
+    ("model=5", ["'model' is a section"]),
+])
+def test_wrong_type_from_set(tmp_path, dataset, item, words):
+    assert_one_line(train(tmp_path, dataset, item), *words)
+    assert not (tmp_path / "run").exists()
+
+
+def test_wrong_type_in_the_file(tmp_path, dataset):
+    cfg = tmp_path / "types.toml"
+    cfg.write_text('[model]\ndim = "64"\n')
+    assert_one_line(train(tmp_path, dataset, config=cfg), "model.dim must be int", "'64'")
+
+
+@pytest.mark.parametrize("items, words", [
+    (["train.seq_len=-5"], ["train.seq_len=-5 must be >= 2"]),  # used to hang
+    (["train.micro_batch_size=0"], ["train.micro_batch_size=0 must be >= 1"]),
+    (["train.global_batch_size=0"], ["train.global_batch_size=0 must be >= 1"]),
+    (["train.max_steps=0"], ["train.max_steps=0 must be >= 1"]),
+    (["model.num_layers=0"], ["model.num_layers=0 must be >= 1"]),
+    (["model.dim=-64"], ["model.dim=-64 must be >= 1"]),
+    (["model.num_heads=0"], ["model.num_heads=0 must be >= 1"]),
+    (["train.min_lr=1.0"], ["train.min_lr=1.0 must not exceed train.lr"]),
+    (["model.num_heads=3"], ["model.dim=128 must be divisible by model.num_heads=3"]),
+    (["model.dim=80", "model.num_heads=16"], ["model.dim / model.num_heads = 80 / 16 = 5 must be even"]),
+    (["train.global_batch_size=7"], ["train.global_batch_size=7 must be a multiple of"]),
+])
+def test_out_of_range_and_cross_field(tmp_path, dataset, items, words):
+    assert_one_line(train(tmp_path, dataset, *items), *words)
+    assert not (tmp_path / "run").exists()
+
+
+def test_moe_settings_are_checked_by_the_config(tmp_path, dataset):
+    assert_one_line(train(tmp_path, dataset, "model.moe.first_k_dense=4", config=MOE),
+                    "model.moe.first_k_dense=4 leaves no MoE layer")
+    assert_one_line(train(tmp_path, dataset, "parallel.etp=3", "parallel.ep=1", config=MOE), "parallel.etp=3 must be 1")
+
+
+def test_the_launcher_validates_before_it_spawns_workers(tmp_path, dataset):
+    t0 = time.monotonic()
+    proc = train(tmp_path, dataset, "model.moe.top_k=64", config=MOE, extra=("--nproc-per-node", "4"))
+    assert_one_line(proc, "model.moe.top_k=64")
+    assert time.monotonic() - t0 < 60  # no torchrun started
+    assert not (tmp_path / "run").exists()
+    proc = train(tmp_path, dataset, config=DENSE, extra=("--nproc-per-node", "3"))  # global batch 8 on dp=3
+    assert_one_line(proc, "train.global_batch_size=8 must be a multiple of", "2*3")
+    assert_one_line(train(tmp_path, dataset, extra=("--nproc-per-node", "-1")), "--nproc-per-node -1")
+
+
+# ---- tessera-train: the data and the device ---------------------------------------------
+
+def test_dataset_folder_that_does_not_exist(tmp_path):
+    proc = train(tmp_path, tmp_path / "missing")
+    assert_one_line(proc, f"data.dataset='{tmp_path / 'missing'}'", "no such folder", "tessera-data build")
+    assert not (tmp_path / "run").exists()
+
+
+def test_dataset_folder_that_is_not_a_dataset(tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("hello")
+    proc = train(tmp_path, tmp_path / "plain")
+    assert_one_line(proc, "is not a dataset", "manifest.json")
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_data_named_at_all(tmp_path):
+    assert_one_line(train(tmp_path, None), "no data", "data.dataset=DIR", "data.address=HOST:PORT")
+
+
+def test_vocabulary_and_sequence_length_must_fit_the_data(tmp_path, dataset):
+    assert_one_line(train(tmp_path, dataset, "model.vocab_size=128"), "model.vocab_size=128 is smaller",
+                    "259", "model.vocab_size >= 259")
+    assert_one_line(train(tmp_path, dataset, "train.seq_len=2000000", "train.micro_batch_size=1",
+                          "train.global_batch_size=1"), "train.seq_len=2000000 is longer")
+
+
+def test_address_where_no_data_service_answers(tmp_path):
+    port = free_port()
+    t0 = time.monotonic()
+    proc = train(tmp_path, None, f"data.address=127.0.0.1:{port}")
+    assert_one_line(proc, f"data.address='127.0.0.1:{port}'", "no data service answers", "connection refused",
+                    "tessera-data serve")
+    assert time.monotonic() - t0 < 30  # not a minute of retries: the interpreter start is most of it
+    assert not (tmp_path / "run").exists()
+    assert_one_line(train(tmp_path, None, "data.address=localhost"), "must read HOST:PORT")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_asked_for_where_there_is_none(tmp_path, dataset):
+    assert_one_line(train(tmp_path, dataset, "train.device=cuda"), "train.device='cuda'", "no CUDA GPU")
+
+
+def test_help_config_lists_every_key():
+    proc = run("core.cli", "--help-config")
+    assert proc.returncode == 0, proc.stderr
+    keys = [line.split(" = ")[0] for line in proc.stdout.splitlines() if " = " in line]
+    assert set(keys) == {k for k in field_docs() if k not in ("model", "model.moe", "parallel", "train", "data",
+                                                              "checkpoint")}
+    assert 'train.precision = "auto"  # \'auto\' | \'fp32\' | \'bf16\' | \'fp8\': ' in proc.stdout
+
+
+# ---- tessera-train under torchrun -------------------------------------------------------
+
+@pytest.mark.slow
+def test_under_torchrun_rank0_alone_reports_and_every_rank_exits_2(tmp_path, dataset):
+    # torchrun started by hand: every rank validates, rank 0 prints, the others wait for it.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "core.cli",
+           "--config", str(MOE), "--set", "model.moe.top_k=64", "--set", f"data.dataset={dataset}",
+           "--set", f"train.run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("tessera-train: error:")]
+    assert len(errors) == 1 and "model.moe.top_k=64" in errors[0], proc.stderr[-3000:]
+    assert 'File "' + str(ROOT / "core") not in proc.stderr  # no worker traceback (torchrun's own report aside)
+    assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_refusal_only_workers_meet_is_one_line_through_the_launcher(tmp_path, dataset):
+    # Resuming with another seed: the config is fine, but the data service refuses the
+    # checkpoint's resume token, which only the workers hold.
+    common = ["--config", DENSE, "--set", f"data.dataset={dataset}", "--set", f"train.run_dir={tmp_path / 'run'}",
+              "--set", "train.seq_len=64", "--set", "train.max_steps=2", "--set", "train.plot=false",
+              "--nproc-per-node", "2"]
+    first = run("core.cli", *common, "--set", "train.stop_at_step=1", timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    proc = run("core.cli", *common, "--set", "train.seed=7", "--resume", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("tessera-train: error: data service at"), proc.stderr[-3000:]
+    assert "seed" in errors[0]
+
+
+# ---- tessera-data -----------------------------------------------------------------------
+
+def test_inspect_a_folder_that_is_not_a_dataset_is_misuse(tmp_path):
+    (tmp_path / "plain").mkdir()
+    assert_one_line(run("dataservice.cli", "inspect", tmp_path / "plain"), "is not a dataset", "manifest.json")
+    proc = run("dataservice.cli", "inspect", tmp_path / "plain", "--json")
+    assert_one_line(proc, "is not a dataset")
+    assert proc.stdout == ""
+
+
+def test_inspect_a_damaged_dataset_is_a_failed_check(tmp_path, dataset):
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for f in dataset.rglob("*"):
+        target = damaged / f.relative_to(dataset)
+        if f.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(f.read_bytes())
+    (damaged / "manifest.json").write_text("{not json")
+    proc = run("dataservice.cli", "inspect", damaged)
+    assert proc.returncode == 1 and "verification failed" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _no_leftovers(tmp_path: Path) -> None:
+    names = [p.name for p in tmp_path.iterdir()]
+    assert "ds" not in names and not any(".tmp-" in n for n in names), names
+
+
+@pytest.mark.parametrize("args, words", [
+    (["build", "{tmp}/missing.jsonl", "-o", "{tmp}/ds"], ["missing.jsonl", "does not exist"]),
+    (["build", "{tmp}", "--glob", "", "-o", "{tmp}/ds"], ["--glob ''", "relative"]),
+    (["build", "{tmp}", "--glob", "/etc/*", "-o", "{tmp}/ds"], ["--glob '/etc/*'", "relative"]),
+    (["build", "{tmp}", "--glob", "*.parquet", "-o", "{tmp}/ds"], ["no input files", "*.parquet"]),
+    (["build", "{tmp}/a.jsonl", "-o", "{tmp}/ds", "--shard-size-mb", "inf"], ["--shard-size-mb", "at most"]),
+    (["build", "{tmp}/a.jsonl", "-o", "{tmp}/ds", "--shard-size-mb", "-1"], ["--shard-size-mb", "positive"]),
+    (["build", "{tmp}/a.jsonl", "-o", "{tmp}/ds", "--shard-size-mb", "lots"], ["--shard-size-mb", "invalid float"]),
+])
+def test_build_misuse_leaves_nothing(tmp_path, args, words):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "alpha"}) + "\n")
+    assert_one_line(run("dataservice.cli", *[a.format(tmp=tmp_path) for a in args]), *words)
+    _no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("spec, extra, words", [
+    ("{ds}:0", [], ["weight 0 must be a finite number > 0"]),
+    ("{ds}:-2", [], ["weight -2 must be a finite number > 0"]),
+    ("{ds}:inf", [], ["weight inf must be a finite number > 0"]),
+    ("{ds}:heavy", [], ["weight 'heavy' is not a number"]),
+    ("{tmp}/missing", [], ["does not exist"]),
+    ("{tmp}", [], ["manifest.json", "is missing"]),
+    ("{ds}", ["--port", "70000"], ["--port 70000 must be in [0, 65535]"]),
+    ("{ds}", ["--port", "eighty"], ["--port", "invalid int value"]),
+    ("{ds}", ["--host", "no-such-host.invalid"], ["--host 'no-such-host.invalid'"]),
+    ("{ds}", ["--workers", "2"], ["--workers 2 must be at least 8"]),
+    ("{ds}", ["--cp-cost", "{tmp}/none.json"], ["cost model", "none.json"]),
+])
+def test_serve_misuse(tmp_path, dataset, spec, extra, words):
+    fill = dict(ds=dataset, tmp=tmp_path)
+    proc = run("dataservice.cli", "serve", "--data", spec.format(**fill), *[a.format(**fill) for a in extra], timeout=60)
+    assert_one_line(proc, *words)
+    assert proc.stdout == ""
+
+
+def test_serve_on_a_port_in_use(dataset):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run("dataservice.cli", "serve", "--data", dataset, "--port", port, timeout=60)
+    assert_one_line(proc, f"127.0.0.1:{port}", "in use", "--port 0")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--address", "127.0.0.1:{port}", "--seq-len", "64"], ["no data service answers at 127.0.0.1:{port}",
+                                                             "connection refused"]),
+    (["--address", "localhost", "--seq-len", "64"], ["'localhost' must read HOST:PORT"]),
+    (["--address", "127.0.0.1:{port}", "--seq-len", "64", "--blend", "a=x"], ["weight 'x' is not a number"]),
+    (["--address", "127.0.0.1:{port}", "--seq-len", "64", "--blend", "web"], ["must look like NAME=WEIGHT"]),
+    (["--address", "127.0.0.1:{port}", "--seq-len", "64", "--dp-rank", "2", "--dp-size", "2"], ["--dp-rank 2"]),
+    (["--address", "127.0.0.1:{port}", "--seq-len", "0"], ["--seq-len 0 must be >= 1"]),
+])
+def test_peek_misuse(args, words):
+    port = free_port()
+    t0 = time.monotonic()
+    proc = run("dataservice.cli", "peek", *[a.format(port=port) for a in args], timeout=60)
+    assert_one_line(proc, *[w.format(port=port) for w in words])
+    assert time.monotonic() - t0 < 20
