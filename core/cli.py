@@ -21,6 +21,7 @@ import tomli_w
 import torch
 import torch.distributed as dist
 
+from core import fp8
 from core.config import Config, ConfigError, load_config, reference, validate
 from core.data import check_data_source
 from core.launcher import interrupted_line, launch_local
@@ -36,8 +37,15 @@ from dataservice.client import DataServiceError
 PEER_WAIT_S = 30.0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports misuse as a single line (no usage block) and exits with 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tessera-train", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="tessera-train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="TOML file, e.g. launch/configs/tiny_dense.toml (with --resume RUN_DIR: "
                                          "default RUN_DIR/config.toml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -115,10 +123,30 @@ def _report(message: str, first: bool, code: int = 2) -> int:
 
 
 def check_inputs(config: Config) -> None:
-    """What the config names outside itself: the data (core.data.check_data_source) and the device."""
+    """What the config names outside itself: the folders it writes, the device, the FP8
+    setting of the environment and the data (core.data.check_data_source)."""
+    _check_folder("train.run_dir", config.train.run_dir)
+    if config.checkpoint.dir:
+        _check_folder("checkpoint.dir", config.checkpoint.dir)
     if config.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA GPU is visible here; use train.device=auto or cpu")
+    wgrad = os.environ.get(fp8.EXPERT_WGRAD_ENV)
+    if config.train.precision == "fp8" and wgrad and wgrad not in fp8.EXPERT_WGRAD_MODES:
+        raise ConfigError(f"{fp8.EXPERT_WGRAD_ENV}={wgrad!r} must be " + " or ".join(fp8.EXPERT_WGRAD_MODES))
     check_data_source(config)
+
+
+def _check_folder(key: str, path: str) -> None:
+    """`path` is a folder this process can write, or one it can create (nothing is created here)."""
+    target = Path(path).absolute()
+    for folder in (target, *target.parents):
+        if not folder.exists():
+            continue
+        if not folder.is_dir():
+            raise ConfigError(f"{key}={path!r}: '{folder}' is a file, not a folder; choose another path")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key}={path!r}: '{folder}' is not writable by this user; choose another path")
+        return
 
 
 def main(argv: list[str] | None = None) -> int:

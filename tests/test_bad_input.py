@@ -21,6 +21,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import torch
 
 from core.config import RANGES, Config, ConfigError, field_docs, load_config, validate
 from dataservice.build import build_dataset, make_corpus
@@ -197,6 +198,13 @@ def test_moe_settings_are_checked_by_the_config(tmp_path, dataset):
     assert_one_line(train(tmp_path, dataset, "parallel.etp=3", "parallel.ep=1", config=MOE), "parallel.etp=3 must be 1")
 
 
+def test_command_line_misuse(tmp_path):
+    assert_one_line(run("core.cli", "--config", DENSE, "--nproc-per-node", "four"), "--nproc-per-node",
+                    "invalid int value")
+    assert_one_line(run("core.cli", "--frobnicate"), "unrecognized arguments: --frobnicate")
+    assert_one_line(run("core.cli"), "--config FILE is required")
+
+
 def test_the_launcher_validates_before_it_spawns_workers(tmp_path, dataset):
     t0 = time.monotonic()
     proc = train(tmp_path, dataset, "model.moe.top_k=64", config=MOE, extra=("--nproc-per-node", "4"))
@@ -246,7 +254,21 @@ def test_address_where_no_data_service_answers(tmp_path):
     assert_one_line(train(tmp_path, None, "data.address=localhost"), "must read HOST:PORT")
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+def test_folders_the_run_would_write(tmp_path, dataset):
+    (tmp_path / "file").write_text("x")
+    assert_one_line(train(tmp_path, dataset, f"train.run_dir={tmp_path / 'file' / 'run'}"),
+                    "train.run_dir=", "is a file, not a folder")
+    assert_one_line(train(tmp_path, dataset, f"checkpoint.dir={tmp_path / 'file'}"),
+                    "checkpoint.dir=", "is a file, not a folder")
+    assert not (tmp_path / "run").exists()
+
+
+def test_fp8_setting_of_the_environment(tmp_path, dataset, monkeypatch):
+    monkeypatch.setenv("TESSERA_FP8_EXPERT_WGRAD", "int4")
+    assert_one_line(train(tmp_path, dataset, "train.precision=fp8"), "TESSERA_FP8_EXPERT_WGRAD='int4'", "fp8 or bf16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cuda_asked_for_where_there_is_none(tmp_path, dataset):
     assert_one_line(train(tmp_path, dataset, "train.device=cuda"), "train.device='cuda'", "no CUDA GPU")
 
