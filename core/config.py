@@ -577,12 +577,12 @@ def _check_layout(config: Config, world_size: int) -> int:
     if p.sequence_parallel and p.tp > 1 and p.cp == 1 and not p.dynamic_cp and (t.micro_batch_size * t.seq_len) % p.tp:
         raise ConfigError(f"train.micro_batch_size*train.seq_len = {t.micro_batch_size}*{t.seq_len} must be "
                           f"divisible by parallel.tp={p.tp} for sequence parallelism")
+    try:  # also at pp=1: an interleaved schedule or fixed stage sizes there are a mistake
+        check_schedule(p.pp_schedule, p.pp, p.pp_virtual_stages)
+        partition_layers(m.num_layers, p.pp * p.pp_virtual_stages, p.pp_first_stage_layers, p.pp_last_stage_layers)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if p.pp > 1:
-        try:
-            check_schedule(p.pp_schedule, p.pp, p.pp_virtual_stages)
-            partition_layers(m.num_layers, p.pp * p.pp_virtual_stages, p.pp_first_stage_layers, p.pp_last_stage_layers)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
         accum = t.global_batch_size // rows_per_micro_step
         if p.pp_schedule == "interleaved" and accum % p.pp:
             raise ConfigError(f"the interleaved schedule needs micro-batches per step ({accum}) to be a multiple of "
