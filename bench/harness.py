@@ -206,7 +206,10 @@ def _slowest(ms: float, group, device: torch.device) -> float:
 
 @functools.lru_cache(maxsize=None)
 def git_commit() -> str:
-    """HEAD's short hash, with "+dirty" when tracked files differ from it; "unknown" outside git."""
+    """HEAD's short hash, with "+dirty" when tracked files differ from it; "unknown" outside git.
+    TESSERA_COMMIT overrides it, for copies of a tree whose .git is not the tree's own."""
+    if os.environ.get("TESSERA_COMMIT"):
+        return os.environ["TESSERA_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=_ROOT,
                               timeout=30).stdout.strip()
