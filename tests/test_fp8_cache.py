@@ -1,6 +1,6 @@
 """FP8 weight cache (core/fp8_cache.py): quantise each weight once per optimizer step.
 
-Proof by the real trainer path (`parallelize`: bf16 params, fp32 masters, FP8 GEMMs emulated
+Proof by the real trainer path (`Trainer.step`: bf16 params, fp32 masters, FP8 GEMMs emulated
 on CPU): with several micro-batches per step the cached run is bit-identical to the uncached
 one over several optimizer steps, while the cache answered most quantisations; and a cache
 that is not cleared after the optimizer step gives a different run (so the comparison sees
@@ -12,11 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.fp8_training import packed
 from core.config import Config, ModelConfig, MoEConfig
 from core.fp8_cache import WEIGHT_CACHE, Fp8WeightCache
+from core.data import StepInputs
 from core.kernels import fp8 as kfp8
-from core.loss import cross_entropy_sum
+from core.mesh import ParallelMesh
 from core.model import build_model
+from core.parallelize import parallelize
+from core.trainer import Trainer
 
 ACCUM, STEPS = 3, 3
 
@@ -31,46 +35,35 @@ def fresh_cache():
 
 
 def _batches(vocab: int, steps: int, accum: int, device: str, seq: int = 64):
-    from bench.fp8_training import packed
-
     gen = torch.Generator().manual_seed(3)
     return [packed(torch.randint(0, vocab, (2, seq + 1), generator=gen), device) for _ in range(steps * accum)]
 
 
 def _train(cache: bool, clear_after_step: bool = True, device: str = "cpu",
            compile_blocks: bool = False) -> tuple[list[float], list[torch.Tensor]]:
-    from core.mesh import ParallelMesh
-    from core.parallelize import parallelize
-
+    """STEPS optimizer steps of ACCUM micro-batches through the trainer's own step."""
     moe = MoEConfig(num_experts=4, top_k=2, ffn_dim=128, num_shared_experts=1, first_k_dense=1)
     cfg = ModelConfig(vocab_size=256, dim=128, num_layers=2, num_heads=4, num_kv_heads=4, ffn_dim=384, moe=moe)
     config = Config(model=cfg)
     t = config.train
-    t.precision, t.lr, t.warmup_steps, t.fp8_weight_cache = "fp8", 1e-2, 1, cache
-    t.micro_batch_size, t.global_batch_size = 2, 2 * ACCUM
+    t.precision, t.lr, t.warmup_steps, t.fp8_weight_cache, t.device = "fp8", 1e-2, 1, cache, device
+    t.micro_batch_size, t.global_batch_size, t.seq_len = 2, 2 * ACCUM, 64
     t.compile = compile_blocks
-    config.parallel.dp = 1
     torch._dynamo.reset()
-    model, optimizer, scheduler, grads = parallelize(build_model(cfg, seed=0), ParallelMesh.build(device_type=device),
-                                                     config, torch.device(device), "fp8")
+    trainer = Trainer(config)
     if not clear_after_step:
-        grads.dp.on_new_weights.remove(WEIGHT_CACHE.clear)
+        trainer.grads.dp.on_new_weights.remove(WEIGHT_CACHE.clear)
     batches = iter(_batches(cfg.vocab_size, STEPS, ACCUM, device))
     losses = []
     for _ in range(STEPS):
-        total = 0.0
-        for micro in range(ACCUM):
+        micro = []
+        for _ in range(ACCUM):
             tokens, labels, positions, meta = next(batches)
-            with grads.sync_context(last=micro == ACCUM - 1):
-                loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
-                (loss_sum / (count * ACCUM)).backward()
-            total += loss_sum.item() / count.item() / ACCUM
-        grads.finish_and_clip(1.0)
-        optimizer.step()
-        scheduler.step()
-        grads.zero_grad()
-        losses.append(total)
-    return losses, [p.detach().clone() for p in model.parameters()]
+            micro.append(StepInputs(tokens, labels, positions, meta, num_tokens=float(tokens.numel()),
+                                    num_labels=float((labels != -100).sum())))
+        result = trainer.step(micro)
+        losses.append(float(result.loss_sum) / result.global_labels)
+    return losses, [p.detach().clone() for p in trainer.model.parameters()]
 
 
 def test_cached_weights_train_exactly_like_uncached():
@@ -110,9 +103,6 @@ def test_a_cache_kept_past_the_optimizer_step_changes_the_run():
 
 
 def test_one_micro_batch_per_step_does_not_cache():
-    from core.mesh import ParallelMesh
-    from core.parallelize import parallelize
-
     cfg = ModelConfig(vocab_size=256, dim=128, num_layers=1, num_heads=4, num_kv_heads=4, ffn_dim=256)
     config = Config(model=cfg)
     config.train.precision, config.parallel.dp = "fp8", 1

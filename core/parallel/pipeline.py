@@ -281,99 +281,117 @@ def run_pipeline_step(
     wraps each backward; `last` marks a chunk's final backward of the step (e.g. to let a
     data-parallel wrapper start its reduction only then).
     Collective over the pipeline group; one call per optimizer step is the intended use."""
-    m = len(micro_batches)
-    plan = plan_step(stage.schedule, stage.pp, stage.virtual, m)
-    program = plan.programs[stage.pp_rank]
-    last_stage = stage.num_stages - 1
-    divisor = float(max(loss_divisor, 1.0))
-    param = next(p for c in stage.chunks for p in c.parameters() if p.is_floating_point())
-    device, dtype = param.device, param.dtype
-    group = mesh.group("pp")
-    forward_context = forward_context or nullcontext
-    final_backward = {a.chunk: a for a in program if isinstance(a, Action) and a.kind == "B"}
-    tied = _tied_weights(stage) if stage.tied_group is not None and not stage.tied_grads_reduced_elsewhere else []
-    tied_before = [w.grad.clone() if w.grad is not None else None for w in tied]
+    run = _StepRun(stage, micro_batches, loss_fn, mesh, config, loss_divisor, forward_context, backward_context)
+    for item in run.program:
+        if isinstance(item, Post):
+            run.post(item)
+        elif item.kind == "F":
+            run.forward(item)
+        else:
+            run.backward(item)
+    return run.finish()
 
-    recv_work: dict[Message, tuple[torch.Tensor, _Batch]] = {}  # buffer and the batch it came in
-    to_send: dict[Message, torch.Tensor] = {}
-    batches: list[_Batch] = []
-    saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    clock = _Clock(device)
 
-    def received(message) -> torch.Tensor:
-        buffer, batch = recv_work.pop(message)
+class _StepRun:
+    """One optimizer step's execution of this rank's program: posts, forwards, backwards."""
+
+    def __init__(self, stage: PipelineStage, micro_batches, loss_fn, mesh: ParallelMesh, config: Config,
+                 loss_divisor: float, forward_context, backward_context):
+        self.stage, self.micro_batches, self.loss_fn = stage, micro_batches, loss_fn
+        self.mesh, self.config = mesh, config
+        self.program = plan_step(stage.schedule, stage.pp, stage.virtual, len(micro_batches)).programs[stage.pp_rank]
+        self.last_stage = stage.num_stages - 1
+        self.divisor = float(max(loss_divisor, 1.0))
+        param = next(p for c in stage.chunks for p in c.parameters() if p.is_floating_point())
+        self.device, self.dtype = param.device, param.dtype
+        self.group = mesh.group("pp")
+        self.forward_context = forward_context or nullcontext
+        self.backward_context = backward_context
+        self.final_backward = {a.chunk: a for a in self.program if isinstance(a, Action) and a.kind == "B"}
+        reduce_tied = stage.tied_group is not None and not stage.tied_grads_reduced_elsewhere
+        self.tied = _tied_weights(stage) if reduce_tied else []
+        self.tied_before = [w.grad.clone() if w.grad is not None else None for w in self.tied]
+        self.recv_work: dict[Message, tuple[torch.Tensor, _Batch]] = {}  # buffer and the batch it came in
+        self.to_send: dict[Message, torch.Tensor] = {}
+        self.batches: list[_Batch] = []
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.clock = _Clock(self.device)
+
+    def _received(self, message) -> torch.Tensor:
+        buffer, batch = self.recv_work.pop(message)
         batch.wait()
         return buffer
 
-    for item in program:
-        if isinstance(item, Post):
-            ops, meta = [], []
-            for peer, message in item.sends:
-                tensor = to_send.pop(message)
-                ops.append(dist.P2POp(dist.isend, tensor, stage.peers[peer], group))
-                meta.append((None, tensor))
-            for peer, message in item.recvs:
-                shape = _hidden_shape(micro_batches[message.micro], config, mesh)
-                buffer = torch.empty(shape, dtype=dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, buffer, stage.peers[peer], group))
-                meta.append((message, buffer))
-            # NCCL coalesces a batch into one Work, gloo returns one per op: a receive waits
-            # for its whole batch (its sends were posted with it, so that costs nothing extra).
-            batch = _Batch(dist.batch_isend_irecv(ops), [t for msg, t in meta if msg is None])
-            batches.append(batch)
-            for message, tensor in meta:
-                if message is not None:
-                    recv_work[message] = (tensor, batch)
-            continue
+    def post(self, item: Post) -> None:
+        ops, meta = [], []
+        for peer, message in item.sends:
+            tensor = self.to_send.pop(message)
+            ops.append(dist.P2POp(dist.isend, tensor, self.stage.peers[peer], self.group))
+            meta.append((None, tensor))
+        for peer, message in item.recvs:
+            shape = _hidden_shape(self.micro_batches[message.micro], self.config, self.mesh)
+            buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buffer, self.stage.peers[peer], self.group))
+            meta.append((message, buffer))
+        # NCCL coalesces a batch into one Work, gloo returns one per op: a receive waits
+        # for its whole batch (its sends were posted with it, so that costs nothing extra).
+        batch = _Batch(dist.batch_isend_irecv(ops), [t for msg, t in meta if msg is None])
+        self.batches.append(batch)
+        for message, tensor in meta:
+            if message is not None:
+                self.recv_work[message] = (tensor, batch)
 
-        s, micro = stage.stage_of(item.chunk), micro_batches[item.micro]
-        chunk = stage.chunks[item.chunk]
-        if item.kind == "F":
-            x = micro.tokens if s == 0 else received(Message("act", s, item.micro)).requires_grad_()
-            with clock.span(), forward_context():
-                out = chunk(x, micro.position_ids, micro.meta)
-                if s == last_stage:
-                    part = loss_fn(out, micro)
-                    part = part[0] if isinstance(part, tuple) else part
-                    loss_sum += part.detach().float()
-                    out = part / divisor
-            if s != last_stage:
-                _check_activation(out, _hidden_shape(micro, config, mesh), dtype, s)
-                to_send[Message("act", s + 1, item.micro)] = out.detach().contiguous()
-            saved[(item.chunk, item.micro)] = (x if s > 0 else None, out)
-        else:
-            x, out = saved.pop((item.chunk, item.micro))
-            grad = None if s == last_stage else received(Message("grad", s, item.micro))
-            ctx = backward_context(item.chunk, item is final_backward[item.chunk]) if backward_context else nullcontext()
-            with clock.span(), ctx:
-                torch.autograd.backward(out, grad)
-            if s > 0:
-                to_send[Message("grad", s - 1, item.micro)] = x.grad.contiguous()
-            del x, out, grad
+    def forward(self, item: Action) -> None:
+        s, micro = self.stage.stage_of(item.chunk), self.micro_batches[item.micro]
+        chunk = self.stage.chunks[item.chunk]
+        x = micro.tokens if s == 0 else self._received(Message("act", s, item.micro)).requires_grad_()
+        with self.clock.span(), self.forward_context():
+            out = chunk(x, micro.position_ids, micro.meta)
+            if s == self.last_stage:
+                part = self.loss_fn(out, micro)
+                part = part[0] if isinstance(part, tuple) else part
+                self.loss_sum += part.detach().float()
+                out = part / self.divisor
+        if s != self.last_stage:
+            _check_activation(out, _hidden_shape(micro, self.config, self.mesh), self.dtype, s)
+            self.to_send[Message("act", s + 1, item.micro)] = out.detach().contiguous()
+        self.saved[(item.chunk, item.micro)] = (x if s > 0 else None, out)
 
-    for batch in batches:
-        batch.wait()
-    compute_s, step_s = clock.finish()
-    _sync_tied_grads(tied, tied_before, stage.tied_group)
+    def backward(self, item: Action) -> None:
+        s = self.stage.stage_of(item.chunk)
+        x, out = self.saved.pop((item.chunk, item.micro))
+        grad = None if s == self.last_stage else self._received(Message("grad", s, item.micro))
+        last = item is self.final_backward[item.chunk]
+        ctx = self.backward_context(item.chunk, last) if self.backward_context else nullcontext()
+        with self.clock.span(), ctx:
+            torch.autograd.backward(out, grad)
+        if s > 0:
+            self.to_send[Message("grad", s - 1, item.micro)] = x.grad.contiguous()
 
-    idle = 1.0 - compute_s / step_s if step_s > 0 else 0.0
-    # One all-reduce tells every pipeline rank the loss (only the last stage has it) and the
-    # ranks' mean idle share.
-    summary = torch.stack([loss_sum.double(), torch.tensor(idle, dtype=torch.float64, device=device)])
-    if group is not None and stage.pp > 1:
-        dist.all_reduce(summary, group=group)
-    result = PipelineStepResult(
-        loss_sum=summary[0].float(),
-        theoretical_bubble=theoretical_bubble(stage.pp, m, stage.virtual),
-        idle_fraction=idle,
-        mean_idle_fraction=float(summary[1]) / stage.pp,
-        compute_s=compute_s,
-        step_s=step_s,
-    )
-    log.debug("pipeline step: bubble theory %.3f, idle here %.3f, idle mean %.3f",
-              result.theoretical_bubble, idle, result.mean_idle_fraction)
-    return result
+    def finish(self) -> PipelineStepResult:
+        for batch in self.batches:
+            batch.wait()
+        compute_s, step_s = self.clock.finish()
+        _sync_tied_grads(self.tied, self.tied_before, self.stage.tied_group)
+        idle = 1.0 - compute_s / step_s if step_s > 0 else 0.0
+        # One all-reduce tells every pipeline rank the loss (only the last stage has it) and the
+        # ranks' mean idle share.
+        summary = torch.stack([self.loss_sum.double(), torch.tensor(idle, dtype=torch.float64, device=self.device)])
+        if self.group is not None and self.stage.pp > 1:
+            dist.all_reduce(summary, group=self.group)
+        pp, m = self.stage.pp, len(self.micro_batches)
+        result = PipelineStepResult(
+            loss_sum=summary[0].float(),
+            theoretical_bubble=theoretical_bubble(pp, m, self.stage.virtual),
+            idle_fraction=idle,
+            mean_idle_fraction=float(summary[1]) / pp,
+            compute_s=compute_s,
+            step_s=step_s,
+        )
+        log.debug("pipeline step: bubble theory %.3f, idle here %.3f, idle mean %.3f",
+                  result.theoretical_bubble, idle, result.mean_idle_fraction)
+        return result
 
 
 def _check_activation(out: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, stage: int) -> None:
