@@ -29,6 +29,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
@@ -45,6 +46,7 @@ JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 PROBLEMS = ("invalid_utf8", "empty", "broken_json", "missing_field")
 BATCH_DOCS = 1024
 BATCH_BYTES = 8 << 20
+MAX_SKIPPED = 0.5  # a build that skips more of its records than this fails: the input is not what it seems
 MAX_SHARD_SIZE_MB = 1 << 20  # 1 TiB: a bound LMDB maps on 64-bit systems
 
 
@@ -64,25 +66,70 @@ class _Counts:
     first_problems: list = field(default_factory=list)  # a few "file:line: what" examples
 
 
-def _input_files(inputs: Sequence[str | os.PathLike], glob: str) -> list[pathlib.Path]:
-    """Every input file, in a deterministic order (folders sorted by relative path)."""
+def expand_braces(pattern: str, start: int = 0) -> list[str]:
+    """Shell-style alternatives, which pathlib's glob does not know: 'a/*.{py,txt}' ->
+    ['a/*.py', 'a/*.txt'], nested ones too; a brace pair without a comma stays literal."""
+    open_ = pattern.find("{", start)
+    if open_ < 0:
+        return [pattern]
+    depth, commas = 0, []
+    for i in range(open_, len(pattern)):
+        if pattern[i] == "{":
+            depth += 1
+        elif pattern[i] == "}":
+            depth -= 1
+            if depth == 0:
+                break
+        elif pattern[i] == "," and depth == 1:
+            commas.append(i)
+    else:
+        return [pattern]  # unbalanced: nothing to expand
+    close = i
+    if not commas:
+        return expand_braces(pattern, open_ + 1)
+    bounds = [open_, *commas, close]
+    head, tail = pattern[:open_], pattern[close + 1:]
+    out: list[str] = []
+    for a, b in zip(bounds, bounds[1:]):
+        for expanded in expand_braces(head + pattern[a + 1:b] + tail, len(head)):
+            if expanded not in out:
+                out.append(expanded)
+    return out
+
+
+def _input_files(inputs: Sequence[str | os.PathLike], globs: Sequence[str]) -> list[pathlib.Path]:
+    """Every input file, in a deterministic order (folders sorted by relative path); a file
+    matched by several patterns is taken once."""
     if not inputs:
         raise BuildError("no input given; name JSON Lines files, text files or folders")
+    patterns = [p for g in globs for p in expand_braces(g)]
+    matched = dict.fromkeys(patterns, 0)
     files: list[pathlib.Path] = []
+    folders = 0
     for inp in inputs:
         p = pathlib.Path(inp)
         if p.is_dir():
-            try:
-                files.extend(sorted(q for q in p.glob(glob) if q.is_file()))
-            except (ValueError, NotImplementedError) as e:  # '', an absolute pattern, ...
-                raise BuildError(f"--glob {glob!r} is not a pattern relative to the input folders "
-                                 f"(e.g. '**/*.txt'): {e}") from None
+            folders += 1
+            found: set[pathlib.Path] = set()
+            for pattern in patterns:
+                try:
+                    hits = {q for q in p.glob(pattern) if q.is_file()}
+                except (ValueError, NotImplementedError) as e:  # '', an absolute pattern, ...
+                    raise BuildError(f"--glob {pattern!r} is not a pattern relative to the input folders "
+                                     f"(e.g. '**/*.txt'): {e}") from None
+                matched[pattern] += len(hits)
+                found |= hits
+            files.extend(sorted(found))
         elif p.is_file():
             files.append(p)
         else:
             raise BuildError(f"input {str(p)!r} does not exist (expected a file or a folder)")
+    shown = ", ".join(repr(g) for g in globs)
     if not files:  # one empty folder among others is fine; nothing at all is a mistake
-        raise BuildError(f"no input files: the folder(s) given have no files matching --glob {glob!r}")
+        raise BuildError(f"no input files: the folder(s) given have no files matching --glob {shown}")
+    for pattern, count in matched.items():
+        if folders and not count:
+            sys.stderr.write(f"tessera-data build: warning: --glob {pattern!r} matched no file in the input folders\n")
     return files
 
 
@@ -279,15 +326,16 @@ def _publish(tmp: pathlib.Path, output: pathlib.Path, overwrite: bool) -> None:
 
 
 def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *,
-                  tokenizer: str = "byte", text_field: str = "text", glob: str = "**/*",
+                  tokenizer: str = "byte", text_field: str = "text", glob: str | Sequence[str] = "**/*",
                   shard_size_mb: float = 256, overwrite: bool = False, strict: bool = False,
-                  progress: bool = False) -> pathlib.Path:
+                  progress: bool = False, max_skipped: float = MAX_SKIPPED) -> pathlib.Path:
     """Build a dataset folder at `output` from `inputs`; returns the output path.
 
     `tokenizer` is "byte" or a path to a tokenizer.json. `shard_size_mb` bounds each shard's
     data.mdb (fractions allowed, for tests). `progress` draws a progress line on a terminal.
-    Raises BuildError on misuse or, with `strict`, on the first input problem; then no
-    output folder is left behind.
+    Raises BuildError on misuse or, with `strict`, on the first input problem, or when more
+    than `max_skipped` of the records were skipped as problems (a wrong `text_field` skips them
+    all); then no output folder is left behind. `glob`: one pattern or several, with braces.
     """
     t0 = time.perf_counter()
     output = pathlib.Path(output).absolute()
@@ -297,11 +345,15 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
         tok = load_tokenizer(tokenizer)
     except Exception as e:  # TokenizerError or an OS error: both are the user's input
         raise BuildError(str(e)) from None
-    files = _input_files(inputs, glob)
+    if not 0 <= max_skipped <= 1:
+        raise BuildError(f"--max-skipped must be a fraction in [0, 1], got {max_skipped}")
+    globs = [glob] if isinstance(glob, str) else list(glob)
+    files = _input_files(inputs, globs)
     tmp = _prepare_output(output, overwrite)
     try:
         manifest = _build_into(tmp, files, tok, text_field, shard_size_mb, strict, progress, t0)
-        manifest["build"].update(inputs=[str(i) for i in inputs], text_field=text_field, glob=glob)
+        _check_skipped(manifest, max_skipped, text_field)
+        manifest["build"].update(inputs=[str(i) for i in inputs], text_field=text_field, glob=globs)
         manifest["manifest_checksum"] = manifest_checksum(manifest)
         _write_file(tmp / MANIFEST_NAME, json.dumps(manifest, indent=2).encode() + b"\n")
         _publish(tmp, output, overwrite)
@@ -384,6 +436,16 @@ def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, text_field: s
     }
     manifest["fingerprint"] = dataset_fingerprint(manifest)
     return manifest
+
+
+def _check_skipped(manifest: dict, max_skipped: float, text_field: str) -> None:
+    c = manifest["counts"]
+    skipped = sum(c.get(k, 0) for k in PROBLEMS)
+    records = skipped + c["documents"] + c["duplicates_dropped"]
+    if records and skipped / records > max_skipped:
+        hint = f" (is --text-field {text_field!r} the field holding the text?)" if c.get("missing_field") else ""
+        raise BuildError(f"skipped {skipped:,} of {records:,} records ({', '.join(f'{k}={c.get(k, 0)}' for k in PROBLEMS)})"
+                         f"{hint}; more than --max-skipped {max_skipped:g} of the input, so nothing was written")
 
 
 def _problem_text(counts: _Counts) -> str:

@@ -14,7 +14,7 @@ import os
 import pathlib
 import sys
 
-from dataservice.build import BuildError, build_dataset, summary_line
+from dataservice.build import MAX_SKIPPED, BuildError, build_dataset, summary_line
 from dataservice.serve_cli import add_peek, add_serve
 from dataservice.shards import MANIFEST_NAME, DatasetError, load_manifest, verify_dataset
 
@@ -44,7 +44,12 @@ def _add_build(sub) -> None:
     p.add_argument("--tokenizer", default="byte",
                    help="'byte' (default, built in) or the path of a tokenizer.json")
     p.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
-    p.add_argument("--glob", default="**/*", help="files to take from input folders (default: **/*)")
+    p.add_argument("--glob", action="append", default=None, metavar="PATTERN",
+                   help="files to take from input folders, relative to each (repeatable; braces such as "
+                        "'**/*.{py,md}' expand; default: **/*)")
+    p.add_argument("--max-skipped", type=float, default=MAX_SKIPPED, metavar="FRACTION",
+                   help=f"fail when more than this share of the records are skipped as problems "
+                        f"(default: {MAX_SKIPPED})")
     p.add_argument("--shard-size-mb", type=float, default=256.0,
                    help="upper bound of each shard's data.mdb in MiB (default: 256)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -58,7 +63,8 @@ def _run_build(args) -> int:
     prog = "tessera-data build"
     try:
         out = build_dataset(args.inputs, args.output, tokenizer=args.tokenizer, text_field=args.text_field,
-                            glob=args.glob, shard_size_mb=args.shard_size_mb, overwrite=args.overwrite,
+                            glob=args.glob or ["**/*"], max_skipped=args.max_skipped,
+                            shard_size_mb=args.shard_size_mb, overwrite=args.overwrite,
                             strict=args.strict, progress=not args.quiet)
     except BuildError as e:
         return _fail(prog, str(e))

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from dataservice.build import build_dataset, corpus_loss_floor, make_corpus
+from dataservice.build import build_dataset, corpus_loss_floor, expand_braces, make_corpus
 from dataservice.shards import ShardedDataset
 from dataservice.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_from_manifest, train_tiny_tokenizer
 
@@ -97,7 +97,7 @@ def bad_inputs(tmp_path):
 
 
 def test_problems_are_counted_not_fatal(tmp_path):
-    r = cli("build", *bad_inputs(tmp_path), "-o", tmp_path / "ds")
+    r = cli("build", *bad_inputs(tmp_path), "-o", tmp_path / "ds", "--max-skipped", "0.8")  # 7 of 9 skipped
     assert r.returncode == 0, r.stderr
     assert "invalid_utf8=2, empty=2, broken_json=1, missing_field=2" in r.stderr
     ds = ShardedDataset.open(tmp_path / "ds")
@@ -105,6 +105,32 @@ def test_problems_are_counted_not_fatal(tmp_path):
     c = ds.manifest["counts"]
     assert (c["invalid_utf8"], c["empty"], c["broken_json"], c["missing_field"], c["files"]) == (2, 2, 1, 2, 3)
     assert any(p.endswith("bad.jsonl:2: broken_json") for p in ds.manifest["first_problems"])
+
+
+def test_a_build_that_skips_most_of_its_input_fails_and_writes_nothing(tmp_path):
+    jl = write_jsonl(tmp_path / "c.jsonl", [{"text": f"doc {i}"} for i in range(205)] + [{"body": "other"}])
+    r = cli("build", jl, "-o", tmp_path / "ds", "--text-field", "body")  # the wrong field: 205 of 206 skipped
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "skipped 205 of 206 records" in r.stderr and "--text-field 'body'" in r.stderr
+    assert not (tmp_path / "ds").exists()
+    r = cli("build", *bad_inputs(tmp_path), "-o", tmp_path / "ds")  # 7 of 9 skipped: over the default 0.5
+    assert r.returncode == 2 and "more than --max-skipped 0.5" in r.stderr
+
+
+def test_globs_repeat_and_expand_braces(tmp_path):
+    src = tmp_path / "src"
+    for name, text in [("a.py", "alpha"), ("b.md", "beta"), ("c.txt", "gamma"), ("sub/d.py", "delta")]:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text(text)
+    r = cli("build", src, "-o", tmp_path / "one", "--glob", "**/*.py", "--glob", "*.md")
+    assert r.returncode == 0, r.stderr
+    assert sorted(decoded(ShardedDataset.open(tmp_path / "one"))) == ["alpha", "beta", "delta"]
+    r = cli("build", src, "-o", tmp_path / "two", "--glob", "**/*.{py,md}", "--glob", "*.rs")
+    assert r.returncode == 0, r.stderr
+    assert sorted(decoded(ShardedDataset.open(tmp_path / "two"))) == ["alpha", "beta", "delta"]
+    assert "warning: --glob '*.rs' matched no file" in r.stderr  # said, not silently ignored
+    assert expand_braces("x/{a,b{c,d}}.{1,2}") == ["x/a.1", "x/a.2", "x/bc.1", "x/bc.2", "x/bd.1", "x/bd.2"]
+    assert expand_braces("plain/*") == ["plain/*"] and expand_braces("{one}") == ["{one}"]
 
 
 def test_strict_stops_at_first_problem(tmp_path):
