@@ -37,6 +37,9 @@ SHAPE_KEYS = {
     "model.tie_embeddings", "model.moe.num_experts", "model.moe.ffn_dim", "model.moe.num_shared_experts",
     "model.moe.shared_ffn_dim", "model.moe.first_k_dense", "model.moe.moe_every", "model.moe.n_groups",
 }
+# Resuming with these changed is refused too: the data stream's order and the checkpoint's
+# resume token (a position in packed rows) follow them.
+STREAM_KEYS = {"train.seed", "train.seq_len"}
 # Changes that leave the trajectory alone: layout (proved equal to the single process),
 # speed settings, logging and where things go.
 NEUTRAL_PREFIXES = ("parallel.", "checkpoint.")
@@ -188,7 +191,7 @@ def compare(saved: Config, new: Config) -> tuple[list[str], list[str]]:
         if before.get(key) == after[key]:
             continue
         text = f"{key} {before.get(key)!r} -> {after[key]!r}"
-        if key in SHAPE_KEYS:
+        if key in SHAPE_KEYS or key in STREAM_KEYS:
             impossible.append(text)
         elif key not in NEUTRAL_KEYS and not key.startswith(NEUTRAL_PREFIXES):
             altering.append(text)
@@ -199,8 +202,9 @@ def check_resume_changes(saved: Config, new: Config) -> str | None:
     """None, or the one line listing trajectory changes; raises ConfigError for shape changes."""
     altering, impossible = compare(saved, new)
     if impossible:
-        raise ConfigError(f"cannot resume with a different model shape ({'; '.join(impossible)}): the checkpoint's "
-                          f"tensors would not fit; start a new run (another train.run_dir) instead")
+        raise ConfigError(f"cannot resume with {'; '.join(impossible)}: the checkpoint's tensors (model shape) or "
+                          f"its data position (seed, seq_len) would not fit; start a new run (another "
+                          f"train.run_dir, or --overwrite) instead")
     if altering:
         return "resuming with changes that alter the trajectory: " + "; ".join(altering)
     return None

@@ -229,7 +229,9 @@ def test_run_directory_rules_and_resume_with_changes(tmp_path, dataset):
 
     (run_dir / "checkpoints" / "step_000009.tmp").mkdir()  # a save that died
     shape = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--set", "model.dim=128"])
-    assert shape.returncode == 2 and "different model shape" in shape.stderr and "model.dim" in shape.stderr
+    assert shape.returncode == 2 and "cannot resume with model.dim 64 -> 128" in shape.stderr
+    seed = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--set", "train.seed=7"])
+    assert seed.returncode == 2 and "train.seed" in seed.stderr and seed.stderr.count("\n") == 1, seed.stderr
 
     printed = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--set", "train.max_steps=5",
                    "--print-config"])
