@@ -78,6 +78,34 @@ class MoEConfig:
     """Scale of the routed experts' combine weights (DeepSeek-V3: 2.5)."""
     shared_ffn_dim: int = 0
     """Hidden size of the shared experts together; 0: num_shared_experts * the expert ffn_dim."""
+    dense_layers: list[int] = field(default_factory=list)
+    """Layers that keep a dense feed-forward layer whatever first_k_dense and moe_every say."""
+
+
+@dataclass
+class RopeScalingConfig:
+    type: Literal["none", "linear", "llama3", "yarn"] = "none"
+    """Rotary frequency scaling: none, linear (positions / factor), llama3 (Llama 3.1) or yarn."""
+    factor: float = 1.0
+    """Context extension factor: the frequencies are divided by it (llama3 and yarn: the low ones)."""
+    original_max_position_embeddings: int = 0
+    """llama3 and yarn: the context length the model was pretrained with (> 0)."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    beta_fast: float = 32.0
+    """yarn: rotations over the original context below which a frequency is interpolated fully."""
+    beta_slow: float = 1.0
+    """yarn: rotations over the original context above which a frequency is kept (extrapolated)."""
+    attention_factor: float = 0.0
+    """yarn: scale of cos and sin; 0: from factor (0.1*ln(factor)+1, or via mscale and mscale_all_dim)."""
+    mscale: float = 0.0
+    """yarn with attention_factor 0: with mscale_all_dim, the default factor's numerator weight (DeepSeek)."""
+    mscale_all_dim: float = 0.0
+    """yarn with attention_factor 0: with mscale, the default factor's denominator weight (DeepSeek)."""
+    truncate: bool = True
+    """yarn: round the interpolation ramp's ends to whole dimensions (floor and ceil)."""
 
 
 @dataclass
@@ -94,6 +122,12 @@ class ModelConfig:
     """Key/value heads (grouped-query attention); they divide model.num_heads."""
     ffn_dim: int = 176
     """Hidden size of the dense SwiGLU feed-forward layers."""
+    head_dim: int = 0
+    """Size of each attention head (q, k and v); 0: model.dim // model.num_heads."""
+    qk_norm: bool = False
+    """RMS-normalise each query and key head before the rotary (one gain of head_dim shared by the heads; Qwen3)."""
+    attention_bias: bool = False
+    """Biases on the attention's q, k, v and output projections."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding's frequencies."""
     norm_eps: float = 1e-5
@@ -102,12 +136,15 @@ class ModelConfig:
     """One weight shared by the input embedding and the output head."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of the weights."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """Scaling of the rotary frequencies for long contexts ([model.rope_scaling])."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """The mixture-of-experts layers ([model.moe])."""
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
+    def attention_head_dim(self) -> int:
+        """The head size in use: model.head_dim, or model.dim // model.num_heads when it is 0."""
+        return self.head_dim or self.dim // self.num_heads
 
 
 @dataclass
@@ -343,6 +380,10 @@ def _convert(value: Any, hint: Any, path: str, default: Any) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{path} must be str (text, e.g. {path}=\"...\"), got {value!r}")
+    if typing.get_origin(hint) is list and typing.get_args(hint) == (int,):
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return list(value)
+        raise ConfigError(f"{path} must be a list of whole numbers (e.g. {path}=[0, 3]), got {value!r}")
     raise TypeError(f"{path}: no conversion for the type {hint!r}")  # a field type this module forgot
 
 
@@ -415,7 +456,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 RANGES = {
     "model.vocab_size": ">= 1", "model.dim": ">= 1", "model.num_layers": ">= 1", "model.num_heads": ">= 1",
     "model.num_kv_heads": ">= 1", "model.ffn_dim": ">= 1", "model.rope_theta": "> 0", "model.norm_eps": "> 0",
-    "model.init_std": "> 0",
+    "model.init_std": "> 0", "model.head_dim": ">= 0",
+    "model.rope_scaling.factor": "> 0", "model.rope_scaling.original_max_position_embeddings": ">= 0",
+    "model.rope_scaling.low_freq_factor": "> 0", "model.rope_scaling.high_freq_factor": "> 0",
+    "model.rope_scaling.beta_fast": "> 0", "model.rope_scaling.beta_slow": "> 0",
+    "model.rope_scaling.attention_factor": ">= 0", "model.rope_scaling.mscale": ">= 0",
+    "model.rope_scaling.mscale_all_dim": ">= 0",
     "model.moe.num_experts": ">= 0", "model.moe.top_k": ">= 1", "model.moe.ffn_dim": ">= 0",
     "model.moe.num_shared_experts": ">= 0", "model.moe.n_groups": ">= 1", "model.moe.topk_groups": ">= 1",
     "model.moe.aux_loss_coeff": ">= 0", "model.moe.z_loss_coeff": ">= 0", "model.moe.bias_update_rate": ">= 0",
@@ -507,15 +553,20 @@ resolve_layout = validate  # the name the trainer and the benchmarks call it by
 
 
 def _check_model(m: ModelConfig) -> None:
-    if m.dim % m.num_heads:
-        raise ConfigError(f"model.dim={m.dim} must be divisible by model.num_heads={m.num_heads}")
+    if not m.head_dim and m.dim % m.num_heads:
+        raise ConfigError(f"model.dim={m.dim} must be divisible by model.num_heads={m.num_heads} "
+                          f"(or give the head size as model.head_dim)")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}"
         )
     if m.head_dim % 2:
-        raise ConfigError(f"model.dim / model.num_heads = {m.dim} / {m.num_heads} = {m.head_dim} must be even "
-                          f"(rotary embeddings turn pairs of features); change model.dim or model.num_heads")
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even (rotary embeddings turn pairs of features)")
+    if m.attention_head_dim % 2:
+        raise ConfigError(f"model.dim / model.num_heads = {m.dim} / {m.num_heads} = {m.attention_head_dim} must be even "
+                          f"(rotary embeddings turn pairs of features); change model.dim or model.num_heads, "
+                          f"or set model.head_dim")
+    _check_rope_scaling(m.rope_scaling)
     moe = m.moe
     if not moe.num_experts:
         return
@@ -523,6 +574,46 @@ def _check_model(m: ModelConfig) -> None:
     if moe.first_k_dense >= m.num_layers:
         raise ConfigError(f"model.moe.first_k_dense={moe.first_k_dense} leaves no MoE layer among "
                           f"model.num_layers={m.num_layers}; lower it, or set model.moe.num_experts=0 for a dense model")
+    bad = [i for i in moe.dense_layers if not 0 <= i < m.num_layers]
+    if bad or len(set(moe.dense_layers)) != len(moe.dense_layers):
+        raise ConfigError(f"model.moe.dense_layers={moe.dense_layers} must name distinct layers in "
+                          f"[0, model.num_layers={m.num_layers})")
+    if not any(moe_layer_rule(moe, i) for i in range(m.num_layers)):
+        raise ConfigError(f"model.moe.dense_layers={moe.dense_layers} with first_k_dense={moe.first_k_dense} and "
+                          f"moe_every={moe.moe_every} leaves no MoE layer; set model.moe.num_experts=0 for a dense model")
+
+
+def moe_layer_rule(moe: MoEConfig, layer_id: int) -> bool:
+    """Whether layer `layer_id` has routed experts: not in dense_layers, at or after
+    first_k_dense, and every moe_every-th from there (Qwen3-MoE's `decoder_sparse_step` s is
+    first_k_dense = s - 1 with moe_every = s, its `mlp_only_layers` are dense_layers)."""
+    return (moe.num_experts > 0 and layer_id not in moe.dense_layers and layer_id >= moe.first_k_dense
+            and (layer_id - moe.first_k_dense) % moe.moe_every == 0)
+
+
+def _check_rope_scaling(r: RopeScalingConfig) -> None:
+    where = "model.rope_scaling"
+    if r.type == "none":
+        if r.factor != 1.0:
+            raise ConfigError(f"{where}.factor={r.factor} has no effect with {where}.type='none'; "
+                              f"choose a type ('linear', 'llama3' or 'yarn') or leave the factor at 1")
+        return
+    if r.type in ("llama3", "yarn"):
+        if r.original_max_position_embeddings < 1:
+            raise ConfigError(f"{where}.type='{r.type}' needs {where}.original_max_position_embeddings > 0 "
+                              f"(the pretraining context length), got {r.original_max_position_embeddings}")
+        if r.factor < 1.0:
+            raise ConfigError(f"{where}.factor={r.factor} must be >= 1 with {where}.type='{r.type}'")
+    if r.type == "llama3" and r.high_freq_factor <= r.low_freq_factor:
+        raise ConfigError(f"{where}.high_freq_factor={r.high_freq_factor} must exceed "
+                          f"{where}.low_freq_factor={r.low_freq_factor}")
+    if r.type != "yarn":
+        for name in ("attention_factor", "mscale", "mscale_all_dim"):
+            if getattr(r, name):
+                raise ConfigError(f"{where}.{name}={getattr(r, name)} is used by {where}.type='yarn' only, "
+                                  f"not '{r.type}'")
+    elif r.beta_fast <= r.beta_slow:
+        raise ConfigError(f"{where}.beta_fast={r.beta_fast} must exceed {where}.beta_slow={r.beta_slow}")
 
 
 def _check_layout(config: Config, world_size: int) -> int:

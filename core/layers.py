@@ -1,4 +1,4 @@
-"""The model's plain building blocks: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
+"""The model's plain building blocks: RMSNorm, rotary positions (with scaling), grouped-query attention, SwiGLU.
 
 They know nothing of parallelism or of how the model is assembled. Every tensor flows flattened
 as [tokens, ...] over a packed micro-batch; `AttentionMeta.cu_seqlens` marks the document
@@ -8,6 +8,7 @@ layers, `core_attention`), so head counts are read from tensor shapes, never fro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,11 +42,70 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_tables(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [tokens, head_dim/2] for the true positions of each token (packed or split)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
-    angles = position_ids.float()[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
+def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] fp32 on the CPU, scale of cos and sin) for `cfg`'s rotary scaling.
+
+    The same numbers as transformers' rope initialisation for each `model.rope_scaling.type`:
+    - none: theta^(-2i/d);
+    - linear: those divided by `factor`;
+    - llama3: wavelengths 2*pi/f longer than L/low_freq_factor (L the original context) divided
+      by `factor`, shorter than L/high_freq_factor kept, in between a blend that moves
+      linearly in L/wavelength;
+    - yarn: per frequency a blend of f/factor (interpolated) and f (extrapolated), the weight
+      ramping over the dimensions where the original context makes between beta_fast and
+      beta_slow rotations; cos and sin scaled by `attention_factor` (0: 0.1*ln(factor)+1, or
+      the ratio of the two mscale terms when mscale and mscale_all_dim are set).
+    """
+    r, d, theta = cfg.rope_scaling, cfg.attention_head_dim, cfg.rope_theta
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+    inv_freq = 1.0 / theta ** exponents
+    if r.type == "none":
+        return inv_freq, 1.0
+    if r.type == "linear":
+        return inv_freq / r.factor, 1.0
+    context = r.original_max_position_embeddings
+    if r.type == "llama3":
+        low_wavelen, high_wavelen = context / r.low_freq_factor, context / r.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+        smooth = (context / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+        blended = (1 - smooth) * scaled / r.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled), 1.0
+    # yarn
+    if r.attention_factor:
+        scale = r.attention_factor
+    elif r.mscale and r.mscale_all_dim:
+        scale = _yarn_mscale(r.factor, r.mscale) / _yarn_mscale(r.factor, r.mscale_all_dim)
+    else:
+        scale = _yarn_mscale(r.factor)
+
+    def dimension_at(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times
+        return d * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_at(r.beta_fast), dimension_at(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    powers = theta ** (torch.arange(0, d, 2).float() / d)
+    extrapolated = 1 - ramp
+    return (1.0 / (r.factor * powers)) * (1 - extrapolated) + (1.0 / powers) * extrapolated, scale
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rotary_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [tokens, head_dim/2] for the true positions of each token (packed or split),
+    from `rope_frequencies`' inv_freq and scale."""
+    angles = position_ids.float()[:, None] * inv_freq.to(position_ids.device)[None, :]
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -68,20 +128,27 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention: q, k, v projections (optionally with biases), optional RMS norm
+    of each q and k head (Qwen3's qk-norm, one gain shared by the heads), rotary, core, output."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.head_dim
-        self.rope_theta = cfg.rope_theta
-        self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.head_dim = d = cfg.attention_head_dim
+        bias = cfg.attention_bias
+        self.wq = nn.Linear(cfg.dim, cfg.num_heads * d, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * d, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * d, bias=bias)
+        self.wo = nn.Linear(cfg.num_heads * d, cfg.dim, bias=bias)
+        self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.core_attention = CoreAttention()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta) -> torch.Tensor:
         q = self.wq(x).unflatten(-1, (-1, self.head_dim))
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.core_attention(q, k, v, meta)
         return self.wo(out.flatten(-2))

@@ -11,16 +11,15 @@ import math
 import torch
 from torch import nn
 
-from core.config import ModelConfig
-from core.layers import Attention, AttentionMeta, FeedForward, RMSNorm, rotary_tables
+from core.config import ModelConfig, moe_layer_rule
+from core.layers import Attention, AttentionMeta, FeedForward, RMSNorm, rope_frequencies, rotary_tables
 from moe.layer import MoELayer, moe_layers
 
 __all__ = ["GPT", "TransformerBlock", "build_model", "count_params", "is_moe_layer", "AttentionMeta"]
 
 
 def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
-    moe = cfg.moe
-    return moe.num_experts > 0 and layer_id >= moe.first_k_dense and (layer_id - moe.first_k_dense) % moe.moe_every == 0
+    return moe_layer_rule(cfg.moe, layer_id)
 
 
 class TransformerBlock(nn.Module):
@@ -54,6 +53,10 @@ class GPT(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Rotary frequencies: fp32 on the CPU (as transformers computes them), copied once per
+        # device; a plain attribute, so casting the model's dtype never touches them.
+        self.rope_inv_freq, self.rope_scale = rope_frequencies(cfg)
+        self._rope_on: dict[torch.device, torch.Tensor] = {}
         self.reset_parameters()
 
     @torch.no_grad()
@@ -63,7 +66,9 @@ class GPT(nn.Module):
         # so the residual stream's variance does not grow with the number of layers.
         residual_std = std / math.sqrt(2 * self.cfg.num_layers)
         for name, param in self.named_parameters():
-            if param.dim() == 1:  # norm gains
+            if name.endswith(".bias"):
+                param.zero_()
+            elif param.dim() == 1:  # norm gains
                 param.fill_(1.0)
             elif {"wo", "w2"} & set(name.split(".")[-2:]):
                 nn.init.normal_(param, 0.0, residual_std)
@@ -73,7 +78,10 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """tokens, position_ids: [T] (a flattened micro-batch) -> logits [T, vocab]."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = rotary_tables(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        inv_freq = self._rope_on.get(position_ids.device)
+        if inv_freq is None:
+            inv_freq = self._rope_on[position_ids.device] = self.rope_inv_freq.to(position_ids.device)
+        rope = rotary_tables(position_ids, inv_freq, self.rope_scale)
         for layer in self.layers.values():
             h = layer(h, rope, meta)
         if self.norm is not None:

@@ -36,6 +36,7 @@ SHAPE_KEYS = {
     "model.vocab_size", "model.dim", "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.ffn_dim",
     "model.tie_embeddings", "model.moe.num_experts", "model.moe.ffn_dim", "model.moe.num_shared_experts",
     "model.moe.shared_ffn_dim", "model.moe.first_k_dense", "model.moe.moe_every", "model.moe.n_groups",
+    "model.head_dim", "model.qk_norm", "model.attention_bias", "model.moe.dense_layers",
 }
 # Resuming with these changed is refused too: the data stream's order and the checkpoint's
 # resume token (a position in packed rows) follow them.

@@ -298,7 +298,7 @@ def test_help_config_lists_every_key():
     proc = run("core.cli", "--help-config")
     assert proc.returncode == 0, proc.stderr
     keys = [line.split(" = ")[0] for line in proc.stdout.splitlines() if " = " in line]
-    assert set(keys) == {k for k in field_docs() if k not in ("model", "model.moe", "parallel", "train", "data",
+    assert set(keys) == {k for k in field_docs() if k not in ("model", "model.moe", "model.rope_scaling", "parallel", "train", "data",
                                                               "checkpoint")}
     assert 'train.precision = "auto"  # \'auto\' | \'fp32\' | \'bf16\' | \'fp8\': ' in proc.stdout
 
