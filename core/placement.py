@@ -7,7 +7,8 @@ read the tags through the functions here, never by attribute name.
 - tensor parallelism: `tp_shard_dim` (the dimension sliced over tp, None when replicated) and
   `tp_full_shape` (the shape before the tp split);
 - `sequence_parallel_partial`: each tp rank's gradient covers only its own tokens (norms and
-  routers under sequence parallelism), so gradients are summed over tp;
+  routers under sequence parallelism) or its own heads (qk-norm gains, column-parallel biases),
+  so gradients are summed over tp;
 - expert parallelism: `expert_parallel` (gradients reduced over "edp", not "dp_cp"),
   `ep_shard_dim` (the expert dimension) and `ep_full_shape` (all E experts).
 """

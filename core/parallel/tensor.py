@@ -10,6 +10,13 @@ built the same full weights (`build_model(cfg, seed)`); each keeps its slice:
 | tok_embeddings                      | VocabParallelEmbedding   | vocab rows (0)                     |
 | output                              | ColumnParallelLinear     | vocab rows (0): logits [T, V/tp]   |
 | norms                               | unchanged, replicated    | None                               |
+| attention.q_norm / k_norm (qk-norm) | unchanged, replicated    | None (gradient summed over tp)     |
+
+Biases. A column-parallel layer's bias stays whole and replicated (ZeRO-1 needs a dim that
+tensor parallelism leaves whole, and a bias has one): each rank adds its own slice of it, so
+its gradient is nonzero on that slice only and is summed over tp like the qk-norm gains (one
+gain shared by all heads, each rank seeing its own heads). A row-parallel bias is added once,
+after the reduction.
 
 Where the communication sits. Attention and the dense FFN each get one input collective on
 the sub-layer (a forward pre-hook), not one per projection: wq, wk, wv (or w1, w3) then share
@@ -80,27 +87,31 @@ class ColumnParallelLinear(nn.Module):
     "copy" (x is replicated: identity fwd / all-reduce bwd), or "none" (the caller already did
     one of these, e.g. a pre-hook shared by q/k/v). The output stays sharded."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, input_comm: str):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, input_comm: str, bias_offset: int = 0):
         super().__init__()
         if input_comm not in ("gather", "copy", "none"):
             raise ValueError(f"input_comm={input_comm!r} must be 'gather', 'copy' or 'none'")
         self.weight, self.bias = weight, bias
         self.group, self.input_comm = group, input_comm
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.bias_offset = bias_offset  # where this rank's slice starts in a whole (replicated) bias
         self.matmul = F.linear  # core.fp8.apply_fp8 swaps in its FP8 GEMM
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, rank: int, size: int, input_comm: str, name: str):
         weight = _shard(linear.weight, 0, rank, size, f"{name}.weight")
-        bias = _shard(linear.bias, 0, rank, size, f"{name}.bias") if linear.bias is not None else None
-        return cls(weight, bias, group, input_comm)
+        bias = _replicated(linear.bias, partial_grad=True) if linear.bias is not None else None
+        return cls(weight, bias, group, input_comm, bias_offset=rank * weight.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_comm == "gather":
             x = all_gather_tokens(x, self.group)
         elif self.input_comm == "copy":
             x = copy_to_group(x, self.group)
-        return self.matmul(x, self.weight, self.bias)
+        bias = self.bias
+        if bias is not None and bias.shape[0] != self.out_features:
+            bias = bias.narrow(0, self.bias_offset, self.out_features)
+        return self.matmul(x, self.weight, bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out_local={self.out_features}, input_comm={self.input_comm}"
@@ -239,6 +250,11 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool = Tru
         if norm is not None:
             for param in norm.parameters():
                 _replicated(param, partial_grad=sp)
+    # qk-norm gains are shared by the heads; each rank's gradient covers its own heads.
+    for block in model.layers.values():
+        for norm in (block.attention.q_norm, block.attention.k_norm):
+            if norm is not None:
+                _replicated(norm.weight, partial_grad=size > 1)
     # Everything else not sharded above is replicated over TP; foreign modules that tagged
     # their own parameters keep their tags.
     for param in model.parameters():
