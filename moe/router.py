@@ -5,7 +5,9 @@ rounding flips near-ties and makes runs irreproducible across layouts).
 
 Scoring (`MoEConfig.router`):
 - "softmax": p = softmax(logits); the top-k of p are chosen; with `normalize_topk` the k
-  weights are renormalised to sum to 1 (Mixtral), else they are the raw probabilities.
+  weights are renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob), else they are
+  the raw probabilities (Qwen3-MoE without norm_topk_prob). This is transformers' order:
+  softmax in fp32 over all experts, top-k of the probabilities, then renormalisation.
 - "sigmoid": s = sigmoid(logits) (DeepSeek-V3); the top-k of s are chosen and their weights
   are s / sum(top-k s) (or raw s without `normalize_topk`).
 Either way the weights are multiplied by `routed_scaling_factor`.
@@ -87,7 +89,7 @@ def route(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None = None
     choice = limit_to_groups(choice, moe.n_groups, moe.topk_groups, k)
     indices = choice.topk(k, dim=-1).indices
     weights = scores.gather(1, indices)
-    if moe.normalize_topk and k > 1:
+    if moe.normalize_topk:  # with top_k = 1 too: weight 1 (Mixtral and Qwen3-MoE's norm_topk_prob do the same)
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
     if moe.routed_scaling_factor != 1.0:
         weights = weights * moe.routed_scaling_factor
