@@ -27,6 +27,8 @@ from core.data import check_data_source
 from core.launcher import interrupted_line, launch_local
 from core.lifecycle import Interrupted, die_with_parent, install_stop_handlers, interrupted_by
 from core.mesh import init_distributed
+from core.model import build_model
+from core.pretrained import check_weights, expected_shapes
 from core.rundir import (CONFIG_NAME, LOCK_OWNER_ENV, RunDirError, RunLock, check_resume_changes, config_dict,
                          load_saved_config, prepare, save_config)
 from core.trainer import train
@@ -124,7 +126,8 @@ def _report(message: str, first: bool, code: int = 2) -> int:
 
 def check_inputs(config: Config) -> None:
     """What the config names outside itself: the folders it writes, the device, the FP8
-    setting of the environment and the data (core.data.check_data_source)."""
+    setting of the environment, the data (core.data.check_data_source) and the weights of
+    checkpoint.init_from (every tensor present with the model's shape, read from the headers)."""
     _check_folder("train.run_dir", config.train.run_dir)
     if config.checkpoint.dir:
         _check_folder("checkpoint.dir", config.checkpoint.dir)
@@ -134,6 +137,10 @@ def check_inputs(config: Config) -> None:
     if config.train.precision == "fp8" and wgrad and wgrad not in fp8.EXPERT_WGRAD_MODES:
         raise ConfigError(f"{fp8.EXPERT_WGRAD_ENV}={wgrad!r} must be " + " or ".join(fp8.EXPERT_WGRAD_MODES))
     check_data_source(config)
+    if config.checkpoint.init_from:
+        with torch.device("meta"):  # names and shapes only: no memory, no init
+            model = build_model(config.model, seed=0)
+        check_weights(config.checkpoint.init_from, expected_shapes(model))
 
 
 def _check_folder(key: str, path: str) -> None:

@@ -257,6 +257,8 @@ class CheckpointConfig:
     """Newest checkpoints kept (>= 1)."""
     save_at_end: bool = True
     """Save after the last step."""
+    init_from: str = ""
+    """Weights to start from (a `tessera-convert from-hf` folder or a .safetensors file), loaded into any layout; empty: random init."""
 
 
 @dataclass

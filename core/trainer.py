@@ -39,6 +39,7 @@ from core.model import build_model, count_params
 from core.parallel.context import shard_for_cp
 from core.parallel.pipeline import run_pipeline_step
 from core.parallelize import parallelize
+from core.pretrained import load_weights
 from moe.comm import EXCHANGE_TIMER
 from moe.layer import moe_metrics, set_moe_loss_scale, set_moe_sequences
 
@@ -94,6 +95,7 @@ class Trainer:
         self.run_dir = Path(t.run_dir)
         self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.run_dir / "checkpoints"
         self.step_count = 0
+        self._init_loaded = False
         self.stream = None
         self._server = None
         self._batches = None
@@ -105,6 +107,8 @@ class Trainer:
         the stream continues where it stopped."""
         address, self._server = resolve_address(self.config)
         resume_token = self.load_latest() if resume else None
+        if not resume:
+            self.load_init_weights()
         self.stream = open_stream(self.config, self.mesh, address, resume_token)
         self._batches = iter(self.stream)
 
@@ -205,10 +209,26 @@ class Trainer:
         self.step_count, extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.mesh)
         return extra.get("data", {}).get("resume_token")
 
+    def load_init_weights(self) -> int:
+        """Load `checkpoint.init_from` (pretrained weights, no optimizer state) into this
+        layout, once, before the first step; returns the tensors read (0: nothing to load)."""
+        source = self.config.checkpoint.init_from
+        if not source or self.step_count or self._init_loaded:
+            return 0
+        count = load_weights(source, self.model, self.grads.dp, self.mesh)
+        self._init_loaded = True
+        if self.rank == 0:
+            log.info("initialised %d tensors from %s", count, source)
+        return count
+
     def save(self) -> Path:
         # Every data-parallel rank is at the same global row offset after a step, so rank 0's
-        # token resumes all of them, on any dp size.
+        # token resumes all of them, on any dp size. The model config and the weights the run
+        # started from travel with the checkpoint (`tessera-convert to-hf` reads them).
         extra = {"data": self.stream.state_dict()} if self.stream is not None else {}
+        extra["model"] = dataclasses.asdict(self.config.model)
+        if self.config.checkpoint.init_from:
+            extra["init_from"] = str(Path(self.config.checkpoint.init_from).absolute())
         path = save_checkpoint(self.ckpt_dir, self.step_count, self.model, self.optimizer, self.scheduler, self.mesh,
                                extra, keep=self.config.checkpoint.keep)
         if self.rank == 0:

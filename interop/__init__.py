@@ -1,0 +1,1 @@
+"""Model interchange: Hugging Face checkpoints in and out (`tessera-convert`)."""

@@ -1,0 +1,473 @@
+"""Hugging Face model folders to Tessera runs and Tessera checkpoints back, one tensor at a time.
+
+`from_hf(HF_DIR, OUT_DIR)` writes
+
+    OUT_DIR/config.toml                   a complete trainer config: [model] mirrors the model,
+                                          checkpoint.init_from = OUT_DIR, the rest defaults
+    OUT_DIR/weights.safetensors.index.json + weights-0000k-of-0000n.safetensors
+                                          full tensors under Tessera's parameter names, in the
+                                          source dtype (core.pretrained reads them into any layout)
+    OUT_DIR/hf_config.json                the imported config.json, as it was
+    OUT_DIR/tessera-import.json           family, source, the files copied
+    OUT_DIR/tokenizer.json, ...           the tokenizer (and generation) files, when present
+
+`to_hf(SOURCE, OUT_DIR)` reads a trainer checkpoint (a `step_N` folder, a checkpoints folder or
+a run folder: the newest complete step; saved under any layout, read in one process through
+DCP's global shapes) or a from-hf folder, and writes config.json (the imported one when the
+run came from an import, else one made from [model]), model(-0000k-of-0000n).safetensors (+
+index) under the family's keys, and the import's tokenizer files.
+
+Memory: tensors are produced one at a time and written in shards of at most `shard_bytes`, so
+the peak is about one shard plus one tensor, whatever the model's size. Output folders are
+written as OUT_DIR.tmp-<pid> and renamed at the end: a failed conversion leaves nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import typing
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Callable, Iterable
+
+import tomli_w
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from core.checkpoint import latest_checkpoint
+from core.config import Config, ConfigError, ModelConfig, load_config, validate
+from core.model import build_model
+from core.pretrained import INDEX_NAME, SINGLE_NAME, expected_shapes, weight_map
+from core.rundir import CONFIG_NAME, config_dict
+from interop.families import IGNORED_KEYS, TOKENIZER_FILES, Link, Unsupported, export_family, hf_config, \
+    model_config, tensor_map
+
+IMPORT_NAME = "tessera-import.json"
+HF_CONFIG_NAME = "hf_config.json"
+SHARD_BYTES = 2 * 2**30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class ConversionError(ValueError):
+    """Input the conversion cannot use; the message is one line for the user (exit 2)."""
+
+
+# ------------------------------------------------------------------------------- safetensors
+class TensorFiles:
+    """Read-only view of a folder of safetensors files: {key: file} and per-key shape, dtype, data."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._stack = ExitStack()
+        self._open: dict[Path, object] = {}
+
+    @classmethod
+    def hf_folder(cls, folder: Path) -> "TensorFiles":
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                entries = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ConversionError(f"{index} is not a safetensors index ({err})") from None
+            missing = sorted({f for f in entries.values() if not (folder / f).is_file()})
+            if missing:
+                raise ConversionError(f"{folder}: the shard {missing[0]} named by {index.name} is missing")
+            return cls({key: folder / f for key, f in entries.items()})
+        singles = sorted(folder.glob("*.safetensors"))
+        if not singles:
+            raise ConversionError(f"{folder} holds no safetensors weights (model.safetensors or an index); "
+                                  f"PyTorch .bin files are not read: re-save the model with safe_serialization")
+        files = {}
+        for f in singles:
+            with safe_open(str(f), framework="pt") as handle:
+                files.update({key: f for key in handle.keys()})
+        return cls(files)
+
+    def _handle(self, key: str):
+        f = self.files[key]
+        if f not in self._open:
+            self._open[f] = self._stack.enter_context(safe_open(str(f), framework="pt"))
+        return self._open[f]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handle(key).get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        name = self._handle(key).get_slice(key).get_dtype()
+        return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(name) or _bad_dtype(key, name)
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def _bad_dtype(key: str, name: str):
+    raise ConversionError(f"tensor '{key}' has dtype {name}; only float32, bfloat16 and float16 are read")
+
+
+@dataclasses.dataclass
+class Planned:
+    """One output tensor: its key, shape and dtype up front, its data on demand."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def write_shards(folder: Path, planned: list[Planned], stem: str, index_name: str, shard_bytes: int,
+                 always_index: bool = False) -> None:
+    """Write `planned` in order as shards of at most `shard_bytes` (a bigger tensor gets its own)."""
+    shards: list[list[Planned]] = [[]]
+    size = 0
+    for item in planned:
+        if shards[-1] and size + item.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item.nbytes
+    n = len(shards)
+    names = [f"{stem}.safetensors"] if n == 1 and not always_index else \
+        [f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    weight_map_out = {}
+    for name, shard in zip(names, shards):
+        tensors = {}
+        for item in shard:
+            tensor = item.make()
+            if tuple(tensor.shape) != item.shape or tensor.dtype != item.dtype:
+                raise RuntimeError(f"{item.key}: made {tuple(tensor.shape)} {tensor.dtype}, planned {item.shape} {item.dtype}")
+            tensors[item.key] = tensor.contiguous()
+            weight_map_out[item.key] = name
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        del tensors
+    if n > 1 or always_index:
+        total = sum(item.nbytes for item in planned)
+        (folder / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map_out},
+                                                    indent=2) + "\n")
+
+
+class _Staging:
+    """OUT_DIR written as a sibling temp folder, renamed into place on success."""
+
+    def __init__(self, out: Path, overwrite: bool):
+        self.out = out
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+            raise ConversionError(f"output '{out}' exists and is not empty; choose another folder or pass --overwrite")
+        self.tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+
+    def __enter__(self) -> Path:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir()
+        return self.tmp
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        if self.out.exists():
+            shutil.rmtree(self.out) if self.out.is_dir() else self.out.unlink()
+        os.rename(self.tmp, self.out)
+
+
+def _copy_files(source: Path, target: Path, names: Iterable[str]) -> list[str]:
+    copied = []
+    for name in names:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, target / name)
+            copied.append(name)
+    return copied
+
+
+# ------------------------------------------------------------------------------------ from-hf
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise ConversionError(f"{path.parent} has no {path.name}: is it a {what}?")
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConversionError(f"{path} is not JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} does not hold a JSON object")
+    return data
+
+
+def default_config(model: ModelConfig, weights: Path, name: str) -> Config:
+    """A trainer config for fine-tuning an imported model; `--set` changes any of it."""
+    config = Config(model=model)
+    t = config.train
+    t.run_dir = f"runs/{name}"
+    t.seq_len, t.micro_batch_size, t.global_batch_size = 2048, 1, 8
+    t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.weight_decay = 2e-5, 2e-6, 10, 1000, 0.0
+    config.checkpoint.init_from = str(weights.absolute())
+    config.checkpoint.interval = 100
+    return config
+
+
+def _model_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return expected_shapes(build_model(model, seed=0))
+
+
+def from_hf(hf_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, overwrite: bool = False,
+            log: Callable[[str], None] = lambda _: None) -> Path:
+    """Convert a Hugging Face model folder (config.json + safetensors) into a Tessera import folder."""
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    if not hf_dir.is_dir():
+        raise ConversionError(f"'{hf_dir}' is not a folder (give a Hugging Face model folder with config.json)")
+    hf = _read_json(hf_dir / "config.json", "Hugging Face model folder")
+    try:
+        family, model = model_config(hf)
+    except (Unsupported, KeyError, TypeError, ValueError) as err:
+        raise ConversionError(f"{hf_dir}/config.json: {_why(err)}") from None
+    config = default_config(model, out, out.name or "imported")
+    try:
+        validate(config, 1)
+        links = tensor_map(family, _model_shapes(model))
+    except (ConfigError, Unsupported) as err:
+        raise ConversionError(f"{hf_dir}: the model does not fit Tessera: {err}") from None
+    source = TensorFiles.hf_folder(hf_dir)
+    try:
+        shapes = _model_shapes(model)
+        planned = [_plan_import(link, source, shapes[link.name]) for link in links]
+        used = {key for link in links for key in link.hf}
+        if model.tie_embeddings:
+            used.add("lm_head.weight")  # some tied checkpoints carry the head too: the embedding wins
+        extra = sorted(k for k in source.files if k not in used and not IGNORED_KEYS.match(k))
+        if extra:
+            raise ConversionError(f"{hf_dir}: {len(extra)} tensor(s) that a {family} model of this config does not "
+                                  f"have, e.g. '{extra[0]}' {list(source.shape(extra[0]))}")
+        with _Staging(out, overwrite) as tmp:
+            log(f"{family}: {len(planned)} tensors, {sum(p.nbytes for p in planned) / 2**30:.2f} GiB")
+            write_shards(tmp, planned, "weights", INDEX_NAME, shard_bytes, always_index=True)
+            (tmp / HF_CONFIG_NAME).write_text((hf_dir / "config.json").read_text())
+            copied = _copy_files(hf_dir, tmp, TOKENIZER_FILES)
+            (tmp / IMPORT_NAME).write_text(json.dumps({
+                "format": 1, "family": family, "source": str(hf_dir.absolute()), "hf_config": HF_CONFIG_NAME,
+                "files": copied, "dtype": DTYPE_NAMES[planned[0].dtype] if planned else "float32",
+            }, indent=2) + "\n")
+            (tmp / CONFIG_NAME).write_text(
+                f"# {family} imported from {hf_dir.absolute()} by tessera-convert from-hf.\n"
+                f"# Train: tessera-train --config {out / CONFIG_NAME} --set data.dataset=DIR [--set ...]\n"
+                + tomli_w.dumps(config_dict(config)))
+    finally:
+        source.close()
+    return out
+
+
+def _why(err: Exception) -> str:
+    if isinstance(err, KeyError):
+        return f"the key {err.args[0]!r} is missing"
+    return str(err)
+
+
+def _plan_import(link: Link, source: TensorFiles, want: tuple[int, ...]) -> Planned:
+    for key in link.hf:
+        if key not in source.files:
+            raise ConversionError(f"the Hugging Face weights have no tensor '{key}' (needed for Tessera's '{link.name}')")
+    dtype = source.dtype(link.hf[0])
+    if link.experts:
+        one = source.shape(link.hf[0])
+        have = (len(link.hf), one[1], one[0]) if len(one) == 2 else None
+        if any(source.shape(k) != one for k in link.hf):
+            raise ConversionError(f"the experts of '{link.name}' do not all have the shape {list(one)}")
+
+        def make() -> torch.Tensor:
+            return torch.stack([source.read(k).t() for k in link.hf]).contiguous()
+    else:
+        have = source.shape(link.hf[0])
+
+        def make() -> torch.Tensor:
+            return source.read(link.hf[0])
+    if have != want:
+        raise ConversionError(f"tensor '{link.hf[0]}' has shape {list(have or ())} but the config makes Tessera's "
+                              f"'{link.name}' {list(want)}")
+    return Planned(link.name, want, dtype, make)
+
+
+# -------------------------------------------------------------------------------------- to-hf
+class TesseraWeights:
+    """Full tensors under Tessera names, from a DCP checkpoint or a from-hf folder."""
+
+    def names(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        raise NotImplementedError
+
+    def read(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class ImportWeights(TesseraWeights):
+    def __init__(self, folder: Path):
+        self.files = TensorFiles(weight_map(folder))
+
+    def names(self):
+        return {k: (self.files.shape(k), self.files.dtype(k)) for k in self.files.files}
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.files.read(name)
+
+    def close(self) -> None:
+        self.files.close()
+
+
+class CheckpointWeights(TesseraWeights):
+    """A DCP checkpoint read in this one process: each `model.*` entry as its global tensor."""
+
+    def __init__(self, step_dir: Path):
+        self.path = step_dir
+        metadata = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+        self._names = {key[len("model."):]: (tuple(entry.size), entry.properties.dtype)
+                       for key, entry in metadata.items() if key.startswith("model.") and hasattr(entry, "size")}
+
+    def meta(self) -> dict:
+        state = {"meta": b""}
+        dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
+        return pickle.loads(state["meta"])
+
+    def names(self):
+        return dict(self._names)
+
+    def read(self, name: str) -> torch.Tensor:
+        shape, dtype = self._names[name]
+        state = {f"model.{name}": torch.empty(shape, dtype=dtype)}
+        dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
+        return state[f"model.{name}"]
+
+
+def _from_dict(cls, data: dict, where: str):
+    """A config dataclass from a dict (a checkpoint's saved [model]); unknown keys are refused."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key not in names:
+            raise ConversionError(f"{where}: the saved model config has the key '{key}', which this Tessera lacks")
+        kwargs[key] = _from_dict(hints[key], value, where) if dataclasses.is_dataclass(hints[key]) else value
+    return cls(**kwargs)
+
+
+def resolve_source(path: Path) -> tuple[TesseraWeights, ModelConfig, Path | None]:
+    """(weights, model config, the import folder the run started from or None) of a to-hf input."""
+    if not path.exists():
+        raise ConversionError(f"'{path}' does not exist")
+    if (path / IMPORT_NAME).is_file():  # a from-hf folder
+        config = load_config(path / CONFIG_NAME)
+        return ImportWeights(path), config.model, path
+    step = path if (path / ".metadata").is_file() else latest_checkpoint(path)
+    if step is None and (path / "checkpoints").is_dir():
+        step = latest_checkpoint(path / "checkpoints")
+    if step is None:
+        raise ConversionError(f"'{path}' is neither a checkpoint (step_N folder, checkpoints folder or run folder with "
+                              f"a complete checkpoint) nor a `tessera-convert from-hf` folder")
+    weights = CheckpointWeights(step)
+    extra = weights.meta().get("extra", {})
+    run_config = step.parent.parent / CONFIG_NAME
+    if "model" in extra:
+        model = _from_dict(ModelConfig, extra["model"], str(step))
+    elif run_config.is_file():
+        model = load_config(run_config).model
+    else:
+        raise ConversionError(f"{step}: the checkpoint does not name its model config and {run_config} does not exist")
+    init_from = extra.get("init_from")
+    if init_from is None and run_config.is_file():
+        init_from = load_config(run_config).checkpoint.init_from or None
+    origin = Path(init_from) if init_from else None
+    if origin is not None and origin.is_file():
+        origin = origin.parent
+    if origin is not None and not (origin / IMPORT_NAME).is_file():
+        origin = None  # weights from elsewhere: no Hugging Face config to keep
+    return weights, model, origin
+
+
+def to_hf(source_path, out_dir, *, dtype: str = "auto", shard_bytes: int = SHARD_BYTES, overwrite: bool = False,
+          log: Callable[[str], None] = lambda _: None) -> Path:
+    """Write a Hugging Face model folder from a Tessera checkpoint or from-hf folder."""
+    source, model, origin = resolve_source(Path(source_path))
+    try:
+        available = source.names()
+        shapes = {name: shape for name, (shape, _) in available.items()}
+        if model.tie_embeddings:
+            shapes.pop("output.weight", None)  # the pipeline's copy of the tied head
+        if origin is not None:
+            info = json.loads((origin / IMPORT_NAME).read_text())
+            family, hf = info["family"], json.loads((origin / info["hf_config"]).read_text())
+        else:
+            info, hf = {}, None
+            try:
+                family = export_family(model)
+            except Unsupported as err:
+                raise ConversionError(str(err)) from None
+        want = _model_shapes(model)
+        for name, shape in want.items():
+            if name not in shapes:
+                raise ConversionError(f"{source_path}: no tensor '{name}' (the model config needs {list(shape)})")
+            if shapes[name] != shape:
+                raise ConversionError(f"{source_path}: tensor '{name}' has shape {list(shapes[name])}, the model "
+                                      f"config needs {list(shape)}")
+        out_dtype = _out_dtype(dtype, info, available)
+        links = tensor_map(family, want)
+        planned = _plan_export(links, source, available, out_dtype)
+        if hf is None:
+            hf = hf_config(model, family, DTYPE_NAMES[out_dtype])
+        else:
+            key = "dtype" if "dtype" in hf or "torch_dtype" not in hf else "torch_dtype"
+            if hf.get(key) != DTYPE_NAMES[out_dtype]:
+                hf[key] = DTYPE_NAMES[out_dtype]
+        with _Staging(Path(out_dir), overwrite) as tmp:
+            log(f"{family}: {len(planned)} tensors, {sum(p.nbytes for p in planned) / 2**30:.2f} GiB")
+            write_shards(tmp, planned, "model", "model.safetensors.index.json", shard_bytes)
+            (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+            if origin is not None:
+                _copy_files(origin, tmp, info.get("files", []))
+    finally:
+        source.close()
+    return Path(out_dir)
+
+
+def _out_dtype(dtype: str, info: dict, available: dict) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if info.get("dtype") in DTYPES:
+        return DTYPES[info["dtype"]]
+    return next(iter(available.values()))[1]
+
+
+def _plan_export(links: list[Link], source: TesseraWeights, available: dict, dtype: torch.dtype) -> list[Planned]:
+    """Every Hugging Face key, in Tessera tensor order; an expert tensor is read once for its E keys."""
+    cache: dict[str, torch.Tensor] = {}
+
+    def tensor(name: str) -> torch.Tensor:
+        if name not in cache:
+            cache.clear()
+            cache[name] = source.read(name).to(dtype)
+        return cache[name]
+
+    planned = []
+    for link in links:
+        shape = available[link.name][0]
+        if link.experts:
+            for e, key in enumerate(link.hf):
+                planned.append(Planned(key, (shape[2], shape[1]), dtype,
+                                       lambda name=link.name, e=e: tensor(name)[e].t().contiguous()))
+        else:
+            planned.append(Planned(link.hf[0], shape, dtype, lambda name=link.name: tensor(name)))
+    return planned

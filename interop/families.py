@@ -1,0 +1,331 @@
+"""The Hugging Face model families Tessera reads and writes, and how their configs and tensors map.
+
+Families: Llama (3.x; `LlamaForCausalLM`), Qwen3 (`Qwen3ForCausalLM`), Qwen3-MoE
+(`Qwen3MoeForCausalLM`) and Mixtral (`MixtralForCausalLM`). All four are the same decoder as
+`core.model.GPT`: RMSNorm before attention and feed-forward, grouped-query attention with
+rotary positions on the two halves of each head (Hugging Face's `rotate_half`, the layout its
+checkpoints use, so q/k weights need no permutation), SwiGLU feed-forward layers, and routed
+SwiGLU experts chosen by a softmax over the router's logits.
+
+Config: `model_config(hf)` turns config.json into a `core.config.ModelConfig` or raises
+`Unsupported` (one sentence) for what Tessera's model cannot compute (sliding windows, rope
+types other than linear/llama3/yarn, MLP biases, activations other than SiLU, ...);
+`hf_config(model)` writes a config.json for a Tessera model that was not imported.
+
+Tensors: `tensor_map(family, names)` pairs every Tessera parameter name with the Hugging Face
+key(s) it comes from. A `Link` is either a copy (same layout: `nn.Linear` weights are
+[out, in] on both sides) or the experts of one MoE layer: Tessera stacks them as
+[E, in, out] (`moe.experts.GroupedExperts`), Hugging Face checkpoints hold one [out, in]
+matrix per expert, so expert e is the transpose of slice e.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+from core.config import ModelConfig
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+MODEL_TYPES = {family: family for family in ARCHITECTURES.values()}
+ARCHITECTURE_OF = {family: arch for arch, family in ARCHITECTURES.items()}
+
+# Non-weight files of a Hugging Face model folder that travel with the weights.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+
+
+class Unsupported(ValueError):
+    """A model or value the conversion cannot represent; the message is one sentence for the user."""
+
+
+def _has(section, name: str) -> bool:
+    return any(f.name == name for f in dataclasses.fields(section))
+
+
+def family_of(hf: dict) -> str:
+    """The family of a config.json, from `architectures` (or `model_type`); Unsupported otherwise."""
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    if not archs and hf.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[hf["model_type"]]
+    named = ", ".join(archs) if archs else f"model_type {hf.get('model_type')!r}"
+    raise Unsupported(f"unknown architecture {named}; supported: {', '.join(ARCHITECTURES)}")
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    """(rope theta, the scaling dict or None) from either config.json style: `rope_theta` +
+    `rope_scaling` (older files) or `rope_parameters` (transformers 5)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = params["rope_theta"]
+        kind = params.get("rope_type", params.get("type", "default"))
+        return float(theta), (None if kind in (None, "default") else params)
+    theta = hf.get("rope_theta", 10000.0)
+    scaling = hf.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) not in (None, "default"):
+        return float(theta), scaling
+    return float(theta), None
+
+
+def _rope_scaling(model: ModelConfig, scaling: dict, hf: dict) -> None:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("linear", "llama3", "yarn"):
+        raise Unsupported(f"rope scaling type {kind!r} is not supported (supported: linear, llama3, yarn)")
+    if not _has(ModelConfig, "rope_scaling"):
+        raise Unsupported(f"rope scaling {kind!r} needs model.rope_scaling, which this Tessera does not have")
+    rs = model.rope_scaling
+    rs.type = kind
+    rs.factor = float(scaling.get("factor", 1.0))
+    original = scaling.get("original_max_position_embeddings")
+    if kind == "llama3":
+        rs.original_max_position_embeddings = int(original or 8192)
+        rs.low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        rs.high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    elif kind == "yarn":
+        rs.original_max_position_embeddings = int(original or hf.get("max_position_embeddings") or 0)
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            if scaling.get(key) is not None and _has(type(rs), key):
+                setattr(rs, key, float(scaling[key]))
+            elif scaling.get(key) is not None:
+                raise Unsupported(f"yarn rope scaling with {key} needs model.rope_scaling.{key}, which this Tessera lacks")
+        if scaling.get("truncate") is not None and _has(type(rs), "truncate"):
+            rs.truncate = bool(scaling["truncate"])
+
+
+def model_config(hf: dict) -> tuple[str, ModelConfig]:
+    """(family, Tessera model config) of a config.json; Unsupported for what cannot be represented."""
+    family = family_of(hf)
+    m = ModelConfig()
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise Unsupported(f"hidden_act={act!r} is not supported (Tessera's feed-forward layers are SwiGLU: silu)")
+    if hf.get("mlp_bias"):
+        raise Unsupported("mlp_bias=true is not supported (Tessera's feed-forward layers have no biases)")
+    if family in ("mixtral",) and hf.get("sliding_window") is not None:
+        raise Unsupported(f"sliding_window={hf['sliding_window']} is not supported (attention is causal over "
+                          f"whole documents); set it to null if the model does not need it")
+    if family in ("qwen3", "qwen3_moe"):
+        if hf.get("use_sliding_window"):
+            raise Unsupported("use_sliding_window=true is not supported (attention is causal over whole documents)")
+        if any(t != "full_attention" for t in hf.get("layer_types") or []):
+            raise Unsupported("layer_types other than full_attention (sliding-window layers) are not supported")
+    m.vocab_size = int(hf["vocab_size"])
+    m.dim = int(hf["hidden_size"])
+    m.num_layers = int(hf["num_hidden_layers"])
+    m.num_heads = int(hf["num_attention_heads"])
+    m.num_kv_heads = int(hf.get("num_key_value_heads") or m.num_heads)
+    m.ffn_dim = int(hf["intermediate_size"])
+    m.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
+    m.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
+    m.rope_theta, scaling = _rope(hf)
+    if scaling is not None:
+        _rope_scaling(m, scaling, hf)
+    head_dim = hf.get("head_dim") or m.dim // m.num_heads
+    if head_dim != m.dim // m.num_heads or m.dim % m.num_heads:
+        if not _has(ModelConfig, "head_dim"):
+            raise Unsupported(f"head_dim={head_dim} differs from hidden_size/num_attention_heads; this Tessera has no "
+                              f"model.head_dim")
+        m.head_dim = int(head_dim)
+    if hf.get("attention_bias"):
+        if not _has(ModelConfig, "attention_bias"):
+            raise Unsupported("attention_bias=true needs model.attention_bias, which this Tessera does not have")
+        m.attention_bias = True
+    if family in ("qwen3", "qwen3_moe"):
+        if not _has(ModelConfig, "qk_norm"):
+            raise Unsupported(f"{family} normalises queries and keys per head; this Tessera has no model.qk_norm")
+        m.qk_norm = True
+    if family == "mixtral":
+        _moe(m, experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], hidden=m.ffn_dim, normalize=True,
+             aux=hf.get("router_aux_loss_coef", 0.0))
+    elif family == "qwen3_moe":
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        _moe(m, experts=experts, top_k=hf["num_experts_per_tok"], hidden=int(hf["moe_intermediate_size"]),
+             normalize=bool(hf.get("norm_topk_prob", False)), aux=hf.get("router_aux_loss_coef", 0.0))
+        _qwen3_moe_layers(m, int(hf.get("decoder_sparse_step", 1) or 1), list(hf.get("mlp_only_layers") or []))
+    return family, m
+
+
+def _moe(m: ModelConfig, experts: int, top_k: int, hidden: int, normalize: bool, aux: float) -> None:
+    moe = m.moe
+    moe.num_experts, moe.top_k, moe.ffn_dim = int(experts), int(top_k), int(hidden)
+    moe.router, moe.normalize_topk = "softmax", normalize
+    moe.aux_loss_coeff = float(aux or 0.0)
+
+
+def _qwen3_moe_layers(m: ModelConfig, step: int, mlp_only: list[int]) -> None:
+    """Qwen3-MoE: layer i is sparse when (i+1) % decoder_sparse_step == 0 and i is not in
+    mlp_only_layers. Tessera: first_k_dense, moe_every, and the dense_layers list."""
+    sparse = [i for i in range(m.num_layers) if (i + 1) % step == 0 and i not in mlp_only]
+    if not sparse:
+        raise Unsupported("decoder_sparse_step and mlp_only_layers leave no MoE layer; convert it as a dense model")
+    moe = m.moe
+    moe.first_k_dense, moe.moe_every = step - 1, step
+    pattern = [i for i in range(m.num_layers) if i >= moe.first_k_dense and (i - moe.first_k_dense) % step == 0]
+    dense = sorted(set(pattern) - set(sparse))
+    if dense:
+        if not _has(type(moe), "dense_layers"):
+            raise Unsupported(f"mlp_only_layers={mlp_only} needs model.moe.dense_layers, which this Tessera lacks")
+        moe.dense_layers = dense
+
+
+def _rope_dict(m: ModelConfig) -> dict | None:
+    rs = getattr(m, "rope_scaling", None)
+    if rs is None or rs.type == "none":
+        return None
+    out = {"rope_type": rs.type, "factor": rs.factor}
+    if rs.type == "llama3":
+        out.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
+                   original_max_position_embeddings=rs.original_max_position_embeddings)
+    elif rs.type == "yarn":
+        out.update(original_max_position_embeddings=rs.original_max_position_embeddings, beta_fast=rs.beta_fast,
+                   beta_slow=rs.beta_slow)
+        if rs.attention_factor:
+            out["attention_factor"] = rs.attention_factor
+        for key in ("mscale", "mscale_all_dim"):
+            if getattr(rs, key, 0.0):
+                out[key] = getattr(rs, key)
+        if hasattr(rs, "truncate") and not rs.truncate:
+            out["truncate"] = False
+    return out
+
+
+def export_family(m: ModelConfig) -> str:
+    """The family a Tessera model is written as when it was not imported; Unsupported when none fits."""
+    moe = m.moe
+    qk = getattr(m, "qk_norm", False)
+    if not moe.num_experts:
+        return "qwen3" if qk else "llama"
+    problems = [what for what, bad in (
+        ("shared experts", moe.num_shared_experts > 0), ("sigmoid routing", moe.router != "softmax"),
+        ("group-limited routing", moe.n_groups > 1), ("routed_scaling_factor != 1", moe.routed_scaling_factor != 1.0),
+        ("expert bias balancing", moe.bias_update_rate > 0), ("capacity dropping", moe.capacity_factor > 0),
+    ) if bad]
+    if problems:
+        raise Unsupported(f"no Hugging Face family here represents an MoE model with {', '.join(problems)}")
+    if qk:
+        return "qwen3_moe"
+    if moe.first_k_dense or moe.moe_every != 1 or getattr(moe, "dense_layers", None) or not moe.normalize_topk:
+        raise Unsupported("no Hugging Face family represents this MoE model: Mixtral has no dense layers and "
+                          "renormalises the top-k weights, Qwen3-MoE needs model.qk_norm")
+    return "mixtral"
+
+
+def hf_config(m: ModelConfig, family: str, dtype: str) -> dict:
+    """A config.json for a Tessera model (`export_family` picks the family)."""
+    head_dim = m.attention_head_dim if hasattr(m, "attention_head_dim") else m.dim // m.num_heads
+    out = {
+        "architectures": [ARCHITECTURE_OF[family]], "model_type": family, "vocab_size": m.vocab_size,
+        "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": head_dim,
+        "hidden_act": "silu", "max_position_embeddings": _max_positions(m), "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta, "rope_scaling": _rope_dict(m), "tie_word_embeddings": m.tie_embeddings,
+        "attention_bias": bool(getattr(m, "attention_bias", False)), "attention_dropout": 0.0, "dtype": dtype,
+    }
+    if family == "llama":
+        out["mlp_bias"] = False
+    moe = m.moe
+    if family == "mixtral":
+        out.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k, sliding_window=None,
+                   intermediate_size=moe.ffn_dim or m.ffn_dim, router_aux_loss_coef=moe.aux_loss_coeff)
+    if family in ("qwen3", "qwen3_moe"):
+        out.update(use_sliding_window=False, sliding_window=None)
+    if family == "qwen3_moe":
+        moe_layers = [i for i in range(m.num_layers) if is_moe_layer(m, i)]
+        out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.ffn_dim or m.ffn_dim,
+                   norm_topk_prob=moe.normalize_topk, decoder_sparse_step=1, router_aux_loss_coef=moe.aux_loss_coeff,
+                   mlp_only_layers=[i for i in range(m.num_layers) if i not in moe_layers])
+    return out
+
+
+def _max_positions(m: ModelConfig) -> int:
+    rs = getattr(m, "rope_scaling", None)
+    if rs is not None and rs.type != "none" and rs.original_max_position_embeddings:
+        return int(math.ceil(rs.original_max_position_embeddings * rs.factor))
+    return 8192
+
+
+def is_moe_layer(m: ModelConfig, i: int) -> bool:
+    moe = m.moe
+    if not moe.num_experts or i in (getattr(moe, "dense_layers", None) or []):
+        return False
+    return i >= moe.first_k_dense and (i - moe.first_k_dense) % moe.moe_every == 0
+
+
+# ------------------------------------------------------------------------------------ tensors
+@dataclass(frozen=True)
+class Link:
+    """One Tessera tensor and the Hugging Face key(s) it is made of."""
+
+    name: str  # Tessera parameter name
+    hf: tuple[str, ...]  # one key (a copy), or one per expert (stacked and transposed)
+    experts: bool = False
+
+
+_BLOCK = [  # Tessera suffix inside layers.{i}. -> Hugging Face suffix inside model.layers.{i}.
+    (r"attention_norm\.weight", "input_layernorm.weight"),
+    (r"ffn_norm\.weight", "post_attention_layernorm.weight"),
+    (r"attention\.w([qkv])\.(weight|bias)", r"self_attn.\1_proj.\2"),
+    (r"attention\.wo\.(weight|bias)", r"self_attn.o_proj.\1"),
+    (r"attention\.(q|k)_norm\.weight", r"self_attn.\1_norm.weight"),
+    (r"feed_forward\.w1\.weight", "mlp.gate_proj.weight"),
+    (r"feed_forward\.w3\.weight", "mlp.up_proj.weight"),
+    (r"feed_forward\.w2\.weight", "mlp.down_proj.weight"),
+]
+_MOE = {  # family -> (router key, {Tessera expert tensor: per-expert key pattern})
+    "mixtral": ("block_sparse_moe.gate.weight",
+                {"w1": "block_sparse_moe.experts.{e}.w1.weight", "w3": "block_sparse_moe.experts.{e}.w3.weight",
+                 "w2": "block_sparse_moe.experts.{e}.w2.weight"}),
+    "qwen3_moe": ("mlp.gate.weight",
+                  {"w1": "mlp.experts.{e}.gate_proj.weight", "w3": "mlp.experts.{e}.up_proj.weight",
+                   "w2": "mlp.experts.{e}.down_proj.weight"}),
+}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def tensor_map(family: str, shapes: dict[str, tuple[int, ...]]) -> list[Link]:
+    """A Link for every Tessera parameter in `shapes` ({name: full shape}, tied weights once);
+    Unsupported for a parameter no key of the family holds."""
+    links = []
+    for name, shape in shapes.items():
+        if name in _TOP:
+            links.append(Link(name, (_TOP[name],)))
+            continue
+        match = _LAYER.match(name)
+        if match is None:
+            raise Unsupported(f"the {family} format has no place for the tensor '{name}'")
+        layer, rest = match.groups()
+        prefix = f"model.layers.{layer}."
+        moe = _MOE.get(family)
+        if moe is not None and rest == "feed_forward.router.weight":
+            links.append(Link(name, (prefix + moe[0],)))
+            continue
+        expert = re.fullmatch(r"feed_forward\.experts\.(w[123])", rest)
+        if moe is not None and expert:
+            pattern = moe[1][expert.group(1)]
+            links.append(Link(name, tuple(prefix + pattern.format(e=e) for e in range(shape[0])), experts=True))
+            continue
+        for tessera, hf in _BLOCK:
+            if re.fullmatch(tessera, rest):
+                links.append(Link(name, (prefix + re.sub(tessera, hf, rest),)))
+                break
+        else:
+            raise Unsupported(f"the {family} format has no place for the tensor '{name}'")
+    return links
+
+
+# Keys of some Hugging Face checkpoints that are not weights (recomputed by the model).
+IGNORED_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
