@@ -30,7 +30,7 @@ from core.mesh import init_distributed
 from core.model import build_model
 from core.pretrained import check_weights, expected_shapes
 from core.rundir import (CONFIG_NAME, LOCK_OWNER_ENV, RunDirError, RunLock, check_resume_changes, config_dict,
-                         load_saved_config, prepare, save_config)
+                         load_saved_config, prepare, remove_partial_checkpoints, save_config)
 from core.trainer import train
 from dataservice.client import DataServiceError
 
@@ -213,6 +213,9 @@ def _run_worker(config: Config, resume: bool, overwrite: bool, note: str | None)
         train(config, resume=resume)
     except Interrupted as stop:
         if rank == 0 and owns_dir:
+            # The other ranks were stopped by the same signal (torchrun sends it to all); what
+            # they were saving is swept here, and again at the next start if one was late.
+            remove_partial_checkpoints(_paths(config)[1])
             print(interrupted_line(*_paths(config), stop.signum), file=sys.stderr, flush=True)
         return stop.exit_code
     except (ConfigError, RunDirError) as err:

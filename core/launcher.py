@@ -21,7 +21,7 @@ from pathlib import Path
 from core.checkpoint import latest_checkpoint, step_of
 from core.lifecycle import STOP_SIGNALS, become_subreaper, descendants_of, die_with_parent, signal_all
 from core.metrics import read_metrics
-from core.rundir import LOCK_OWNER_ENV, METRICS_NAME
+from core.rundir import LOCK_OWNER_ENV, METRICS_NAME, remove_partial_checkpoints
 
 STOP_GRACE_S = 30.0  # torchrun's own grace for its workers is 30 s; ours covers torchrun itself
 LEFTOVER_GRACE_S = 5.0
@@ -119,6 +119,8 @@ def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Pa
                 signal_all([proc.pid, *descendants_of(os.getpid())], signal.SIGKILL)
     finally:
         _stop_leftovers()
+        # Every process of the run is gone: a save they were in the middle of is swept now.
+        remove_partial_checkpoints(ckpt_dir)
         relay.join(timeout=5)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 import protos
+from core.config import ConfigError
+from core.data import LocalServer
 from dataservice.build import build_dataset, make_corpus
 from dataservice.client import DataClient
 from dataservice.cp_plan import H200_COST, padded_length, plan_step
@@ -254,8 +256,6 @@ def test_serve_cli_rejects_a_bad_cost_file_with_one_line_and_exit_2(opened, tmp_
 def test_trainers_own_server_takes_the_cost_file(opened, tmp_path):
     # data.cp_cost reaches the loopback server the trainer starts for data.dataset: a good file
     # serves (ring-bound: every micro-batch on one rank), a bad one fails the start with its reason.
-    from core.data import LocalServer
-
     good = tmp_path / "ring.json"
     good.write_text('{"per_token": 1e-6, "per_pair": 0, "ring_step": 10}')
     server = LocalServer(opened[1], cp_cost=str(good))
@@ -266,5 +266,5 @@ def test_trainers_own_server_takes_the_cost_file(opened, tmp_path):
         server.stop()
     bad = tmp_path / "bad.json"
     bad.write_text('{"per_token": 1e-6, "per_pair": 1, "ring": 2}')
-    with pytest.raises(RuntimeError, match="unknown key"):
+    with pytest.raises(ConfigError, match="unknown key"):  # the server's refusal, as one line for the user
         LocalServer(opened[1], cp_cost=str(bad))
