@@ -87,7 +87,7 @@ class Trainer:
         self.reduce_size = self.mesh.size("dp_cp")
         self.reduce_group = self.mesh.group("dp_cp") if self.reduce_size > 1 else None
         self.flops_per_token = flops_per_token(active_params, embedding_params, config.model.num_layers,
-                                               config.model.dim, t.seq_len)
+                                               config.model.num_heads * config.model.attention_head_dim, t.seq_len)
         self.peak_flops = PEAK_FLOPS.get(self.precision) if self.device.type == "cuda" else None
         uses_autocast = self.precision == "bf16" and self.grads.uses_autocast
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if uses_autocast else contextlib.nullcontext()
