@@ -116,7 +116,7 @@ def baseline_side(cfg: ModelConfig, batch: StepInputs, compile_model: bool, accu
         after()
 
     _, embedding, active = count_params(model)
-    return step, model, flops_per_token(active, embedding, cfg.num_layers, cfg.dim, seq)
+    return step, model, flops_per_token(active, embedding, cfg.num_layers, cfg.num_heads * cfg.attention_head_dim, seq)
 
 
 def tessera_config(cfg: ModelConfig, args, device: torch.device) -> Config:

@@ -46,6 +46,7 @@ from core.layers import AttentionMeta, rope_frequencies  # noqa: E402
 from core.loss import cross_entropy_sum  # noqa: E402
 from core.mesh import ParallelMesh  # noqa: E402
 from core.model import GPT  # noqa: E402
+from core.parallel.data import zero_shard_dim  # noqa: E402
 from core.parallel.tensor import apply_tp, sync_sequence_parallel_grads  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
@@ -334,6 +335,7 @@ def _tp_worker(rank, world, cfg: ModelConfig, state: dict, hf_loss: float):
             partial = getattr(param, "sequence_parallel_partial", False)
             if name.endswith(("q_norm.weight", "k_norm.weight", "wq.bias", "wk.bias", "wv.bias")):
                 assert partial and param.tp_shard_dim is None, name  # whole, gradient summed over tp
+                assert zero_shard_dim(param) == 0, name  # so ZeRO-1 can still split it over dp
             full = _reassemble(param, group, world)
             assert tuple(full.shape) == tuple(ref_grads[name].shape), name
             scale = ref_grads[name].abs().max().item()
