@@ -26,13 +26,17 @@ must miss by far more than the tolerance.
 Tensor parallelism (`@pytest.mark.slow`, 2 processes, gloo): the Qwen3 model (qk-norm,
 biases, head_dim override) split over tp=2 with and without sequence parallelism gives the
 single-process loss (rel 1e-5) and, reassembled, the same gradients (rel 1e-5 of each
-tensor's largest gradient), and the same loss as transformers.
+tensor's largest gradient; measured 4e-6), and the same loss as transformers.
+
+Also here: the config keys these families need (`model.head_dim`, `[model.rope_scaling]`,
+`model.moe.dense_layers`) refuse what the model cannot compute, with the key in the message.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -41,7 +45,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from core.config import Config, ModelConfig, MoEConfig, RopeScalingConfig, validate  # noqa: E402
+from core.config import Config, ConfigError, ModelConfig, MoEConfig, RopeScalingConfig, load_config, validate  # noqa: E402
 from core.layers import AttentionMeta, rope_frequencies  # noqa: E402
 from core.loss import cross_entropy_sum  # noqa: E402
 from core.mesh import ParallelMesh  # noqa: E402
@@ -353,3 +357,36 @@ def test_tensor_parallel_qwen3_features_match_single_process_and_transformers():
     for r in results:
         print("tp=2 qwen3:", {k: f"{v:.2e}" for k, v in r.items()})
         assert max(r.values()) < GRAD_RTOL, r
+
+
+# ------------------------------------------------------------------------ the config keys
+@pytest.mark.parametrize("sets, words", [
+    (["model.rope_scaling.type=\"yarn\"", "model.rope_scaling.factor=4.0"], "needs model.rope_scaling.original_max_position_embeddings > 0"),
+    (["model.rope_scaling.type=\"llama3\"", "model.rope_scaling.original_max_position_embeddings=8192",
+      "model.rope_scaling.factor=0.5"], "factor=0.5 must be >= 1"),
+    (["model.rope_scaling.factor=8.0"], "has no effect with model.rope_scaling.type='none'"),
+    (["model.rope_scaling.type=\"llama3\"", "model.rope_scaling.original_max_position_embeddings=8192",
+      "model.rope_scaling.factor=8.0", "model.rope_scaling.high_freq_factor=1.0"], "must exceed model.rope_scaling.low_freq_factor"),
+    (["model.rope_scaling.type=\"linear\"", "model.rope_scaling.factor=2.0", "model.rope_scaling.attention_factor=1.2"],
+     "is used by model.rope_scaling.type='yarn' only"),
+    (["model.head_dim=15"], "model.head_dim=15 must be even"),
+    (["model.head_dim=-2"], "model.head_dim=-2 must be >= 0"),
+    (["model.dim=62"], "model.dim=62 must be divisible by model.num_heads=4"),
+    (["model.dim=60"], "60 / 4 = 15 must be even"),
+    (["model.moe.num_experts=4", "model.moe.dense_layers=[0, 5]"], "must name distinct layers in [0, model.num_layers=2)"),
+    (["model.moe.num_experts=4", "model.moe.dense_layers=[0, 1]"], "leaves no MoE layer"),
+    (["model.moe.dense_layers=[true]"], "must be a list of whole numbers"),
+])
+def test_config_refuses_what_the_model_cannot_compute(sets, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        validate(load_config(None, sets), 1)
+
+
+def test_head_dim_zero_means_dim_over_heads_and_overrides_divisibility():
+    assert ModelConfig(dim=64, num_heads=4).attention_head_dim == 16  # built in code, no validate
+    cfg = validate(load_config(None, ["model.dim=60", "model.head_dim=8", "model.moe.num_experts=4",
+                                      "model.moe.dense_layers=[1]", "model.num_layers=3"]), 1).model
+    model = GPT(cfg)
+    assert model.layers["0"].attention.wq.weight.shape == (4 * 8, 60)
+    assert model.layers["0"].attention.wo.weight.shape == (60, 4 * 8)
+    assert [hasattr(b.feed_forward, "router") for b in model.layers.values()] == [True, False, True]
