@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from core.config import Config, ConfigError, ModelConfig, MoEConfig, RopeScalingConfig, load_config, validate  # noqa: E402
 from core.layers import AttentionMeta, rope_frequencies  # noqa: E402
@@ -270,6 +271,28 @@ def test_rope_frequencies_equal_transformers(name):
     assert scale == rotary.attention_scaling
     if name == "llama_yarn":
         assert scale == pytest.approx(0.1 * math.log(4.0) + 1.0)
+
+
+@pytest.mark.parametrize("params", [
+    {"rope_type": "linear", "factor": 2.5},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "truncate": False,
+     "beta_fast": 16.0, "beta_slow": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "attention_factor": 1.3},
+])
+def test_rope_init_functions_of_transformers(params):
+    """Every scaling type at realistic sizes (head 128, theta 1e6) against ROPE_INIT_FUNCTIONS."""
+    hf = transformers.LlamaConfig(hidden_size=1024, num_attention_heads=8, head_dim=128, max_position_embeddings=131072,
+                                  rope_parameters={"rope_theta": 1e6, **params})
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf)
+    cfg = ModelConfig(dim=1024, num_heads=8, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                      rope_scaling=_tessera_rope(params))
+    validate(Config(model=cfg), 1)
+    ours, our_scale = rope_frequencies(cfg)
+    assert torch.equal(ours, inv_freq) and our_scale == scale
 
 
 NEGATIVE = {
