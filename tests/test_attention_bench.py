@@ -3,6 +3,8 @@ documents against one varlen call) and finds them equal; without a GPU and --smo
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -18,6 +20,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_smoke_split_equals_one_varlen_call():
     run = _run("--smoke")
     assert run.returncode == 0, run.stderr
@@ -27,6 +30,7 @@ def test_smoke_split_equals_one_varlen_call():
     assert packed[0]["max_rel_diff"] < 1e-10  # float64: exact up to rounding
 
 
+@pytest.mark.slow
 def test_without_gpu_or_smoke_exits_2():
     run = _run("--mode", "packed")
     assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr

@@ -42,6 +42,7 @@ def decoded(ds):
     return [tok.decode(a) for a in ds.read_many(range(ds.num_documents))]
 
 
+@pytest.mark.slow
 def test_jsonl_text_and_folder_inputs(tmp_path):
     jl = write_jsonl(tmp_path / "a.jsonl", [{"text": "first doc"}, {"body": "x", "text": "second — naïve"}])
     txt = tmp_path / "note.txt"
@@ -96,6 +97,7 @@ def bad_inputs(tmp_path):
     return [jl, tmp_path / "latin1.txt", tmp_path / "empty.txt"]
 
 
+@pytest.mark.slow
 def test_problems_are_counted_not_fatal(tmp_path):
     r = cli("build", *bad_inputs(tmp_path), "-o", tmp_path / "ds", "--max-skipped", "0.8")  # 7 of 9 skipped
     assert r.returncode == 0, r.stderr
@@ -107,6 +109,7 @@ def test_problems_are_counted_not_fatal(tmp_path):
     assert any(p.endswith("bad.jsonl:2: broken_json") for p in ds.manifest["first_problems"])
 
 
+@pytest.mark.slow
 def test_a_build_that_skips_most_of_its_input_fails_and_writes_nothing(tmp_path):
     jl = write_jsonl(tmp_path / "c.jsonl", [{"text": f"doc {i}"} for i in range(205)] + [{"body": "other"}])
     r = cli("build", jl, "-o", tmp_path / "ds", "--text-field", "body")  # the wrong field: 205 of 206 skipped
@@ -117,6 +120,7 @@ def test_a_build_that_skips_most_of_its_input_fails_and_writes_nothing(tmp_path)
     assert r.returncode == 2 and "more than --max-skipped 0.5" in r.stderr
 
 
+@pytest.mark.slow
 def test_globs_repeat_and_expand_braces(tmp_path):
     src = tmp_path / "src"
     for name, text in [("a.py", "alpha"), ("b.md", "beta"), ("c.txt", "gamma"), ("sub/d.py", "delta")]:
@@ -133,6 +137,7 @@ def test_globs_repeat_and_expand_braces(tmp_path):
     assert expand_braces("plain/*") == ["plain/*"] and expand_braces("{one}") == ["{one}"]
 
 
+@pytest.mark.slow
 def test_strict_stops_at_first_problem(tmp_path):
     r = cli("build", *bad_inputs(tmp_path), "-o", tmp_path / "ds", "--strict")
     assert r.returncode == 2
@@ -142,6 +147,7 @@ def test_strict_stops_at_first_problem(tmp_path):
     assert r.returncode == 2 and "latin1.txt:2: invalid utf8" in r.stderr
 
 
+@pytest.mark.slow
 def test_hf_tokenizer_build_round_trip(tmp_path):
     tok_path = train_tiny_tokenizer(tmp_path / "tiny")
     texts = ["hello world, naïve 東京", "the quick brown fox jumps", "größe unknown zzz"]
@@ -161,6 +167,7 @@ def test_hf_tokenizer_build_round_trip(tmp_path):
     assert again.decode(ds.read(0)) == texts[0]
 
 
+@pytest.mark.slow
 def test_interrupted_build_leaves_no_complete_dataset(tmp_path):
     big = write_jsonl(tmp_path / "big.jsonl",
                       [{"text": f"{i} " + "lorem ipsum dolor sit amet " * 800} for i in range(3000)])
@@ -188,6 +195,7 @@ def flip_byte(path, where=0.5):
     path.write_bytes(bytes(raw))
 
 
+@pytest.mark.slow
 def test_inspect_ok_then_detects_flipped_bytes(tmp_path):
     corpus = make_corpus(tmp_path, 500, seed=2, min_len=20, max_len=3000)
     out = build_dataset([corpus], tmp_path / "ds", shard_size_mb=0.2)
@@ -213,6 +221,7 @@ def test_inspect_ok_then_detects_flipped_bytes(tmp_path):
     assert r.returncode == 1 and "manifest.json" in r.stderr and "manifest_checksum" in r.stderr
 
 
+@pytest.mark.slow
 def test_existing_output_refused_unless_overwrite(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"text": "alpha"}])
     b = write_jsonl(tmp_path / "b.jsonl", [{"text": "beta"}, {"text": "gamma"}])
@@ -226,6 +235,7 @@ def test_existing_output_refused_unless_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "ds"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["build", "{tmp}/missing.jsonl", "-o", "{tmp}/ds"], "does not exist"),
     (["build", "{tmp}/a.jsonl"], "--output"),
@@ -245,6 +255,7 @@ def test_misuse_is_one_line_and_exit_2(tmp_path, args, words):
     assert not (tmp_path / "ds").exists()
 
 
+@pytest.mark.slow
 def test_progress_line_on_a_terminal(tmp_path):
     corpus = make_corpus(tmp_path, 2000, seed=4)
     master, slave = pty.openpty()

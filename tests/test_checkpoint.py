@@ -109,6 +109,7 @@ def saved(tmp_path_factory):
     return root, first, gpt_path, run_distributed(_world4_all, 4, gpt_path, str(root))
 
 
+@pytest.mark.slow
 def test_save_at_one_layout_load_at_others_and_continue(saved):
     root, first, gpt_path, results = saved
     ref_losses, _, _ = reference_run(6, None)
@@ -182,6 +183,7 @@ def _resume_worker(rank, world, root):
     return step, extra, draw, losses
 
 
+@pytest.mark.slow
 def test_killed_save_keeps_the_previous_checkpoint_which_loads(tmp_path):
     root, out_dir = tmp_path / "ckpt", tmp_path / "out"
     out_dir.mkdir()
@@ -297,6 +299,7 @@ def _moe_worker(rank, world, root):
     return out
 
 
+@pytest.mark.slow
 def test_expert_parallel_checkpoint_reshards_across_ep(saved):
     """MoE (moe.parallel.apply_ep, expert params `expert_parallel`, ZeRO over edp): saved at
     ep=2, continued at ep=4 and ep=1; the two following losses equal the uninterrupted ep=2

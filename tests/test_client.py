@@ -104,6 +104,7 @@ def test_state_dict_round_trip(server):
         same(take(other, 4), expected)
 
 
+@pytest.mark.slow
 def test_failover_after_sigkill_continues_without_duplicate_or_gap(data, server):
     with DataClient(server, max_batches=60, **REQ) as ref_client:
         reference = list(ref_client)
@@ -123,6 +124,7 @@ def test_failover_after_sigkill_continues_without_duplicate_or_gap(data, server)
             proc.wait()
 
 
+@pytest.mark.slow
 def test_resume_on_a_restarted_server_on_a_new_port(data, server):
     with DataClient(server, max_batches=10, **REQ) as ref_client:
         reference = list(ref_client)

@@ -247,11 +247,13 @@ def _assert_matches(got, want, what):
                                    msg=lambda m: f"{what}: {name}: {m}")
 
 
+@pytest.mark.slow
 def test_ring_attention_matches_varlen_reference(distributed_results):
     for res in distributed_results:
         assert res["ring_cp2"] < 1e-12 and res["ring_cp4"] < 1e-12, (res["ring_cp2"], res["ring_cp4"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["model_cp2", "model_cp4", "model_cp2_tp2"])
 def test_static_cp_loss_and_grads_match_single_process(distributed_results, case):
     want = reference(BATCHES["static"])
@@ -259,6 +261,7 @@ def test_static_cp_loss_and_grads_match_single_process(distributed_results, case
         _assert_matches(res[case], want, case)
 
 
+@pytest.mark.slow
 def test_dynamic_cp_loss_and_grads_match_single_process(distributed_results):
     want = reference(BATCHES["dynamic"])
     for res in distributed_results:

@@ -4,6 +4,8 @@ lengths (the layout says which), and the dynamic mode compares both plans on the
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_mode():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

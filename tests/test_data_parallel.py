@@ -181,6 +181,7 @@ def _check_against_reference(result, steps, clip):
         torch.testing.assert_close(torch.from_numpy(result["params"][name]), ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 def test_dp2_plain_zero_accumulation_and_fallback_match_single_process():
     variants = {
         "zero": dict(steps=4),
@@ -214,6 +215,7 @@ def world4():
     return run_distributed(_world4_worker, 4)
 
 
+@pytest.mark.slow
 def test_dp4_zero_with_clipping_matches_single_process_and_state_shrinks(world4):
     results = [r["dp4"] for r in world4]
     _check_against_reference(results[0]["zero"], 3, 0.2)
@@ -303,6 +305,7 @@ def _toy_tp_worker(rank, world):
     return losses, *(p.detach().numpy().copy() for p in (model.w, model.v, model.g))
 
 
+@pytest.mark.slow
 def test_tp_sharded_and_sequence_parallel_params_reduce_and_clip_like_single_process(world4):
     ref_losses, ref = toy_reference(3)
     results = [r["tp"] for r in world4]
@@ -349,6 +352,7 @@ def _expert_worker(rank, world):
     return norms, *(p.detach().numpy().copy() for p in (model.w, model.x))
 
 
+@pytest.mark.slow
 def test_expert_params_reduce_over_edp_and_count_once_in_the_norm(world4):
     ref = ToyExpert(slice(None))
     opt = torch.optim.AdamW([{"params": [ref.w, ref.x], "weight_decay": 0.1}, {"params": [ref.g], "weight_decay": 0.0}],
@@ -426,6 +430,7 @@ def _gpu_worker(rank, world, ckpt_dir):
                 stats=dict(dp.stats), buckets=len(dp.buckets), reloaded_equal=bool(same))
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_nccl_bf16_zero_matches_fp32_reference_without_host_syncs(tmp_path):
@@ -452,6 +457,7 @@ def _deferred_clip_worker(rank, world):
     return dict(losses=losses, norms=norms, params=full_params(model) if rank == 0 else None)
 
 
+@pytest.mark.slow
 def test_deferred_clip_in_fused_adamw_matches_single_process():
     # dp=2 with ZeRO, 2 micro-batches per step (the first copies into main_grad, the second
     # adds), clipping active (0.3 < the norms): same as torch.optim.AdamW after explicit clipping.

@@ -225,6 +225,7 @@ def _group_sizes_from_cli(opened_path, cost: dict, tmp_path, name) -> list[int]:
         proc.wait(timeout=15)
 
 
+@pytest.mark.slow
 def test_serve_cli_cp_cost_file_steers_the_planner(opened, tmp_path):
     # Ring steps that cost seconds: every micro-batch alone on one rank (the budget allows it).
     # Attention-bound with a free ring: long documents are spread over CP groups.
@@ -253,6 +254,7 @@ def test_serve_cli_rejects_a_bad_cost_file_with_one_line_and_exit_2(opened, tmp_
     assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_trainers_own_server_takes_the_cost_file(opened, tmp_path):
     # data.cp_cost reaches the loopback server the trainer starts for data.dataset: a good file
     # serves (ring-bound: every micro-batch on one rank), a bad one fails the start with its reason.

@@ -261,6 +261,7 @@ def _tp_layer_worker(rank: int, world: int):
     return exact, rel(out, out_s), rel(xt.grad, xs.grad)
 
 
+@pytest.mark.slow
 def test_fp8_tensor_parallel_layers_equal_single_rank():
     from tests.distributed import run_distributed
 
@@ -306,6 +307,7 @@ def test_fp8_model_forward_backward_close_to_bf16(corpus):
 STEPS = 200  # ~35 s for both models on this 2-core machine (1 thread, light load)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_bf16_and_fp8_training_end_within_one_percent(moe, corpus):
     """Same weights, same batches, the real parallelize path (bf16 params, fp32 master weights):
@@ -336,6 +338,7 @@ def test_bf16_and_fp8_training_end_within_one_percent(moe, corpus):
         assert within(floor), (b, f, floor)
 
 
+@pytest.mark.slow
 def test_tessera_train_fp8_on_cpu(tmp_path):
     """precision=fp8 on CPU: bf16 params, FP8 GEMMs emulated; a tiny MoE model (a dense layer,
     an MoE layer with a shared expert) trains 3 steps, logs which GEMMs run in FP8, checkpoints."""

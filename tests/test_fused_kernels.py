@@ -105,10 +105,12 @@ def _run(env: dict) -> None:
     assert proc.returncode == 0 and "fused kernels ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
+@pytest.mark.slow
 def test_fused_kernels_in_the_interpreter_match_float64_and_the_pytorch_path():
     _run({"TRITON_INTERPRET": "1", "CHECK_DEVICE": "cpu", "CHECK_DTYPE": "float32"})
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_kernels_on_gpu_bf16_match_float64_and_the_pytorch_path():

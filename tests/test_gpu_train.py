@@ -39,6 +39,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_gpu_layouts_match_single_gpu(tmp_path, dataset, gpu_reference, name):  # noqa: F811
     gpus, overrides = LAYOUTS[name]
@@ -52,6 +53,7 @@ def test_gpu_layouts_match_single_gpu(tmp_path, dataset, gpu_reference, name):  
         assert got[step] == pytest.approx(loss, rel=RTOL_BF16), (step, got, gpu_reference)
 
 
+@pytest.mark.slow
 def test_gpu_expert_parallel_matches_single_gpu(tmp_path, dataset):  # noqa: F811
     # tiny_moe at ep=2 over dp=2 (NCCL uneven all-to-alls) against all 8 experts on one GPU;
     # moe/all_to_all_s comes from CUDA events on the collectives' stream here.
@@ -68,6 +70,7 @@ def test_gpu_expert_parallel_matches_single_gpu(tmp_path, dataset):  # noqa: F81
         assert 0 < record["moe/all_to_all_s"] < record["step_s"], record
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_gpu_compiled_moe_matches_eager(tmp_path, dataset, precision, monkeypatch):  # noqa: F811
     # train.compile with MoE layers (inductor): router, aux losses' inputs and shared experts

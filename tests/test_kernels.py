@@ -158,6 +158,7 @@ def test_missing_library_is_reported_once(monkeypatch, tmp_path, caplog):
         library.reset_for_tests()
 
 
+@pytest.mark.slow
 @built
 def test_built_library_loads_without_gpu_or_torch_dependencies():
     lib = library.KernelLibrary(LIB_PATH)

@@ -10,6 +10,7 @@ from readers and from this test)."""
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,17 @@ def test_imports_go_one_way_without_cycles_or_local_imports():
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
     assert len(graph) > 60  # the walk saw the tree, not an empty folder
+
+
+def test_every_module_imports():
+    """The fast lane touches every module: each one at least imports (on CPU, without a GPU)."""
+    failed = []
+    for module in sorted(project_modules()):
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # collect them all: one run names every broken module
+            failed.append(f"{module}: {type(err).__name__}: {err}")
+    assert not failed, "\n".join(failed)
 
 
 def test_dataservice_stands_alone_and_moe_below_the_orchestration():

@@ -1,5 +1,6 @@
 """The mesh hands out the groups the layout promises (4 gloo processes)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -19,6 +20,7 @@ def _groups(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_mesh_groups_follow_the_layout():
     results = run_distributed(_groups, 4)
     # tp fastest: ranks (0,1) and (2,3) are tensor-parallel peers; dp pairs (0,2), (1,3).

@@ -22,6 +22,8 @@ fixed seeds here have no such tie (the test would fail loudly, not pass wrongly)
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 import torch.distributed as dist
 
@@ -156,6 +158,7 @@ def _report(results):
     return worst
 
 
+@pytest.mark.slow
 def test_ep2_alltoall_and_allgather_match_single_process():
     scenarios = {
         "ep2 alltoall, softmax top-2, 2 micro-batches": dict(ep=2, micro=2),
@@ -167,6 +170,7 @@ def test_ep2_alltoall_and_allgather_match_single_process():
     _report(run_distributed(_parity_worker, 2, scenarios))
 
 
+@pytest.mark.slow
 def test_ep4_and_ep2_x_dp2_match_single_process():
     scenarios = {
         "ep4 alltoall": dict(ep=4),

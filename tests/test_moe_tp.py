@@ -16,6 +16,7 @@ from tests.distributed import run_distributed
 from tests.test_moe_parallel import _parity_worker, _report
 
 
+@pytest.mark.slow
 def test_ep2_x_tp2_match_single_process():
     pytest.importorskip("core.parallel.tensor", reason="tensor parallelism (apply_tp) not present")
     scenarios = {

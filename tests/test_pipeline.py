@@ -151,6 +151,7 @@ def _expected(ref: dict[str, torch.Tensor], name: str, shard_dim, tp_rank: int, 
     return full.narrow(shard_dim, tp_rank * size, size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_loss_and_every_gradient_match_single_process(runs, name):
     kwargs, num_micro, tol = CASES[name]
@@ -170,6 +171,7 @@ def test_loss_and_every_gradient_match_single_process(runs, name):
     assert covered == expected_names
 
 
+@pytest.mark.slow
 def test_uneven_and_interleaved_layer_placement(runs):
     assert [r["layers"] for r in runs["pp4_uneven_1_3"]] == [[[0]], [[1, 2]], [[3, 4]], [[5, 6, 7]]]
     assert [r["layers"] for r in runs["pp2_uneven_1_3"]] == [[[0]], [[0]], [[1, 2, 3]], [[1, 2, 3]]]  # pp x dp
@@ -179,6 +181,7 @@ def test_uneven_and_interleaved_layer_placement(runs):
     ]
 
 
+@pytest.mark.slow
 def test_bubble_metrics_are_reported(runs):
     metrics = runs["pp4_1f1b"][0]["metrics"]
     assert metrics["pp_bubble_theory"] == pytest.approx(3 / 9)

@@ -26,6 +26,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_smoke_runs_both_schedules(tmp_path):
     proc = _run(tmp_path, "--smoke", "--micro", "4", "--steps", "4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -44,6 +45,7 @@ def test_smoke_runs_both_schedules(tmp_path):
     assert "M=4: interleaved/1f1b tokens/s" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bad_arguments_exit_2(tmp_path):
     proc = _run(tmp_path, "--smoke", "--gpus", "1")
     assert proc.returncode == 2 and "--gpus 1: a pipeline needs at least 2 ranks" in proc.stderr

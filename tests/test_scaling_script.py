@@ -3,6 +3,8 @@ and data service at cp=1 and cp=2 and writes one summary row per run; bad argume
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -18,6 +20,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_smoke_longseq_writes_a_summary_row_per_run(tmp_path):
     proc = _run(tmp_path, "longseq", "--smoke", "--gpus", "2", "--steps", "4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -28,6 +31,7 @@ def test_smoke_longseq_writes_a_summary_row_per_run(tmp_path):
         assert r["tokens_per_s_per_gpu"] == r["tokens_per_s"] / r["gpus"]
 
 
+@pytest.mark.slow
 def test_bad_arguments_exit_2(tmp_path):
     proc = _run(tmp_path, "everything")
     assert proc.returncode == 2 and "unknown argument 'everything'" in proc.stderr

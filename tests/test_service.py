@@ -176,6 +176,7 @@ def test_every_batch_keeps_the_invariants(server, opened):
                         micro_batch_size=B, seq_len=S)
 
 
+@pytest.mark.slow
 def test_two_server_processes_send_identical_bytes(data):
     # One process takes both datasets after one --data, the other a --data each.
     procs = [start_process([f"{data['a']} {data['b']}:3"]), start_process([data["a"], f"{data['b']}:3"])]
@@ -351,6 +352,7 @@ def test_shutdown_reports_not_serving_and_ends_streams_with_unavailable(opened, 
     assert not stopper.is_alive()
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_process_promptly_with_exit_0(data):
     proc, address = start_process([data["a"]], "--grace", "2")
     stream = stub(address).StreamBatches(request(seq_len=64))
@@ -371,6 +373,7 @@ def run_cli(*args, timeout=60):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,message", [
     ("/no/such/folder", "does not exist"),
     ("{a}:0", "must be a finite number > 0"),
@@ -382,6 +385,7 @@ def test_serve_rejects_bad_data_with_one_line_and_exit_2(data, spec, message):
     assert out.stderr.count("\n") == 1 and message in out.stderr and out.stdout == ""
 
 
+@pytest.mark.slow
 def test_peek_prints_one_json_object_per_batch(server):
     out = run_cli("peek", "--address", server, "--dp-rank", "1", "--dp-size", "2", "--seq-len", "64",
                   "--micro-batch-size", "2", "--steps", "3", "--seed", "4")

@@ -127,6 +127,7 @@ def _tp_parity_worker(rank, world, device="cpu", lengths=(7, 13, 3, 15, 6), pad=
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_matches_single_process(world):
     results = run_distributed(_tp_parity_worker, world)
@@ -215,6 +216,7 @@ def _ce_and_comm_worker(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_vocab_parallel_cross_entropy_and_collectives():
     assert run_distributed(_ce_and_comm_worker, 2) == [True, True]
 
@@ -272,6 +274,7 @@ def _gpu_worker(rank, world):
     return worst, sorted(comm._no_reduce_scatter)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tensor_parallel_nccl_matches_single_process():

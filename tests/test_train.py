@@ -67,6 +67,7 @@ def reference(tmp_path_factory, dataset) -> dict[int, float]:
     return losses(run_dir)
 
 
+@pytest.mark.slow
 def test_single_process_writes_metrics_checkpoint_and_loss_falls(tmp_path, dataset):
     run_dir = tmp_path / "run"
     run_train(run_dir, dataset, 1, "train.max_steps=12", "train.plot=true", "train.lr=1e-2")
@@ -91,6 +92,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_parallel_layouts_match_single_process(tmp_path, dataset, reference, name):
     nproc, overrides = LAYOUTS[name]
@@ -102,6 +104,7 @@ def test_parallel_layouts_match_single_process(tmp_path, dataset, reference, nam
         assert got[step] == pytest.approx(loss, rel=RTOL), (step, got, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resume_tp", [1, 2], ids=["tp1xdp4", "same_layout"])
 def test_resume_continues_the_loss_trajectory(tmp_path, dataset, reference, resume_tp):
     # Save at tp=2 x dp=2 after step 2, resume at tp=1 x dp=4 (resharding) or at the same
@@ -114,6 +117,7 @@ def test_resume_continues_the_loss_trajectory(tmp_path, dataset, reference, resu
         assert got[step] == pytest.approx(reference[step], rel=RTOL), (step, got, reference)
 
 
+@pytest.mark.slow
 def test_cli_misuse_exits_2_with_one_clear_line(tmp_path, dataset):
     proc = run_train(tmp_path, dataset, 1, "model.num_heads=3", check=False)
     assert proc.returncode == 2
@@ -122,6 +126,7 @@ def test_cli_misuse_exits_2_with_one_clear_line(tmp_path, dataset):
     assert proc.returncode == 2 and "unknown config key 'model.no_such_key'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_tied_embedding_across_pipeline_stages_matches_single_process(tmp_path, dataset):
     # The embedding (first stage) and output head (last stage) share one weight: their
     # gradients are summed across stages after the data-parallel reduction (pp=2 x dp=2).
@@ -154,6 +159,7 @@ def moe_reference(tmp_path_factory, dataset) -> dict[int, float]:
     return losses(run_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MOE_LAYOUTS)
 def test_moe_layouts_match_single_process(tmp_path, dataset, moe_reference, name):
     # The MoE model (dropless top-2 of 8 experts, a shared expert, aux and z losses) with

@@ -35,6 +35,7 @@ def group_sizes(dataset) -> set[int]:
     return sizes
 
 
+@pytest.mark.slow
 def test_dynamic_cp_on_4_processes_matches_single_process_and_resumes(tmp_path, dataset, reference):
     assert group_sizes(dataset) == {1, 2, 4}
     # Steps 1-2, checkpoint, then steps 3-4 after a restart: the resume token lands on a step boundary.
@@ -48,6 +49,7 @@ def test_dynamic_cp_on_4_processes_matches_single_process_and_resumes(tmp_path, 
         assert got[step] == pytest.approx(loss, rel=RTOL), (step, got, reference)
 
 
+@pytest.mark.slow
 def test_budget_too_small_for_a_row_exits_2_with_one_clear_line(tmp_path, dataset):
     proc = run_train(tmp_path, dataset, 1, "parallel.dynamic_cp=true", "parallel.cp_token_budget=10", check=False)
     assert proc.returncode == 2
