@@ -12,7 +12,7 @@ JSON line, per measurement on rank 0):
   (outputs and q/k/v grads, GQA, odd document lengths).
 - attention: ring attention forward+backward, one document of S tokens, CP = 1, 2, 4 (every
   CP size dividing the world; groups of consecutive ranks run at once). Reported:
-  `eff_issue` = t(CP=1 on S/cp) / t(CP=cp on S) (per-rank efficiency; ideal 1/cp for
+  `eff_part` = t(CP=1 on S/cp) / t(CP=cp on S) (per-rank efficiency; ideal 1/cp for
   attention alone, since CP=cp on S does cp times the pairs of CP=1 on S/cp per rank),
   `eff_work` = cp * t(CP=1 on S/cp) / t(CP=cp on S) (the same, normalised by work; ideal 1),
   `eff_strong` = t(CP=1 on S) / (cp * t(CP=cp on S)) (ideal 1).
@@ -152,7 +152,7 @@ def mode_attention(args, device, dtype):
                 t_part = t(1, seq // cp, kernel)
                 t_full = t(1, seq, kernel) if not args.no_strong else float("nan")
                 emit({"mode": "attention", "seq": seq, "doc_len": args.doc_len or seq, "cp": cp, "cp1_kernel": kernel,
-                      "t_cp_s": t_cp, "t_cp1_part_s": t_part, "t_cp1_full_s": t_full, "eff_issue": t_part / t_cp,
+                      "t_cp_s": t_cp, "t_cp1_part_s": t_part, "t_cp1_full_s": t_full, "eff_part": t_part / t_cp,
                       "eff_work": cp * t_part / t_cp, "eff_strong": t_full / (cp * t_cp), "heads": args.heads,
                       "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": str(dtype)}, device)
 

@@ -14,7 +14,7 @@ times and frees one side after the other instead, for models whose two states do
 the GPU together (the DeepSeek-like --moe model on an 80 GB GPU). Peak memory is each side's
 own: the most allocated during its warm-up above what was allocated before it was built.
 MFU counts 6*(params - input embedding) + 6*layers*d*seq FLOPs per token against 989 TFLOP/s
-(the accounting of shared/PERFORMANCE.md; also for --precision fp8). --moe runs the
+(one formula for every side and precision, also for --precision fp8). --moe runs the
 DeepSeek-like fine-grained MoE instead (4 layers by default, 64 experts, top-8), MFU on active
 parameters (top_k of E).
 
@@ -22,7 +22,7 @@ parameters (top_k of E).
     python -m bench.train_step --dim 128 --layers 2 --seq 64 --steps 2 --warmup 1   # CPU smoke
 
 --accum N runs N micro-batches per optimizer step on both sides (one step per micro-batch
-is the default, as in PERFORMANCE.md; real global batches are many micro-batches).
+is the default; real global batches are many micro-batches).
 """
 
 from __future__ import annotations
