@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -133,27 +132,23 @@ def load_weights(path: str | os.PathLike, model: nn.Module, dp, mesh: ParallelMe
     where = f"checkpoint.init_from={str(path)!r}"
     slots = {id(slot.param): slot for slot in dp.slots} if dp is not None else {}
     count = 0
-    with ExitStack() as stack:
-        handles: dict[Path, object] = {}
-        for name, param in model.named_parameters():
-            source = name if name in files else TIED.get(name, name)
-            if source not in files:
-                raise ConfigError(f"{where} has no tensor '{name}' (the model needs shape "
-                                  f"{list(local_region(param, mesh)[0])})")
-            f = files[source]
-            if f not in handles:
-                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
-            view = handles[f].get_slice(source)
-            full, region = local_region(param, mesh)
+    for name, param in model.named_parameters():
+        source = name if name in files else TIED.get(name, name)
+        full, region = local_region(param, mesh)
+        if source not in files:
+            raise ConfigError(f"{where} has no tensor '{name}' (the model needs shape {list(full)})")
+        # One open per tensor: the mapped pages read leave with it (resident size ~ one slice).
+        with safe_open(str(files[source]), framework="pt") as handle:
+            view = handle.get_slice(source)
             have = tuple(view.get_shape())
             if have != full:
                 raise ConfigError(f"{where}: tensor '{source}' has shape {list(have)} but the model's is {list(full)}")
             value = view[region].to(torch.float32)
-            slot = slots.get(id(param))
-            param.data.copy_(value)
-            if slot is not None and not slot.master_is_param:
-                slot.master.copy_(slot.chunk(value, slot.group_rank))
-            count += 1
+        slot = slots.get(id(param))
+        param.data.copy_(value)
+        if slot is not None and not slot.master_is_param:
+            slot.master.copy_(slot.chunk(value, slot.group_rank))
+        count += 1
     if dp is not None:
         for callback in dp.on_new_weights:
             callback()

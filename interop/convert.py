@@ -17,8 +17,10 @@ DCP's global shapes) or a from-hf folder, and writes config.json (the imported o
 run came from an import, else one made from [model]), model(-0000k-of-0000n).safetensors (+
 index) under the family's keys, and the import's tokenizer files.
 
-Memory: tensors are produced one at a time and written in shards of at most `shard_bytes`, so
-the peak is about one shard plus one tensor, whatever the model's size. Output folders are
+Memory: tensors are produced one at a time and streamed into shards of at most `shard_bytes`
+(the header is written first, from the planned shapes), and every read opens its file for that
+tensor alone, so the peak is about one tensor (an MoE layer's stacked experts), whatever the
+model's size. Output folders are
 written as OUT_DIR.tmp-<pid> and renamed at the end: a failed conversion leaves nothing.
 """
 
@@ -30,7 +32,7 @@ import os
 import pickle
 import shutil
 import typing
-from contextlib import ExitStack
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -38,7 +40,6 @@ import tomli_w
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from core.checkpoint import latest_checkpoint
 from core.config import Config, ConfigError, ModelConfig, load_config, validate
@@ -61,12 +62,21 @@ class ConversionError(ValueError):
 
 # ------------------------------------------------------------------------------- safetensors
 class TensorFiles:
-    """Read-only view of a folder of safetensors files: {key: file} and per-key shape, dtype, data."""
+    """Read-only view of safetensors files: {key: file}, each key's shape and dtype (read from
+    the headers once), and its data. Each read opens the file for that tensor alone, so the
+    mapped pages it touched leave the process with it: the resident size stays about one
+    tensor, not the files read so far."""
+
+    _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
     def __init__(self, files: dict[str, Path]):
         self.files = files
-        self._stack = ExitStack()
-        self._open: dict[Path, object] = {}
+        self.headers: dict[str, tuple[tuple[int, ...], str]] = {}
+        for f in sorted(set(files.values())):
+            with safe_open(str(f), framework="pt") as handle:
+                for key in handle.keys():
+                    view = handle.get_slice(key)
+                    self.headers[key] = (tuple(view.get_shape()), view.get_dtype())
 
     @classmethod
     def hf_folder(cls, folder: Path) -> "TensorFiles":
@@ -90,24 +100,19 @@ class TensorFiles:
                 files.update({key: f for key in handle.keys()})
         return cls(files)
 
-    def _handle(self, key: str):
-        f = self.files[key]
-        if f not in self._open:
-            self._open[f] = self._stack.enter_context(safe_open(str(f), framework="pt"))
-        return self._open[f]
-
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handle(key).get_slice(key).get_shape())
+        return self.headers[key][0]
 
     def dtype(self, key: str) -> torch.dtype:
-        name = self._handle(key).get_slice(key).get_dtype()
-        return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(name) or _bad_dtype(key, name)
+        name = self.headers[key][1]
+        return self._DTYPES.get(name) or _bad_dtype(key, name)
 
     def read(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(key)
+        with safe_open(str(self.files[key]), framework="pt") as handle:
+            return handle.get_tensor(key)
 
     def close(self) -> None:
-        self._stack.close()
+        pass
 
 
 def _bad_dtype(key: str, name: str):
@@ -131,6 +136,31 @@ class Planned:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def write_safetensors(path: Path, items: list[Planned], metadata: dict[str, str]) -> None:
+    """One safetensors file, streamed: the header comes from the planned shapes and dtypes, then
+    each tensor is made, written and dropped, so memory holds one tensor at a time."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for item in items:
+        header[item.key] = {"dtype": _ST_DTYPES[item.dtype], "shape": list(item.shape),
+                            "data_offsets": [offset, offset + item.nbytes]}
+        offset += item.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for item in items:
+            tensor = item.make()
+            if tuple(tensor.shape) != item.shape or tensor.dtype != item.dtype:
+                raise RuntimeError(f"{item.key}: made {tuple(tensor.shape)} {tensor.dtype}, planned {item.shape} {item.dtype}")
+            f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del tensor
+
+
 def write_shards(folder: Path, planned: list[Planned], stem: str, index_name: str, shard_bytes: int,
                  always_index: bool = False) -> None:
     """Write `planned` in order as shards of at most `shard_bytes` (a bigger tensor gets its own)."""
@@ -145,18 +175,10 @@ def write_shards(folder: Path, planned: list[Planned], stem: str, index_name: st
     n = len(shards)
     names = [f"{stem}.safetensors"] if n == 1 and not always_index else \
         [f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    weight_map_out = {}
     for name, shard in zip(names, shards):
-        tensors = {}
-        for item in shard:
-            tensor = item.make()
-            if tuple(tensor.shape) != item.shape or tensor.dtype != item.dtype:
-                raise RuntimeError(f"{item.key}: made {tuple(tensor.shape)} {tensor.dtype}, planned {item.shape} {item.dtype}")
-            tensors[item.key] = tensor.contiguous()
-            weight_map_out[item.key] = name
-        save_file(tensors, str(folder / name), metadata={"format": "pt"})
-        del tensors
+        write_safetensors(folder / name, shard, {"format": "pt"})
     if n > 1 or always_index:
+        weight_map_out = {item.key: name for name, shard in zip(names, shards) for item in shard}
         total = sum(item.nbytes for item in planned)
         (folder / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map_out},
                                                     indent=2) + "\n")
@@ -340,8 +362,13 @@ class CheckpointWeights(TesseraWeights):
 
     def meta(self) -> dict:
         state = {"meta": b""}
-        dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
+        self._load(state)
         return pickle.loads(state["meta"])
+
+    def _load(self, state: dict) -> None:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
 
     def names(self):
         return dict(self._names)
@@ -349,7 +376,7 @@ class CheckpointWeights(TesseraWeights):
     def read(self, name: str) -> torch.Tensor:
         shape, dtype = self._names[name]
         state = {f"model.{name}": torch.empty(shape, dtype=dtype)}
-        dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
+        self._load(state)
         return state[f"model.{name}"]
 
 

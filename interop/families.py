@@ -26,7 +26,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from core.config import ModelConfig
+from core.config import ModelConfig, moe_layer_rule
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -242,7 +242,7 @@ def hf_config(m: ModelConfig, family: str, dtype: str) -> dict:
     if family in ("qwen3", "qwen3_moe"):
         out.update(use_sliding_window=False, sliding_window=None)
     if family == "qwen3_moe":
-        moe_layers = [i for i in range(m.num_layers) if is_moe_layer(m, i)]
+        moe_layers = [i for i in range(m.num_layers) if moe_layer_rule(moe, i)]
         out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.ffn_dim or m.ffn_dim,
                    norm_topk_prob=moe.normalize_topk, decoder_sparse_step=1, router_aux_loss_coef=moe.aux_loss_coeff,
                    mlp_only_layers=[i for i in range(m.num_layers) if i not in moe_layers])
@@ -254,13 +254,6 @@ def _max_positions(m: ModelConfig) -> int:
     if rs is not None and rs.type != "none" and rs.original_max_position_embeddings:
         return int(math.ceil(rs.original_max_position_embeddings * rs.factor))
     return 8192
-
-
-def is_moe_layer(m: ModelConfig, i: int) -> bool:
-    moe = m.moe
-    if not moe.num_experts or i in (getattr(moe, "dense_layers", None) or []):
-        return False
-    return i >= moe.first_k_dense and (i - moe.first_k_dense) % moe.moe_every == 0
 
 
 # ------------------------------------------------------------------------------------ tensors
