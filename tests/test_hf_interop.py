@@ -218,7 +218,9 @@ def test_first_step_loss_equals_transformers(tmp_path, dataset, batches, importe
 
 # The rope variants differ from "llama" only in rank-local math: tp=2 of the plain one covers them.
 LAYOUTS = [(name, "tp2", ["parallel.tp=2"]) for name in ("llama", "qwen3", "qwen3_moe", "mixtral")] + \
-          [(name, "ep2", ["parallel.ep=2"]) for name in sorted(MOE)]
+          [(name, "ep2", ["parallel.ep=2"]) for name in sorted(MOE)] + \
+          [("qwen3", "pp2", ["parallel.pp=2"]),  # the tied head's copy on the last stage reads the embedding
+           ("llama_rope_llama3", "cp2", ["parallel.cp=2"])]
 
 
 @pytest.mark.slow
