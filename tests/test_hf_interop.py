@@ -21,6 +21,8 @@ vocabulary split of tp=2, the expert exchange of ep=2).
   `AutoModelForCausalLM.from_pretrained` with no missing or unexpected keys, gives step 3's loss
   on the third batch;
 - HF -> from-hf -> to-hf is bitwise identical (keys, dtypes, values, config.json);
+- a checkpoint of a model that was not imported exports with a config.json made from [model]
+  (Llama, Mixtral): transformers' logits equal Tessera's (atol 1e-4, logits of size ~10);
 - bad input: unknown architecture, unsupported rope type, sliding window, a missing tensor or a
   wrong shape in init_from: exit 2 with one line, nothing written.
 """
@@ -42,8 +44,13 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from core.checkpoint import save_checkpoint  # noqa: E402
 from core.cli import main as train_main  # noqa: E402
+from core.config import load_config, validate  # noqa: E402
 from core.data import LocalServer  # noqa: E402
+from core.layers import AttentionMeta  # noqa: E402
+from core.mesh import ParallelMesh  # noqa: E402
+from core.model import build_model  # noqa: E402
 from dataservice.build import build_dataset, make_corpus  # noqa: E402
 from dataservice.client import DataClient  # noqa: E402
 from dataservice.tokenizer import train_tiny_tokenizer  # noqa: E402
@@ -347,3 +354,33 @@ def test_init_from_with_a_missing_or_misshapen_tensor_exits_2(tmp_path, dataset,
                                               f"checkpoint.init_from={broken}"), check=False)
     _one_line_exit_2(proc, *needles)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------- a model trained from scratch
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("moe", [False, True], ids=["dense-as-llama", "moe-as-mixtral"])
+def test_a_run_without_import_exports_a_config_of_its_own(tmp_path, moe):
+    """No imported config.json to keep: to-hf writes one from [model] (Llama or Mixtral), and
+    transformers' logits on a document equal Tessera's (fp32, atol 1e-4 on logits of size ~10)."""
+    sets = ["model.vocab_size=96", "model.dim=32", "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_dim=48",
+            "model.rope_theta=50000.0"]
+    if moe:
+        sets += ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_dim=24"]
+    config = load_config(None, sets)
+    validate(config, 1)
+    model = build_model(config.model, seed=3)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(1.0 + 0.2 * torch.randn_like(param) if param.dim() == 1 else param * 12)
+    save_checkpoint(tmp_path / "ckpt", 1, model, None, None, ParallelMesh.build(), {"model": config.to_dict()["model"]})
+    convert("to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    hf = load_hf(tmp_path / "hf")
+    assert type(hf).__name__ == ("MixtralForCausalLM" if moe else "LlamaForCausalLM")
+    tokens = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(40)
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, 40], dtype=torch.int32), max_seqlen=40, doc_lengths=(40,))
+    with torch.no_grad():
+        ours = model.eval()(tokens, positions, meta)
+        theirs = hf(input_ids=tokens[None], position_ids=positions[None]).logits[0]
+    assert ours.abs().max() > 3.0
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-5)
