@@ -310,8 +310,11 @@ def _plan_import(link: Link, source: TensorFiles, want: tuple[int, ...]) -> Plan
         if any(source.shape(k) != one for k in link.hf):
             raise ConversionError(f"the experts of '{link.name}' do not all have the shape {list(one)}")
 
-        def make() -> torch.Tensor:
-            return torch.stack([source.read(k).t() for k in link.hf]).contiguous()
+        def make() -> torch.Tensor:  # filled expert by expert: one expert's copy besides the result
+            out = torch.empty(have, dtype=dtype)
+            for e, key in enumerate(link.hf):
+                out[e].copy_(source.read(key).t())
+            return out
     else:
         have = source.shape(link.hf[0])
 
