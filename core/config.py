@@ -1,7 +1,7 @@
 """Run configuration: dataclasses with defaults that run, loaded from TOML, overridden by `--set`.
 
 A TOML file names the sections below (`[model]`, `[model.moe]`, `[parallel]`, `[train]`,
-`[data]`, `[checkpoint]`); the command line overrides single keys with dotted paths
+`[data]`, `[checkpoint]`, `[eval]`); the command line overrides single keys with dotted paths
 (`--set model.num_layers=4`).
 
 Every key is a typed field (`Literal[...]` for a choice) with a one-line docstring on the line
@@ -262,6 +262,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    interval: int = 0
+    """Steps between validation-loss evaluations (also after the last step); 0: no evaluation."""
+    steps: int = 4
+    """Global batches (train.global_batch_size rows each) per evaluation, the same rows every time."""
+    dataset: str = ""
+    """A held-out dataset folder (`tessera-data build`) that the trainer serves on loopback itself."""
+    address: str = ""
+    """HOST:PORT of a running data service of held-out rows (comma-separated replicas); used before eval.dataset."""
+    seed: int = 0
+    """Seed of the held-out stream's row order (fixed: each evaluation reads the same rows)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The network ([model])."""
@@ -273,6 +287,8 @@ class Config:
     """Where the batches come from ([data])."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When and where the run saves ([checkpoint])."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation loss on held-out rows ([eval])."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -478,6 +494,7 @@ RANGES = {
     "train.beta2": "[0, 1)", "train.eps": ">= 0", "train.grad_clip": ">= 0", "train.log_interval": ">= 1",
     "data.prefetch": ">= 1",
     "checkpoint.interval": ">= 0", "checkpoint.keep": ">= 1",
+    "eval.interval": ">= 0", "eval.steps": ">= 1", "eval.seed": "[0, 9223372036854775807]",
 }
 
 
@@ -548,6 +565,8 @@ def validate(config: Config, world_size: int) -> Config:
         _check_dynamic_cp(config, dp)
     if config.data.cp_cost:
         _check_cp_cost(config)
+    if config.eval.interval:
+        _check_eval(config)
     return config
 
 
@@ -689,6 +708,25 @@ def _check_train(config: Config) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} must not exceed train.lr={t.lr} (the cosine decays from lr to min_lr)")
     if not t.run_dir.strip():
         raise ConfigError("train.run_dir is empty; give the run a folder, e.g. train.run_dir=runs/my_run")
+
+
+def _check_eval(config: Config) -> None:
+    e, p = config.eval, config.parallel
+    if not e.address and not e.dataset:
+        raise ConfigError(f"eval.interval={e.interval} needs held-out data: set eval.dataset=DIR (a folder made by "
+                          "`tessera-data build`) or eval.address=HOST:PORT (a running `tessera-data serve`)")
+    if not e.address:
+        if not Path(e.dataset).is_dir():
+            raise ConfigError(f"eval.dataset={e.dataset!r}: no such folder; give a folder made by `tessera-data build`")
+        if not (Path(e.dataset) / "manifest.json").is_file():
+            raise ConfigError(f"eval.dataset={e.dataset!r} is not a dataset (it has no manifest.json); give a folder "
+                              "made by `tessera-data build`")
+    if p.pp > 1:
+        raise ConfigError("eval.interval > 0 with parallel.pp > 1 is not supported yet (no forward-only pipeline "
+                          "schedule); use eval.interval=0 or parallel.pp=1")
+    if p.dynamic_cp:
+        raise ConfigError("eval.interval > 0 with parallel.dynamic_cp is not supported yet; use eval.interval=0 or "
+                          "a fixed parallel.cp")
 
 
 def _check_cp_cost(config: Config) -> None:

@@ -89,6 +89,8 @@ class MetricsWriter:
             f" | lr {record['lr']:.2e} | {record['tokens_per_s'] / 1e3:8.1f}k tok/s"
             f" | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | mem {record['mem_gb']:.2f} GB"
         )
+        if "val_loss" in record:
+            line += f" | val {record['val_loss']:.4f}"
         print(line, file=sys.stderr, flush=True)
 
     def close(self, plot: bool) -> Path | None:
@@ -110,9 +112,13 @@ class MetricsWriter:
         steps = [r["step"] for r in self.history]
         losses = [r["loss"] for r in self.history]
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(steps, losses, marker="." if len(steps) < 100 else None)
+        ax.plot(steps, losses, marker="." if len(steps) < 100 else None, label="training")
+        evals = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
+        if evals:
+            ax.plot(*zip(*evals), marker="o", label="validation")
+            ax.legend()
         ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
+        ax.set_ylabel("loss")
         ax.set_title(f"Tessera: {self.run_dir.name}")
         ax.grid(alpha=0.3)
         path = self.run_dir / "loss.png"

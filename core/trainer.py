@@ -10,6 +10,7 @@ equals the single-process loss on the same rows whatever the layout.
     micro = trainer.next_micro_batches() # this rank's micro-batches of one step
     result = trainer.step(micro)         # forward/backward, clip, optimizer; no host sync
     record = trainer.record(result, t0)  # the metrics line (syncs)
+    record.update(trainer.evaluate())    # validation loss on the held-out rows ([eval])
     trainer.save()
 
 `run()` is that loop with logging and checkpoints; the benchmarks and tests call `step`.
@@ -99,6 +100,8 @@ class Trainer:
         self.stream = None
         self._server = None
         self._batches = None
+        self._eval_address = None
+        self._eval_server = None
 
     # -- data ------------------------------------------------------------------------------
 
@@ -199,6 +202,55 @@ class Trainer:
         dist.all_reduce(t, group=self.reduce_group)
         return t.tolist()
 
+    # -- evaluation ------------------------------------------------------------------------
+
+    def evaluate(self) -> dict:
+        """Validation loss over `eval.steps` global batches of the held-out stream: forward only,
+        the summed token loss over all ranks divided by the global label count (as in training),
+        and the same loss by bucket of the token's position in its document. Every call reads
+        the same rows (a fresh stream with `eval.seed`, no resume token), so evaluations compare
+        across steps and layouts. MoE layers run in eval mode: no statistics, no bias load, no
+        auxiliary loss. Every rank must call it; every rank gets the same dict."""
+        e = self.config.eval
+        if self._eval_address is None:
+            data = dataclasses.replace(self.config.data, address=e.address, dataset=e.dataset, cp_cost="")
+            self._eval_address, self._eval_server = resolve_address(dataclasses.replace(self.config, data=data))
+        edges = position_buckets(self.config.train.seq_len)
+        sums = torch.zeros(2 * (len(edges) + 1), dtype=torch.float64, device=self.device)  # (sum, count) pairs
+        stream_config = dataclasses.replace(self.config, train=dataclasses.replace(self.config.train, seed=e.seed))
+        stream = open_stream(stream_config, self.mesh, self._eval_address)
+        was_training = self.model.training
+        self.model.train(False)
+        try:
+            batches = iter(stream)
+            with torch.no_grad():
+                for _ in range(e.steps * self.accum):
+                    m = self._shard(to_inputs(next(batches), self.device))
+                    if self.config.model.moe.num_experts:
+                        set_moe_sequences(self.model, m.meta.cu_seqlens, m.tokens.numel())
+                    with self.autocast:
+                        logits = self.model(m.tokens, m.position_ids, m.meta)
+                    sums[0] += cross_entropy_sum(logits, m.labels, self.tp_group)[0].double()
+                    sums[1] += m.num_labels
+                    for i, (low, high) in enumerate(zip(edges, edges[1:])):
+                        outside = (m.position_ids < low) | (m.position_ids >= high)
+                        part, count = cross_entropy_sum(logits, m.labels.masked_fill(outside, -100), self.tp_group)
+                        sums[2 * i + 2] += part.double()
+                        sums[2 * i + 3] += count.double()
+        finally:
+            self.model.train(was_training)
+            stream.close()
+        if self.reduce_group is not None:
+            dist.all_reduce(sums, group=self.reduce_group)
+        values = sums.tolist()
+        by_position = {f"{low}-{high}": values[2 * i + 2] / values[2 * i + 3]
+                       for i, (low, high) in enumerate(zip(edges, edges[1:])) if values[2 * i + 3]}
+        return {"val_loss": values[0] / max(values[1], 1.0), "val_loss_by_position": by_position}
+
+    def _eval_due(self, last_step: int) -> bool:
+        interval = self.config.eval.interval
+        return bool(interval) and (self.step_count % interval == 0 or self.step_count == last_step)
+
     # -- checkpoints -----------------------------------------------------------------------
 
     def load_latest(self) -> str | None:
@@ -255,7 +307,10 @@ class Trainer:
                 micro = self.next_micro_batches()
                 data_wait = time.perf_counter() - step_start  # blocked on the data client (+ the copy in)
                 record = self.record(self.step(micro, data_wait), step_start)
-                writer.log(record, show=self.step_count % t.log_interval == 0 or self.step_count == t.max_steps)
+                if self._eval_due(last_step):
+                    record.update(self.evaluate())
+                writer.log(record, show=self.step_count % t.log_interval == 0 or self.step_count == t.max_steps
+                           or "val_loss" in record)
                 if self._checkpoint_due(last_step):
                     self.save()
         finally:
@@ -271,6 +326,9 @@ class Trainer:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        if self._eval_server is not None:
+            self._eval_server.stop()
+            self._eval_server = None
 
 
 def train(config: Config, resume: bool = False) -> list[dict]:
@@ -289,6 +347,15 @@ def resolve_precision(config: Config, device: torch.device) -> str:
     if precision == "auto":
         return "bf16" if device.type == "cuda" else "fp32"
     return precision
+
+
+def position_buckets(seq_len: int) -> list[int]:
+    """Edges of the per-position loss buckets: 0, 64, 256, 1024, ... (powers of 4), then seq_len."""
+    edges, edge = [0], 64
+    while edge < seq_len:
+        edges.append(edge)
+        edge *= 4
+    return edges + [seq_len]
 
 
 def _context_sharder(config: Config, mesh: ParallelMesh):

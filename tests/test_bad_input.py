@@ -207,6 +207,9 @@ def test_wrong_type_in_the_file(tmp_path, dataset):
     (["model.num_heads=3"], ["model.dim=128 must be divisible by model.num_heads=3"]),
     (["model.dim=80", "model.num_heads=16"], ["model.dim / model.num_heads = 80 / 16 = 5 must be even"]),
     (["train.global_batch_size=7"], ["train.global_batch_size=7 must be a multiple of"]),
+    (["eval.interval=5"], ["eval.interval=5 needs held-out data", "eval.dataset=DIR"]),
+    (["eval.interval=5", "eval.dataset=/no/such/folder"], ["eval.dataset='/no/such/folder': no such folder"]),
+    (["eval.steps=0"], ["eval.steps=0 must be >= 1"]),
 ])
 def test_out_of_range_and_cross_field(tmp_path, dataset, items, words):
     assert_one_line(train(tmp_path, dataset, *items), *words)
@@ -299,7 +302,7 @@ def test_help_config_lists_every_key():
     assert proc.returncode == 0, proc.stderr
     keys = [line.split(" = ")[0] for line in proc.stdout.splitlines() if " = " in line]
     assert set(keys) == {k for k in field_docs() if k not in ("model", "model.moe", "model.rope_scaling", "parallel", "train", "data",
-                                                              "checkpoint")}
+                                                              "checkpoint", "eval")}
     assert 'train.precision = "auto"  # \'auto\' | \'fp32\' | \'bf16\' | \'fp8\': ' in proc.stdout
 
 
