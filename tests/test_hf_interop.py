@@ -7,8 +7,8 @@ its own position ids; the token cross-entropies against the batch's labels (-100
 summed and divided by the label count: Tessera's logged loss (metrics.jsonl `loss`, the LM
 cross-entropy alone, computed before the step's update).
 
-Models: tiny random ones built by transformers (Llama 3 with and without llama3 and yarn rope
-scaling, Qwen3 with a head_dim apart from hidden/heads and tied embeddings, Qwen3-MoE with a
+Models: tiny random ones built by transformers (Llama 3 with and without llama3 (+ q, k, v, o
+biases) and yarn rope scaling, Qwen3 with a head_dim apart from hidden/heads and tied embeddings, Qwen3-MoE with a
 dense first layer, Mixtral), weights drawn at std 0.25 and norm gains around 1, so the loss
 is far from uniform and depends on every weight, the rotary, the norms and the routing.
 
@@ -68,7 +68,7 @@ def _configs() -> dict:
     t = transformers
     return {
         "llama": t.LlamaConfig(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
-        "llama_rope_llama3": t.LlamaConfig(**COMMON, rope_parameters={
+        "llama_rope_llama3": t.LlamaConfig(**COMMON, attention_bias=True, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
         "llama_rope_yarn": t.LlamaConfig(**COMMON, max_position_embeddings=64, rope_parameters={
