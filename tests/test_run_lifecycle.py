@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "launch" / "configs" / "tiny_dense.toml"
-STEPS = 8
+STEPS = 6
 SMALL = [
     "model.dim=64", "model.num_layers=2", "model.ffn_dim=128", "train.seq_len=64", "train.micro_batch_size=2",
     "train.global_batch_size=8", f"train.max_steps={STEPS}", "train.warmup_steps=1", "train.plot=true",
@@ -135,19 +135,18 @@ def resume_and_check(run_dir: Path, reference: dict[int, float]) -> None:
 # Moments: after a random step has been logged (during the next step's compute or collectives),
 # and the instant a checkpoint save has started writing (a step_N.tmp folder exists).
 def _during_step(run_dir: Path, rng: random.Random):
-    target = rng.randint(2, 5)
+    target = rng.randint(2, 4)
     return lambda: len(metrics(run_dir)) >= target and (time.sleep(rng.uniform(0.0, 0.4)) or True)
 
 
 def _during_save(run_dir: Path, rng: random.Random):
-    target = rng.randint(2, 4)
+    target = rng.randint(2, 3)
     return lambda: len(metrics(run_dir)) >= target and any((run_dir / "checkpoints").glob("step_*.tmp"))
 
 
 CASES = {
     "sigint-launcher-during-step": (True, signal.SIGINT, "launcher", _during_step),
     "sigterm-group-during-save": (True, signal.SIGTERM, "group", _during_save),
-    "sigint-group-during-save": (True, signal.SIGINT, "group", _during_save),
     "sigterm-torchrun-during-step": (False, signal.SIGTERM, "launcher", _during_step),
 }
 
