@@ -134,9 +134,8 @@ MOE_LAYOUTS = {
     "ep2xtp2": ["parallel.ep=2", "parallel.tp=2"],
     "ep2xpp2": ["parallel.ep=2", "parallel.pp=2"],
     "ep2xcp2": ["parallel.ep=2", "parallel.cp=2"],
-    # The layouts above (and the reference) write expert weight gradients straight into the fp32
-    # main grads; without that fusion the losses are the same.
-    "ep2xdp4-unfused": ["parallel.ep=2", "parallel.gradient_accumulation_fusion=false"],
+    # These (and the reference) write expert weight gradients straight into the fp32 main grads;
+    # that the unfused path gives the same main grads is tests/test_moe.py's, in process.
 }
 
 
