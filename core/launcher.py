@@ -1,7 +1,7 @@
 """`tessera-train --nproc-per-node N`: torchrun on this machine, and nothing left behind.
 
 The launcher owns the run: it holds the run directory's lock for its workers, starts torchrun
-in a process session of its own (so a Ctrl-C reaches the launcher once, not every process twice), and
+in a new process group via setsid (so a Ctrl-C reaches the launcher once, not every process twice), and
 on SIGINT / SIGTERM forwards the signal to torchrun, which stops its workers. Whatever
 remains after `STOP_GRACE_S` — or after torchrun ends, normally or not — is killed: the
 launcher is a child subreaper, so workers and the loopback data server stay its descendants

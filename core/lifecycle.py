@@ -75,7 +75,7 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 def become_subreaper() -> bool:
     """Orphaned descendants are re-parented to this process instead of init, so it can find
-    and stop them (torchrun starts its workers in sessions of their own)."""
+    and stop them (torchrun starts each worker with setsid, outside our process group)."""
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
