@@ -523,6 +523,11 @@ def _walk(obj: Any, prefix: str):
             yield key, obj, f, hints[f.name]
 
 
+def leaf_values(config: Config) -> dict[str, Any]:
+    """Every key's value, by dotted key ("train.lr": 3e-3)."""
+    return {key: getattr(owner, f.name) for key, owner, f, _ in _walk(config, "")}
+
+
 def _check_fields(obj: Any, prefix: str) -> None:
     """Types (also of configs built in code) and the fixed ranges of every key under `obj`."""
     for key, owner, f, hint in _walk(obj, prefix):

@@ -23,7 +23,7 @@ from pathlib import Path
 import tomli_w
 
 from core.checkpoint import latest_checkpoint
-from core.config import Config, ConfigError, load_config
+from core.config import Config, ConfigError, leaf_values, load_config
 
 LOCK_NAME = "run.lock"
 CONFIG_NAME = "config.toml"
@@ -174,19 +174,9 @@ def load_saved_config(run_dir: Path, overrides: list[str] | tuple[str, ...] = ()
     return load_config(path, overrides)
 
 
-def _flatten(data: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def compare(saved: Config, new: Config) -> tuple[list[str], list[str]]:
     """(changes that alter the trajectory, changes that cannot work) from `saved` to `new`."""
-    before, after = _flatten(config_dict(saved)), _flatten(config_dict(new))
+    before, after = leaf_values(saved), leaf_values(new)
     altering, impossible = [], []
     for key in sorted(after):
         if before.get(key) == after[key]:
