@@ -729,9 +729,6 @@ def _check_eval(config: Config) -> None:
     if p.pp > 1:
         raise ConfigError("eval.interval > 0 with parallel.pp > 1 is not supported yet (no forward-only pipeline "
                           "schedule); use eval.interval=0 or parallel.pp=1")
-    if p.dynamic_cp:
-        raise ConfigError("eval.interval > 0 with parallel.dynamic_cp is not supported yet; use eval.interval=0 or "
-                          "a fixed parallel.cp")
 
 
 def _check_cp_cost(config: Config) -> None:

@@ -224,8 +224,7 @@ class Trainer:
         try:
             batches = iter(stream)
             with torch.no_grad():
-                for _ in range(e.steps * self.accum):
-                    m = self._shard(to_inputs(next(batches), self.device))
+                for m in self._eval_micro_batches(batches, e.steps):
                     if self.config.model.moe.num_experts:
                         set_moe_sequences(self.model, m.meta.cu_seqlens, m.tokens.numel())
                     with self.autocast:
@@ -246,6 +245,13 @@ class Trainer:
         by_position = {f"{low}-{high}": values[2 * i + 2] / values[2 * i + 3]
                        for i, (low, high) in enumerate(zip(edges, edges[1:])) if values[2 * i + 3]}
         return {"val_loss": values[0] / max(values[1], 1.0), "val_loss_by_position": by_position}
+
+    def _eval_micro_batches(self, batches, steps: int):
+        """This rank's micro-batches of `steps` held-out global batches, split as in training
+        (under dynamic CP the service plans the held-out steps too)."""
+        for _ in range(steps):
+            yield from (self.dynamic.next_step(batches, self.device) if self.dynamic is not None else
+                        (self._shard(to_inputs(next(batches), self.device)) for _ in range(self.accum)))
 
     def _eval_due(self, last_step: int) -> bool:
         interval = self.config.eval.interval

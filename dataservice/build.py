@@ -1,15 +1,20 @@
 """`tessera-data build`: turn corpus files into a sharded, checksummed dataset folder.
 
-Inputs are JSON Lines files (`.jsonl`, `.json`, `.ndjson`: one document per line, text in
-`text_field`), any other file as one plain-text document, and folders walked recursively
-with a glob. Each document is tokenized, gets `eos_id` appended, is identified by the
-xxh3_64 of its stored token bytes (exact duplicates are dropped and counted) and is
-appended to bounded-size LMDB shards (format: `dataservice.shards`).
+Inputs are JSON Lines files (`.jsonl`, `.json`, `.ndjson`: one record per line), any other
+file as one plain-text document, and folders walked recursively with a glob. A JSON record is
+a pretraining document (text in `text_field`) or a fine-tuning example (`prompt`/`completion`
+or `messages`, rendered by `dataservice.sft` with the loss on the answers only). A document is
+tokenized and gets `eos_id` appended; an example is rendered as its template says. Each is
+identified by the xxh3_64 of its stored token bytes (and, for an example, its target runs);
+exact duplicates are dropped and counted; all are appended to bounded-size LMDB shards
+(format: `dataservice.shards`). A dataset holding any example also gets its target runs
+(`targets.npy`, `targets_ptr.npy`); a pretraining document's one run is the whole document.
 
 Problems never crash a build; they are counted in the manifest:
 `invalid_utf8` (a text file, or a JSON line, that is not valid UTF-8), `empty` (a document
 with no non-whitespace character), `broken_json` (a line that is not JSON), and
-`missing_field` (a JSON line that is not an object with a string `text_field`). Blank
+`missing_field` (a JSON line that is not an object with a string `text_field`, `prompt` /
+`completion` or `messages`), and the examples' own (`dataservice.sft.EXAMPLE_PROBLEMS`). Blank
 lines of JSON Lines files are skipped silently. `strict=True` turns the first problem
 into a BuildError naming file and line.
 
@@ -38,12 +43,13 @@ import numpy as np
 import xxhash
 
 from .progress import Progress
-from .shards import (FORMAT_VERSION, INDEX_DTYPE, INDEX_NAME, MANIFEST_NAME, ShardWriter,
-                     dataset_fingerprint, file_checksum, fsync_path, manifest_checksum)
+from .sft import EXAMPLE_PROBLEMS, Example, ExampleProblem, ExampleRenderer, find_chat_template, kind_of
+from .shards import (FORMAT_VERSION, INDEX_DTYPE, INDEX_NAME, MANIFEST_NAME, TARGETS_NAME, TARGETS_PTR_NAME,
+                     ShardWriter, dataset_fingerprint, file_checksum, fsync_path, manifest_checksum)
 from .tokenizer import load_tokenizer
 
 JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
-PROBLEMS = ("invalid_utf8", "empty", "broken_json", "missing_field")
+PROBLEMS = ("invalid_utf8", "empty", "broken_json", "missing_field", *EXAMPLE_PROBLEMS)
 BATCH_DOCS = 1024
 BATCH_BYTES = 8 << 20
 MAX_SKIPPED = 0.5  # a build that skips more of its records than this fails: the input is not what it seems
@@ -62,6 +68,11 @@ class _Counts:
     empty: int = 0
     broken_json: int = 0
     missing_field: int = 0
+    no_assistant: int = 0
+    unknown_role: int = 0
+    empty_completion: int = 0
+    bad_example: int = 0
+    template_error: int = 0
     files: int = 0
     first_problems: list = field(default_factory=list)  # a few "file:line: what" examples
 
@@ -155,9 +166,10 @@ def _parse_json_line(text: str):
     return json.loads(text)  # exact semantics (leading blanks, error) for the rare rest
 
 
-def _documents(files: list[pathlib.Path], text_field: str, strict: bool,
-               counts: _Counts) -> Iterator[tuple[str, bytes]]:
-    """(text, its UTF-8 bytes) of every usable document; problems go into `counts`."""
+def _documents(files: list[pathlib.Path], text_field: str, strict: bool, counts: _Counts,
+               renderer: ExampleRenderer, records: dict) -> Iterator[tuple[str, bytes] | Example]:
+    """(text, its UTF-8 bytes) of every usable document and the Example of every usable
+    fine-tuning record; problems go into `counts`, records of each kind into `records`."""
     for path in files:
         counts.files += 1
         if path.suffix.lower() in JSONL_SUFFIXES:
@@ -172,10 +184,20 @@ def _documents(files: list[pathlib.Path], text_field: str, strict: bool,
                         if line.strip():  # blank lines are not documents, just skipped
                             _problem(counts, "broken_json", f"{path}:{lineno}", strict)
                         continue
-                    text = obj.get(text_field) if isinstance(obj, dict) else None
-                    if not isinstance(text, str):
+                    kind = kind_of(obj, text_field) if isinstance(obj, dict) else None
+                    if kind is None:
                         _problem(counts, "missing_field", f"{path}:{lineno} (field {text_field!r})", strict)
                         continue
+                    if kind != "text":
+                        try:
+                            example = renderer.render(obj)
+                        except ExampleProblem as p:
+                            _problem(counts, p.kind, f"{path}:{lineno}", strict)
+                            continue
+                        records[kind] += 1
+                        yield example
+                        continue
+                    text = obj[text_field]
                     try:
                         raw = text.encode("utf-8")
                     except UnicodeEncodeError:  # JSON escapes can spell lone surrogates
@@ -184,6 +206,7 @@ def _documents(files: list[pathlib.Path], text_field: str, strict: bool,
                     if not text or text.isspace():
                         _problem(counts, "empty", f"{path}:{lineno}", strict)
                         continue
+                    records["text"] += 1
                     yield text, raw
         else:
             raw = path.read_bytes()
@@ -196,6 +219,7 @@ def _documents(files: list[pathlib.Path], text_field: str, strict: bool,
             if not text or text.isspace():
                 _problem(counts, "empty", f"{path}:1", strict)
                 continue
+            records["text"] += 1
             yield text, raw
 
 
@@ -241,11 +265,68 @@ def _encode_flat(batch: list[tuple[str, bytes]], tok) -> tuple[np.ndarray, np.nd
     return np.concatenate([part for a in ids for part in (a, eos)]), ends
 
 
-def _batches(docs: Iterable[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes]]]:
+def _encode_items(batch: list, tok) -> tuple[np.ndarray, np.ndarray, list]:
+    """`_encode_flat` for a batch that may hold Examples: (flat tokens, end offsets, each item's
+    target runs or None for a document)."""
+    if not any(isinstance(item, Example) for item in batch):
+        flat, ends = _encode_flat(batch, tok)
+        return flat, ends, [None] * len(batch)
+    eos = np.array([tok.eos_id], tok.dtype)
+    parts = [item.ids if isinstance(item, Example) else np.concatenate([tok.encode(item[0]), eos])
+             for item in batch]
+    ends = np.cumsum(np.fromiter(map(len, parts), np.int64, count=len(parts)))
+    runs = [item.target_runs if isinstance(item, Example) else None for item in batch]
+    return np.concatenate(parts).astype(tok.dtype, copy=False), ends, runs
+
+
+class _Targets:
+    """Target runs of the kept documents while a build runs; written only if an example was kept."""
+
+    def __init__(self):
+        self.counts = array.array("I")  # runs per document; 0: a pretraining document (all targets)
+        self.runs = array.array("I")  # [start, end) pairs of the examples, flattened
+        self.any_example = False
+
+    def add(self, runs: list) -> None:
+        for r in runs:
+            if r is None:
+                self.counts.append(0)
+            else:
+                self.any_example = True
+                self.counts.append(len(r))
+                self.runs.frombytes(np.ascontiguousarray(r, np.uint32).tobytes())
+
+    def write(self, tmp: pathlib.Path, lengths: np.ndarray) -> dict:
+        """targets.npy (uint32 [runs, 2]) and targets_ptr.npy (uint64 [documents + 1]); the manifest entry."""
+        counts = np.frombuffer(self.counts, np.uint32).astype(np.int64)
+        whole = counts == 0
+        per_doc = np.where(whole, 1, counts)
+        ptr = np.zeros(counts.size + 1, np.uint64)
+        np.cumsum(per_doc, out=ptr[1:])
+        runs = np.empty((int(ptr[-1]), 2), np.uint32)
+        example_rows = np.repeat(~whole, per_doc)
+        runs[example_rows] = np.frombuffer(self.runs, np.uint32).reshape(-1, 2)
+        runs[~example_rows] = np.stack([np.zeros(int(whole.sum()), np.uint32), lengths[whole].astype(np.uint32)], 1)
+        for name, arr in ((TARGETS_NAME, runs), (TARGETS_PTR_NAME, ptr)):
+            with open(tmp / name, "wb") as f:
+                np.save(f, arr, allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
+        target_tokens = int((runs[:, 1].astype(np.int64) - runs[:, 0]).sum())
+        return {"runs": TARGETS_NAME, "runs_checksum": file_checksum(tmp / TARGETS_NAME),
+                "ptr": TARGETS_PTR_NAME, "ptr_checksum": file_checksum(tmp / TARGETS_PTR_NAME),
+                "target_tokens": target_tokens}
+
+
+def _item_bytes(item) -> int:
+    return item.ids.nbytes if isinstance(item, Example) else len(item[1])
+
+
+def _batches(docs: Iterable) -> Iterator[list]:
     batch, size = [], 0
     for d in docs:
         batch.append(d)
-        size += len(d[1])
+        size += _item_bytes(d)
         if len(batch) >= BATCH_DOCS or size >= BATCH_BYTES:
             yield batch
             batch, size = [], 0
@@ -328,7 +409,8 @@ def _publish(tmp: pathlib.Path, output: pathlib.Path, overwrite: bool) -> None:
 def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *,
                   tokenizer: str = "byte", text_field: str = "text", glob: str | Sequence[str] = "**/*",
                   shard_size_mb: float = 256, overwrite: bool = False, strict: bool = False,
-                  progress: bool = False, max_skipped: float = MAX_SKIPPED) -> pathlib.Path:
+                  progress: bool = False, max_skipped: float = MAX_SKIPPED,
+                  chat_template: str = "auto") -> pathlib.Path:
     """Build a dataset folder at `output` from `inputs`; returns the output path.
 
     `tokenizer` is "byte" or a path to a tokenizer.json. `shard_size_mb` bounds each shard's
@@ -336,6 +418,8 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
     Raises BuildError on misuse or, with `strict`, on the first input problem, or when more
     than `max_skipped` of the records were skipped as problems (a wrong `text_field` skips them
     all); then no output folder is left behind. `glob`: one pattern or several, with braces.
+    `chat_template`: how fine-tuning records are rendered ('auto', 'plain' or a jinja file;
+    see `dataservice.sft.find_chat_template`).
     """
     t0 = time.perf_counter()
     output = pathlib.Path(output).absolute()
@@ -345,13 +429,17 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
         tok = load_tokenizer(tokenizer)
     except Exception as e:  # TokenizerError or an OS error: both are the user's input
         raise BuildError(str(e)) from None
+    try:
+        renderer = ExampleRenderer(tok, find_chat_template(tokenizer, chat_template))
+    except (ValueError, OSError) as e:
+        raise BuildError(str(e)) from None
     if not 0 <= max_skipped <= 1:
         raise BuildError(f"--max-skipped must be a fraction in [0, 1], got {max_skipped}")
     globs = [glob] if isinstance(glob, str) else list(glob)
     files = _input_files(inputs, globs)
     tmp = _prepare_output(output, overwrite)
     try:
-        manifest = _build_into(tmp, files, tok, text_field, shard_size_mb, strict, progress, t0)
+        manifest = _build_into(tmp, files, tok, renderer, text_field, shard_size_mb, strict, progress, t0)
         _check_skipped(manifest, max_skipped, text_field)
         manifest["build"].update(inputs=[str(i) for i in inputs], text_field=text_field, glob=globs)
         manifest["manifest_checksum"] = manifest_checksum(manifest)
@@ -363,30 +451,35 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
     return output
 
 
-def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, text_field: str,
+def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, renderer: ExampleRenderer, text_field: str,
                 shard_size_mb: float, strict: bool, show_progress: bool, t0: float) -> dict:
     """Write shards, index and tokenizer copy into `tmp`; returns the manifest (not yet written)."""
     counts = _Counts()
     writer = ShardWriter(tmp, int(shard_size_mb * (1 << 20)))
     seen = _SeenHashes()
+    targets = _Targets()
+    records = {"text": 0, "prompt_completion": 0, "messages": 0}
     idx_hash, idx_len = array.array("Q"), array.array("I")
     idx_shard, idx_key = array.array("I"), array.array("Q")
     dtype = tok.dtype
     bar = Progress(enabled=show_progress)
     total_tokens = 0
     try:
-        for batch in _batches(_documents(files, text_field, strict, counts)):
-            flat, ends = _encode_flat(batch, tok)
+        for batch in _batches(_documents(files, text_field, strict, counts, renderer, records)):
+            flat, ends, runs = _encode_items(batch, tok)
             view = memoryview(flat).cast("B")
             starts = np.concatenate(([0], ends[:-1]))
             isz = flat.itemsize
-            hashes = np.fromiter((xxhash.xxh3_64_intdigest(view[a:b]) for a, b in
-                                  zip((starts * isz).tolist(), (ends * isz).tolist())), np.uint64, count=len(ends))
+            # An example's identity includes what it trains on: equal tokens, other targets, kept.
+            hashes = np.fromiter((xxhash.xxh3_64_intdigest(view[a:b] if r is None else bytes(view[a:b]) + r.tobytes())
+                                  for a, b, r in zip((starts * isz).tolist(), (ends * isz).tolist(), runs)),
+                                 np.uint64, count=len(ends))
             keep = seen.first_sight(hashes)
             counts.duplicates_dropped += int(keep.size - np.count_nonzero(keep))
             if not keep.any():
                 continue
             lens = (ends - starts)[keep]
+            targets.add([r for r, k in zip(runs, keep.tolist()) if k])
             shard, key = writer.add_batch(view, starts[keep] * isz, ends[keep] * isz, lens)
             idx_hash.frombytes(hashes[keep].tobytes())
             idx_len.frombytes(lens.astype(np.uint32).tobytes())
@@ -431,9 +524,13 @@ def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, text_field: s
         "index": {"file": INDEX_NAME, "dtype": [list(f) for f in INDEX_DTYPE.descr]},
         "index_checksum": file_checksum(tmp / INDEX_NAME),
         "first_problems": counts.first_problems,
+        "records": records,
+        "chat_template": renderer.describe() if records["prompt_completion"] + records["messages"] else None,
         "build": {"seconds": round(time.perf_counter() - t0, 3), "shard_size_mb": shard_size_mb,
                   "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
     }
+    if targets.any_example:
+        manifest["loss_mask"] = targets.write(tmp, lengths)
     manifest["fingerprint"] = dataset_fingerprint(manifest)
     return manifest
 
@@ -458,7 +555,9 @@ def summary_line(output: pathlib.Path, manifest: dict) -> str:
     problems = ", ".join(f"{k}={c.get(k, 0)}" for k in PROBLEMS)
     secs = manifest.get("build", {}).get("seconds", 0) or 1e-9
     mb = sum(s["bytes"] for s in manifest["shards"]) / 1e6
-    return (f"built {output}: {c['documents']:,} documents, {manifest['total_tokens']:,} tokens, "
+    mask = manifest.get("loss_mask")
+    targets = f" ({mask['target_tokens']:,} of them targets)" if mask else ""
+    return (f"built {output}: {c['documents']:,} documents, {manifest['total_tokens']:,} tokens{targets}, "
             f"{len(manifest['shards'])} shard(s), {mb:,.1f} MB, {c['duplicates_dropped']:,} duplicates dropped, "
             f"problems: {problems}; {c['files']:,} file(s) in {secs:.2f}s "
             f"({c['documents'] / secs:,.0f} docs/s, {manifest['total_tokens'] / secs / 1e6:,.2f} M tokens/s)")

@@ -44,6 +44,10 @@ def _add_build(sub) -> None:
     p.add_argument("--tokenizer", default="byte",
                    help="'byte' (default, built in) or the path of a tokenizer.json")
     p.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
+    p.add_argument("--chat-template", default="auto", metavar="auto|plain|FILE",
+                   help="how prompt/completion and messages records are rendered: 'auto' (default) uses the "
+                        "tokenizer folder's chat template if it has one, else the plain template; 'plain'; "
+                        "or a jinja template file")
     p.add_argument("--glob", action="append", default=None, metavar="PATTERN",
                    help="files to take from input folders, relative to each (repeatable; braces such as "
                         "'**/*.{py,md}' expand; default: **/*)")
@@ -65,7 +69,7 @@ def _run_build(args) -> int:
         out = build_dataset(args.inputs, args.output, tokenizer=args.tokenizer, text_field=args.text_field,
                             glob=args.glob or ["**/*"], max_skipped=args.max_skipped,
                             shard_size_mb=args.shard_size_mb, overwrite=args.overwrite,
-                            strict=args.strict, progress=not args.quiet)
+                            strict=args.strict, progress=not args.quiet, chat_template=args.chat_template)
     except BuildError as e:
         return _fail(prog, str(e))
     except OSError as e:

@@ -162,8 +162,9 @@ def pack_rows(item_lengths: np.ndarray, seq_len: int, row_key: Sequence[int] | N
 class MicroBatch:
     """B packed rows of S tokens, flattened to B*S (see protos/dataservice.proto, PackedBatch).
 
-    Labels: the next token of the same document, IGNORE_INDEX at padding and at each
-    document's last token. A document split over rows keeps the true next token at the end of
+    Labels: the next token of the same document, IGNORE_INDEX at padding, at each
+    document's last token and before every token that is not a target (a fine-tuning
+    example's prompt, system text and template markers). A document split over rows keeps the true next token at the end of
     a non-final piece (same document, so nothing leaks across a boundary); position ids
     restart at 0 at every piece because attention never spans pieces.
     """
@@ -189,13 +190,16 @@ def build_microbatch(
     row_ids: np.ndarray,
     seq_len: int,
     pad_id: int,
+    target: np.ndarray | None = None,
 ) -> MicroBatch:
     """Lay segments out into a MicroBatch, vectorised over tokens.
 
     `real` holds the tokens of all segments back to back in segment order; segment s has
     ``seg_len[s]`` tokens and goes to batch row ``seg_row[s]`` (non-decreasing; a row's
     segments in their order). ``seg_next[s]`` is the label of its last token: the document's
-    next token for a non-final piece, IGNORE_INDEX where the segment ends its document.
+    next token for a non-final piece, IGNORE_INDEX where the segment ends its document (or
+    the next token is not a target). `target` (bool, like `real`; None: all True) says which
+    tokens the loss trains on: a token that is not a target is no position's label.
     """
     S = int(seq_len)
     B = int(len(row_ids))
@@ -220,6 +224,11 @@ def build_microbatch(
     # Labels: the next token inside a segment; the segment's own `seg_next` at its end.
     lab = np.empty(total, dtype=np.int32)
     lab[:-1] = real[1:]
+    if target is not None:
+        target = np.asarray(target, dtype=bool)
+        if target.size != total:
+            raise ValueError(f"{target.size} target flags given for {total} tokens")
+        lab[:-1][~target[1:]] = IGNORE_INDEX
     lab[ends - 1] = seg_next
     # Positions restart at each segment: a running count that drops back at segment starts.
     step = np.ones(total, dtype=np.int32)

@@ -292,8 +292,9 @@ class StreamPlan:
         if int(ids[0]) < anchor.first_row:
             raise ValueError(f"row {int(ids[0])} is before the anchor's first row {anchor.first_row}")
         seg_row, seg_ds, seg_doc, seg_off, seg_len, anchor = self._segments(ids, anchor)
-        real, seg_next, seg_hash = self._read_segments(seg_ds, seg_doc, seg_off, seg_len)
-        batch = build_microbatch(real, seg_row, seg_len, seg_next, seg_hash, ids, self.seq_len, self.pad_id)
+        real, seg_next, seg_hash, target = self._read_segments(seg_ds, seg_doc, seg_off, seg_len)
+        batch = build_microbatch(real, seg_row, seg_len, seg_next, seg_hash, ids, self.seq_len, self.pad_id,
+                                 target=target)
         return batch, anchor
 
     def _segments(self, ids: np.ndarray, anchor: Anchor):
@@ -316,10 +317,12 @@ class StreamPlan:
         return (*cols, anchor)
 
     def _read_segments(self, seg_ds, seg_doc, seg_off, seg_len):
-        """Tokens of the segments back to back (int32), the label after each segment, its document hash."""
+        """Tokens of the segments back to back (int32), the label after each segment, its document
+        hash, and which tokens are targets (None: all, when no dataset holds fine-tuning examples)."""
         n = seg_doc.size
         seg_hash = np.empty(n, dtype=np.uint64)
         spans: list[Any] = [None] * n  # each segment's tokens plus, if any, the next one
+        masks: list[Any] = [None] * n  # the same span's target mask, for datasets that have one
         ends = np.empty(n, dtype=np.int64)
         for d, ds in enumerate(self.datasets):
             where = np.flatnonzero(seg_ds == d)
@@ -332,13 +335,23 @@ class StreamPlan:
             got = ds.read_spans(docs, seg_off[where], stops)
             for k, toks in zip(where.tolist(), got):
                 spans[k] = toks
+            if getattr(ds, "has_loss_mask", False):  # stand-ins that only know lengths have none
+                for k, mask in zip(where.tolist(), ds.target_masks(docs, seg_off[where], stops)):
+                    masks[k] = mask
             seg_hash[where] = self._hashes[d][docs]
         pieces, seg_next = [], np.full(n, IGNORE_INDEX, dtype=np.int64)
+        any_mask = any(m is not None for m in masks)
+        targets = []
         for k, (t, o, ln, end) in enumerate(zip(spans, seg_off.tolist(), seg_len.tolist(), ends.tolist())):
             if len(t) < ln:
                 raise RuntimeError(f"a document piece came back with {len(t)} of its {ln} tokens")
             pieces.append(t[:ln])
-            if o + ln < end:  # a non-final piece: its last label is the document's next token
+            mask = masks[k]
+            if any_mask:
+                targets.append(mask[:ln] if mask is not None else np.ones(ln, bool))
+            # A non-final piece: its last label is the document's next token, if that is a target.
+            if o + ln < end and (mask is None or mask[ln]):
                 seg_next[k] = t[ln]
         real = np.concatenate(pieces, dtype=np.int32, casting="unsafe") if pieces else np.empty(0, np.int32)
-        return real, seg_next, seg_hash
+        target = np.concatenate(targets) if any_mask else None
+        return real, seg_next, seg_hash, target

@@ -8,14 +8,17 @@ A dataset is a folder::
     shard-00000/data.mdb   LMDB environment (subdir=True); key = 8-byte big-endian uint64
     shard-00001/data.mdb   document index within the shard, value = little-endian token ids
     ...
+    targets.npy            fine-tuning datasets only: uint32 [runs, 2], the [start, end) token
+    targets_ptr.npy        ranges the loss trains on; document d's runs are rows ptr[d]:ptr[d+1]
 
 `index.npy` is a numpy structured array with fields `hash` (uint64, xxh3_64 of the stored
 value bytes, eos included), `length` (uint32, tokens incl. eos), `shard` (uint32) and `key`
 (uint64, the LMDB key), so lengths and identities load without touching LMDB.
 
-Checksums are xxh3_128 hex digests of file bytes. The fingerprint is xxh3_128 over the
-tokenizer identity, the token layout, every shard checksum and the index checksum (see
-`dataset_fingerprint`), so equal fingerprints mean equal token streams.
+A dataset without the targets files trains on every token. Checksums are xxh3_128 hex digests
+of file bytes. The fingerprint is xxh3_128 over the tokenizer identity, the token layout, every
+shard checksum, the index checksum and the targets' checksums (see `dataset_fingerprint`), so
+equal fingerprints mean equal token streams and equal loss masks.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import xxhash
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "index.npy"
+TARGETS_NAME = "targets.npy"
+TARGETS_PTR_NAME = "targets_ptr.npy"
 INDEX_DTYPE = np.dtype([("hash", "<u8"), ("length", "<u4"), ("shard", "<u4"), ("key", "<u8")])
 MAX_READERS = 4096
 
@@ -75,6 +80,9 @@ def dataset_fingerprint(manifest: dict) -> str:
     for s in manifest["shards"]:
         h.update(f"{s['name']} {s['checksum']}\n".encode())
     h.update(f"index {manifest['index_checksum']}\n".encode())
+    mask = manifest.get("loss_mask")
+    if mask:  # absent for pretraining datasets, whose fingerprints stay what they were
+        h.update(f"targets {mask['runs_checksum']} {mask['ptr_checksum']}\n".encode())
     return h.hexdigest()
 
 
@@ -314,6 +322,7 @@ class ShardedDataset:
         self.pad_id, self.bos_id, self.eos_id = int(tok["pad_id"]), int(tok["bos_id"]), int(tok["eos_id"])
         self.token_dtype = np.dtype(manifest["token_dtype"]).newbyteorder("<")
         self._shard_names = [s["name"] for s in manifest["shards"]]
+        self._target_runs, self._target_ptr = _load_targets(path, manifest, self.num_documents)
         self._envs: list[lmdb.Environment | None] = [None] * len(self._shard_names)
         self._lock = threading.Lock()
         self._closed = False
@@ -431,6 +440,28 @@ class ShardedDataset:
                                            offset=int(starts[p]) * item).copy()
         return out  # type: ignore[return-value]
 
+    @property
+    def has_loss_mask(self) -> bool:
+        """Whether some tokens of this dataset are not targets (it holds fine-tuning examples)."""
+        return self._target_runs is not None
+
+    def target_masks(self, docs: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+        """Bool mask of tokens [start, stop) of each document: True where the loss trains on the token."""
+        docs = np.asarray(docs, np.int64).reshape(-1)
+        starts, stops = np.asarray(starts, np.int64).reshape(-1), np.asarray(stops, np.int64).reshape(-1)
+        if self._target_runs is None:
+            return [np.ones(int(b - a), bool) for a, b in zip(starts.tolist(), stops.tolist())]
+        out = []
+        for d, a, b in zip(docs.tolist(), starts.tolist(), stops.tolist()):
+            runs = np.asarray(self._target_runs[int(self._target_ptr[d]):int(self._target_ptr[d + 1])], np.int64)
+            lo, hi = np.clip(runs[:, 0], a, b) - a, np.clip(runs[:, 1], a, b) - a
+            # +1 at each run's start, -1 at its end: the running sum is 1 inside a run.
+            edges = np.zeros(b - a + 1, np.int64)
+            np.add.at(edges, lo, 1)
+            np.add.at(edges, hi, -1)
+            out.append(np.cumsum(edges[:-1]) > 0)
+        return out
+
     def verify(self) -> list[str]:
         """Every problem found by re-checking all checksums (empty list = all good)."""
         return verify_dataset(self.path, self.manifest)
@@ -443,6 +474,21 @@ class ShardedDataset:
         for env in envs:
             if env is not None:
                 env.close()
+
+
+def _load_targets(path: pathlib.Path, manifest: dict, num_documents: int):
+    """(runs, ptr) memory maps of a fine-tuning dataset, (None, None) for a pretraining one."""
+    mask = manifest.get("loss_mask")
+    if not mask:
+        return None, None
+    try:
+        runs = np.load(path / mask["runs"], mmap_mode="r", allow_pickle=False)
+        ptr = np.load(path / mask["ptr"], mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DatasetError(f"cannot load the targets of dataset {str(path)!r}: {e}") from None
+    if runs.ndim != 2 or runs.shape[1] != 2 or ptr.shape != (num_documents + 1,) or int(ptr[-1]) != runs.shape[0]:
+        raise DatasetError(f"the targets of dataset {str(path)!r} do not match its {num_documents} documents")
+    return runs, ptr
 
 
 def verify_dataset(path: pathlib.Path, manifest: dict) -> list[str]:
@@ -464,6 +510,14 @@ def verify_dataset(path: pathlib.Path, manifest: dict) -> list[str]:
         got = file_checksum(ipath)
         if got != manifest["index_checksum"]:
             problems.append(f"{ipath}: checksum {got} does not match the manifest's {manifest['index_checksum']}")
+    mask = manifest.get("loss_mask") or {}
+    for name_key, sum_key in (("runs", "runs_checksum"), ("ptr", "ptr_checksum")):
+        if name_key in mask:
+            f = path / mask[name_key]
+            if not f.is_file():
+                problems.append(f"{f}: missing")
+            elif (got := file_checksum(f)) != mask[sum_key]:
+                problems.append(f"{f}: checksum {got} does not match the manifest's {mask[sum_key]}")
     tok = manifest["tokenizer"]
     if tok.get("kind") == "hf":
         tpath = path / "tokenizer.json"
