@@ -102,7 +102,8 @@ def test_val_loss_at_the_intervals_and_the_end_and_equal_across_runs(tmp_path, d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [["parallel.tp=2"], [], ["parallel.cp=2"]], ids=["tp2", "dp2", "cp2"])
+# Context parallelism (static and dynamic) is proved on fine-tuning data in tests/test_sft_train.py.
+@pytest.mark.parametrize("overrides", [["parallel.tp=2"], []], ids=["tp2", "dp2"])
 def test_layouts_give_the_single_process_val_loss(tmp_path, datasets, reference, overrides):
     train, held = datasets
     run_train(tmp_path, train, 2, *EVAL, "train.max_steps=5", f"eval.dataset={held}", *overrides)
