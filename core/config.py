@@ -219,6 +219,10 @@ class TrainConfig:
     """fp8: quantise each weight once per optimizer step, not per micro-batch (core/fp8_cache.py)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in the backward: none, selective (attention core) or full (whole blocks)."""
+    recompute_modules: list[str] = field(default_factory=list)
+    """Modules recomputed in the backward besides train.recompute: norms, swiglu, moe_experts, attention_core, attention, mlp, block."""
+    offload_modules: list[str] = field(default_factory=list)
+    """Modules whose saved activations wait in host memory until the backward (copies overlap compute); the same names."""
     run_dir: str = "runs/default"
     """Folder of the run: config.toml, metrics.jsonl, loss.png, checkpoints/."""
     log_interval: int = 1
@@ -402,6 +406,10 @@ def _convert(value: Any, hint: Any, path: str, default: Any) -> Any:
         if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             return list(value)
         raise ConfigError(f"{path} must be a list of whole numbers (e.g. {path}=[0, 3]), got {value!r}")
+    if typing.get_origin(hint) is list and typing.get_args(hint) == (str,):
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise ConfigError(f"{path} must be a list of names (e.g. {path}=[\"norms\", \"swiglu\"]), got {value!r}")
     raise TypeError(f"{path}: no conversion for the type {hint!r}")  # a field type this module forgot
 
 
@@ -713,6 +721,49 @@ def _check_train(config: Config) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} must not exceed train.lr={t.lr} (the cosine decays from lr to min_lr)")
     if not t.run_dir.strip():
         raise ConfigError("train.run_dir is empty; give the run a folder, e.g. train.run_dir=runs/my_run")
+    _check_recompute(t)
+
+
+# Fine-grained recomputation and offload (core/parallel/recompute.py). Each name is a kind of
+# module in every block; the outer ones contain the inner ones (`block` all of them).
+RECOMPUTE_MODULES = ("norms", "swiglu", "moe_experts", "attention_core", "attention", "mlp", "block")
+_INSIDE = {"block": set(RECOMPUTE_MODULES) - {"block"}, "attention": {"attention_core", "norms"},
+           "mlp": {"swiglu", "moe_experts"}}
+#: Recomputed with hooks on the saved tensors of the next module, which torch.compile cannot trace.
+HOOKED_RECOMPUTE = ("norms", "swiglu")
+
+
+def recompute_set(t: TrainConfig) -> set[str]:
+    """The modules recomputed: train.recompute_modules plus what train.recompute names."""
+    legacy = {"none": set(), "selective": {"attention_core"}, "full": {"block"}}[t.recompute]
+    return set(t.recompute_modules) | legacy
+
+
+def nests(a: str, b: str) -> bool:
+    """Whether one of the two module kinds contains the other (or they are the same)."""
+    return a == b or b in _INSIDE.get(a, ()) or a in _INSIDE.get(b, ())
+
+
+def _check_recompute(t: TrainConfig) -> None:
+    for key in ("recompute_modules", "offload_modules"):
+        names = getattr(t, key)
+        bad = [n for n in names if n not in RECOMPUTE_MODULES]
+        if bad:
+            raise ConfigError(f"train.{key}={names!r}: unknown module {bad[0]!r}; choose from {', '.join(RECOMPUTE_MODULES)}")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"train.{key}={names!r} names a module twice")
+    recomputed = recompute_set(t)
+    for name in t.offload_modules:
+        clash = sorted(r for r in recomputed if nests(name, r))
+        if clash:
+            raise ConfigError(f"train.offload_modules has {name!r}, which overlaps the recomputed {clash[0]!r} (one "
+                              f"module is inside the other); offload or recompute it, not both")
+    if t.compile:
+        hooked = sorted((recomputed & set(HOOKED_RECOMPUTE)) | ({"offload"} if t.offload_modules else set()))
+        if hooked:
+            what = "train.offload_modules" if hooked == ["offload"] else f"recomputing {hooked[0]!r}"
+            raise ConfigError(f"{what} works on saved-tensor hooks, which train.compile cannot trace; set "
+                              f"train.compile=false, or recompute 'attention_core', 'moe_experts', 'mlp' or 'block'")
 
 
 def _check_eval(config: Config) -> None:

@@ -102,7 +102,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         tie_for_data_parallel(stage)
         chunks = stage.chunks
     for chunk in chunks:
-        apply_recompute(chunk, t.recompute)
+        apply_recompute(chunk, t.recompute, t.recompute_modules, t.offload_modules)
     model.to(device)
     if t.compile:
         compile_blocks(chunks)

@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from core import placement
+from core.layers import SwiGLU
 from core.kernels import grouped_mm as kernels_grouped_mm
 from core.kernels.grouped_gemm import grouped_mm_wgrad_into_
 
@@ -133,11 +133,12 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(param, 0.0, 0.02)
             placement.tag_expert(param)
         self.mm = mm  # the bench swaps in grouped_mm_loop as its baseline
+        self.act = SwiGLU()
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim] grouped by expert; tokens_per_expert [E_local] sums to N."""
         offsets = offsets_from_counts(tokens_per_expert)
-        h = F.silu(self.mm(x, self.w1, offsets)) * self.mm(x, self.w3, offsets)
+        h = self.act(self.mm(x, self.w1, offsets), self.mm(x, self.w3, offsets))
         return self.mm(h, self.w2, offsets)
 
     def extra_repr(self) -> str:

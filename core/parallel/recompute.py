@@ -1,9 +1,49 @@
-"""Activation recomputation: none, selective (the attention core only) or full (each block)."""
+"""Activation recomputation and offload, module by module.
+
+`apply_recompute(model, mode, modules, offload)` rewrites each block of a plain GPT (or a
+pipeline chunk) in place. The module kinds (`core.config.RECOMPUTE_MODULES`):
+
+| kind             | which modules                                      | what stays saved                  |
+|------------------|----------------------------------------------------|-----------------------------------|
+| `norms`          | attention_norm, ffn_norm, q/k norms                | the norm's input only             |
+| `swiglu`         | silu(a) * b of the dense MLP, shared and routed experts | a and b only                 |
+| `moe_experts`    | the routed experts (three grouped GEMMs)           | the dispatched rows               |
+| `attention_core` | softmax(q k^T) v (what `recompute = "selective"` is) | q, k, v                         |
+| `attention`      | the attention sub-layer (projections, rotary, core) | its input                        |
+| `mlp`            | the feed-forward sub-layer (dense or MoE)          | its input                         |
+| `block`          | the whole block (what `recompute = "full"` is)     | its input                         |
+
+A recomputed module runs under non-reentrant checkpointing: its own saved tensors are dropped
+after the forward and recomputed in the backward. For `norms` and `swiglu` the module's
+*output* is dropped too (Megatron's "checkpoint without output"): the next layer saves it for
+its weight gradient (wq/wk/wv the norm's output, w2 the product), and a saved-tensor hook
+around that layer replaces it by a recipe that reruns the cheap module when the backward needs
+it. Those hooks are not traceable by torch.compile (`core.config` refuses the combination).
+
+Offload (`offload`): the tensors a module saves for backward are copied to pinned host memory
+on a side stream as they are saved (the forward goes on meanwhile) and copied back in the
+backward; the first use of a module's tensors also starts bringing back the module that ran
+before it, so the copies overlap the backward's compute. Parameters and tensors smaller than
+`MIN_OFFLOAD_BYTES` stay on the device.
+
+When an outer kind is chosen the inner ones inside it are skipped (`block` covers all). The
+recomputed values are the forward's, bit for bit: the losses and gradients do not change.
+"""
 
 from __future__ import annotations
 
+import weakref
+
+import torch
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
+
+from core.config import RECOMPUTE_MODULES
+from core.layers import FeedForward, RMSNorm, SwiGLU
+
+MODES = ("none", "selective", "full")
+MIN_OFFLOAD_BYTES = 1 << 16  # below this a copy costs more in launch time than it saves
 
 
 def _recompute_forward(module: nn.Module) -> None:
@@ -16,15 +56,223 @@ def _recompute_forward(module: nn.Module) -> None:
         return checkpoint(original, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
+    module._recompute_original = original
 
 
-def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """Selective saves the most memory per FLOP recomputed: attention's work is recomputed,
-    the projections (most FLOPs) are not."""
-    if mode not in ("none", "selective", "full"):
+class _Recipe:
+    """Stands for a dropped output among a consumer's saved tensors: how to compute it again."""
+
+    __slots__ = ("run", "args")
+
+    def __init__(self, run, args):
+        self.run, self.args = run, args
+
+
+def _drop_output(producer: nn.Module, consumer: nn.Module) -> None:
+    """Tensors that `consumer`'s forward saves and that are `producer`'s output are saved as a
+    recipe (the producer's inputs, which its own checkpoint keeps anyway) and recomputed when
+    the backward unpacks them."""
+    run = getattr(producer, "_recompute_original", producer.forward)
+    live: list[tuple[torch.Tensor, tuple]] = []
+
+    def note(module, args, output):  # the producer runs just before its consumer
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor):
+            live.append((output, args))
+
+    producer.register_forward_hook(note)
+
+    def pack(t: torch.Tensor):
+        for out, args in live:
+            if t._cdata == out._cdata:  # the very tensor (its C++ object), never a look-alike
+                return _Recipe(run, args)
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, _Recipe):
+            with torch.no_grad():
+                return saved.run(*saved.args)
+        return saved
+
+    original = consumer.forward
+
+    def forward(*args, **kwargs):
+        try:
+            with saved_tensors_hooks(pack, unpack):
+                return original(*args, **kwargs)
+        finally:
+            live.clear()  # the outputs are referenced only until their consumer ran
+
+    consumer.forward = forward
+
+
+class _Saved:
+    """One offloaded tensor: its host copy and, once brought back, its device copy."""
+
+    __slots__ = ("host", "device", "dtype_device", "stored", "loaded", "group", "__weakref__")
+
+    def __init__(self, host, device_type, stored, group):
+        self.host, self.device, self.dtype_device = host, None, device_type
+        self.stored, self.loaded, self.group = stored, None, group
+
+
+class ActivationOffload:
+    """Saved-tensor hooks that keep the activations of wrapped modules in host memory."""
+
+    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES):
+        self.min_bytes = min_bytes
+        self.stats = {"tensors": 0, "bytes": 0}
+        self._groups: list[list[weakref.ref]] = []  # per wrapped forward, in forward order
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._current: list | None = None
+        self._seen: dict | None = None
+
+    def wrap(self, module: nn.Module) -> None:
+        original = module.forward
+
+        def forward(*args, **kwargs):
+            outer = self._current, self._seen
+            self._groups = [g for g in self._groups if any(r() is not None for r in g)]
+            self._current, self._seen = [], {}
+            self._groups.append(self._current)
+            try:
+                with saved_tensors_hooks(self._pack, self._unpack):
+                    return original(*args, **kwargs)
+            finally:
+                self._current, self._seen = outer
+
+        module.forward = forward
+
+    def _stream(self, device: torch.device):
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) \
+                or t.numel() * t.element_size() < self.min_bytes or self._current is None:
+            return t
+        # The same tensor saved by several ops (x for wq, wk and wv) gets one copy. Only the live
+        # object itself matches: a freed tensor's memory (and address) is reused at once.
+        key = t._cdata
+        known = self._seen.get(key)
+        if known is not None and known[0]() is t:
+            return known[1]
+        if t.is_cuda:
+            host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True) \
+                if t.is_non_overlapping_and_dense() else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            side = self._stream(t.device)
+            side.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(side):
+                host.copy_(t, non_blocking=True)
+                stored = torch.cuda.Event()
+                stored.record(side)
+            t.record_stream(side)  # its memory is not reused before the copy has read it
+        else:  # CPU runs (the tests): a separate copy, so the path is the GPU's but for streams
+            host, stored = t.clone(), None
+        saved = _Saved(host, t.device, stored, self._current)
+        self._current.append(weakref.ref(saved))
+        self._seen[key] = (weakref.ref(t), saved)
+        self.stats["tensors"] += 1
+        self.stats["bytes"] += t.numel() * t.element_size()
+        return saved
+
+    def _load(self, saved: _Saved) -> None:
+        if saved.device is not None:
+            return
+        if saved.host.device == saved.dtype_device:  # CPU
+            saved.device = saved.host
+            return
+        side = self._stream(saved.dtype_device)
+        device = torch.empty_strided(saved.host.shape, saved.host.stride(), dtype=saved.host.dtype,
+                                     device=saved.dtype_device)
+        with torch.cuda.stream(side):
+            side.wait_event(saved.stored)
+            device.copy_(saved.host, non_blocking=True)
+            saved.loaded = torch.cuda.Event()
+            saved.loaded.record(side)
+        device.record_stream(side)
+        saved.device = device
+
+    def _load_group(self, group: list) -> None:
+        for ref in group:
+            if (s := ref()) is not None:
+                self._load(s)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        if saved.device is None:
+            self._load_group(saved.group)
+            # The backward goes from later modules to earlier ones: bring the one before back now.
+            index = next((i for i, g in enumerate(self._groups) if g is saved.group), None)
+            if index:
+                self._load_group(self._groups[index - 1])
+        if saved.loaded is not None:
+            torch.cuda.current_stream(saved.dtype_device).wait_event(saved.loaded)
+        return saved.device
+
+    def pop_stats(self) -> dict:
+        stats, self.stats = self.stats, {"tensors": 0, "bytes": 0}
+        return stats
+
+
+def _experts(ffn: nn.Module) -> list[nn.Module]:
+    """The routed experts of an MoE feed-forward layer (found by shape: core knows no MoE)."""
+    return [m for m in ffn.modules() if isinstance(getattr(m, "act", None), SwiGLU) and not isinstance(m, FeedForward)
+            and m is not ffn and not isinstance(m, SwiGLU)]
+
+
+def _targets(block: nn.Module, kind: str) -> list[tuple[nn.Module, nn.Module | None]]:
+    """(module, the consumer whose saved copy of its output is dropped, or None) of one kind."""
+    attn, ffn = block.attention, block.feed_forward
+    if kind == "block":
+        return [(block, None)]
+    if kind == "attention":
+        return [(attn, None)]
+    if kind == "mlp":
+        return [(ffn, None)]
+    if kind == "attention_core":
+        return [(attn.core_attention, None)]
+    if kind == "moe_experts":
+        return [(m, None) for m in _experts(ffn)]
+    if kind == "norms":
+        out = [(block.attention_norm, attn), (block.ffn_norm, ffn)]
+        return out + [(n, None) for n in (attn.q_norm, attn.k_norm) if isinstance(n, RMSNorm)]
+    if kind == "swiglu":
+        return [(parent.act, parent) for parent in block.modules() if isinstance(getattr(parent, "act", None), SwiGLU)]
+    raise ValueError(f"unknown module kind {kind!r}; choose from {', '.join(RECOMPUTE_MODULES)}")
+
+
+def _outermost(chosen: list[tuple[nn.Module, nn.Module | None, str]]) -> list[tuple[nn.Module, nn.Module | None, str]]:
+    """Drop the modules that sit inside another chosen one (its recompute covers them)."""
+    inside: set[int] = set()
+    for module, _, _ in chosen:
+        inside.update(id(m) for m in module.modules() if m is not module)
+    return [c for c in chosen if id(c[0]) not in inside]
+
+
+def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=(),
+                    offloader: ActivationOffload | None = None) -> nn.Module:
+    """Recompute `mode`'s modules and `modules`, offload `offload` (kinds in the module docstring).
+
+    mode: none, selective (= attention_core) or full (= block). Selective saves the most memory
+    per FLOP recomputed among the old modes; the finer kinds trade further."""
+    if mode not in MODES:
         raise ValueError(f"recompute mode must be none, selective or full, got {mode!r}")
-    if mode == "none":
-        return model
+    kinds = set(modules) | {"none": set(), "selective": {"attention_core"}, "full": {"block"}}[mode]
+    for kind in list(kinds) + list(offload):
+        if kind not in RECOMPUTE_MODULES:
+            raise ValueError(f"unknown module kind {kind!r}; choose from {', '.join(RECOMPUTE_MODULES)}")
+    if offload and offloader is None:
+        offloader = ActivationOffload()
     for block in model.layers.values():
-        _recompute_forward(block.attention.core_attention if mode == "selective" else block)
+        chosen = _outermost([(m, c, k) for k in sorted(kinds) for m, c in _targets(block, k)])
+        for module, _, _ in chosen:
+            _recompute_forward(module)
+        for module, consumer, _ in chosen:
+            if consumer is not None:
+                _drop_output(module, consumer)
+        for module, _, _ in _outermost([(m, None, k) for k in sorted(offload) for m, _ in _targets(block, k)]):
+            offloader.wrap(module)
+    model.activation_offload = offloader
     return model
