@@ -508,7 +508,11 @@ def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, renderer: Exa
         os.fsync(f.fileno())
     desc = tok.describe()
     if desc["kind"] == "hf":  # keep the dataset self-contained: readers can decode without the original
+        folder = pathlib.Path(desc["path"]).parent
         _write_file(tmp / "tokenizer.json", pathlib.Path(desc["path"]).read_bytes())
+        for name in ("tokenizer_config.json", "chat_template.jinja"):  # its special tokens and template
+            if (folder / name).is_file():
+                _write_file(tmp / name, (folder / name).read_bytes())
     lengths = index["length"]
     manifest = {
         "format_version": FORMAT_VERSION,

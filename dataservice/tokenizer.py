@@ -11,6 +11,7 @@ vocab_size <= 65536, else uint32 (the same rule the shard format uses).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pathlib
 from typing import Sequence
@@ -87,6 +88,22 @@ def _sha256_file(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
+def _declared_specials(config_path: pathlib.Path) -> dict[str, str]:
+    """pad/bos/eos token strings a tokenizer_config.json beside the tokenizer.json names (its
+    word beats our guesses by name: a chat model's eos is its end-of-turn token)."""
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    out = {}
+    for role in ("pad", "bos", "eos"):
+        value = config.get(f"{role}_token") if isinstance(config, dict) else None
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            out[role] = value
+    return out
+
+
 class HFTokenizer:
     """A `tokenizer.json` file loaded with the `tokenizers` package.
 
@@ -111,7 +128,11 @@ class HFTokenizer:
         self.sha256 = _sha256_file(self.path)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.dtype = token_dtype(self.vocab_size)
-        ids = {role: self._find(names) for role, names in SPECIAL_TOKEN_NAMES.items()}
+        declared = _declared_specials(self.path.parent / "tokenizer_config.json")
+        ids = {role: self._find([declared[role], *names] if role in declared else names)
+               for role, names in SPECIAL_TOKEN_NAMES.items()}
+        if ids["pad"] is None:  # many released tokenizers have none; padding is never a label
+            ids["pad"] = ids["eos"]
         missing = [role for role, i in ids.items() if i is None]
         if missing:
             tried = "; ".join(f"{role}: {', '.join(SPECIAL_TOKEN_NAMES[role])}" for role in missing)

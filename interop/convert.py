@@ -47,7 +47,7 @@ from core.model import build_model
 from core.pretrained import INDEX_NAME, SINGLE_NAME, expected_shapes, weight_map
 from core.rundir import CONFIG_NAME, config_dict
 from interop.families import IGNORED_KEYS, TOKENIZER_FILES, Link, Unsupported, export_family, hf_config, \
-    model_config, tensor_map
+    model_config, tensor_map, with_context_of
 
 IMPORT_NAME = "tessera-import.json"
 HF_CONFIG_NAME = "hf_config.json"
@@ -440,6 +440,7 @@ def to_hf(source_path, out_dir, *, dtype: str = "auto", shard_bytes: int = SHARD
         if origin is not None:
             info = json.loads((origin / IMPORT_NAME).read_text())
             family, hf = info["family"], json.loads((origin / info["hf_config"]).read_text())
+            hf = with_context_of(hf, model)
         else:
             info, hf = {}, None
             try:

@@ -249,6 +249,21 @@ def hf_config(m: ModelConfig, family: str, dtype: str) -> dict:
     return out
 
 
+def with_context_of(hf: dict, m: ModelConfig) -> dict:
+    """An import's config.json carrying model `m`'s RoPE scaling and context length, when they
+    differ from the import's (a long-context fine-tune changes them); otherwise `hf` itself."""
+    if model_config(hf)[1].rope_scaling == m.rope_scaling:
+        return hf
+    out, rope = dict(hf), _rope_dict(m)
+    if "rope_parameters" in out:  # transformers 5 keeps rope_theta and the scaling together
+        out["rope_parameters"] = {"rope_theta": m.rope_theta, **(rope or {"rope_type": "default"})}
+    else:
+        out["rope_scaling"] = rope
+    if rope is not None and m.rope_scaling.original_max_position_embeddings:
+        out["max_position_embeddings"] = _max_positions(m)
+    return out
+
+
 def _max_positions(m: ModelConfig) -> int:
     rs = getattr(m, "rope_scaling", None)
     if rs is not None and rs.type != "none" and rs.original_max_position_embeddings:

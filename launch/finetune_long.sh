@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Long-context fine-tuning of a released model, from a Hugging Face folder to a Hugging Face folder:
+#   1. split the conversations into train / validation (every K-th record is held out),
+#   2. build shards of both with the model's own tokenizer and chat template (loss on the answers only),
+#   3. import the checkpoint (tessera-convert from-hf),
+#   4. fine-tune at the recipe's longer context: its RoPE scaling, context parallelism with dynamic CP,
+#      validation loss (and loss by position) at the recipe's interval,
+#   5. export the result (tessera-convert to-hf) next to the run.
+#
+#   bash launch/finetune_long.sh HF_DIR CONVERSATIONS.jsonl OUT_DIR [--recipe FILE] [--nproc-per-node N]
+#        [--val-every K] [-- tessera-train arguments, e.g. --set train.max_steps=200]
+#
+# The recipe (default launch/configs/llama3_8b_longctx.toml) holds every section but [model]; the
+# model comes from the import. A rope_scaling.original_max_position_embeddings of 0 in the recipe
+# means "the context the model was trained at" (config.json's max_position_embeddings).
+# OUT_DIR gets data/{train,val}, model/ (the import), finetune.toml (the merged config), run/
+# (metrics.jsonl, loss.png, checkpoints) and hf/ (the export). A step that fails stops the recipe.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$TESSERA_ROOT"
+
+usage="usage: bash launch/finetune_long.sh HF_DIR CONVERSATIONS.jsonl OUT_DIR [--recipe FILE] [--nproc-per-node N] [--val-every K] [-- tessera-train args]"
+die() { echo "finetune_long.sh: error: $*" >&2; exit 2; }
+[ $# -ge 3 ] || die "$usage"
+hf_dir=$1 conversations=$2 out=$3
+shift 3
+recipe=launch/configs/llama3_8b_longctx.toml
+nproc="" val_every=20
+while [ $# -gt 0 ]; do
+  case $1 in
+    --recipe) recipe=${2:?}; shift 2 ;;
+    --nproc-per-node) nproc=${2:?}; shift 2 ;;
+    --val-every) val_every=${2:?}; shift 2 ;;
+    --) shift; break ;;
+    *) die "unknown argument '$1'; $usage" ;;
+  esac
+done
+[ -f "$hf_dir/config.json" ] || die "'$hf_dir' has no config.json; give a Hugging Face model folder"
+[ -f "$hf_dir/tokenizer.json" ] || die "'$hf_dir' has no tokenizer.json (the shards are built with the model's fast tokenizer)"
+[ -f "$conversations" ] || die "'$conversations' is not a file; give a JSON Lines file of messages or prompt/completion records"
+[ -f "$recipe" ] || die "recipe '$recipe' is not a file"
+[[ "$val_every" =~ ^[0-9]+$ ]] && [ "$val_every" -ge 2 ] || die "--val-every $val_every must be a whole number >= 2"
+if [ -z "$nproc" ]; then
+  gpus="$(python -c 'import torch; print(torch.cuda.device_count())')"
+  nproc=$(( gpus > 0 ? gpus : 4 ))
+fi
+mkdir -p "$out/data"
+
+echo "== 1/5 splitting $conversations: every ${val_every}th record held out for validation"
+awk -v k="$val_every" -v train="$out/data/train.jsonl" -v val="$out/data/val.jsonl" \
+  'NF { n++; if (n % k == 0) print > val; else print > train }' "$conversations"
+[ -s "$out/data/val.jsonl" ] || die "'$conversations' has fewer than $val_every records: nothing left to validate on"
+
+echo "== 2/5 building shards with $hf_dir/tokenizer.json"
+for split in train val; do
+  tessera-data build "$out/data/$split.jsonl" --tokenizer "$hf_dir/tokenizer.json" --output "$out/data/$split" \
+    --overwrite --quiet
+done
+
+echo "== 3/5 importing $hf_dir"
+tessera-convert from-hf "$hf_dir" "$out/model" --overwrite
+
+echo "== 4/5 fine-tuning on $nproc processes with $recipe"
+python - "$out/model/config.toml" "$recipe" "$hf_dir/config.json" "$out" <<'PY'
+import json, sys, tomllib
+from pathlib import Path
+
+import tomli_w
+
+imported, recipe, hf_config, out = sys.argv[1:]
+config = tomllib.loads(Path(imported).read_text())
+overlay = tomllib.loads(Path(recipe).read_text())
+scaling = overlay.pop("model", {}).get("rope_scaling")
+for section, values in overlay.items():  # the recipe's sections replace the import's defaults key by key
+    config.setdefault(section, {}).update(values)
+if scaling:
+    if not scaling.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = json.loads(Path(hf_config).read_text())["max_position_embeddings"]
+    config["model"]["rope_scaling"] = scaling
+config.setdefault("data", {})["dataset"] = f"{out}/data/train"
+config.setdefault("eval", {})["dataset"] = f"{out}/data/val"
+config["train"]["run_dir"] = f"{out}/run"
+Path(out, "finetune.toml").write_text(tomli_w.dumps(config))
+PY
+tessera-train --config "$out/finetune.toml" --nproc-per-node "$nproc" "$@"
+
+echo "== 5/5 exporting to $out/hf"
+tessera-convert to-hf "$out/run" "$out/hf" --overwrite
+python - "$out/run/metrics.jsonl" <<'PY'
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+train = [r for r in records if "loss" in r]
+val = [r for r in records if "val_loss" in r]
+print(f"train loss {train[0]['loss']:.4f} (step {train[0]['step']}) -> {train[-1]['loss']:.4f} (step {train[-1]['step']})")
+if val:
+    print(f"val loss {val[0]['val_loss']:.4f} (step {val[0]['step']}) -> {val[-1]['val_loss']:.4f} (step {val[-1]['step']}); "
+          f"by position at the end: {json.dumps({k: round(v, 4) for k, v in val[-1]['val_loss_by_position'].items()})}")
+PY
