@@ -18,6 +18,10 @@ What is saved (one flat DCP state dict, keys by parameter name, so any layout ca
 Atomicity: ranks write `DIR/step_000010.tmp/`; after a barrier rank 0 renames it to
 `DIR/step_000010/`, rewrites `DIR/latest` by temp file + os.replace, and prunes to the `keep`
 newest. A save killed at any point leaves `latest` and the previous checkpoint untouched.
+
+`AsyncCheckpointer` (`checkpoint.async_save`) writes the same folders from a background thread:
+the step pays for a copy to host memory, and the folder is published (renamed, `latest`) by
+rank 0 only after DCP has written every rank's part and its `.metadata`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import os
 import pickle
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -115,17 +121,38 @@ def _slot_entries(optimizer) -> list[tuple[ParamSlot, str, torch.Tensor]]:
 # ---------------------------------------------------------------------------- save
 def save_checkpoint(directory, step: int, model: nn.Module, optimizer, scheduler, mesh: ParallelMesh, extra: dict | None = None, keep: int = 2) -> Path:
     """Collective: write a sharded checkpoint of step `step` atomically; returns its folder."""
+    root, name, tmp = _begin_save(directory, step, keep)
+    state = _state_to_save(step, model, optimizer, scheduler, mesh, extra)
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+        _barrier()
+    except BaseException:
+        # Interrupted or failed mid-save: leave no partial folder behind (the start-up sweep
+        # catches what a killed process could not remove).
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if _rank() == 0:
+        _publish(root, name, keep)
+    _barrier()
+    return root / name
+
+
+def _begin_save(directory, step: int, keep: int) -> tuple[Path, str, Path]:
+    """Collective: rank 0 makes the folder and removes partial saves that died; (root, name, tmp)."""
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the number of newest checkpoints to keep)")
     root = Path(directory)
     name = f"step_{int(step):06d}"
-    final, tmp = root / name, root / (name + ".tmp")
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob("step_*.tmp"):  # leftovers of saves that died
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
+    return root, name, root / (name + ".tmp")
 
+
+def _state_to_save(step: int, model: nn.Module, optimizer, scheduler, mesh: ParallelMesh, extra: dict | None) -> dict:
     meshes = _meshes(mesh)
     state: dict = {}
     for pname, param in model.named_parameters():
@@ -146,36 +173,115 @@ def save_checkpoint(directory, step: int, model: nn.Module, optimizer, scheduler
             "layout": {n: mesh.size(n) for n in ("pp", "dp", "cp", "tp", "ep")},
         }
         state["meta"] = pickle.dumps(meta)
-    try:
-        dcp.save(state, checkpoint_id=str(tmp))
-        _barrier()
-    except BaseException:
-        # Interrupted or failed mid-save: leave no partial folder behind (the start-up sweep
-        # catches what a killed process could not remove).
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return state
 
-    if _rank() == 0:
-        if final.exists():  # re-saving a step: keep the old copy until the new one is in place
-            old = root / (name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+
+def _publish(root: Path, name: str, keep: int) -> None:
+    """Rank 0, once every rank's part and DCP's `.metadata` are written: `step_N.tmp` becomes
+    `step_N`, `latest` names it, older ones beyond `keep` go."""
+    final, tmp = root / name, root / (name + ".tmp")
+    if final.exists():  # re-saving a step: keep the old copy until the new one is in place
+        old = root / (name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer = root / f"latest.tmp.{os.getpid()}"
+    with open(pointer, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, root / "latest")
+    _fsync_dir(root)
+    _prune(root, keep, name)
+
+
+def _stage_on_host(state: dict) -> dict:
+    """A host copy of every tensor (DTensors keep their layout: the local shard is copied and
+    rewrapped with the same spec, so the writer sees what `save_checkpoint` would). Copies are
+    made even for tensors already on the host: training changes the originals in place."""
+    from torch.distributed.tensor import DTensor
+
+    staged = {}
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            local = value.to_local().detach().to("cpu", copy=True)
+            staged[key] = DTensor(local, value._spec, requires_grad=False)
+        elif isinstance(value, torch.Tensor):
+            staged[key] = value.detach().to("cpu", copy=True)
         else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
-        pointer = root / f"latest.tmp.{os.getpid()}"
-        with open(pointer, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer, root / "latest")
-        _fsync_dir(root)
-        _prune(root, keep, name)
-    _barrier()
-    return final
+            staged[key] = value
+    return staged
+
+
+class AsyncCheckpointer:
+    """Checkpoints written by a background thread while training goes on.
+
+    `save` costs the step a barrier and a copy of this rank's state into host memory; a daemon thread then runs `dcp.save` over its own gloo group, so its
+    collectives never interleave with the training ones. DCP writes `.metadata` last, after
+    every rank's part, and rank 0's save returns only then: rank 0 publishes the folder (rename,
+    `latest`) when it next polls. A save cut short (a killed rank, a failed write) stays
+    `step_N.tmp` and is never loaded. One save is in flight at a time: the next `save` waits
+    for the previous one. Every rank must create it (the group) and call `save` together.
+    """
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._thread: threading.Thread | None = None
+        self._pending: tuple | None = None  # (root, name, keep, started)
+        self._error: BaseException | None = None
+
+    def save(self, directory, step: int, model: nn.Module, optimizer, scheduler, mesh: ParallelMesh,
+             extra: dict | None = None, keep: int = 2) -> dict:
+        """Collective: stage the state and start writing it; returns timings of this call
+        (`save_blocking_s`) and of a previous save it had to finish (`save_s`)."""
+        started = time.perf_counter()
+        done = self.wait()
+        root, name, tmp = _begin_save(directory, step, keep)
+        state = _state_to_save(step, model, optimizer, scheduler, mesh, extra)
+        staged = _stage_on_host(state)
+        self._error = None
+        self._thread = threading.Thread(target=self._write, args=(staged, tmp), name="checkpoint-writer", daemon=True)
+        self._pending = (root, name, keep, started)
+        self._thread.start()
+        return {**done, "save_blocking_s": time.perf_counter() - started}
+
+    def _write(self, staged: dict, tmp: Path) -> None:
+        try:
+            dcp.save(staged, checkpoint_id=str(tmp), process_group=self.group)
+        except BaseException as err:  # raised on the training thread at the next poll / wait
+            self._error = err
+
+    def poll(self) -> dict:
+        """Publish the save in flight if its writer is done; {} or {"save_s": seconds it took}."""
+        if self._thread is None or self._thread.is_alive():
+            return {}
+        return self._finish()
+
+    def wait(self) -> dict:
+        """Block until the save in flight (if any) is written and published."""
+        if self._thread is None:
+            return {}
+        self._thread.join()
+        return self._finish()
+
+    def _finish(self) -> dict:
+        root, name, keep, started = self._pending
+        self._thread, self._pending = None, None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the background save of {root / name} failed: {error}") from error
+        if _rank() == 0:
+            _publish(root, name, keep)
+            print(f"checkpoint: {root / name}", flush=True)
+        return {"save_s": time.perf_counter() - started}
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
 
 
 def _fsync_dir(path: Path) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from core.checkpoint import AsyncCheckpointer, latest_checkpoint, load_checkpoint, save_checkpoint
 from core.config import Config, grad_accum_steps, resolve_layout
 from core.data import StepInputs, open_stream, resolve_address, to_inputs
 from core.dynamic_cp import DynamicCP
@@ -96,6 +96,9 @@ class Trainer:
         self.run_dir = Path(t.run_dir)
         self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.run_dir / "checkpoints"
         self.step_count = 0
+        # Collective (a gloo group of its own): every rank builds it here, in the same order.
+        self.checkpointer = AsyncCheckpointer() if config.checkpoint.async_save else None
+        self.save_timings: dict = {}  # of the last save(): save_blocking_s (and save_s)
         self._init_loaded = False
         self.stream = None
         self._server = None
@@ -287,8 +290,16 @@ class Trainer:
         extra["model"] = dataclasses.asdict(self.config.model)
         if self.config.checkpoint.init_from:
             extra["init_from"] = str(Path(self.config.checkpoint.init_from).absolute())
+        if self.checkpointer is not None:  # published by a later poll / wait, which prints its line
+            self.save_timings = self.checkpointer.save(self.ckpt_dir, self.step_count, self.model, self.optimizer,
+                                                       self.scheduler, self.mesh, extra,
+                                                       keep=self.config.checkpoint.keep)
+            return self.ckpt_dir / f"step_{self.step_count:06d}"
+        started = time.perf_counter()
         path = save_checkpoint(self.ckpt_dir, self.step_count, self.model, self.optimizer, self.scheduler, self.mesh,
                                extra, keep=self.config.checkpoint.keep)
+        elapsed = time.perf_counter() - started
+        self.save_timings = {"save_blocking_s": elapsed, "save_s": elapsed}
         if self.rank == 0:
             print(f"checkpoint: {path}", flush=True)
         return path
@@ -315,10 +326,16 @@ class Trainer:
                 record = self.record(self.step(micro, data_wait), step_start)
                 if self._eval_due(last_step):
                     record.update(self.evaluate())
+                if self.checkpointer is not None:
+                    record.update(self.checkpointer.poll())  # save_s of a background save just published
+                if self._checkpoint_due(last_step):
+                    # Saved before the record is written: its cost to the step is on the step's line.
+                    self.save()
+                    record.update(self.save_timings)
                 writer.log(record, show=self.step_count % t.log_interval == 0 or self.step_count == t.max_steps
                            or "val_loss" in record)
-                if self._checkpoint_due(last_step):
-                    self.save()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()  # the last save is complete and `latest` before the run ends
         finally:
             self.close()
         plot = writer.close(plot=t.plot)
