@@ -1,9 +1,12 @@
 """`tessera-train --config FILE [--set KEY=VALUE ...] [--nproc-per-node N] [--resume [RUN_DIR]] [--overwrite]`.
 
 Launched by torchrun (one process per rank), or with `--nproc-per-node N`, which starts
-torchrun itself on this machine (`core/launcher.py`). The run directory protects itself
-(`core/rundir.py`): one run at a time, the effective config saved as RUN_DIR/config.toml, and
-`--resume RUN_DIR` continues a run with nothing else typed.
+torchrun itself on this machine (`core/launcher.py`); `--nnodes N --rdzv-endpoint HOST:PORT`
+(one such launcher per node) and `--max-restarts N` are handed to torchrun. The run directory
+protects itself (`core/rundir.py`): one run at a time, the effective config saved as
+RUN_DIR/config.toml, and `--resume RUN_DIR` continues a run with nothing else typed.
+`--auto-resume` continues the run when it has a complete checkpoint and starts it otherwise
+(what a requeued batch job wants); a worker that torchrun restarted after a failure does the same.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from core import fp8
+from core.checkpoint import latest_checkpoint
 from core.config import Config, ConfigError, load_config, reference, validate
 from core.data import check_data_source
-from core.launcher import interrupted_line, launch_local
+from core.launcher import Rendezvous, interrupted_line, launch_local
 from core.lifecycle import Interrupted, die_with_parent, install_stop_handlers, interrupted_by
 from core.mesh import init_distributed
 from core.model import build_model
@@ -59,10 +63,79 @@ def _parser() -> argparse.ArgumentParser:
                              "saved config; --set changes only what it names")
     parser.add_argument("--overwrite", action="store_true",
                         help="start again in a run directory that already holds a run (its metrics and checkpoints go)")
+    parser.add_argument("--auto-resume", action="store_true",
+                        help="continue the run in train.run_dir from its newest complete checkpoint, or start it "
+                             "(again) when it has none: for batch jobs that may be requeued")
+    node = parser.add_argument_group("several nodes and restarts (handed to torchrun; with --nproc-per-node)")
+    node.add_argument("--nnodes", type=int, default=1, help="nodes of the job, one tessera-train each (default: 1)")
+    node.add_argument("--node-rank", type=int, default=None,
+                      help="this node's index (static rendezvous at --rdzv-endpoint = node 0's HOST:PORT); "
+                           "without it c10d rendezvous assigns ranks and supports --max-restarts across nodes")
+    node.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
+                      help="where the nodes meet: a host every node reaches and a free port on it")
+    node.add_argument("--rdzv-id", default=os.environ.get("SLURM_JOB_ID", "tessera"), metavar="NAME",
+                      help="the job's name, the same on every node (default: $SLURM_JOB_ID, else 'tessera')")
+    node.add_argument("--max-restarts", type=int, default=0,
+                      help="restart the worker group up to N times when a worker fails; it continues from the "
+                           "newest complete checkpoint (default: 0)")
     parser.add_argument("--print-config", action="store_true", help="print the effective config as TOML and exit")
     parser.add_argument("--help-config", action="store_true",
                         help="list every config key with its type, default and meaning, and exit")
     return parser
+
+
+def _rendezvous(args) -> Rendezvous:
+    """The launcher's torchrun arguments, checked; ConfigError (one line, exit 2) names a misuse."""
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes {args.nnodes} must be >= 1")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
+    multi = args.nnodes > 1
+    if (multi or args.max_restarts or args.node_rank is not None or args.rdzv_endpoint) and not args.nproc_per_node:
+        raise ConfigError("--nnodes, --node-rank, --rdzv-endpoint and --max-restarts need --nproc-per-node N "
+                          "(tessera-train then starts torchrun on this node)")
+    if multi and not args.rdzv_endpoint:
+        raise ConfigError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, a host every node reaches "
+                          "(e.g. the first node of the job) and a free port on it")
+    if not multi and (args.node_rank is not None or args.rdzv_endpoint):
+        raise ConfigError("--node-rank and --rdzv-endpoint are for several nodes: give --nnodes N (N >= 2) too")
+    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--node-rank {args.node_rank} must be in [0, {args.nnodes - 1}] for --nnodes {args.nnodes}")
+    if args.rdzv_endpoint:
+        host, sep, port = args.rdzv_endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"--rdzv-endpoint {args.rdzv_endpoint!r} must read HOST:PORT with a port in 1..65535")
+    if not args.rdzv_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ConfigError(f"--rdzv-id {args.rdzv_id!r} must be letters, digits, '-', '_' or '.'")
+    return Rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts)
+
+
+def _resolve_auto_resume(args) -> None:
+    """--auto-resume (or a restarted worker): resume when the run has a complete checkpoint,
+    else start it again. An explicit `--resume RUN_DIR` is a resume already."""
+    if args.resume:
+        return
+    if not args.config:
+        raise ConfigError("--auto-resume needs --config FILE (the run directory is its train.run_dir)")
+    _, ckpt_dir = _paths(load_config(args.config, args.overrides))
+    if latest_checkpoint(ckpt_dir) is not None:
+        args.resume, args.overwrite = "", False
+    else:
+        args.resume, args.overwrite = None, True
+
+
+def _worker_argv(args) -> list[str]:
+    """The command line every node's workers get when no launcher holds the run directory."""
+    argv = ["--config", args.config] if args.config else []
+    for item in args.overrides:
+        argv += ["--set", item]
+    if args.resume is not None:
+        argv += ["--resume", args.resume] if args.resume else ["--resume"]
+    if args.overwrite:
+        argv.append("--overwrite")
+    if args.auto_resume:
+        argv.append("--auto-resume")
+    return argv
 
 
 def effective_config(args) -> tuple[Config, str | None]:
@@ -164,11 +237,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     is_worker = "RANK" in os.environ
     first = os.environ.get("RANK", "0") == "0"
+    # torchrun restarted this worker's group after a failure: continue from the newest checkpoint.
+    restarted = is_worker and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    rendezvous = None
     try:
         if args.nproc_per_node < 0:
             raise ConfigError(f"--nproc-per-node {args.nproc_per_node} must be >= 1 (0: no launcher)")
+        if not is_worker:
+            rendezvous = _rendezvous(args)
+        if args.auto_resume and args.overwrite:
+            raise ConfigError("--auto-resume and --overwrite contradict each other: continue the run or start it again")
+        worker_flags = _worker_argv(args)  # before --auto-resume turns into --resume or --overwrite
+        if args.auto_resume or restarted:
+            _resolve_auto_resume(args)
         config, note = effective_config(args)
-        world = args.nproc_per_node if args.nproc_per_node and not is_worker else int(os.environ.get("WORLD_SIZE", "1"))
+        launching = args.nproc_per_node and not is_worker
+        world = args.nproc_per_node * args.nnodes if launching else int(os.environ.get("WORLD_SIZE", "1"))
         validate(config, world)
         if not args.print_config:
             check_inputs(config)
@@ -180,15 +264,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     resume = args.resume is not None
     if args.nproc_per_node and not is_worker:
+        run_dir, ckpt_dir = _paths(config)
+        if rendezvous.multi_node:  # the workers' rank 0 takes the directory, wherever it runs
+            return launch_local(args.nproc_per_node, worker_flags, run_dir, ckpt_dir, rendezvous)
         try:
             lock = _take_run_dir(config, resume, args.overwrite, note)
         except (ConfigError, RunDirError) as err:
             return _error(str(err))
-        run_dir, ckpt_dir = _paths(config)
         try:
             # The workers read the saved effective config: nothing is resolved twice.
             return launch_local(args.nproc_per_node, ["--config", str(run_dir / CONFIG_NAME)] +
-                                (["--resume"] if resume else []), run_dir, ckpt_dir)
+                                (["--resume"] if resume else []), run_dir, ckpt_dir, rendezvous)
         finally:
             lock.release()
     return _run_worker(config, resume, args.overwrite, note)

@@ -1,4 +1,4 @@
-"""`tessera-train --nproc-per-node N`: torchrun on this machine, and nothing left behind.
+"""`tessera-train --nproc-per-node N [--nnodes N ...]`: torchrun on this node, and nothing left behind.
 
 The launcher owns the run: it holds the run directory's lock for its workers, starts torchrun
 in a new process group via setsid (so a Ctrl-C reaches the launcher once, not every process twice), and
@@ -6,6 +6,12 @@ on SIGINT / SIGTERM forwards the signal to torchrun, which stops its workers. Wh
 remains after `STOP_GRACE_S` — or after torchrun ends, normally or not — is killed: the
 launcher is a child subreaper, so workers and the loopback data server stay its descendants
 even when torchrun dies first. After a stop it prints one line and exits 128 + the signal.
+
+Several nodes: one launcher per node with the same `Rendezvous` (`--nnodes`, `--rdzv-endpoint`,
+`--rdzv-id`; c10d rendezvous, or a fixed `--node-rank` with static rendezvous). Then no launcher
+holds the run directory: the workers' rank 0 takes it, as under a plain torchrun. With
+`--max-restarts N` torchrun restarts the worker group when a worker dies; the restarted workers
+continue from the newest complete checkpoint (`core/cli.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from core.checkpoint import latest_checkpoint, step_of
@@ -81,14 +88,45 @@ def _reap() -> None:
             return
 
 
-def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Path) -> int:
-    """Run `python -m core.cli WORKER_ARGV` on `nproc` local ranks; returns the exit code."""
+@dataclass
+class Rendezvous:
+    """How this node's torchrun meets the others (torchrun's own arguments, checked by core/cli.py)."""
+
+    nnodes: int = 1
+    node_rank: int | None = None  # set: static rendezvous, ranks fixed per node; None: c10d assigns them
+    endpoint: str = ""            # HOST:PORT of the rendezvous (c10d store, or rank 0 with a node rank)
+    run_id: str = "tessera"       # the job's name, the same on every node (SLURM_JOB_ID under SLURM)
+    max_restarts: int = 0         # worker-group restarts after a failure before the run fails
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    def torchrun_args(self) -> list[str]:
+        restarts = [f"--max-restarts={self.max_restarts}"]
+        if not self.multi_node:
+            return ["--standalone", *restarts]
+        args = [f"--nnodes={self.nnodes}", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}"]
+        if self.node_rank is not None:
+            return [*args, "--rdzv-backend=static", f"--node-rank={self.node_rank}", *restarts]
+        return [*args, "--rdzv-backend=c10d", *restarts]
+
+
+def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Path,
+                 rendezvous: Rendezvous | None = None) -> int:
+    """Run `python -m core.cli WORKER_ARGV` on `nproc` ranks of this node; returns the exit code.
+
+    On one node the launcher holds the run directory for its workers and sweeps partial saves
+    at the end; with several nodes the workers' rank 0 holds it (no launcher knows when the
+    others' workers are done)."""
+    rendezvous = rendezvous or Rendezvous()
     become_subreaper()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun_args(), f"--nproc-per-node={nproc}",
            "-m", "core.cli", *worker_argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # N workers on a CPU-only machine share its cores
-    env[LOCK_OWNER_ENV] = str(os.getpid())
+    if not rendezvous.multi_node:
+        env[LOCK_OWNER_ENV] = str(os.getpid())
     received: list[int] = []
     reported: list[int] = []
     quiet = threading.Event()
@@ -119,8 +157,9 @@ def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Pa
                 signal_all([proc.pid, *descendants_of(os.getpid())], signal.SIGKILL)
     finally:
         _stop_leftovers()
-        # Every process of the run is gone: a save they were in the middle of is swept now.
-        remove_partial_checkpoints(ckpt_dir)
+        if not rendezvous.multi_node:
+            # Every process of the run is gone: a save they were in the middle of is swept now.
+            remove_partial_checkpoints(ckpt_dir)
         relay.join(timeout=5)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

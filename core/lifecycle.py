@@ -4,7 +4,9 @@ Workers turn SIGINT / SIGTERM into `Interrupted`, which unwinds the Trainer (clo
 stream, stopping the loopback data server, removing a half-written checkpoint) and ends the
 process with 128 + the signal's number, without a traceback. A worker whose parent (torchrun,
 or `tessera-train`) dies gets SIGTERM from the kernel (Linux `PR_SET_PDEATHSIG`), so nothing
-keeps training on its own.
+keeps training on its own. A stop the main thread cannot act on (it is blocked in a collective
+whose peer died, and Python handlers run only between bytecodes) ends the process after
+`STUCK_STOP_GRACE_S`, so a restart under torchrun is not held up by its 30 s kill timeout.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import os
 import signal
 import sys
 import threading
+import time
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STUCK_STOP_GRACE_S = 10.0
 
 
 class Interrupted(BaseException):
@@ -48,11 +52,32 @@ def _raise_interrupted(signum, frame) -> None:
     raise Interrupted(signum)
 
 
-def install_stop_handlers() -> None:
-    """SIGINT / SIGTERM raise `Interrupted` in the main thread."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, _raise_interrupted)
+def install_stop_handlers(stuck_grace: float = STUCK_STOP_GRACE_S) -> None:
+    """SIGINT / SIGTERM raise `Interrupted` in the main thread; if the process still runs
+    `stuck_grace` seconds after the signal, it exits with 128 + the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_interrupted)
+    # The C-level handler writes each signal's number to this pipe at once, even while the
+    # main thread is blocked; a watcher thread reads it.
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_exit_when_stuck, args=(read_fd, stuck_grace), name="stop-watch", daemon=True).start()
+
+
+def _exit_when_stuck(read_fd: int, grace: float) -> None:
+    while True:
+        data = os.read(read_fd, 1)
+        if not data:
+            return
+        if data[0] in STOP_SIGNALS:
+            time.sleep(grace)
+            sys.stderr.write(f"stopping now: {signal.Signals(data[0]).name} was not handled within {grace:g} s "
+                             "(blocked in a collective?)\n")
+            sys.stderr.flush()
+            os._exit(128 + data[0])
 
 
 def _prctl(option: int, value: int) -> bool:

@@ -30,6 +30,10 @@ CONFIG_NAME = "config.toml"
 METRICS_NAME = "metrics.jsonl"
 # Set by `tessera-train` for the workers it launches: the launcher holds the lock for them.
 LOCK_OWNER_ENV = "TESSERA_RUN_LOCK_OWNER"
+# torchrun names the job in its workers' environment (--rdzv-id; a fresh id per standalone run):
+# a restarted worker group, or a requeued batch job, takes over the lock of its own earlier attempt,
+# wherever that ran.
+JOB_ENV = "TORCHELASTIC_RUN_ID"
 
 # Resuming with these changed is refused: the checkpoint's tensors would not fit the model.
 SHAPE_KEYS = {
@@ -82,6 +86,9 @@ class RunLock:
         """Take the lock or raise RunDirError; returns a message when a stale lock was taken over."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        job = os.environ.get(JOB_ENV, "") if "RANK" in os.environ else ""
+        if job:
+            me["job"] = job
         message = None
         for _ in range(2):
             try:
@@ -94,6 +101,10 @@ class RunLock:
                 host, pid = owner.get("host", "?"), int(owner.get("pid", 0) or 0)
                 if str(pid) == os.environ.get(LOCK_OWNER_ENV) or (host == me["host"] and pid == me["pid"]):
                     return None  # our launcher holds it for us
+                if job and owner.get("job") == job and pid != me["pid"]:
+                    message = f"{self.path.parent}: taking over the lock of an earlier attempt of job {job} ({host}, pid {pid})"
+                    self.path.unlink(missing_ok=True)
+                    continue
                 if host == me["host"] and not _pid_alive(pid):
                     message = f"{self.path.parent}: taking over the lock of process {pid}, which no longer runs"
                     self.path.unlink(missing_ok=True)
