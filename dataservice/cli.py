@@ -15,7 +15,7 @@ import pathlib
 import sys
 
 from dataservice.build import MAX_SKIPPED, BuildError, build_dataset, summary_line
-from dataservice.serve_cli import add_peek, add_serve
+from dataservice.serve_cli import add_health, add_peek, add_serve
 from dataservice.shards import MANIFEST_NAME, DatasetError, load_manifest, verify_dataset
 
 
@@ -195,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_serve(sub)
     _add_peek(sub)
+    add_health(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""`tessera-data serve` and `tessera-data peek`: run a data service replica, look at its stream.
+"""`tessera-data serve`, `peek` and `health`: run a data service replica, look at its stream, probe it.
 
 Registered into `dataservice.cli` by `_add_serve`/`_add_peek`; kept apart so that cli.py
 stays one idea per file. Each `run_*` takes parsed args and returns the exit code
@@ -16,9 +16,11 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dataservice.client import DataClient, DataServiceError, check_address, server_info
 from dataservice.cp_plan import H200_COST, CostModel
@@ -96,7 +98,26 @@ def add_serve(sub) -> None:
                         "default: the built-in 2xH200 calibration)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop when the process that started this one ends (a trainer's own loopback server)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default: off)")
+    p.add_argument("--metrics-host", default=None,
+                   help="address of the metrics endpoint (default: --host)")
+    p.add_argument("--address-file", default=None, metavar="FILE",
+                   help="once listening, write HOST:PORT to FILE (atomically; the host name of this machine when "
+                        "--host is a wildcard): how batch jobs hand the address to their ranks")
     p.set_defaults(func=run_serve)
+
+
+def advertised_host(host: str) -> str:
+    """The host clients should dial: this machine's name for a wildcard listen address."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "[::]", "") else host
+
+
+def _write_atomically(path: str, text: str) -> None:
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, target)
 
 
 def run_serve(args) -> int:
@@ -108,7 +129,14 @@ def run_serve(args) -> int:
         return _fail(prog, f"--workers {args.workers} must be at least 8")
     if not args.grace >= 0:
         return _fail(prog, f"--grace {args.grace} must be >= 0")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        return _fail(prog, f"--metrics-port {args.metrics_port} must be in [0, 65535]")
+    if args.address_file and not Path(args.address_file).absolute().parent.is_dir():
+        return _fail(prog, f"--address-file {args.address_file!r}: its folder does not exist")
     problem = check_listen(args.host, args.port)
+    if not problem and args.metrics_port:
+        problem = check_listen(args.metrics_host or args.host, args.metrics_port)
+        problem = problem and problem.replace("(--port 0", "(--metrics-port 0")
     if problem:
         return _fail(prog, problem)
     try:
@@ -116,7 +144,8 @@ def run_serve(args) -> int:
         specs = [parse_data_spec(s) for s in args.data]
         datasets = open_datasets(specs)
         server, port = serve(datasets, args.host, args.port, workers=args.workers,
-                             token_secret=args.token_secret, cp_cost=cp_cost)
+                             token_secret=args.token_secret, cp_cost=cp_cost, metrics_port=args.metrics_port,
+                             metrics_host=args.metrics_host)
     except (ValueError, FileNotFoundError, DatasetError, OSError) as err:
         return _fail(prog, str(err))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -125,13 +154,65 @@ def run_serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"serving on {args.host}:{port}", flush=True)
+    if server.metrics_port is not None:
+        print(f"metrics on http://{args.metrics_host or args.host}:{server.metrics_port}/metrics", flush=True)
+    if args.address_file:
+        _write_atomically(args.address_file, f"{advertised_host(args.host)}:{port}\n")
     parent = os.getppid()
     while not stop.wait(0.5):  # wake up now and then so signals are handled promptly
         if args.exit_with_parent and os.getppid() != parent:  # re-parented: the trainer is gone
             break
-    sys.stderr.write(f"{prog}: shutting down (grace {args.grace:g}s)\n")
-    server.stop(args.grace)
+    sys.stderr.write(f"{prog}: draining {server.active_streams()} streams (NOT_SERVING; grace {args.grace:g}s)\n")
+    left = server.drain(args.grace)
+    server.stop(0)
+    sys.stderr.write(f"{prog}: stopped ({left} streams cancelled after the grace)\n" if left else f"{prog}: stopped\n")
     return 0
+
+
+# ---- health ----------------------------------------------------------------------------
+
+def add_health(sub) -> None:
+    """Register `health`."""
+    p = sub.add_parser("health", help="ask replicas for their gRPC health status",
+                       description="Standard gRPC health check of each replica. Exit 0 when every replica is "
+                                   "SERVING, 1 otherwise; with --wait S, retry until then or S seconds pass.")
+    p.add_argument("--address", required=True, action="append", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="replica(s); repeat or separate with commas")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds per check (default: 3)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="keep asking until every replica is SERVING or S seconds pass (default: 0, ask once)")
+    p.set_defaults(func=run_health)
+
+
+def health_status(address: str, timeout: float) -> str:
+    """SERVING, NOT_SERVING, ... or why the replica did not answer."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=timeout)
+        except grpc.RpcError as err:
+            return f"UNREACHABLE ({err.code().name})"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def run_health(args) -> int:
+    prog = "tessera-data health"
+    if not args.timeout > 0 or not args.wait >= 0:
+        return _fail(prog, "--timeout must be > 0 and --wait >= 0")
+    try:
+        addresses = [check_address(a) for item in args.address for a in item.split(",") if a.strip()]
+    except ValueError as err:
+        return _fail(prog, str(err))
+    deadline = time.monotonic() + args.wait
+    while True:
+        statuses = {a: health_status(a, args.timeout) for a in addresses}
+        healthy = all(status == "SERVING" for status in statuses.values())
+        if healthy or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    for address, status in statuses.items():
+        print(f"{address}: {status}", flush=True)
+    return 0 if healthy else 1
 
 
 # ---- peek ------------------------------------------------------------------------------

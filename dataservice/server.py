@@ -17,6 +17,7 @@ import hashlib
 import logging
 import math
 import threading
+import time
 from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import protos
 from dataservice.cp_plan import H200_COST, CostModel
 from dataservice.cp_stream import CPRequest, StepCache, check_cp_request, cp_messages
+from dataservice.metrics import ServiceMetrics
 from dataservice.plan import Anchor, StreamPlan, rows_for
 from dataservice.shards import ShardedDataset
 from dataservice.tokens import (
@@ -102,6 +104,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         max_streams: int = DEFAULT_WORKERS - _RESERVED_WORKERS,
         cp_cost: CostModel = H200_COST,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         if not datasets:
             raise ValueError("the data service needs at least one dataset")
@@ -134,6 +137,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         self._stream_slots = threading.BoundedSemaphore(max_streams)
         self._max_streams = max_streams
         self.stopping = threading.Event()
+        self.metrics = metrics or ServiceMetrics()
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -252,13 +256,20 @@ class DataServicer(pb2_grpc.DataServiceServicer):
 
     def StreamBatches(self, request, context):
         who = f"{request.consumer or '?'}@{context.peer()} dp {request.dp_rank}/{request.dp_size}"
+        started = time.perf_counter()
+        metrics = self.metrics
+        if self.stopping.is_set():  # draining: new streams go to another replica at once
+            metrics.error(grpc.StatusCode.UNAVAILABLE)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "data service is draining; use another replica")
         try:
             stream = self.resolve(request)
         except RequestError as err:
             log.info("refused %s: %s", who, err)
+            metrics.error(grpc.StatusCode.INVALID_ARGUMENT)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not self._stream_slots.acquire(blocking=False):
             log.warning("refused %s: all %d stream slots busy", who, self._max_streams)
+            metrics.error(grpc.StatusCode.UNAVAILABLE)
             context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"this replica already serves {self._max_streams} streams (its limit); retry on "
@@ -266,12 +277,23 @@ class DataServicer(pb2_grpc.DataServiceServicer):
             )
         log.info("stream %s: B %d, seq_len %d, seed %d, from step %d", who, stream.micro_batch_size,
                  stream.seq_len, request.seed, stream.start_step)
+        metrics.streams.inc()
+        metrics.streams_active.inc()
         sent = 0
+        rows = 0 if stream.cp is not None else stream.micro_batch_size
         try:
-            for message in self._batches(stream, request.max_batches, context):
+            messages = self._batches(stream, request.max_batches, context)
+            while True:
+                t0 = time.perf_counter()
+                message = next(messages, None)
+                if message is None:
+                    break
+                now = time.perf_counter()
+                metrics.sent(now - (started if sent == 0 else t0), rows, message.num_tokens, sent == 0)
                 yield message
                 sent += 1
         finally:
+            metrics.streams_active.dec()
             self._stream_slots.release()
             log.info("stream %s ended after %d batches", who, sent)
 
@@ -283,6 +305,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         anchor, step, sent = stream.anchor, stream.start_step, 0
         while max_batches == 0 or sent < max_batches:
             if self.stopping.is_set():
+                self.metrics.drained.inc()
                 context.abort(
                     grpc.StatusCode.UNAVAILABLE,
                     "data service is shutting down; reconnect with the last resume token",
@@ -298,6 +321,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
             else:
                 failure = None
             if failure:
+                self.metrics.error(grpc.StatusCode.INTERNAL)
                 context.abort(grpc.StatusCode.INTERNAL, failure)
             token = ResumeToken(row=(step + 1) * b * n, anchor=anchor.to_dict(), **stream.identity)
             yield self._message(batch, step, b, stream.seq_len, token.encode(self._secret))
@@ -309,6 +333,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         cp, anchor, step, sent = stream.cp, stream.anchor, stream.start_step, 0
         while max_steps == 0 or sent < max_steps:
             if self.stopping.is_set():
+                self.metrics.drained.inc()
                 context.abort(
                     grpc.StatusCode.UNAVAILABLE,
                     "data service is shutting down; reconnect with the last resume token",
@@ -323,6 +348,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
             else:
                 failure = None
             if failure:
+                self.metrics.error(grpc.StatusCode.INTERNAL)
                 context.abort(grpc.StatusCode.INTERNAL, failure)
             anchor = planned.last_anchor
             # Mid-step messages resume at their step's first row: streams restart at step boundaries.
@@ -411,14 +437,36 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
 class DataServer:
     """A running data service: the gRPC server, its servicer and its health status."""
 
-    def __init__(self, server: grpc.Server, servicer: DataServicer, health_servicer, port: int) -> None:
+    def __init__(self, server: grpc.Server, servicer: DataServicer, health_servicer, port: int,
+                 metrics_port: int | None = None) -> None:
         self.server, self.servicer, self.health, self.port = server, servicer, health_servicer, port
+        self.metrics_port = metrics_port
+
+    @property
+    def metrics(self) -> ServiceMetrics:
+        return self.servicer.metrics
+
+    def active_streams(self) -> int:
+        return int(self.metrics.registry.get_sample_value("tessera_data_streams_active") or 0)
+
+    def drain(self, grace: float = 5.0) -> int:
+        """Report NOT_SERVING, refuse new streams and end each open stream at its next message
+        with UNAVAILABLE (its client continues from its last resume token on another replica, or
+        on this address once it is back); wait up to `grace` s for them. Returns the streams
+        still open after the wait (they are cancelled by `stop`)."""
+        self.health.enter_graceful_shutdown()
+        self.metrics.draining.set(1)
+        self.servicer.stopping.set()
+        deadline = time.monotonic() + grace
+        while self.active_streams() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.active_streams()
 
     def stop(self, grace: float = 5.0) -> None:
-        """Report NOT_SERVING, end every stream with UNAVAILABLE (clients fail over) and stop."""
-        self.health.enter_graceful_shutdown()
-        self.servicer.stopping.set()
-        self.server.stop(grace).wait()
+        """Drain (see `drain`), then stop the gRPC server and the metrics endpoint."""
+        self.drain(grace)
+        self.server.stop(0).wait()
+        self.metrics.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server has stopped (or timeout); True if it stopped."""
@@ -446,11 +494,15 @@ def serve(
     token_secret: str | bytes | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     cp_cost: CostModel = H200_COST,
+    metrics_port: int | None = None,
+    metrics_host: str | None = None,
 ) -> tuple[DataServer, int]:
     """Start a data service in this process; returns (server, bound port). Port 0 picks a free one.
 
     `datasets`: paths, (path, weight) pairs, or already opened (ShardedDataset, path, weight).
     `cp_cost`: the cost model of dynamic-CP plans (the trainer's model on its GPUs).
+    `metrics_port`: serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: a free
+    port, None: no endpoint; `DataServer.metrics_port` has the bound one); host default `host`.
     """
     if workers < _RESERVED_WORKERS + 1:
         raise ValueError(f"workers is {workers}; it must be at least {_RESERVED_WORKERS + 1}")
@@ -463,6 +515,7 @@ def serve(
         max_message_bytes=max_message_bytes,
         max_streams=workers - _RESERVED_WORKERS,
         cp_cost=cp_cost,
+        metrics=ServiceMetrics(),
     )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dataservice"),
@@ -477,8 +530,16 @@ def serve(
         bound = 0
     if bound == 0:
         raise OSError(f"could not bind the data service to {host}:{port} (address in use or invalid)")
+    bound_metrics = None
+    if metrics_port is not None:
+        try:
+            bound_metrics = servicer.metrics.serve_http(metrics_host or host, metrics_port)
+        except OSError as err:
+            server.stop(0)
+            raise OSError(f"could not serve metrics on {metrics_host or host}:{metrics_port}: {err.strerror or err}") \
+                from None
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("data service on %s:%d with datasets %s", host, bound, list(servicer._datasets))
-    return DataServer(server, servicer, health_servicer, bound), bound
+    return DataServer(server, servicer, health_servicer, bound, bound_metrics), bound
