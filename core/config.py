@@ -262,7 +262,7 @@ class CheckpointConfig:
     save_at_end: bool = True
     """Save after the last step."""
     async_save: bool = False
-    """Write checkpoints in the background: the step pays only for a copy to host memory; a save becomes `latest` only once every rank has written it."""
+    """Save in the background: the step pays for a host copy; `latest` only once every rank has written."""
     init_from: str = ""
     """Weights to start from (a `tessera-convert from-hf` folder or a .safetensors file), loaded into any layout; empty: random init."""
 
