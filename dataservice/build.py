@@ -410,7 +410,7 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
                   tokenizer: str = "byte", text_field: str = "text", glob: str | Sequence[str] = "**/*",
                   shard_size_mb: float = 256, overwrite: bool = False, strict: bool = False,
                   progress: bool = False, max_skipped: float = MAX_SKIPPED,
-                  chat_template: str = "auto") -> pathlib.Path:
+                  chat_template: str = "auto", loss_mask: bool = True) -> pathlib.Path:
     """Build a dataset folder at `output` from `inputs`; returns the output path.
 
     `tokenizer` is "byte" or a path to a tokenizer.json. `shard_size_mb` bounds each shard's
@@ -419,7 +419,8 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
     than `max_skipped` of the records were skipped as problems (a wrong `text_field` skips them
     all); then no output folder is left behind. `glob`: one pattern or several, with braces.
     `chat_template`: how fine-tuning records are rendered ('auto', 'plain' or a jinja file;
-    see `dataservice.sft.find_chat_template`).
+    see `dataservice.sft.find_chat_template`). `loss_mask=False`: fine-tuning examples are rendered
+    the same but every token is a target (no mask is stored), as in pretraining.
     """
     t0 = time.perf_counter()
     output = pathlib.Path(output).absolute()
@@ -439,7 +440,7 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
     files = _input_files(inputs, globs)
     tmp = _prepare_output(output, overwrite)
     try:
-        manifest = _build_into(tmp, files, tok, renderer, text_field, shard_size_mb, strict, progress, t0)
+        manifest = _build_into(tmp, files, tok, renderer, text_field, shard_size_mb, strict, progress, t0, loss_mask)
         _check_skipped(manifest, max_skipped, text_field)
         manifest["build"].update(inputs=[str(i) for i in inputs], text_field=text_field, glob=globs)
         manifest["manifest_checksum"] = manifest_checksum(manifest)
@@ -452,7 +453,7 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
 
 
 def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, renderer: ExampleRenderer, text_field: str,
-                shard_size_mb: float, strict: bool, show_progress: bool, t0: float) -> dict:
+                shard_size_mb: float, strict: bool, show_progress: bool, t0: float, loss_mask: bool = True) -> dict:
     """Write shards, index and tokenizer copy into `tmp`; returns the manifest (not yet written)."""
     counts = _Counts()
     writer = ShardWriter(tmp, int(shard_size_mb * (1 << 20)))
@@ -533,7 +534,7 @@ def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, renderer: Exa
         "build": {"seconds": round(time.perf_counter() - t0, 3), "shard_size_mb": shard_size_mb,
                   "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
     }
-    if targets.any_example:
+    if targets.any_example and loss_mask:
         manifest["loss_mask"] = targets.write(tmp, lengths)
     manifest["fingerprint"] = dataset_fingerprint(manifest)
     return manifest

@@ -48,6 +48,9 @@ def _add_build(sub) -> None:
                    help="how prompt/completion and messages records are rendered: 'auto' (default) uses the "
                         "tokenizer folder's chat template if it has one, else the plain template; 'plain'; "
                         "or a jinja template file")
+    p.add_argument("--no-loss-mask", action="store_true",
+                   help="render fine-tuning records with the template but train on every token (prompts "
+                        "and template markers too), as in pretraining; default: loss on the answers only")
     p.add_argument("--glob", action="append", default=None, metavar="PATTERN",
                    help="files to take from input folders, relative to each (repeatable; braces such as "
                         "'**/*.{py,md}' expand; default: **/*)")
@@ -69,7 +72,8 @@ def _run_build(args) -> int:
         out = build_dataset(args.inputs, args.output, tokenizer=args.tokenizer, text_field=args.text_field,
                             glob=args.glob or ["**/*"], max_skipped=args.max_skipped,
                             shard_size_mb=args.shard_size_mb, overwrite=args.overwrite,
-                            strict=args.strict, progress=not args.quiet, chat_template=args.chat_template)
+                            strict=args.strict, progress=not args.quiet, chat_template=args.chat_template,
+                            loss_mask=not args.no_loss_mask)
     except BuildError as e:
         return _fail(prog, str(e))
     except OSError as e:

@@ -222,11 +222,12 @@ def tokenizer_from_manifest(manifest: dict, dataset_dir: str | os.PathLike | Non
 
 
 def train_tiny_tokenizer(folder: str | os.PathLike, specials: Sequence[str] = ("<pad>", "<bos>", "<eos>", "<unk>"),
-                         vocab_size: int = 400) -> pathlib.Path:
+                         vocab_size: int = 400, sample: Sequence[str] | None = None) -> pathlib.Path:
     """Train a tiny byte-level BPE in-process and save it as `folder/tokenizer.json`.
 
     For tests: gives a real `tokenizer.json` without any download. `specials` become the
-    first ids (so the defaults give pad 0, bos 1, eos 2).
+    first ids (so the defaults give pad 0, bos 1, eos 2). `sample`: the texts to learn merges
+    from (default: two short sentences).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -235,7 +236,8 @@ def train_tiny_tokenizer(folder: str | os.PathLike, specials: Sequence[str] = ("
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    sample = ["hello world, naïve 東京 größe", "the quick brown fox jumps over the lazy dog"] * 20
+    if sample is None:
+        sample = ["hello world, naïve 東京 größe", "the quick brown fox jumps over the lazy dog"] * 20
     tok.train_from_iterator(sample, trainer)
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,9 @@
 # dependencies installed, then put it first on PATH. Idempotent and quick when up to date.
 set -euo pipefail
 TESSERA_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Machines without a package index (GPU hosts with their own torch) use the Python on PATH as it
+# is, with the tessera-* commands on PATH already: TESSERA_NO_VENV=1.
+if [ -n "${TESSERA_NO_VENV:-}" ]; then return 0 2>/dev/null || exit 0; fi
 VENV="${TESSERA_VENV:-$TESSERA_ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 stamp="$VENV/.tessera-installed"

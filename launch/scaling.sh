@@ -17,8 +17,7 @@
 # Extra trainer settings: TESSERA_SCALING_SET="train.compile=false ..." (space-separated).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# GPU machines without a package index run it with their own Python: TESSERA_NO_VENV=1.
-if [ -z "${TESSERA_NO_VENV:-}" ]; then source "$here/env.sh"; fi
+source "$here/env.sh"
 cd "$here/.."
 python="${PYTHON:-python3}"
 command -v python >/dev/null 2>&1 && python="${PYTHON:-python}"

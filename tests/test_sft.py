@@ -247,3 +247,17 @@ def test_resume_token_and_dynamic_cp_plans_keep_the_masks(sft_and_text):
             assert np.array_equal(x.labels.numpy(), y.labels.numpy()) and np.array_equal(x.tokens.numpy(), y.tokens.numpy())
     finally:
         srv.stop(0)
+
+
+def test_no_loss_mask_keeps_the_rendering_and_trains_on_every_token(tmp_path, sft_and_text):
+    sft, _ = sft_and_text
+    source = json.loads((sft / "manifest.json").read_text())["build"]["inputs"]
+    plain = build_dataset(source, tmp_path / "all-targets", loss_mask=False)
+    manifest = json.loads((plain / "manifest.json").read_text())
+    assert "loss_mask" not in manifest and manifest["records"]["messages"] > 0
+    with ShardedDataset.open(sft) as masked, ShardedDataset.open(plain) as unmasked:
+        assert len(masked) == len(unmasked) and masked.has_loss_mask and not unmasked.has_loss_mask
+        for d in range(len(masked)):
+            tokens = unmasked.read(d)
+            assert np.array_equal(masked.read(d), tokens)
+            assert unmasked.target_masks([d], [0], [tokens.size])[0].all()
