@@ -151,7 +151,7 @@ def check_address(address: str) -> str:
     return text
 
 
-def _reason(err: grpc.RpcError, timeout: float | None = None) -> str:
+def failure_reason(err: grpc.RpcError, timeout: float | None = None) -> str:
     """A failed call's cause in a few words."""
     code, details = err.code(), err.details() or ""
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
@@ -169,7 +169,7 @@ def _get_info(channels: "_Channels", addresses: Sequence[str], timeout: float) -
         try:
             reply = pb2_grpc.DataServiceStub(channels.get(address)).GetInfo(pb2.InfoRequest(), timeout=timeout)
         except grpc.RpcError as err:
-            errors.append(f"{address} ({_reason(err, timeout)})")
+            errors.append(f"{address} ({failure_reason(err, timeout)})")
             continue
         return {
             "format_version": reply.format_version,
@@ -202,7 +202,8 @@ def server_info(addresses: str | Sequence[str], timeout: float = 5.0) -> dict:
 
 
 def client_options(max_receive_bytes: int) -> list[tuple[str, int]]:
-    """Channel arguments: explicit limits, keep-alive that notices a dead server, fast reconnect."""
+    """Channel arguments: explicit limits, keep-alive that notices a dead server, fast reconnect,
+    a bounded read-ahead."""
     return [
         ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.max_send_message_length", 1 << 20),  # requests are tiny
@@ -214,6 +215,10 @@ def client_options(max_receive_bytes: int) -> list[tuple[str, int]]:
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        # The prefetch queue is the read-ahead. Without this, HTTP/2 window probing lets a replica
+        # push megabytes per stream ahead of it (hundreds of small batches), which a killed or
+        # draining replica's successor sends again; with it, a 64 KiB window (or one message) is in flight.
+        ("grpc.http2.bdp_probe", 0),
     ]
 
 
@@ -465,7 +470,7 @@ class _Prefetcher:
                                                f"{code.name}: {details}", code))
                     return
                 failures += 1
-                tried.append(f"{address} ({_reason(err)})")
+                tried.append(f"{address} ({failure_reason(err)})")
                 if failures > c.max_retries:
                     self._put(DataServiceError(
                         f"no data service replica answered after {c.max_retries} retries; tried "

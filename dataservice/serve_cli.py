@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dataservice.client import DataClient, DataServiceError, check_address, server_info
+from dataservice.client import DataClient, DataServiceError, check_address, failure_reason, server_info
 from dataservice.cp_plan import H200_COST, CostModel
 from dataservice.server import open_datasets, serve
 from dataservice.shards import DatasetError
@@ -174,8 +174,10 @@ def run_serve(args) -> int:
 def add_health(sub) -> None:
     """Register `health`."""
     p = sub.add_parser("health", help="ask replicas for their gRPC health status",
-                       description="Standard gRPC health check of each replica. Exit 0 when every replica is "
-                                   "SERVING, 1 otherwise; with --wait S, retry until then or S seconds pass.")
+                       description="Standard gRPC health check of each replica, one line each: HOST:PORT: SERVING, "
+                                   "NOT_SERVING (draining) or UNREACHABLE (why). Exit 0 when every replica is "
+                                   "SERVING, 1 otherwise, 2 for a malformed address; with --wait S, retry until "
+                                   "every one is SERVING or S seconds pass.")
     p.add_argument("--address", required=True, action="append", metavar="HOST:PORT[,HOST:PORT...]",
                    help="replica(s); repeat or separate with commas")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds per check (default: 3)")
@@ -185,13 +187,13 @@ def add_health(sub) -> None:
 
 
 def health_status(address: str, timeout: float) -> str:
-    """SERVING, NOT_SERVING, ... or why the replica did not answer."""
+    """SERVING, NOT_SERVING, ... or UNREACHABLE (why the replica did not answer)."""
     with grpc.insecure_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                               timeout=timeout)
         except grpc.RpcError as err:
-            return f"UNREACHABLE ({err.code().name})"
+            return f"UNREACHABLE ({failure_reason(err, timeout)})"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
