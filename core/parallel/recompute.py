@@ -71,20 +71,28 @@ class _Recipe:
 def _drop_output(producer: nn.Module, consumer: nn.Module) -> None:
     """Tensors that `consumer`'s forward saves and that are `producer`'s output are saved as a
     recipe (the producer's inputs, which its own checkpoint keeps anyway) and recomputed when
-    the backward unpacks them."""
+    the backward unpacks them. A consumer may have several producers (a dense FFN drops both the
+    norm's output and the SwiGLU product): one pair of hooks serves them all, since only the
+    innermost saved-tensor hooks see a saved tensor."""
     run = getattr(producer, "_recompute_original", producer.forward)
     live: list[tuple[torch.Tensor, tuple]] = []
 
-    def note(module, args, output):  # the producer runs just before its consumer
+    def note(module, args, output):  # the producer runs just before its consumer (or inside it)
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor):
             live.append((output, args))
 
     producer.register_forward_hook(note)
+    producers = consumer.__dict__.get("_dropped_outputs")
+    if producers is not None:
+        producers.append((run, live))
+        return
+    producers = consumer.__dict__["_dropped_outputs"] = [(run, live)]
 
     def pack(t: torch.Tensor):
-        for out, args in live:
-            if t._cdata == out._cdata:  # the very tensor (its C++ object), never a look-alike
-                return _Recipe(run, args)
+        for recompute, outputs in producers:
+            for out, args in outputs:
+                if t._cdata == out._cdata:  # the very tensor (its C++ object), never a look-alike
+                    return _Recipe(recompute, args)
         return t
 
     def unpack(saved):
@@ -100,7 +108,8 @@ def _drop_output(producer: nn.Module, consumer: nn.Module) -> None:
             with saved_tensors_hooks(pack, unpack):
                 return original(*args, **kwargs)
         finally:
-            live.clear()  # the outputs are referenced only until their consumer ran
+            for _, outputs in producers:
+                outputs.clear()  # the outputs are referenced only until their consumer ran
 
     consumer.forward = forward
 
