@@ -1,7 +1,7 @@
 """The import layering of docs/architecture.md, read from the source with `ast`:
 
     protos <- dataservice <- core foundation <- moe <- orchestration (core.model, core.parallelize,
-    core.trainer, core.cli) <- interop <- bench
+    core.trainer, core.cli, core.planner.*) <- interop <- bench
 
 A module imports only its own layer or lower ones, no file-level import cycle exists, and every
 import of a project module sits at module level (a function-local import hides a dependency
@@ -24,7 +24,7 @@ LAYER_NAMES = ["protos", "dataservice", "core foundation", "moe", "orchestration
 def layer_of(module: str) -> int:
     top = module.split(".")[0]
     if top == "core":
-        return 4 if module in ORCHESTRATION else 2
+        return 4 if module in ORCHESTRATION or module.startswith("core.planner") else 2
     return {"protos": 0, "dataservice": 1, "moe": 3, "interop": 5, "bench": 6}[top]
 
 

@@ -1,0 +1,178 @@
+"""The planner's parameter, gradient and optimizer bytes per rank equal the trainer's tensors.
+
+Reference: the tensors `core.parallelize.parallelize` allocates on each rank (bf16 parameters,
+fp32 main-grad buckets and ZeRO-1 reduce-scatter targets, AdamW moments and fp32 masters), for
+every legal layout (`core.planner.layouts`) of the tiny dense and MoE configs on 4 gloo ranks
+(tp, pp with both schedules, cp, dp, ep, etp), fp32, ZeRO off, sizes that chunk unevenly and a
+tied embedding over the pipeline, and on one process. Tolerance: none, the counts are exact.
+
+The activation model against autograd: the bytes each block leaves alive after a bf16 forward on
+the CPU (every storage an op creates, tracked until freed), for every recompute kind: exact for
+the dense blocks, the head and the loss; MoE blocks within 1% (balanced routing assumed; the
+CPU's per-expert loop saves slices of the SwiGLU product, so `swiglu` is left to the GPU check).
+Peak memory and step time against the GPU: `bench/planner_check.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from core.config import load_config, validate
+from core.layers import AttentionMeta
+from core.loss import cross_entropy_sum
+from core.mesh import ParallelMesh
+from core.model import build_model
+from core.parallel.recompute import apply_recompute
+from core.parallelize import parallelize
+from core.planner.layouts import describe, layouts
+from core.planner.memory import block_activations, estimate_memory, head_activations, rope_tables, state_bytes
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERRIDES = ["train.device=cpu", "train.micro_batch_size=1", "train.global_batch_size=8"]
+
+
+def _config(name: str, precision: str = "bf16", extra=()):
+    return load_config(ROOT / "launch" / "configs" / f"{name}.toml", OVERRIDES + [f"train.precision={precision}", *extra])
+
+
+def _measured(config) -> dict:
+    """The bytes of this rank's tensors, read off the objects parallelize returns."""
+    p = config.parallel
+    mesh = ParallelMesh.build(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, device_type="cpu")
+    precision = config.train.precision
+    _, optimizer, _, grads = parallelize(build_model(config.model, seed=0), mesh, config, torch.device("cpu"), precision)
+    dp = grads.dp
+    params = {id(s.param): s.param.numel() * s.param.element_size() for s in dp.slots}
+    return {
+        "params": sum(params.values()),
+        "grads": sum(b.grad_buffer.numel() * 4 for b in dp.buckets),
+        "grad_shards": sum(b.shard_buffer.numel() * 4 for b in dp.buckets if b.sharded),
+        "moments": sum(t.numel() * t.element_size() for t in optimizer.exp_avg + optimizer.exp_avg_sq),
+        "masters": sum(s.master.numel() * 4 for s in dp.slots if not s.master_is_param),
+    }
+
+
+def _predicted(config, rank: int) -> dict:
+    s = state_bytes(config, rank)
+    return {"params": s.params, "grads": s.grads, "grad_shards": s.grad_shards, "moments": s.moments,
+            "masters": s.masters}
+
+
+UNEVEN = ["model.vocab_size=266", "model.ffn_dim=354"]  # ZeRO chunks of 67, 67, 67, 65 rows
+
+
+def _check_world(rank: int, world: int) -> list[str]:
+    torch.set_num_threads(1)
+    wrong, seen = [], 0
+    for name in ("tiny_dense", "tiny_moe"):
+        cases = [(c, "bf16") for c in layouts(_config(name), world, gpus_per_node=world)]
+        cases += [(validate(_config(name, "fp32"), world), "fp32"),
+                  (validate(_config(name, "bf16", ["parallel.distributed_optimizer=false"]), world), "bf16 no ZeRO")]
+        if name == "tiny_dense":
+            cases += [(validate(_config(name, "bf16", UNEVEN + keys), world), "uneven")
+                      for keys in ([], ["parallel.tp=2"], ["parallel.pp=2"])]
+            cases += [(validate(_config(name, "bf16", ["model.tie_embeddings=true"] + keys), world), "tied")
+                      for keys in ([], ["parallel.pp=2"])]
+        for config, what in cases:
+            seen += 1
+            measured, predicted = _measured(config), _predicted(config, rank)
+            if measured != predicted:
+                wrong.append(f"{name} {describe(config)} {what} rank {rank}: measured {measured} predicted {predicted}")
+    return wrong + [f"layouts {seen}"]
+
+
+@pytest.mark.slow  # 4 gloo processes, every layout of two configs built once
+def test_state_bytes_exact_on_four_ranks():
+    results = run_distributed(_check_world, 4, timeout=300)
+    wrong = [line for r in results for line in r if not line.startswith("layouts")]
+    assert not wrong, "\n".join(wrong[:20])
+    assert int(results[0][-1].split()[1]) == 12 + 30 + 2 * 2 + 5  # every layout was built and compared
+
+
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_state_bytes_exact_on_one_process(name, precision):
+    config = validate(_config(name, precision, ["parallel.ep=1"]), 1)
+    assert _measured(config) == _predicted(config, 0)
+
+
+class _Storages(TorchDispatchMode):
+    """Every storage an op creates, tagged with the part of the model that was running."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.where, self.made, self.refs = "other", [], {}
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                storage = t.untyped_storage()
+                key, old = storage.data_ptr(), self.refs.get(storage.data_ptr())
+                if key not in self.params and (old is None or old.expired()):  # views share one storage
+                    self.refs[key] = StorageWeakRef(storage)
+                    self.made.append((self.where, self.refs[key], storage.nbytes()))
+        return out
+
+    def alive(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for where, ref, size in self.made:
+            if not ref.expired():
+                out[where] = out.get(where, 0) + size
+        return out
+
+
+def _saved_bytes(config, recompute: tuple[str, ...]) -> dict[str, int]:
+    """Bytes alive after the forward and the loss of one micro-batch, by block, on the CPU."""
+    model = build_model(config.model, seed=0).to(torch.bfloat16)  # as the trainer casts for bf16
+    apply_recompute(model, "none", list(recompute), [])
+    n = config.train.seq_len
+    tokens = torch.randint(0, config.model.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, n], dtype=torch.int32), max_seqlen=n)
+    track = _Storages(model.parameters())
+    for i, block in model.layers.items():
+        block.register_forward_pre_hook(lambda *_, i=i: setattr(track, "where", f"layer{i}"))
+    model.norm.register_forward_pre_hook(lambda *_: setattr(track, "where", "head"))
+    with track:
+        loss, _ = cross_entropy_sum(model(tokens, torch.arange(n), meta), torch.roll(tokens, -1))
+    alive = track.alive()
+    del loss
+    return alive
+
+
+RECOMPUTE_SETS = [(), ("norms",), ("swiglu",), ("attention_core",), ("attention",), ("mlp",), ("block",),
+                  ("norms", "swiglu")]
+
+
+def test_activation_model_equals_autograd_saved_tensors():
+    dense = validate(_config("tiny_dense", "bf16", ["train.seq_len=256"]), 1)
+    moe = validate(_config("tiny_moe", "bf16", ["train.seq_len=256", "parallel.ep=1"]), 1)
+    for recompute in RECOMPUTE_SETS:
+        alive = _saved_bytes(dense, recompute)
+        assert alive["layer1"] == block_activations(dense, 1, set(recompute), set()).device, recompute
+        if not recompute:  # the checkpoints of the other sets keep the embedding's output too
+            assert alive["other"] - rope_tables(dense) < 1024, alive  # + positions as floats
+            assert 0 <= alive["head"] - head_activations(dense) < 64, alive  # + the loss sums (scalars)
+        if "swiglu" not in recompute:
+            got, want = _saved_bytes(moe, recompute)["layer1"], block_activations(moe, 1, set(recompute), set()).device
+            assert abs(got - want) <= 0.01 * want, (recompute, got, want)
+
+
+def test_each_recompute_kind_saves_activation_memory():
+    config = validate(_config("tiny_moe", "bf16", ["parallel.ep=1", "train.seq_len=4096"]), 1)
+    plain = {i: block_activations(config, i, set(), set()).device for i in (0, 1)}  # dense, MoE
+    for kind in ("norms", "swiglu", "attention", "mlp", "block"):
+        for i in (0, 1):
+            assert block_activations(config, i, {kind}, set()).device < plain[i], (kind, i)
+    assert block_activations(config, 1, {"moe_experts"}, set()).device < plain[1]
+    moved = block_activations(config, 1, set(), {"block"})
+    assert moved.device == 0 and moved.offloaded == plain[1]
+    assert estimate_memory(config).peak_allocated > state_bytes(config).total
