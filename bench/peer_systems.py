@@ -1,0 +1,484 @@
+"""The training systems bench/peers.py sets side by side, each behind one builder.
+
+A builder takes the workload (`Spec`), the shared micro-batches (`Feed`) and the reference
+weights, and returns a `Built`: one optimizer step as a callable that returns the step's mean
+token loss, plus the parameter counts the shared MFU formula reads. A system that cannot run
+here raises `Unavailable` with one line saying why; the bench reports it and goes on.
+
+Every system gets the same model (Tessera's `build_model(cfg, seed=0)` weights, copied in by
+name where the architecture is the same), the same rows, targets (next token, -100 at each
+row's end) and document boundaries, micro-batch, accumulation, AdamW (betas 0.9/0.95, eps 1e-8,
+no weight decay, constant lr) and global-norm clipping at 1.0. The peers are optional,
+benchmark-only dependencies: imported here at build time, never by the product.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from bench.train_step import moe_step_hooks
+from core.config import Config, ModelConfig
+from core.data import StepInputs
+from core.layers import AttentionMeta
+from core.model import build_model, count_params
+from core.trainer import Trainer
+from interop.families import tensor_map
+
+EOS = 0  # the token that ends every document (TorchTitan finds boundaries by it)
+BETAS, EPS, CLIP = (0.9, 0.95), 1e-8, 1.0
+TORCHTITAN_API = "0.2"  # the JobConfig/TrainSpec API; 0.3 needs a torch newer than 2.11
+
+
+class Unavailable(Exception):
+    """A system that cannot run a workload here; its message is the one line the bench prints."""
+
+
+@dataclass
+class Spec:
+    """What every system of a workload runs."""
+
+    model: ModelConfig  # Tessera's config: the reference shapes
+    seq: int
+    batch: int  # rows per micro-batch
+    accum: int  # micro-batches per optimizer step
+    precision: str  # "bf16", "fp8" or "fp32"
+    compile: bool
+    recompute: str  # "none", "selective" or "full" (Tessera's names; each peer maps it)
+    packed: bool  # rows of several documents
+    lr: float
+    device: torch.device
+
+
+@dataclass
+class Micro:
+    """One micro-batch in the layouts the systems read."""
+
+    tokens: torch.Tensor  # [B, S]
+    targets: torch.Tensor  # [B, S]: the next token, -100 at each row's end
+    positions: torch.Tensor  # [B, S]: position inside its document
+    cu_seqlens: torch.Tensor  # [docs + 1] int32 over the flattened rows
+    max_seqlen: int
+    num_labels: int
+
+    def flat(self) -> StepInputs:
+        meta = AttentionMeta(cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen)
+        return StepInputs(self.tokens.reshape(-1), self.targets.reshape(-1), self.positions.reshape(-1), meta,
+                          num_tokens=float(self.tokens.numel()), num_labels=float(self.num_labels))
+
+
+class Feed:
+    """A system's own cursor over the shared pool: every system reads the same sequence."""
+
+    def __init__(self, pool: list[Micro]):
+        self.pool, self.at = pool, 0
+
+    def next(self) -> Micro:
+        micro = self.pool[self.at % len(self.pool)]
+        self.at += 1
+        return micro
+
+
+@dataclass
+class Built:
+    step: Callable[[], object]  # one optimizer step; returns its mean token loss (tensor or float)
+    params: tuple[int, int, int]  # (total, input embedding, active per token)
+    attention_width: float  # what core.metrics.flops_per_token counts as the attention width
+    setup: str  # the system's recipe in one line
+
+
+def optional(module: str, why: str):
+    """Import a peer; Unavailable (one line) when it is missing or does not import here."""
+    try:
+        return importlib.import_module(module)
+    except Exception as err:  # an incompatible release fails with any error, not only ImportError
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise Unavailable(f"{why}: {type(err).__name__}: {first}") from None
+
+
+def _autocast(spec: Spec):
+    """bf16 autocast over fp32 parameters (what AMP training loops do); nothing in fp32."""
+    if spec.precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(spec.device.type, dtype=torch.bfloat16)
+
+
+def _adamw(params, spec: Spec) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=spec.lr, betas=BETAS, eps=EPS, weight_decay=0.0,
+                             fused=spec.device.type == "cuda")
+
+
+def _expert_share(model: torch.nn.Module, suffix: str, top_k: int, experts: int) -> int:
+    """Routed-expert parameters one token does not use: all but top_k / E of each experts module."""
+    idle = 0
+    for name, module in model.named_modules():
+        if name.endswith(suffix) and not name.endswith("shared_" + suffix):
+            n = sum(p.numel() for p in module.parameters())
+            idle += n - n * top_k // experts
+    return idle
+
+
+def _counts(model: torch.nn.Module, embedding: torch.nn.Module, spec: Spec, suffix: str = "experts") -> tuple:
+    total = sum(p.numel() for p in model.parameters())
+    moe = spec.model.moe
+    idle = _expert_share(model, suffix, moe.top_k, moe.num_experts) if moe.num_experts else 0
+    return total, embedding.weight.numel(), total - idle
+
+
+def reference_weights(spec: Spec) -> dict[str, torch.Tensor]:
+    """Tessera's initial weights for this model (seed 0, as its Trainer builds them), on the CPU."""
+    return build_model(spec.model, seed=0).state_dict()
+
+
+def hf_llama_weights(spec: Spec, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The reference weights under Hugging Face Llama names (interop's own map)."""
+    shapes = {k: tuple(v.shape) for k, v in weights.items()}
+    return {link.hf[0]: weights[link.name] for link in tensor_map("llama", shapes)}
+
+
+def copy_by_name(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy into `model`'s parameters, names read through compile and checkpoint wrappers;
+    every parameter must be found (a silent miss would compare different models)."""
+    wrappers = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+    missing = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = name
+            for w in wrappers:
+                key = key.replace(w, "")
+            if key not in weights:
+                missing.append(key)
+                continue
+            src = weights[key]
+            local = param.to_local() if hasattr(param, "to_local") else param
+            local.copy_(src.to(local.dtype).reshape(local.shape))
+    if missing:
+        raise RuntimeError(f"no reference weight for {len(missing)} parameters, e.g. {missing[:3]}")
+
+
+# -- Tessera ---------------------------------------------------------------------------------
+
+
+def tessera(spec: Spec, feed: Feed, weights) -> Built:
+    """Trainer.step then Trainer.record, as bench/train_step.py and the trainer's own loop run them."""
+    config = Config(model=spec.model)
+    t = config.train
+    t.device, t.seed, t.seq_len = spec.device.type, 0, spec.seq
+    t.compile, t.precision, t.recompute = spec.compile, spec.precision, spec.recompute
+    t.micro_batch_size, t.global_batch_size = spec.batch, spec.batch * spec.accum
+    t.lr = t.min_lr = spec.lr
+    t.warmup_steps, t.weight_decay, t.beta1, t.beta2, t.eps, t.grad_clip = 0, 0.0, *BETAS, EPS, CLIP
+    t.max_steps = 10**6
+    trainer = Trainer(config)
+    flat = {id(m): m.flat() for m in feed.pool}
+
+    def step():
+        start = time.perf_counter()
+        micro = [flat[id(feed.next())] for _ in range(spec.accum)]
+        return trainer.record(trainer.step(micro), start)["loss"]
+
+    return Built(step, _tessera_counts(spec), spec.model.num_heads * spec.model.attention_head_dim,
+                 f"Trainer.step+record, precision {spec.precision}, recompute {spec.recompute}, "
+                 f"compile {spec.compile}")
+
+
+def _tessera_counts(spec: Spec) -> tuple[int, int, int]:
+    """The plain model's counts, as the Trainer takes them (one rank holds the whole model)."""
+    with torch.device("meta"):
+        return count_params(build_model(spec.model, seed=0))
+
+
+# -- a plain PyTorch loop (the model of bench/train_step.py's baseline), with torchao FP8 ----
+
+
+def torchao_fp8(recipe: str) -> Callable[[Spec, Feed, dict], Built]:
+    """torchao float8 training: `convert_to_float8_training` on the plain model (every block
+    linear; the output head stays bf16, as torchao's recipes advise), compiled whole, bf16
+    autocast over fp32 parameters, fused AdamW."""
+
+    def build(spec: Spec, feed: Feed, weights) -> Built:
+        if spec.precision != "fp8":
+            raise Unavailable(f"torchao {recipe}: an FP8 recipe, run in the dense-fp8 workload only")
+        float8 = optional("torchao.float8", "torchao is not installed (pip install torchao)")
+        model = build_model(spec.model, seed=0).to(spec.device)
+        emulate = spec.device.type != "cuda"  # the CPU smoke path: exact emulation of the FP8 GEMMs
+        cfg = float8.Float8LinearConfig.from_recipe_name(recipe)
+        if emulate:
+            cfg = dataclasses.replace(cfg, emulate=True)
+        float8.convert_to_float8_training(model, config=cfg, module_filter_fn=lambda mod, fqn: fqn != "output")
+        return _plain_loop(model, spec, feed, f"torchao {recipe} float8 on the plain model")
+
+    return build
+
+
+def _plain_loop(model: torch.nn.Module, spec: Spec, feed: Feed, what: str) -> Built:
+    run = torch.compile(model) if spec.compile else model
+    opt = _adamw(model.parameters(), spec)
+    before, after = moe_step_hooks(model, feed.pool[0].cu_seqlens)
+    flat = {id(m): m.flat() for m in feed.pool}
+
+    def step():
+        total = None
+        for _ in range(spec.accum):
+            micro = flat[id(feed.next())]
+            before()
+            with _autocast(spec):
+                logits = run(micro.tokens, micro.position_ids, micro.meta)
+            loss = torch.nn.functional.cross_entropy(logits.float(), micro.labels, ignore_index=-100,
+                                                     reduction="sum") / (micro.num_labels * spec.accum)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after()
+        return total
+
+    params = count_params(model)
+    return Built(step, params, spec.model.num_heads * spec.model.attention_head_dim,
+                 f"{what}, compile {spec.compile}, bf16 autocast, fused AdamW")
+
+
+# -- Hugging Face transformers ---------------------------------------------------------------
+
+
+def huggingface(spec: Spec, feed: Feed, weights) -> Built:
+    """LlamaForCausalLM (dense) or Glm4MoeForCausalLM (the DeepSeek-like MoE: GQA attention,
+    sigmoid group-limited routing, shared experts) with SDPA, torch.compile of the whole model,
+    bf16 autocast over fp32 parameters, fused AdamW, and the model's own loss with
+    num_items_in_batch (the HF Trainer's gradient-accumulation normalisation). Packed rows pass
+    position_ids that restart at each document: transformers then builds a block-causal mask
+    (SDPA with an explicit mask)."""
+    if spec.precision == "fp8":
+        raise Unavailable("hf: bf16 only here (transformers' FP8 training is torchao's convert, measured "
+                          "on the plain model)")
+    transformers = optional("transformers", "transformers is not installed")
+    m = spec.model
+    if m.moe.num_experts:
+        model = _hf_moe(transformers, spec)
+        counts = _counts(model, model.model.embed_tokens, spec)
+        setup = "Glm4MoeForCausalLM (own init, std 0.02; no auxiliary loss)"
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim, num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, head_dim=m.attention_head_dim,
+            rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, max_position_embeddings=max(spec.seq, 2048),
+            tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False, use_cache=False)
+        model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa",
+                                                            torch_dtype=torch.float32)
+        model.load_state_dict(hf_llama_weights(spec, weights), strict=True)
+        counts = _counts(model, model.model.embed_tokens, spec)
+        setup = "LlamaForCausalLM (Tessera's initial weights)"
+    model.config.use_cache = False
+    if spec.recompute != "none":  # transformers has whole-layer checkpointing only
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.to(spec.device).train()
+    run = torch.compile(model) if spec.compile else model
+    opt = _adamw(model.parameters(), spec)
+
+    def step():
+        total = None
+        n = sum(feed.pool[(feed.at + i) % len(feed.pool)].num_labels for i in range(spec.accum))
+        for _ in range(spec.accum):
+            micro = feed.next()
+            with _autocast(spec):
+                out = run(input_ids=micro.tokens, position_ids=micro.positions, labels=micro.tokens,
+                          num_items_in_batch=torch.tensor(n, device=spec.device))
+            out.loss.backward()
+            total = out.loss.detach() if total is None else total + out.loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    packing = "position_ids (block-causal mask)" if spec.packed else "one document per row"
+    return Built(step, counts, m.num_heads * m.attention_head_dim,
+                 f"{setup}, SDPA, {packing}, compile {spec.compile}, "
+                 f"gradient checkpointing {spec.recompute != 'none'}")
+
+
+def _hf_moe(transformers, spec: Spec):
+    m, moe = spec.model, spec.model.moe
+    if not hasattr(transformers, "Glm4MoeConfig"):
+        raise Unavailable(f"hf: transformers {transformers.__version__} has no Glm4Moe (the DeepSeek-V3 MoE with GQA "
+                          "attention); DeepseekV3 uses MLA and Qwen3-MoE softmax routing without shared experts")
+    if moe.moe_every != 1 or moe.dense_layers:
+        raise Unavailable("hf: Glm4Moe puts MoE on every layer after the first_k_dense")
+    config = transformers.Glm4MoeConfig(
+        vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, head_dim=m.attention_head_dim,
+        rms_norm_eps=m.norm_eps, max_position_embeddings=max(spec.seq, 2048), tie_word_embeddings=m.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta, "partial_rotary_factor": 1.0},
+        attention_bias=False, moe_intermediate_size=moe.ffn_dim, num_experts_per_tok=moe.top_k,
+        n_shared_experts=moe.num_shared_experts, n_routed_experts=moe.num_experts,
+        routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_groups, topk_group=moe.topk_groups,
+        first_k_dense_replace=moe.first_k_dense, norm_topk_prob=moe.normalize_topk, use_qk_norm=m.qk_norm,
+        initializer_range=m.init_std, use_cache=False, num_mtp_layers=0)
+    experts = "grouped_mm" if spec.device.type == "cuda" else "eager"
+    try:
+        return transformers.Glm4MoeForCausalLM._from_config(config, attn_implementation="sdpa",
+                                                             experts_implementation=experts,
+                                                             torch_dtype=torch.float32)
+    except TypeError:  # a transformers without selectable expert kernels
+        return transformers.Glm4MoeForCausalLM._from_config(config, attn_implementation="sdpa",
+                                                             torch_dtype=torch.float32)
+
+
+# -- TorchTitan ------------------------------------------------------------------------------
+
+
+class _Tokenizer:
+    """All TorchTitan reads of a tokenizer here: the id that ends a document (its masks)."""
+
+    eos_id = EOS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchtitan(spec: Spec, feed: Feed, weights) -> Built:
+    """TorchTitan's own Trainer: its model (Llama3 `Transformer`, or `DeepSeekV3Model` for the
+    MoE), its parallelize function (activation checkpointing, per-block torch.compile of model
+    and loss, FP8 through its torchao converter; on one rank FSDP is off and its
+    `maybe_enable_amp` runs bf16 autocast over fp32 parameters), its optimizer and LR scheduler
+    builders, and its `train_step` (gradient accumulation normalised by the global token count,
+    `clip_grad_norm_`, optimizer and scheduler steps), fed the shared micro-batches."""
+    titan = optional("torchtitan", "torchtitan is not installed (pip install torchtitan==0.2.2)")
+    version = getattr(titan, "__version__", "0")
+    if not version.startswith(TORCHTITAN_API):
+        raise Unavailable(f"torchtitan {version}: this bench drives the {TORCHTITAN_API} API "
+                          "(torchtitan 0.3 needs a torch newer than 2.11)")
+    train = optional("torchtitan.train", f"torchtitan {version} does not import with torch {torch.__version__}")
+    specs = optional("torchtitan.protocols.train_spec", "torchtitan's train_spec")
+    config_mod = optional("torchtitan.config", "torchtitan's config")
+    m = spec.model
+    if m.moe.num_experts:
+        base, args, width = _titan_moe(spec)
+    else:
+        base, args, width = _titan_dense(spec)
+    name = f"tessera_peers_{os.getpid()}_{len(specs._extra_train_specs)}"
+    specs.register_train_spec(name, dataclasses.replace(
+        specs.get_train_spec(base), model_args={"peer": args}, build_tokenizer_fn=lambda job_config: _Tokenizer(),
+        build_dataloader_fn=None, build_validator_fn=None))
+
+    job = config_mod.JobConfig()
+    job.job.dump_folder = tempfile.mkdtemp(prefix="tessera-peers-titan-")
+    job.model.name, job.model.flavor = name, "peer"
+    tr = job.training
+    tr.local_batch_size, tr.global_batch_size, tr.seq_len = spec.batch, spec.batch * spec.accum, spec.seq
+    tr.steps, tr.max_norm = 10**6, CLIP
+    tr.mixed_precision_param = "float32" if spec.precision == "fp32" else "bfloat16"
+    o = job.optimizer
+    o.lr, o.beta1, o.beta2, o.eps, o.weight_decay = spec.lr, *BETAS, EPS, 0.0
+    o.implementation = "fused" if spec.device.type == "cuda" else "foreach"
+    job.lr_scheduler.warmup_steps, job.lr_scheduler.decay_ratio = 0, 0.0
+    job.metrics.log_freq = 10**9  # the losses are read here, after the timing, as for the other systems
+    # TorchTitan's recommended selective AC is per-op; "full" when the workload recomputes whole blocks
+    job.activation_checkpoint.mode = "full" if spec.recompute == "full" else "selective"
+    job.activation_checkpoint.selective_ac_option = "op"
+    job.compile.enable, job.compile.components = spec.compile, ["model", "loss"]
+    if spec.precision == "fp8":
+        job.model.converters = ["quantize.linear.float8"]
+        f8 = job.quantize.linear.float8
+        f8.recipe_name, f8.filter_fqns, f8.emulate = "rowwise", ["output"], spec.device.type != "cuda"
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+        os.environ.setdefault(key, value)
+
+    losses: list[torch.Tensor] = []
+
+    class PeerTrainer(train.Trainer):
+        def forward_backward_step(self, **kwargs):
+            loss = super().forward_backward_step(**kwargs)
+            losses.append(loss.detach())
+            return loss
+
+    trainer = PeerTrainer(job)
+    model = trainer.model_parts[0]
+    if not m.moe.num_experts:
+        adapter = trainer.train_spec.state_dict_adapter(args, None)
+        copy_by_name(model, adapter.from_hf(hf_llama_weights(spec, weights)))
+
+    def batches():
+        while True:
+            micro = feed.next()
+            inputs = {"input": micro.tokens}
+            if spec.packed:  # rotary positions restart at each document, as in the other systems
+                inputs["positions"] = micro.positions
+            yield inputs, micro.targets
+
+    data = batches()
+
+    def step():
+        losses.clear()
+        trainer.step += 1
+        trainer.train_step(data)
+        return torch.stack(losses).sum()
+
+    counts = _counts(model, model.tok_embeddings, spec)
+    attention = "flex block-causal (documents split at EOS)" if spec.packed else "sdpa causal"
+    return Built(step, counts, width,
+                 f"torchtitan {version} {base} Trainer.train_step, {attention}, AC {job.activation_checkpoint.mode}"
+                 f"{'/op' if job.activation_checkpoint.mode == 'selective' else ''}, compile {spec.compile}, "
+                 f"{'float8 rowwise converter, ' if spec.precision == 'fp8' else ''}"
+                 f"{'AMP bf16' if spec.precision != 'fp32' else 'fp32'}, no FSDP on one rank")
+
+
+def _titan_dense(spec: Spec):
+    """TorchTitan's Llama3 args for Tessera's dense shapes: its FFN width formula
+    (multiple_of * ceil(8 dim / 3 / multiple_of)) lands exactly on ffn_dim with multiple_of = ffn_dim."""
+    llama = optional("torchtitan.models.llama3", "torchtitan's llama3")
+    m = spec.model
+    if m.qk_norm or m.attention_bias or (m.head_dim and m.head_dim != m.dim // m.num_heads):
+        raise Unavailable("torchtitan: Llama3 has no qk-norm, attention bias or free head_dim")
+    hidden = int(2 * 4 * m.dim / 3)
+    multiplier = None if hidden <= m.ffn_dim else m.ffn_dim / hidden
+    args = llama.TransformerModelArgs(
+        dim=m.dim, n_layers=m.num_layers, n_heads=m.num_heads, n_kv_heads=m.num_kv_heads, vocab_size=m.vocab_size,
+        multiple_of=m.ffn_dim, ffn_dim_multiplier=multiplier, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+        max_seq_len=spec.seq, attn_type="flex" if spec.packed else "sdpa",
+        attn_mask_type="block_causal" if spec.packed else "causal", eos_id=EOS)
+    if m.rope_scaling.type != "none":
+        raise Unavailable("torchtitan: Llama3's rope scaling is its own (llama3 only), not this model's")
+    return "llama3", args, m.num_heads * m.attention_head_dim
+
+
+def _titan_moe(spec: Spec):
+    """TorchTitan's DeepSeekV3Model with the MoE of Tessera's config (dense first layers, E routed
+    experts of moe.ffn_dim, top-k of a sigmoid within groups, normalised and scaled, shared
+    experts, bias balancing). Its attention is MLA (its DeepSeek-V3 has no GQA option), with
+    the 16B flavour's ranks; MFU counts its own parameters and attention width."""
+    ds = optional("torchtitan.models.deepseek_v3", "torchtitan's deepseek_v3")
+    moe_mod = optional("torchtitan.models.moe", "torchtitan's moe")
+    m, moe = spec.model, spec.model.moe
+    if moe.moe_every != 1 or moe.dense_layers:
+        raise Unavailable("torchtitan: DeepSeekV3Model has MoE on every layer after n_dense_layers")
+    moe_args = moe_mod.MoEArgs(
+        num_experts=moe.num_experts, num_shared_experts=moe.num_shared_experts, score_func=moe.router,
+        route_norm=moe.normalize_topk, route_scale=moe.routed_scaling_factor, top_k=moe.top_k,
+        num_expert_groups=moe.n_groups if moe.n_groups > 1 else None,
+        num_limited_groups=moe.topk_groups if moe.n_groups > 1 else None,
+        use_grouped_mm=spec.device.type == "cuda",  # its grouped GEMM needs a GPU; the loop elsewhere
+        load_balance_coeff=moe.bias_update_rate or None)
+    nope, rope, v = 128, 64, 128
+    if spec.model.dim < 512:  # the smoke shapes: MLA ranks to scale
+        nope, rope, v = m.attention_head_dim, m.attention_head_dim // 2, m.attention_head_dim
+    args = ds.DeepSeekV3ModelArgs(
+        vocab_size=m.vocab_size, dim=m.dim, inter_dim=m.ffn_dim, moe_inter_dim=moe.ffn_dim, n_layers=m.num_layers,
+        n_dense_layers=moe.first_k_dense, n_heads=m.num_heads, norm_eps=m.norm_eps, moe_args=moe_args,
+        q_lora_rank=0, kv_lora_rank=4 * nope if m.dim >= 512 else 2 * nope, qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope, v_head_dim=v, max_seq_len=spec.seq, original_seq_len=spec.seq, rope_theta=m.rope_theta,
+        attn_type="flex" if spec.packed else "sdpa", attn_mask_type="block_causal" if spec.packed else "causal")
+    return "deepseek_v3", args, m.num_heads * ((nope + rope) + v) / 2
