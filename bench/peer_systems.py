@@ -145,6 +145,33 @@ def hf_llama_weights(spec: Spec, weights: dict[str, torch.Tensor]) -> dict[str, 
     return {link.hf[0]: weights[link.name] for link in tensor_map("llama", shapes)}
 
 
+def hf_glm4_moe_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The reference weights of the DeepSeek-like MoE under Glm4Moe names: Llama's names for the
+    attention, norms and dense layers; the router and its bias; routed experts fused as
+    gate_up_proj [E, 2I, H] and down_proj [E, H, I] (Tessera keeps [E, in, out]); shared experts."""
+    out, rest = {}, {}
+    for key, value in weights.items():
+        layer, _, name = key.partition(".feed_forward.")
+        prefix = f"model.{layer}.mlp."
+        if name == "router.weight":
+            out[prefix + "gate.weight"] = value
+        elif name == "router.expert_bias":
+            out[prefix + "gate.e_score_correction_bias"] = value
+        elif name == "experts.w1":
+            out[prefix + "experts.gate_up_proj"] = torch.cat(
+                [value.transpose(1, 2), weights[key.replace("w1", "w3")].transpose(1, 2)], dim=1)
+        elif name == "experts.w2":
+            out[prefix + "experts.down_proj"] = value.transpose(1, 2)
+        elif name.startswith("shared_experts."):
+            proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[name.split(".")[1]]
+            out[prefix + f"shared_experts.{proj}.weight"] = value
+        elif name != "experts.w3":
+            rest[key] = value
+    shapes = {k: tuple(v.shape) for k, v in rest.items()}
+    out.update({link.hf[0]: rest[link.name] for link in tensor_map("llama", shapes)})
+    return out
+
+
 def copy_by_name(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy into `model`'s parameters, names read through compile and checkpoint wrappers;
     every parameter must be found (a silent miss would compare different models)."""
@@ -265,8 +292,9 @@ def huggingface(spec: Spec, feed: Feed, weights) -> Built:
     m = spec.model
     if m.moe.num_experts:
         model = _hf_moe(transformers, spec)
+        model.load_state_dict(hf_glm4_moe_weights(weights), strict=True)
         counts = _counts(model, model.model.embed_tokens, spec)
-        setup = "Glm4MoeForCausalLM (own init, std 0.02; no auxiliary loss)"
+        setup = "Glm4MoeForCausalLM (Tessera's initial weights; no auxiliary loss)"
     else:
         config = transformers.LlamaConfig(
             vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim, num_hidden_layers=m.num_layers,
@@ -274,7 +302,7 @@ def huggingface(spec: Spec, feed: Feed, weights) -> Built:
             rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, max_position_embeddings=max(spec.seq, 2048),
             tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False, use_cache=False)
         model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa",
-                                                            torch_dtype=torch.float32)
+                                                            dtype=torch.float32)
         model.load_state_dict(hf_llama_weights(spec, weights), strict=True)
         counts = _counts(model, model.model.embed_tokens, spec)
         setup = "LlamaForCausalLM (Tessera's initial weights)"
@@ -327,10 +355,10 @@ def _hf_moe(transformers, spec: Spec):
     try:
         return transformers.Glm4MoeForCausalLM._from_config(config, attn_implementation="sdpa",
                                                              experts_implementation=experts,
-                                                             torch_dtype=torch.float32)
+                                                             dtype=torch.float32)
     except TypeError:  # a transformers without selectable expert kernels
         return transformers.Glm4MoeForCausalLM._from_config(config, attn_implementation="sdpa",
-                                                             torch_dtype=torch.float32)
+                                                             dtype=torch.float32)
 
 
 # -- TorchTitan ------------------------------------------------------------------------------
@@ -361,6 +389,9 @@ def torchtitan(spec: Spec, feed: Feed, weights) -> Built:
         raise Unavailable(f"torchtitan {version}: this bench drives the {TORCHTITAN_API} API "
                           "(torchtitan 0.3 needs a torch newer than 2.11)")
     train = optional("torchtitan.train", f"torchtitan {version} does not import with torch {torch.__version__}")
+    where = optional("torchtitan.tools.utils", "torchtitan's utils").device_type
+    if where != spec.device.type:  # it picks CUDA whenever no other accelerator is found
+        raise Unavailable(f"torchtitan {version} runs on {where}, not {spec.device.type}")
     specs = optional("torchtitan.protocols.train_spec", "torchtitan's train_spec")
     config_mod = optional("torchtitan.config", "torchtitan's config")
     m = spec.model
@@ -419,7 +450,7 @@ def torchtitan(spec: Spec, feed: Feed, weights) -> Built:
                 inputs["positions"] = micro.positions
             yield inputs, micro.targets
 
-    data = batches()
+    data = trainer.batch_generator(batches())  # its own wrapper: data-loading times, token counts
 
     def step():
         losses.clear()

@@ -32,13 +32,19 @@ workload (bench.harness.emit).
     python -m bench.peers --tiny                       # every workload, tiny shapes, CPU, fp32
     python -m bench.peers --workload dense --rounds 5 --warmup 2
 
-On a GPU host without the peers (torch 2.11, transformers present), from the repository root:
+On a GPU host without the peers (torch 2.11, transformers present; TorchTitan 0.3 needs a newer
+torch, so 0.2.2), download the wheels here once, from the repository root, into an .whl/ that
+holds no other version of these packages:
 
-    bash ../shared/tools/gpu-wheels.sh torchtitan==0.2.2 torchao==0.18.0 tyro==1.0.17 \\
-        docstring-parser==0.17.0 typeguard==4.4.4 torchdata==0.11.0   # here, once: wheels into .whl/
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \\
-      && export PYTHONPATH=/tmp/site:$PYTHONPATH TESSERA_BENCH_RECORDS=$OUT/peers.jsonl \\
-      && for w in dense dense-fp8 moe longseq; do timeout 150 python3 -m bench.peers --workload $w \\
+    bash ../shared/tools/gpu-wheels.sh torchtitan==0.2.2 torchao==0.18.0 tyro==1.0.17 \
+        docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 datasets==4.7.0 dill==0.4.0 \
+        multiprocess==0.70.18 grpcio-health-checking==1.84.0 grpcio-tools==1.84.0 tomli-w==1.2.0
+
+then, there (carrying .whl; each workload bounded so the run ends within about 9 minutes):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site:$PYTHONPATH TESSERA_BENCH_RECORDS=$OUT/peers.jsonl PYTHONUNBUFFERED=1 \
+      && for w in dense dense-fp8 moe longseq; do timeout 130 python3 -m bench.peers --workload $w \
          --rounds 4 --warmup 2; done
 """
 
@@ -174,7 +180,9 @@ def build(name: str, w: Workload, pool: list[Micro], weights, warmup: int) -> Ra
     if cuda:
         torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
-    return Ran(built, losses, time.perf_counter() - start, peak)
+    seconds = time.perf_counter() - start
+    print(f"bench.peers: {w.name}: {name} built and warmed up in {seconds:.0f} s", file=sys.stderr, flush=True)
+    return Ran(built, losses, seconds, peak)
 
 
 def fits_together(w: Workload, names: list[str]) -> bool:
