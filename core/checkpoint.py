@@ -43,6 +43,7 @@ from torch import nn
 from core import placement
 from core.mesh import ParallelMesh
 from core.parallel.data import ParamSlot
+from core.watchdog import stall_point
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -217,6 +218,19 @@ def _stage_on_host(state: dict) -> dict:
     return staged
 
 
+class _StallableWriter(dcp.FileSystemWriter):
+    """DCP's file writer with the fault-injection point "checkpoint write" (core/watchdog.py):
+    after the collective planning, before this rank writes its part."""
+
+    def __init__(self, path: str, step: int):
+        super().__init__(path)
+        self.step = step
+
+    def write_data(self, plan, planner):
+        stall_point("checkpoint write", self.step, _rank())
+        return super().write_data(plan, planner)
+
+
 class AsyncCheckpointer:
     """Checkpoints written by a background thread while training goes on.
 
@@ -244,14 +258,15 @@ class AsyncCheckpointer:
         state = _state_to_save(step, model, optimizer, scheduler, mesh, extra)
         staged = _stage_on_host(state)
         self._error = None
-        self._thread = threading.Thread(target=self._write, args=(staged, tmp), name="checkpoint-writer", daemon=True)
+        self._thread = threading.Thread(target=self._write, args=(staged, tmp, step), name="checkpoint-writer",
+                                        daemon=True)
         self._pending = (root, name, keep, started)
         self._thread.start()
         return {**done, "save_blocking_s": time.perf_counter() - started}
 
-    def _write(self, staged: dict, tmp: Path) -> None:
+    def _write(self, staged: dict, tmp: Path, step: int) -> None:
         try:
-            dcp.save(staged, checkpoint_id=str(tmp), process_group=self.group)
+            dcp.save(staged, storage_writer=_StallableWriter(str(tmp), step), process_group=self.group)
         except BaseException as err:  # raised on the training thread at the next poll / wait
             self._error = err
 

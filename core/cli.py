@@ -99,6 +99,9 @@ def _rendezvous(args) -> Rendezvous:
                           "(e.g. the first node of the job) and a free port on it")
     if not multi and (args.node_rank is not None or args.rdzv_endpoint):
         raise ConfigError("--node-rank and --rdzv-endpoint are for several nodes: give --nnodes N (N >= 2) too")
+    if args.node_rank is not None and args.max_restarts:
+        raise ConfigError("--max-restarts needs c10d rendezvous (it restarts every node's workers together, with a "
+                          "fresh store): leave out --node-rank")
     if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
         raise ConfigError(f"--node-rank {args.node_rank} must be in [0, {args.nnodes - 1}] for --nnodes {args.nnodes}")
     if args.rdzv_endpoint:

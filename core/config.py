@@ -235,6 +235,8 @@ class TrainConfig:
     """Where the model runs; auto: the GPUs when there are any."""
     compile: bool = False
     """torch.compile each block and the loss (static shapes)."""
+    hang_timeout_s: float = 600.0
+    """Seconds one phase of a step may take before the rank reports a hang (rank, step, phase; stacks in RUN_DIR) and exits; 0: off."""
 
 
 @dataclass
@@ -502,6 +504,7 @@ RANGES = {
     "train.seq_len": ">= 2", "train.micro_batch_size": ">= 1", "train.global_batch_size": ">= 1", "train.lr": "> 0",
     "train.min_lr": ">= 0", "train.warmup_steps": ">= 0", "train.weight_decay": ">= 0", "train.beta1": "[0, 1)",
     "train.beta2": "[0, 1)", "train.eps": ">= 0", "train.grad_clip": ">= 0", "train.log_interval": ">= 1",
+    "train.hang_timeout_s": ">= 0",
     "data.prefetch": ">= 1",
     "checkpoint.interval": ">= 0", "checkpoint.keep": ">= 1",
     "eval.interval": ">= 0", "eval.steps": ">= 1", "eval.seed": "[0, 9223372036854775807]",

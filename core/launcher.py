@@ -66,6 +66,9 @@ def _relay(stream, quiet: threading.Event, reported: list[int]) -> None:
 
 
 def _stop_leftovers() -> None:
+    # Orphans re-parented to us (the data server of a worker that crashed) stay our children
+    # as zombies once they end: reap them, or they would count as leftovers for the whole grace.
+    _reap()
     leftovers = descendants_of(os.getpid())
     if not leftovers:
         return
@@ -73,6 +76,7 @@ def _stop_leftovers() -> None:
     deadline = time.monotonic() + LEFTOVER_GRACE_S
     while time.monotonic() < deadline and descendants_of(os.getpid()):
         time.sleep(0.1)
+        _reap()
     signal_all(descendants_of(os.getpid()), signal.SIGKILL)
     _reap()
 
@@ -125,6 +129,15 @@ def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Pa
            "-m", "core.cli", *worker_argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # N workers on a CPU-only machine share its cores
+    # torchrun's c10d rendezvous lends its TCPStore to the workers by default, and the store keeps
+    # a failed attempt's keys: a restarted worker could read its dead peer's address and fail to
+    # connect. Unshared, every rendezvous round gets a fresh store (hosted by worker rank 0).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # NCCL's flight recorder keeps each rank's last collectives and, when one times out, dumps
+    # them to RUN_DIR/nccl-trace-rank-<R> (read with torchfrtrace); gloo ignores these.
+    env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    env.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(run_dir.absolute() / "nccl-trace-rank-"))
     if not rendezvous.multi_node:
         env[LOCK_OWNER_ENV] = str(os.getpid())
     received: list[int] = []

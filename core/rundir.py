@@ -50,6 +50,7 @@ STREAM_KEYS = {"train.seed", "train.seq_len"}
 NEUTRAL_PREFIXES = ("parallel.", "checkpoint.")
 NEUTRAL_KEYS = {
     "train.stop_at_step", "train.run_dir", "train.log_interval", "train.tensorboard", "train.plot", "train.device",
+    "train.hang_timeout_s",
     "train.compile", "train.recompute", "train.fp8_weight_cache", "data.prefetch", "data.consumer", "data.address",
     "data.cp_cost", "train.micro_batch_size",
 }

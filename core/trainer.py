@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import resource
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from core.parallel.context import shard_for_cp
 from core.parallel.pipeline import run_pipeline_step
 from core.parallelize import parallelize
 from core.pretrained import load_weights
+from core.watchdog import Watchdog
 from moe.comm import EXCHANGE_TIMER
 from moe.layer import moe_metrics, set_moe_loss_scale, set_moe_sequences
 
@@ -58,6 +60,8 @@ class StepResult:
     global_tokens: float
     data_wait_sum: float  # seconds blocked on data, summed over the data-parallel ranks
     metrics: dict = field(default_factory=dict)  # the pipeline schedule's figures
+    data_wait: float = 0.0  # this rank's seconds blocked on data
+    busy_marks: tuple = ()  # (start, end) of this rank's forward/backward: host times, or CUDA events
 
 
 class Trainer:
@@ -99,6 +103,7 @@ class Trainer:
         # Collective (a gloo group of its own): every rank builds it here, in the same order.
         self.checkpointer = AsyncCheckpointer() if config.checkpoint.async_save else None
         self.save_timings: dict = {}  # of the last save(): save_blocking_s (and save_s)
+        self.watchdog = Watchdog(t.hang_timeout_s, self.rank, self.run_dir)  # armed by run()
         self._init_loaded = False
         self.stream = None
         self._server = None
@@ -129,19 +134,36 @@ class Trainer:
     def step(self, micro: list[StepInputs], data_wait: float = 0.0) -> StepResult:
         """Forward and backward over `micro`, gradient reduction and clipping, optimizer and
         schedule step. Reads nothing back from the device."""
+        watch = self.watchdog
+        watch.enter("label-count all-reduce")
         local = [float(sum(m.num_labels for m in micro)), float(sum(m.num_tokens for m in micro)), data_wait]
         global_labels, global_tokens, wait_sum = self._sum_over_data_ranks(local)
+        started = self._mark()  # after the first collective: a wait for a slow peer is not this rank's time
+        watch.enter("forward/backward")
         if self.grads.pipeline is not None:
             loss_sum, metrics = self._pipeline_forward_backward(micro, global_labels)
         else:
             loss_sum, metrics = self._forward_backward(micro, global_labels), {}
+        busy_marks = (started, self._mark())
+        watch.enter("gradient reduction")
         grad_norm = self.grads.finish_and_clip(self.config.train.grad_clip)
         lr = self.optimizer.lr
+        watch.enter("optimizer step + parameter all-gather")
         self.optimizer.step()
         self.scheduler.step()
         self.grads.zero_grad()
         self.step_count += 1
-        return StepResult(loss_sum, grad_norm, lr, global_labels, global_tokens, wait_sum, metrics)
+        return StepResult(loss_sum, grad_norm, lr, global_labels, global_tokens, wait_sum, metrics, data_wait,
+                          busy_marks)
+
+    def _mark(self):
+        """A point of this rank's step on the clock that sees its work: a CUDA event on the GPU
+        (read in `record`, after its sync), the host clock on the CPU."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _forward_backward(self, micro: list[StepInputs], global_labels: float) -> torch.Tensor:
         """Gradient accumulation over this rank's micro-batches; returns the summed token loss.
@@ -177,6 +199,7 @@ class Trainer:
 
     def record(self, result: StepResult, step_start: float) -> dict:
         """The step's metrics line; reads the loss back (a host sync)."""
+        self.watchdog.enter("metrics all-reduce")
         loss = self._sum_over_data_ranks([float(result.loss_sum)])[0] / max(result.global_labels, 1.0)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -193,10 +216,30 @@ class Trainer:
             "mfu": (self.flops_per_token * result.global_tokens / elapsed / (peak * self.world)) if peak else None,
             "mem_gb": (torch.cuda.max_memory_allocated() / 2**30) if self.device.type == "cuda" else _rss_gb(),
         }
+        record.update(self._busy_over_ranks(result))
         record.update(result.metrics)
         if self.config.model.moe.num_experts:
             record.update(moe_metrics(self.model))
         return record
+
+    def _busy_over_ranks(self, result: StepResult) -> dict:
+        """Stragglers: each rank's own time in the step before it waits for its data-parallel
+        peers (its data wait + its forward/backward), gathered over every rank: min, median, max
+        and the slowest rank. Model-parallel peers (tp, cp, ep, pp) wait for each other inside
+        forward/backward, so a slow one raises its whole group."""
+        if not result.busy_marks:
+            return {}
+        start, end = result.busy_marks
+        busy = result.data_wait + (end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3)
+        times = [busy]
+        if dist.is_initialized() and self.world > 1:
+            vector = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+            vector[self.rank] = busy
+            dist.all_reduce(vector)
+            times = vector.tolist()
+        slowest = max(range(len(times)), key=times.__getitem__)
+        return {"busy_s_min": min(times), "busy_s_median": statistics.median(times), "busy_s_max": times[slowest],
+                "slowest_rank": slowest}
 
     def _sum_over_data_ranks(self, values: list[float]) -> list[float]:
         if self.reduce_group is None:
@@ -215,6 +258,7 @@ class Trainer:
         across steps and layouts. MoE layers run in eval mode: no statistics, no bias load, no
         auxiliary loss. Every rank must call it; every rank gets the same dict."""
         e = self.config.eval
+        self.watchdog.enter("evaluation")
         if self._eval_address is None:
             data = dataclasses.replace(self.config.data, address=e.address, dataset=e.dataset, cp_cost="")
             self._eval_address, self._eval_server = resolve_address(dataclasses.replace(self.config, data=data))
@@ -228,6 +272,7 @@ class Trainer:
             batches = iter(stream)
             with torch.no_grad():
                 for m in self._eval_micro_batches(batches, e.steps):
+                    self.watchdog.enter("evaluation")
                     if self.config.model.moe.num_experts:
                         set_moe_sequences(self.model, m.meta.cu_seqlens, m.tokens.numel())
                     with self.autocast:
@@ -243,6 +288,7 @@ class Trainer:
             self.model.train(was_training)
             stream.close()
         if self.reduce_group is not None:
+            self.watchdog.enter("evaluation all-reduce")
             dist.all_reduce(sums, group=self.reduce_group)
         values = sums.tolist()
         by_position = {f"{low}-{high}": values[2 * i + 2] / values[2 * i + 3]
@@ -290,6 +336,7 @@ class Trainer:
         extra["model"] = dataclasses.asdict(self.config.model)
         if self.config.checkpoint.init_from:
             extra["init_from"] = str(Path(self.config.checkpoint.init_from).absolute())
+        self.watchdog.enter("checkpoint save")
         if self.checkpointer is not None:  # published by a later poll / wait, which prints its line
             self.save_timings = self.checkpointer.save(self.ckpt_dir, self.step_count, self.model, self.optimizer,
                                                        self.scheduler, self.mesh, extra,
@@ -318,25 +365,32 @@ class Trainer:
         writer = MetricsWriter(self.run_dir, enabled=self.rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard,
                                start_step=self.step_count)
         last_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
+        self.watchdog.start()
         try:
             while self.step_count < last_step:
                 step_start = time.perf_counter()
+                self.watchdog.begin_step(self.step_count + 1)
+                self.watchdog.enter("data wait")
                 micro = self.next_micro_batches()
                 data_wait = time.perf_counter() - step_start  # blocked on the data client (+ the copy in)
                 record = self.record(self.step(micro, data_wait), step_start)
                 if self._eval_due(last_step):
                     record.update(self.evaluate())
                 if self.checkpointer is not None:
+                    self.watchdog.enter("checkpoint publish")
                     record.update(self.checkpointer.poll())  # save_s of a background save just published
                 if self._checkpoint_due(last_step):
                     # Saved before the record is written: its cost to the step is on the step's line.
                     self.save()
                     record.update(self.save_timings)
+                self.watchdog.enter("metrics write")
                 writer.log(record, show=self.step_count % t.log_interval == 0 or self.step_count == t.max_steps
                            or "val_loss" in record)
             if self.checkpointer is not None:
+                self.watchdog.enter("checkpoint save")
                 self.checkpointer.wait()  # the last save is complete and `latest` before the run ends
         finally:
+            self.watchdog.stop()
             self.close()
         plot = writer.close(plot=t.plot)
         if plot is not None:

@@ -1,0 +1,221 @@
+"""Launch at scale and survive faults, on real processes (torchrun, gloo on loopback, the loopback data service).
+
+- Two "nodes" (two `tessera-train --nnodes 2` launchers meeting at a c10d rendezvous on
+  127.0.0.1, 2 processes each) against one launcher of 4 processes: every step's loss and
+  gradient norm bitwise equal (same world, same ranks, same gloo reduction order).
+- A worker killed with SIGKILL after a checkpoint, under `--max-restarts 1`: torchrun restarts
+  the group, which continues from the newest complete checkpoint; every step's loss equals
+  the uninterrupted run's, one metrics record per step.
+- The whole job killed with SIGKILL while an asynchronous save (`checkpoint.async_save`) is
+  half written (one rank's writer held back by the fault-injection hook of core/watchdog.py):
+  the save never became `latest`, and `--resume` continues from the previous one on the
+  reference trajectory.
+- A rank made slow, then hung (the same hook): the metrics name it the slowest rank, and the
+  watchdog (`train.hang_timeout_s`) prints one line naming rank, step and phase, writes the
+  stacks to RUN_DIR, and the job ends with no process left.
+
+The reference for the 2-process runs is the uninterrupted run of tests/test_run_lifecycle.py
+(same data, same config); resumed and restarted runs match it within rel 1e-6 (RTOL there: the
+reduction order of a restarted gloo group is the only difference).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from core.checkpoint import latest_checkpoint
+from core.watchdog import STALL_ENV
+from tests.distributed import free_port
+from tests.test_bad_input import assert_one_line
+from tests.test_bad_input import run as run_entry_point
+from tests.test_run_lifecycle import (RTOL, STEPS, _env, assert_only_complete_checkpoints, dataset,  # noqa: F401
+                                      metrics, reference, resume_and_check, run, start, train_cmd, wait_for_no_process,
+                                      wait_until)
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _start(cmd: list[str], tag: str, **env: str) -> subprocess.Popen:
+    """`start` with extra environment variables (the fault-injection hook)."""
+    return subprocess.Popen(cmd, cwd=ROOT, env={**_env(tag), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _run_processes(tag: str) -> list[tuple[int, dict[str, str], str]]:
+    """(pid, environment, command line) of every live process of the run tagged `tag`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        env = _environ(int(entry))
+        if env.get("TESSERA_TEST_RUN") != tag:
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        found.append((int(entry), env, cmdline))
+    return found
+
+
+def _worker(tag: str, rank: int) -> tuple[int, dict[str, str]]:
+    for pid, env, cmdline in _run_processes(tag):
+        if env.get("RANK") == str(rank) and "core.cli" in cmdline:
+            return pid, env
+    raise AssertionError(f"no worker of rank {rank} runs")
+
+
+def _crash(tag: str) -> None:
+    """SIGKILL every process of the run, workers first (as a node's power cut): nobody cleans up."""
+    procs = _run_processes(tag)
+    for pid, env, _ in sorted(procs, key=lambda p: "RANK" not in p[1]):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--nnodes", "2"], ["need --nproc-per-node N"]),
+    (["--nnodes", "2", "--nproc-per-node", "2"], ["--nnodes 2 needs --rdzv-endpoint HOST:PORT"]),
+    (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "node0:http"], ["'node0:http' must read HOST:PORT"]),
+    (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "node0:29500", "--node-rank", "2"],
+     ["--node-rank 2 must be in [0, 1]"]),
+    (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "node0:29500", "--node-rank", "0", "--max-restarts", "1"],
+     ["--max-restarts needs c10d rendezvous", "leave out --node-rank"]),
+    (["--nproc-per-node", "2", "--max-restarts", "-1"], ["--max-restarts -1 must be >= 0"]),
+    (["--nproc-per-node", "2", "--auto-resume", "--overwrite"], ["--auto-resume and --overwrite contradict"]),
+])
+def test_launch_misuse_is_one_line(args, words):
+    assert_one_line(run_entry_point("core.cli", "--config", ROOT / "launch" / "configs" / "tiny_dense.toml", *args),
+                    "tessera-train: error:", *words)
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_processes_equal_one_node_of_four(tmp_path, dataset):  # noqa: F811
+    short = ["--set", "train.max_steps=4", "--set", "checkpoint.interval=0", "--set", "train.plot=false"]
+    tag = uuid.uuid4().hex
+    # argparse keeps the last --nproc-per-node, --set applies in order: these override train_cmd's.
+    one = _start(train_cmd(tmp_path / "one", dataset, *short, "--nproc-per-node", "4"), tag)
+    rendezvous = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"faults-{tag[:8]}"]
+    nodes = [_start(train_cmd(tmp_path / "two", dataset, *short, *rendezvous), tag) for _ in range(2)]
+    outputs = [proc.communicate(timeout=240) for proc in [one, *nodes]]
+    for proc, (_, stderr) in zip([one, *nodes], outputs):
+        assert proc.returncode == 0, stderr[-4000:]
+    assert wait_for_no_process(tag) == []
+
+    single, multi = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["step"] for r in multi] == [1, 2, 3, 4]
+    assert [(r["loss"], r["grad_norm"]) for r in multi] == [(r["loss"], r["grad_norm"]) for r in single]
+    # The straggler figures cover all four ranks of both nodes.
+    for r in multi:
+        assert 0 <= r["slowest_rank"] < 4 and 0 < r["busy_s_min"] <= r["busy_s_median"] <= r["busy_s_max"], r
+    assert latest_checkpoint(tmp_path / "two" / "checkpoints").name == "step_000004"
+    assert not (tmp_path / "two" / "run.lock").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_continues_from_the_newest_checkpoint(tmp_path, dataset, reference):  # noqa: F811
+    rng = random.Random("kill-worker")
+    run_dir, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = start(train_cmd(run_dir, dataset, "--max-restarts", "1", "--set", "train.plot=false"), tag)
+    try:
+        target = rng.randint(2, 4)
+        wait_until(lambda: len(metrics(run_dir)) >= target and latest_checkpoint(run_dir / "checkpoints") is not None)
+        time.sleep(rng.uniform(0.0, 0.3))  # somewhere in the next step (or its save)
+        pid, env = _worker(tag, rank=0)  # rank 0: the loopback data server, the metrics file and the publisher
+        os.kill(pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert wait_for_no_process(tag) == []
+    assert "loaded " in stderr, stderr[-4000:]  # the restarted group resumed from a checkpoint
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert r["loss"] == pytest.approx(reference[r["step"]], rel=RTOL), (r["step"], records, reference)
+    assert_only_complete_checkpoints(run_dir)
+    # The launcher sets NCCL's flight recorder up for its workers (gloo ignores it).
+    assert env.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1"
+    assert env.get("TORCH_FR_DUMP_TEMP_FILE") == str(run_dir.absolute() / "nccl-trace-rank-")
+
+
+@pytest.mark.slow
+def test_a_job_killed_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path, dataset, reference):  # noqa: F811
+    run_dir, tag = tmp_path / "run", uuid.uuid4().hex
+    ckpt = run_dir / "checkpoints"
+    # Rank 1's background writer never writes its part of step 3; rank 0 writes its own and
+    # trains on, until step 4's save waits for step 3's.
+    proc = _start(train_cmd(run_dir, dataset, "--set", "checkpoint.async_save=true"), tag,
+                  **{STALL_ENV: "1:3:checkpoint write"})
+    try:
+        wait_until(lambda: len(metrics(run_dir)) >= 3 and (ckpt / "step_000003.tmp" / "__0_0.distcp").is_file()
+                   and (ckpt / "step_000002").is_dir())
+        time.sleep(1.0)  # rank 0 has had every chance to publish step 3, were it to do so wrongly
+        assert (ckpt / "latest").read_text().strip() == "step_000002"
+        assert not (ckpt / "step_000003").exists() and not (ckpt / "step_000003.tmp" / ".metadata").exists()
+        assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
+        assert metrics(run_dir)[1]["save_blocking_s"] > 0  # the saves are the asynchronous ones
+        _crash(tag)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert wait_for_no_process(tag) == []
+    assert (ckpt / "step_000003.tmp").is_dir() and latest_checkpoint(ckpt) == ckpt / "step_000002"
+    resume_and_check(run_dir, reference)  # sweeps step 3's debris, loads step 2, finishes on the trajectory
+    assert_only_complete_checkpoints(run_dir)
+    assert latest_checkpoint(ckpt) == ckpt / f"step_{STEPS:06d}"
+
+
+@pytest.mark.slow
+def test_a_slow_then_hung_rank_is_named_and_the_job_ends(tmp_path, dataset):  # noqa: F811
+    run_dir, tag = tmp_path / "run", uuid.uuid4().hex
+    # Rank 1: one second late in step 2's forward/backward, then stuck in step 3's.
+    proc = _start(train_cmd(run_dir, dataset, "--set", "train.hang_timeout_s=3", "--set", "checkpoint.interval=0"), tag,
+                  **{STALL_ENV: "1:2:forward/backward:1.0,1:3:forward/backward"})
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert wait_for_no_process(tag) == []
+    assert proc.returncode == 1, stderr[-4000:]  # torchrun's "a worker failed"
+
+    hangs = [line for line in stderr.splitlines() if line.startswith("tessera-train: hang: ")]
+    culprit = [line for line in hangs if "rank 1 " in line]
+    assert len(culprit) == 1, hangs
+    assert "in forward/backward of step 3" in culprit[0] and f"{run_dir / 'hang-rank1.txt'}" in culprit[0], culprit
+    # Rank 0 waits for rank 1 in step 3's gradient reduction; if its own watchdog fired before
+    # torchrun stopped it, its one line says so.
+    others = [line for line in hangs if line not in culprit]
+    assert len(others) <= 1 and all("rank 0 " in line and " of step 3 " in line for line in others), hangs
+    stacks = (run_dir / "hang-rank1.txt").read_text()
+    assert stacks.startswith("rank 1, step 3, phase forward/backward"), stacks[:3000]
+    assert "in stall_point" in stacks and "in step" in stacks and "in _watch" in stacks  # every thread's stack
+
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    slow = records[1]
+    assert slow["slowest_rank"] == 1 and slow["busy_s_max"] >= 1.0 and slow["busy_s_max"] - slow["busy_s_min"] > 0.5, slow
