@@ -14,6 +14,15 @@ all streams. Ends with one record (JSON line).
 
     python -m bench.dataservice                 # defaults: seq_len 8192, B 4, 1 and 8 streams
     python -m bench.dataservice --streams 1 2 8 --batches 300
+
+Load (`--seconds S`): one server, `--streams N` streams (dp ranks 0..N-1 of one job) read for S
+seconds, as threads spread over `--client-procs` processes, each sleeping `--step-sleep` s after
+each batch like a training step (default 0.05; 0: reading as fast as it can). Reports tokens/s per stream,
+next() latency p50/p99, errors (client exceptions and the server's tessera_data_errors_total),
+and the server's resident memory sampled from its metrics endpoint every `--sample-s` seconds.
+Loopback only; every loop ends at the deadline.
+
+    python -m bench.dataservice --streams 64 --seconds 60 --seq-len 8192 --micro-batch-size 1 --step-sleep 0
 """
 
 from __future__ import annotations
@@ -22,12 +31,17 @@ import argparse
 import json
 import os
 import select
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 import protos
 from bench.harness import compare, emit
@@ -136,22 +150,197 @@ def run_streams(address: str, n: int, args) -> dict:
     }
 
 
-def start_server(path: Path, workers: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """A `serve` process; its log goes to `log` (a pipe nobody reads would block it)."""
-    proc = subprocess.Popen([sys.executable, "-m", "dataservice.cli", "serve", "--data", str(path), "--port", "0",
-                             "--workers", str(workers)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=open(log, "w"), text=True)
+def start_server(path: Path, workers: int, log: Path, metrics: bool = False) -> tuple[subprocess.Popen, str, str]:
+    """A `serve` process on loopback: (process, address, metrics URL or ""); its log goes to `log`
+    (a pipe nobody reads would block it)."""
+    cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--data", str(path), "--host", "127.0.0.1", "--port", "0",
+           "--workers", str(workers)] + (["--metrics-port", "0"] if metrics else [])
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     line = proc.stdout.readline() if ready else ""
     if not line.startswith("serving on "):
         proc.kill()
         raise RuntimeError(f"server did not start: {line!r}")
-    return proc, line.split()[-1]
+    url = proc.stdout.readline().split()[-1] if metrics else ""  # printed right after the address
+    return proc, line.split()[-1], url
+
+
+# ---- load: many streams for a fixed time -------------------------------------------------
+
+def load_client_main(args) -> None:
+    """Streams first_rank .. first_rank+threads-1 of a dp_size job, one thread each: warm up,
+    wait for "go", read until the deadline; then one JSON line with each stream's figures."""
+    ranks = range(args.first_rank, args.first_rank + args.threads)
+    clients = {r: DataClient(args.address, dp_rank=r, dp_size=args.dp_size, seq_len=args.seq_len,
+                             micro_batch_size=args.micro_batch_size, prefetch=args.prefetch, consumer="bench-load")
+               for r in ranks}
+    results = {r: {"rank": r, "slots": 0, "real": 0, "batches": 0, "waits": [], "errors": []} for r in ranks}
+    go = threading.Event()
+
+    def stream(rank: int, warm: threading.Barrier) -> None:
+        out, client = results[rank], clients[rank]
+        try:
+            next(client)
+        except Exception as err:  # reported, counted as an error
+            out["errors"].append(f"warm-up: {err!r}")
+        warm.wait()
+        go.wait()
+        deadline = out["start"] = time.monotonic()
+        deadline += args.seconds
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            try:
+                b = next(client)
+            except Exception as err:
+                out["errors"].append(repr(err))
+                break
+            out["waits"].append(time.perf_counter() - t0)
+            out["slots"] += b.tokens.numel()
+            out["real"] += b.num_tokens
+            out["batches"] += 1
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+        out["end"] = time.monotonic()
+
+    warm = threading.Barrier(len(ranks) + 1)
+    threads = [threading.Thread(target=stream, args=(r, warm), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    warm.wait()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    go.set()
+    for t in threads:
+        t.join(args.seconds + 120)
+    for client in clients.values():
+        client.close()
+    print(json.dumps(list(results.values())), flush=True)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The metrics endpoint's unlabelled samples, and errors summed over their codes."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, float] = {"errors": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tessera_data_errors_total":
+                out["errors"] += sample.value
+            elif not sample.labels:
+                out[sample.name] = sample.value
+    return out
+
+
+def rss_split_mb(pid: int) -> dict[str, float]:
+    """Anonymous and file-backed resident memory of a process (Linux): the LMDB shards are mapped,
+    so the file part grows with the pages read, up to the shards' size, and is not a leak."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) / 1024
+    return {"anon_mb": fields.get("RssAnon", 0.0), "file_mb": fields.get("RssFile", 0.0)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_load(path: Path, args, log: Path) -> dict:
+    """One server, args.streams streams over args.client_procs processes for args.seconds."""
+    n, procs = args.streams[0], []
+    workers = max(args.workers, n + 8)
+    server, address, url = start_server(path, workers, log, metrics=True)
+    samples = []
+    try:
+        per_proc = -(-n // args.client_procs)
+        for first in range(0, n, per_proc):
+            cmd = [sys.executable, "-m", "bench.dataservice", "--load-client", "--address", address,
+                   "--first-rank", str(first), "--threads", str(min(per_proc, n - first)), "--dp-size", str(n),
+                   "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size),
+                   "--prefetch", str(args.prefetch), "--seconds", str(args.seconds),
+                   "--step-sleep", str(args.step_sleep)]
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT))
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a load client failed to start")
+        t0 = time.monotonic()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        lines, pending = {}, {p.stdout.fileno(): p for p in procs}
+        next_sample = t0
+        while pending:  # sample the server while the clients run; collect each client's line
+            if time.monotonic() >= next_sample:
+                m = scrape(url)
+                samples.append({"t": round(time.monotonic() - t0, 2), "rss_mb": m["process_resident_memory_bytes"] / 2**20,
+                                **rss_split_mb(server.pid), "streams": m["tessera_data_streams_active"],
+                                "tokens": m["tessera_data_tokens_total"], "errors": m["errors"]})
+                next_sample += args.sample_s
+            ready, _, _ = select.select(list(pending), [], [], max(0.0, next_sample - time.monotonic()))
+            for fd in ready:
+                lines[fd] = pending.pop(fd).stdout.readline()
+            if time.monotonic() - t0 > args.seconds + 180:
+                raise RuntimeError("load clients did not finish")
+        final = scrape(url)
+        for p in procs:
+            p.wait(60)
+        server.send_signal(signal.SIGTERM)  # a drain with no stream open: exit 0 at once
+        server_exit = server.wait(60)
+    finally:
+        for p in [*procs, server]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    streams = sorted((s for line in lines.values() for s in json.loads(line)), key=lambda s: s["rank"])
+    waits = [w for s in streams for w in s["waits"]]
+    per_stream = [s["slots"] / (s["end"] - s["start"]) for s in streams]
+    errors = [f"rank {s['rank']}: {e}" for s in streams for e in s["errors"]]
+    half = [x for x in samples if x["t"] >= args.seconds / 2] or samples[-1:]
+    return {
+        "streams": n, "seconds": args.seconds, "client_procs": len(procs), "step_sleep": args.step_sleep,
+        "tokens_per_s": sum(per_stream), "real_tokens_per_s": sum(s["real"] / (s["end"] - s["start"]) for s in streams),
+        "per_stream_tokens_per_s": {"min": min(per_stream), "median": statistics.median(per_stream),
+                                    "max": max(per_stream)},
+        "batches": sum(s["batches"] for s in streams),
+        "next_p50_ms": 1e3 * percentile(waits, 0.5), "next_p99_ms": 1e3 * percentile(waits, 0.99),
+        "next_max_ms": 1e3 * max(waits),
+        "client_errors": errors, "server_errors": final["errors"], "server_exit": server_exit,
+        "rss_mb": {key: {"first": samples[0][key], "half": half[0][key], "last": samples[-1][key],
+                         "max": max(x[key] for x in samples)} for key in ("rss_mb", "anon_mb", "file_mb")},
+        "samples": samples,
+    }
+
+
+def print_load(r: dict, base: dict, args) -> None:
+    print(f"\ndata service load: {r['streams']} streams x {r['seconds']:g} s, seq_len {args.seq_len}, "
+          f"micro_batch_size {args.micro_batch_size}, {r['client_procs']} client processes, "
+          f"step sleep {r['step_sleep']:g} s, {os.cpu_count()} CPU cores")
+    print(f"baseline (one process, no gRPC): {base['tokens_per_s'] / 1e6:.1f} M tok/s")
+    ps = r["per_stream_tokens_per_s"]
+    print(f"all streams {r['tokens_per_s'] / 1e6:.2f} M tok/s ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x baseline), "
+          f"per stream min/median/max {ps['min'] / 1e3:.0f} / {ps['median'] / 1e3:.0f} / {ps['max'] / 1e3:.0f} k tok/s, "
+          f"{r['batches']} batches")
+    print(f"next(): p50 {r['next_p50_ms']:.2f} ms, p99 {r['next_p99_ms']:.2f} ms, max {r['next_max_ms']:.1f} ms")
+    print(f"errors: {len(r['client_errors'])} in clients, {r['server_errors']:g} counted by the server; "
+          f"server exit code {r['server_exit']}")
+    for e in r["client_errors"][:5]:
+        print(f"  {e}")
+    for key, name in (("rss_mb", "RSS"), ("anon_mb", "anonymous"), ("file_mb", "file-backed (mapped shards)")):
+        m = r["rss_mb"][key]
+        print(f"server {name} MiB: first {m['first']:.0f}, at half time {m['half']:.0f}, last {m['last']:.0f}, "
+              f"max {m['max']:.0f}")
+    print("samples (s: RSS/anon MiB): " + " ".join(f"{x['t']:.0f}:{x['rss_mb']:.0f}/{x['anon_mb']:.0f}"
+                                                   for x in r["samples"]))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--load-client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--first-rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)
     p.add_argument("--dp-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--dp-size", type=int, default=1, help=argparse.SUPPRESS)
@@ -165,14 +354,33 @@ def main() -> None:
     p.add_argument("--warm-steps", type=int, default=20)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--workers", type=int, default=128)
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="load mode: read --streams N streams for this many seconds (default: off)")
+    p.add_argument("--client-procs", type=int, default=4, help="load mode: client processes (default 4)")
+    p.add_argument("--sample-s", type=float, default=2.0, help="load mode: seconds between samples of the server")
     args = p.parse_args()
     if args.client:
         return client_main(args)
+    if args.load_client:
+        return load_client_main(args)
+    if args.seconds and (len(args.streams) != 1 or args.seconds < 0 or args.client_procs < 1):
+        p.error("--seconds takes one --streams N and --client-procs >= 1")
+    if args.seconds:
+        with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
+            path = args.data or make_dataset(Path(tmp), args.docs)
+            base = plan_baseline(path, args.seq_len, args.micro_batch_size)
+            result = run_load(path, args, Path(tmp) / "server.log")
+        print_load(result, base, args)
+        emit("dataservice", {"mode": "load", "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size,
+                             "cpu_cores": os.cpu_count(), "baseline": base,
+                             "load": dict(result, vs_baseline=result["tokens_per_s"] / base["tokens_per_s"])},
+             device="cpu")
+        return None
 
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
         path = args.data or make_dataset(Path(tmp), args.docs)
         base = plan_baseline(path, args.seq_len, args.micro_batch_size)
-        server, address = start_server(path, args.workers, Path(tmp) / "server.log")
+        server, address, _ = start_server(path, args.workers, Path(tmp) / "server.log")
         try:
             rows = [run_streams(address, n, args) for n in args.streams]
         finally:
