@@ -2,7 +2,12 @@
 offload to train a config with on N GPUs.
 
 - `layouts`: every legal pp x dp x cp x tp (x ep, etp, schedule) of a config, by `core.config.validate`;
-- `memory`: bytes per rank (state exact, activations per module, the pipeline's micro-batches in flight).
+- `memory`: bytes per rank (state exact, activations per module, the pipeline's micro-batches in flight);
+- `calibration`: the per-GPU-kind table of measured rates the time model reads (`h100_default.json`);
+- `timing`: step time from that table, with the overlaps the trainer really has;
+- `search`: the candidates, which of them fit, ranked by predicted tokens/s;
+- `measure`: the best plans run for a few steps by the real trainer (`--measure`);
+- `cli`: the command. Models, assumptions and example plans: docs/planner.md.
 
 Orchestration level: it reads `core.config` and `core.parallel.*`; nothing below imports it.
 """

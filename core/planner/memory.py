@@ -27,7 +27,6 @@ import math
 from dataclasses import dataclass, field
 
 from core.config import Config, grad_accum_steps, moe_layer_rule, recompute_set
-from core.parallel.data import chunk_bounds
 from core.parallel.schedules import partition_layers
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "auto": 2}  # auto: bf16 on the GPU the plan is for
@@ -84,8 +83,30 @@ def _linear(name: str, out_f: int, in_f: int, tp: int, split: str | None, bias: 
     return specs
 
 
+def layout_key(config: Config) -> tuple:
+    """What the parameter layout depends on (the planner asks for the same layouts many times)."""
+    p = config.parallel
+    return (repr(config.model), p.tp, p.ep, p.etp, p.pp, p.pp_virtual_stages, p.pp_first_stage_layers,
+            p.pp_last_stage_layers, p.dp, p.cp, p.distributed_optimizer, config.train.precision)
+
+
+_CACHE: dict[tuple, object] = {}
+
+
+def cached(key: tuple, make):
+    if key not in _CACHE:
+        if len(_CACHE) > 20000:
+            _CACHE.clear()
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
 def local_params(config: Config, pp_rank: int = 0) -> list[ParamSpec]:
     """This pipeline rank's parameters, as the parallelize steps leave them (any tp/ep/dp rank)."""
+    return cached(("params", pp_rank) + layout_key(config), lambda: _local_params(config, pp_rank))
+
+
+def _local_params(config: Config, pp_rank: int) -> list[ParamSpec]:
     m, p = config.model, config.parallel
     tp, ep, etp = p.tp, p.ep, p.etp
     hd, d = m.attention_head_dim, m.dim
@@ -131,10 +152,13 @@ def local_params(config: Config, pp_rank: int = 0) -> list[ParamSpec]:
 
 
 def _chunk_numel(spec: ParamSpec, parts: int, rank: int) -> int:
+    """Elements of `rank`'s ZeRO-1 chunk (core.parallel.data.chunk_bounds' cut, for one rank)."""
     if parts == 1:
         return spec.numel
-    start, length = chunk_bounds(spec.shape[spec.zero_dim], parts)[rank]
-    return spec.numel // spec.shape[spec.zero_dim] * length
+    size = spec.shape[spec.zero_dim]
+    step = -(-size // parts)
+    start = min(rank * step, size)
+    return spec.numel // size * (min(size, start + step) - start)
 
 
 @dataclass
@@ -163,6 +187,10 @@ class StateBytes:
 def state_bytes(config: Config, rank: int = 0) -> StateBytes:
     """Parameters, gradients and optimizer state of global rank `rank`, exactly as the trainer
     allocates them (config validated: parallel.dp set)."""
+    return cached(("state", rank) + layout_key(config), lambda: _state_bytes(config, rank))
+
+
+def _state_bytes(config: Config, rank: int) -> StateBytes:
     p = config.parallel
     c = coordinates(config, rank)
     width = PARAM_BYTES[config.train.precision]
@@ -452,13 +480,17 @@ def estimate_memory(config: Config, rank: int | None = None, allocator: Allocato
     layers = stage_layers(config, c["pp"])
     recompute, offload = recompute_set(t), set(t.offload_modules)
     per_micro, offloaded, per_layer, rebuilt, brought_back = 0, 0, {}, 0, 0
+    kinds: dict[bool, tuple[LayerActivations, int]] = {}  # blocks differ only by dense / MoE
     for i in layers:
-        act = block_activations(config, i, recompute, offload)
+        kind = moe_layer_rule(m.moe, i)
+        if kind not in kinds:
+            act = block_activations(config, i, recompute, offload)
+            kinds[kind] = act, block_activations(config, i, set(), set()).device if recompute else act.device
+        act, plain = kinds[kind]
         per_micro += act.device
         offloaded += act.offloaded
         brought_back = max(brought_back, act.offloaded)
-        if recompute:  # the backward rebuilds one block's saved tensors at a time
-            rebuilt = max(rebuilt, block_activations(config, i, set(), set()).device - act.device)
+        rebuilt = max(rebuilt, plain - act.device)  # the backward rebuilds one block's saved tensors at a time
         for k, v in act.parts.items():
             per_layer[k] = per_layer.get(k, 0) + v
     chunks = p.pp_virtual_stages

@@ -1,0 +1,230 @@
+"""`tessera-plan --config FILE --gpus N --gpu-memory-gib M [--gpus-per-node G] [--calibration FILE]
+[--write-config OUT] [--measure K] [--top T] [--set KEY=VALUE ...]`.
+
+Enumerates every legal layout x micro-batch (the global batch fixed) x recompute set x offload
+choice of the config on N GPUs of M GiB, keeps the candidates whose predicted peak fits, ranks
+them by predicted tokens/s and prints the best T with their memory and time breakdowns, then
+the winner's in full. `--write-config OUT` writes the winner as a config `tessera-train` loads;
+`--measure K` trains the best K for a few steps on this node's GPUs and prints predicted against
+measured. Misuse: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+from core.config import ConfigError, load_config
+from core.planner.calibration import Calibration, CalibrationError
+from core.planner.measure import run_plan
+from core.planner.memory import estimate_memory
+from core.planner.search import Candidate, Search, apply_plan, config_toml, search
+
+GIB = 2 ** 30
+COMM = ("tp_comm", "ep_comm", "cp_comm", "grad_sync")
+MEASURE_STEPS = 6
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports misuse as a single line (no usage block) and exits with 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tessera-plan", description=__doc__.split("\n\n")[1].replace("\n", " "))
+    parser.add_argument("--config", required=True, help="TOML file, e.g. launch/configs/deepseek_like.toml")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs of the run (the world size)")
+    parser.add_argument("--gpu-memory-gib", type=float, required=True,
+                        help="memory of one GPU, GiB (an H100 80GB: 79.6; what the process may hold in all)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): TP stays inside one")
+    parser.add_argument("--calibration", default=None, metavar="FILE",
+                        help="rates measured by `python -m bench.calibrate --out FILE` (default: the shipped H100 table)")
+    parser.add_argument("--write-config", default=None, metavar="OUT", help="write the best plan as a config TOML")
+    parser.add_argument("--measure", type=int, default=0, metavar="K",
+                        help=f"train the best K plans for {MEASURE_STEPS} steps on this node's GPUs; predicted vs measured")
+    parser.add_argument("--top", type=int, default=10, metavar="T", help="plans to print (default 10)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config key, e.g. --set train.global_batch_size=1024 (repeatable)")
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"tessera-plan: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_args(args) -> str | None:
+    if args.gpus < 1:
+        return f"--gpus {args.gpus} must be >= 1"
+    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
+        return f"--gpu-memory-gib {args.gpu_memory_gib} must be a positive number of GiB, e.g. 79.6 for an H100 80GB"
+    if args.gpus_per_node < 1:
+        return f"--gpus-per-node {args.gpus_per_node} must be >= 1"
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        return f"--gpus {args.gpus} must be a multiple of --gpus-per-node {args.gpus_per_node} (whole nodes)"
+    if args.top < 1:
+        return f"--top {args.top} must be >= 1"
+    if args.measure < 0:
+        return f"--measure {args.measure} must be >= 0"
+    if args.write_config is not None:
+        out = Path(args.write_config)
+        if out.is_dir():
+            return f"--write-config {out} is a folder; give a file name such as plan.toml"
+        if not out.absolute().parent.is_dir():
+            return f"--write-config {out}: the folder {out.absolute().parent} does not exist"
+    return None
+
+
+def _check_measure(k: int, world: int, gpus_per_node: int) -> str | None:
+    if not k:
+        return None
+    if world > gpus_per_node:
+        return f"--measure runs on this node only: --gpus {world} exceeds --gpus-per-node {gpus_per_node}"
+    import torch  # here only: planning itself never needs torch (its import costs seconds)
+
+    found = torch.cuda.device_count()
+    if found < world:
+        return f"--measure needs {world} GPUs on this node, found {found}; plan without --measure, or measure on a GPU node"
+    return None
+
+
+def _parts(c: Candidate) -> tuple[float, float, float, float]:
+    """Seconds of the step: compute (recomputation and exposed offload copies included),
+    exposed communication, pipeline bubble, optimizer."""
+    b = c.time.breakdown()
+    comm = sum(b.get(k, 0.0) for k in COMM)
+    compute = sum(v for k, v in b.items() if k not in COMM + ("bubble", "optimizer"))
+    return compute, comm, b.get("bubble", 0.0), b.get("optimizer", 0.0)
+
+
+def _row(i: int, c: Candidate) -> str:
+    m = c.memory.breakdown()
+    compute, comm, bubble, opt = _parts(c)
+    rc = ",".join(c.recompute) or "-"
+    off = ",".join(c.offload) or "-"
+    return (f"{i:>3} {c.layout:<26} {c.micro_batch_size:>3} {rc:<28} {off:<18} {c.time.tokens_per_s / 1e3:>8.1f}k "
+            f"{c.time.step_s * 1e3:>8.0f} {100 * c.time.mfu:>5.1f}% {c.memory.device_total / GIB:>6.1f} "
+            f"{m['params']:>5.1f} {m['grads']:>5.1f} {m['optimizer']:>5.1f} {m['activations']:>5.1f} "
+            f"{m['transient'] + m['reduction'] + m['fp8_cache'] + m['other']:>5.1f} | {compute * 1e3:>7.0f} "
+            f"{comm * 1e3:>6.0f} {bubble * 1e3:>6.0f} {opt * 1e3:>5.0f}")
+
+
+HEADER = (f"{'#':>3} {'layout':<26} {'mb':>3} {'recompute':<28} {'offload':<18} {'tok/s':>9} {'step ms':>8} "
+          f"{'MFU':>6} {'GiB':>6} {'param':>5} {'grad':>5} {'optim':>5} {'activ':>5} {'other':>5} | "
+          f"{'compute':>7} {'comm':>6} {'bubble':>6} {'optim':>5}")
+
+
+def _winner(c: Candidate, world: int) -> list[str]:
+    m, t = c.memory, c.time
+    lines = [f"best: {c.layout}, micro-batch {c.micro_batch_size}, recompute {list(c.recompute)}, offload "
+             f"{list(c.offload)}: {t.tokens_per_s / 1e3:.1f}k tokens/s ({t.tokens_per_s / world / 1e3:.2f}k per GPU), "
+             f"step {t.step_s * 1e3:.0f} ms, MFU {100 * t.mfu:.1f}%"]
+    lines.append("  memory of rank {} (GiB): ".format(m.rank) + ", ".join(
+        f"{k} {v:.2f}" for k, v in m.breakdown().items() if v) + f"; peak allocated {m.peak_allocated / GIB:.2f}, "
+        f"reserved {m.peak_reserved / GIB:.2f}, on the device {m.device_total / GIB:.2f}")
+    lines.append("  activations of one micro-batch by module kind (GiB, this rank's layers): " + ", ".join(
+        f"{k} {v / GIB:.2f}" for k, v in sorted(m.per_layer.items(), key=lambda kv: -kv[1]) if v))
+    b = t.breakdown()
+    lines.append("  step (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(b.items(), key=lambda kv: -kv[1])
+                                            if v >= 5e-5))
+    lines.append(f"  one micro-batch {t.micro_s * 1e3:.1f} ms ({'host-bound' if t.host_bound else 'GPU-bound'}), "
+                 f"pipeline bubble {100 * t.bubble:.1f}%, exposed gradient reduction {t.grad_sync_s * 1e3:.1f} ms")
+    return lines
+
+
+def _print_plan(found: Search, args, cal: Calibration) -> None:
+    print(f"calibration: {cal.path} ({cal.source})")
+    if cal.derived:
+        print("  (derived figures: measure this GPU kind with `python -m bench.calibrate --out FILE`, "
+              "then pass --calibration FILE)")
+    print(f"{found.considered} candidates on {args.gpus} GPUs, {found.evaluated} evaluated (the others recompute more "
+          f"than a fitting set of the same layout and micro-batch), {len(found.fitting)} fit in "
+          f"{args.gpu_memory_gib:g} GiB, best {min(args.top, len(found.fitting))} by predicted tokens/s:")
+    for note in found.notes:
+        print(f"  note: {note}")
+    print(HEADER)
+    for i, c in enumerate(found.fitting[:args.top], 1):
+        print(_row(i, c))
+    print("  (GiB: on the device per GPU; other: transient, reduction buffers, allocator, CUDA context, NCCL. "
+          "ms: per step; compute includes recomputation and exposed offload copies)")
+    print()
+    print("\n".join(_winner(found.fitting[0], args.gpus)))
+
+
+def _write(path: Path, config, plan: Candidate) -> None:
+    text = (f"# tessera-plan: {plan.layout}, micro-batch {plan.micro_batch_size}, recompute "
+            f"{list(plan.recompute)}, offload {list(plan.offload)}; predicted {plan.time.tokens_per_s / 1e3:.1f}k "
+            f"tokens/s, {plan.memory.device_total / GIB:.1f} GiB per GPU\n" + config_toml(config))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _measure(found: Search, args, config) -> None:
+    print()
+    print(f"measured: the best {args.measure} on this node, {MEASURE_STEPS} steps each (median step after the warm-up; "
+          "memory: torch.cuda.max_memory_allocated of rank 0)")
+    print(f"{'#':>3} {'layout':<26} {'mb':>3} {'recompute':<28} {'step ms pred':>12} {'meas':>8} {'err':>6} "
+          f"{'GiB pred':>8} {'meas':>6} {'err':>6}")
+    with tempfile.TemporaryDirectory(prefix="tessera-plan-") as tmp:
+        for i, c in enumerate(found.fitting[:args.measure], 1):
+            plan = apply_plan(config, c, args.gpus)
+            got = run_plan(plan, args.gpus, MEASURE_STEPS, Path(tmp), f"plan{i}")
+            pred_s = c.time.step_s
+            pred_gib = estimate_memory(c.config, rank=0, allocator=c.memory.allocator).peak_allocated / GIB
+            rc = ",".join(c.recompute) or "-"
+            if got.step_s is None:
+                print(f"{i:>3} {c.layout:<26} {c.micro_batch_size:>3} {rc:<28} {pred_s * 1e3:>12.0f}  failed: {got.error}")
+                continue
+            mem = f"{got.mem_gib:>6.1f} {100 * (pred_gib / got.mem_gib - 1):>+5.0f}%" if got.mem_gib else "     -"
+            print(f"{i:>3} {c.layout:<26} {c.micro_batch_size:>3} {rc:<28} {pred_s * 1e3:>12.0f} {got.step_s * 1e3:>8.0f} "
+                  f"{100 * (pred_s / got.step_s - 1):>+5.0f}% {pred_gib:>8.1f} {mem}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    problem = _check_args(args)
+    if problem:
+        return _fail(problem)
+    try:
+        config = load_config(args.config, args.overrides)
+        cal = Calibration.load(args.calibration)
+    except (ConfigError, CalibrationError) as err:
+        return _fail(str(err))
+    problem = _check_measure(args.measure, args.gpus, args.gpus_per_node)
+    if problem:
+        return _fail(problem)
+    try:
+        found = search(config, args.gpus, int(args.gpu_memory_gib * GIB), cal, args.gpus_per_node)
+    except ConfigError as err:
+        return _fail(str(err))
+    if not found.fitting:
+        if not found.considered:
+            return _fail(f"no legal layout of {args.config} on {args.gpus} GPUs ({args.gpus_per_node} per node): "
+                         "check that the model's heads, layers and experts divide over them and that "
+                         "train.global_batch_size is a multiple of the data-parallel size")
+        s = found.smallest
+        return _fail(f"none of the {found.considered} candidates fits {args.gpu_memory_gib:g} GiB per GPU; the smallest "
+                     f"needs {s.device_total / GIB:.1f} GiB: use more GPUs, larger ones, or a smaller micro-batch or model")
+    _print_plan(found, args, cal)
+    if args.write_config:
+        try:
+            plan = apply_plan(config, found.fitting[0], args.gpus)
+        except ConfigError as err:
+            return _fail(f"the best plan does not validate as a config: {err}")
+        _write(Path(args.write_config), plan, found.fitting[0])
+        print(f"\nwrote {args.write_config}: tessera-train --config {args.write_config} --nproc-per-node "
+              f"{min(args.gpus, args.gpus_per_node)}" + (f" --nnodes {args.gpus // args.gpus_per_node}"
+                                                          if args.gpus > args.gpus_per_node else ""))
+    if args.measure:
+        _measure(found, args, config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
