@@ -9,7 +9,8 @@ tied embedding over the pipeline, and on one process. Tolerance: none, the count
 The activation model against autograd: the bytes each block leaves alive after a bf16 forward on
 the CPU (every storage an op creates, tracked until freed), for every recompute kind: exact for
 the dense blocks, the head and the loss; MoE blocks within 1% (balanced routing assumed; the
-CPU's per-expert loop saves slices of the SwiGLU product, so `swiglu` is left to the GPU check).
+CPU's per-expert loop saves slices of the SwiGLU product, so `swiglu` is left to the GPU check);
+and a compiled block (inductor on the CPU) against the tensors its compiled forward saves.
 Peak memory and step time against the GPU: `bench/planner_check.py`."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -29,7 +31,7 @@ from core.loss import cross_entropy_sum
 from core.mesh import ParallelMesh
 from core.model import build_model
 from core.parallel.recompute import apply_recompute
-from core.parallelize import parallelize
+from core.parallelize import compile_blocks, parallelize
 from core.planner.layouts import describe, layouts
 from core.planner.memory import block_activations, estimate_memory, head_activations, rope_tables, state_bytes
 from tests.distributed import run_distributed
@@ -164,6 +166,34 @@ def test_activation_model_equals_autograd_saved_tensors():
         if "swiglu" not in recompute:
             got, want = _saved_bytes(moe, recompute)["layer1"], block_activations(moe, 1, set(recompute), set()).device
             assert abs(got - want) <= 0.01 * want, (recompute, got, want)
+
+
+@pytest.mark.slow  # inductor compiles the blocks on the CPU (~30 s)
+def test_compiled_block_activations_equal_what_inductor_saves():
+    config = validate(_config("tiny_dense", "bf16", ["train.seq_len=192", "train.compile=true"]), 1)
+    model = build_model(config.model, seed=0).to(torch.bfloat16)
+    compile_blocks([model])
+    n = config.train.seq_len
+    tokens = torch.randint(0, config.model.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, n], dtype=torch.int32), max_seqlen=n)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    model.layers["1"].register_forward_pre_hook(lambda *_: saved.clear())  # what block 1 saves, once per storage
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def run_block_1(module, args, output):
+        nonlocal total
+        total = sum(saved.values())
+
+    total = 0
+    model.layers["1"].register_forward_hook(run_block_1)
+    with saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, torch.arange(n), meta).float().sum().backward()
+    assert total == block_activations(config, 1, set(), set()).device + rope_tables(config)  # + the shared cos/sin
 
 
 def test_each_recompute_kind_saves_activation_memory():

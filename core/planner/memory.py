@@ -274,9 +274,12 @@ def norm_saved(tokens: int, width: int, b: int) -> int:
 def block_activations(config: Config, layer_id: int, recompute: set[str] | None = None,
                       offload: set[str] | None = None) -> LayerActivations:
     """What one block keeps for the backward of one micro-batch under the recompute and offload
-    choices (eager modules; FlashAttention/cuDNN saving q, k, v, out and the log-sum-exp).
-    The dense parts match autograd's saved tensors exactly (tests/test_planner_memory.py
-    counts them on the CPU); the MoE parts assume balanced routing."""
+    choices (FlashAttention/cuDNN saving q, k, v, out and the log-sum-exp). Eager blocks: the
+    dense parts match autograd's saved tensors exactly (tests/test_planner_memory.py counts
+    them on the CPU). Compiled blocks (train.compile): inductor keeps each norm's input and
+    rsqrt instead of its fp32 copies and the SwiGLU's a, b and product (measured the same way
+    through inductor on the CPU); the routed experts stay outside the graphs. MoE parts assume
+    balanced routing."""
     m, p, t = config.model, config.parallel, config.train
     recompute = recompute_set(t) if recompute is None else recompute
     offload = set(t.offload_modules) if offload is None else offload
@@ -284,14 +287,19 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
     b = PARAM_BYTES[t.precision]
     T, Ts, d = s.tokens, s.seq_tokens, m.dim
     sp = p.sequence_parallel and p.tp > 1
+    compiled = t.compile
     if "block" in recompute:
         return LayerActivations({"block": Ts * d * b})
     moe_layer = moe_layer_rule(m.moe, layer_id)
+    inside_glu = 3 if compiled else 4  # SwiGLU in a compiled block: a, b and the product
     parts: dict[str, int] = {}
     # Norms: the inputs under recompute (the residual stream, kept by the checkpoint), else
     # their internals. The norm's output is the next module's saved input (below), or under
     # sequence parallelism the input of an all-gather that saves nothing.
-    parts["norms"] = 2 * (Ts * d * b if "norms" in recompute else norm_saved(Ts, d, b))
+    if "norms" in recompute:
+        parts["norms"] = 2 * Ts * d * b
+    else:
+        parts["norms"] = 2 * (Ts * d * b + 4 * Ts if compiled else norm_saved(Ts, d, b))
     # Attention: wq/wk/wv's input (the gathered stream under SP, else the norm's output, which
     # recomputed norms drop), qk-norms, then the core's q, k, v, out (= wo's input) and lse.
     # Rotary keeps nothing per layer: its products save only the cos/sin tables.
@@ -299,7 +307,8 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
     qk = 0
     if m.qk_norm:
         heads = s.q // m.attention_head_dim + s.kv // m.attention_head_dim
-        qk = T * (s.q + s.kv) * b if "norms" in recompute else norm_saved(T * heads, m.attention_head_dim, b)
+        qk = T * (s.q + s.kv) * b + (4 * T * heads if compiled else 0) if "norms" in recompute or compiled \
+            else norm_saved(T * heads, m.attention_head_dim, b)
     lse = 4 * T * s.q_heads
     qkv = T * (s.q + 2 * s.kv) * b
     out = T * s.q * b
@@ -320,7 +329,7 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
             router = Tr * d * 4 + Tr * s.experts * 4 * 3 + Tr * moe.top_k * 16  # fp32 x, logits, scores, top-k
             dispatch = R * d * b + R * 16  # permuted rows + orders
             combine = R * d * b + Tr * moe.top_k * 4
-            shared = Tr * s.shared_hidden * b * glu if s.shared_hidden else 0
+            shared = Tr * s.shared_hidden * b * (glu if "swiglu" in recompute else inside_glu) if s.shared_hidden else 0
             parts["mlp"] = norm_out + router + dispatch + combine + shared
             parts["moe_experts"] = 0 if "moe_experts" in recompute else R * s.expert_hidden * b * glu
     else:
@@ -329,7 +338,7 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
             parts["mlp"] = T * d * b  # the gathered input (SP: gathered before the module runs)
         else:
             mlp_in = 0 if ("norms" in recompute and not sp) else T * d * b
-            parts["mlp"] = mlp_in + T * H * b * (2 if "swiglu" in recompute else 4)
+            parts["mlp"] = mlp_in + T * H * b * (2 if "swiglu" in recompute else inside_glu)
     offloaded = 0
     for kind in offload:
         # What the module saves inside its own forward moves; what a module outside saves of its
@@ -364,18 +373,25 @@ def rope_tables(config: Config) -> int:
     return 4 * shapes(config).tokens * config.model.attention_head_dim
 
 
+def compiled_loss(config: Config) -> bool:
+    """The loss runs compiled (train.compile without vocab-parallel logits, core/loss.py)."""
+    return config.train.compile and config.parallel.tp == 1
+
+
 def head_activations(config: Config) -> int:
-    """The last stage's final norm, the head's input, the loss's fp32 exponentials [T, V/tp] and
-    its per-token sums, targets and masks."""
+    """The last stage's final norm, the head's input, and the loss's saved tensors: eager, the
+    fp32 exponentials [T, V/tp] and per-token sums, targets and masks; compiled, the logits in
+    their own dtype and a log-sum-exp per token."""
     s, m, t = shapes(config), config.model, config.train
     b = PARAM_BYTES[t.precision]
-    return norm_saved(s.seq_tokens, m.dim, b) + s.tokens * m.dim * b + s.tokens * s.vocab * 4 + 18 * s.tokens
+    loss = s.tokens * s.vocab * b + 16 * s.tokens if compiled_loss(config) else s.tokens * s.vocab * 4 + 18 * s.tokens
+    return norm_saved(s.seq_tokens, m.dim, b) + s.tokens * m.dim * b + loss
 
 
 def loss_transient(config: Config) -> int:
-    """Alive at the loss besides the saved tensors: the logits (forward) or their gradient
-    (backward) next to the fp32 exponentials, then the head's weight gradient in the parameter
-    dtype before it is added into the fp32 main grad."""
+    """Alive at the loss besides the saved tensors: the logits (forward; eager, next to their
+    fp32 shifted copy) or their gradient (backward), then the head's weight gradient in the
+    parameter dtype before it is added into the fp32 main grad."""
     s, t, m = shapes(config), config.train, config.model
     b = PARAM_BYTES[t.precision]
     return s.tokens * s.vocab * b + s.vocab * m.dim * b
