@@ -1,9 +1,10 @@
 """tessera-plan: the time model against measured steps, its overlaps against the trainer's
 schedule, the search and its config against tessera-train, misuse.
 
-References: the shipped H100 table must reproduce the two training steps of BENCHMARKS.md it
-was derived from (the ~1B dense model and the 4-layer DeepSeek-like MoE, both compiled) within
-15%, and the memory model their peak memory within 10% (the planner's targets); the pipeline bubble is `core.parallel.schedules`'s;
+References: the shipped H100 table must reproduce the training steps of BENCHMARKS.md it was
+derived from (the ~1B dense model and the 4-layer DeepSeek-like MoE, compiled; a Llama-3.2-1B
+shape trained eagerly by tessera-train) within 15%, and the memory model their peak memory
+within 10% (the planner's targets); the pipeline bubble is `core.parallel.schedules`'s;
 `--write-config` is checked by `tessera-train --print-config` at the planned world size. The
 GPU side (peak memory and step time of real steps) is `bench/planner_check.py`."""
 
@@ -44,10 +45,17 @@ def _dense_1b(micro: int, accum: int, seq: int = 4096, **train) -> Config:
 @pytest.mark.parametrize("case, measured_ms, measured_gib", [
     ("dense", 874.8, 38.3),  # bench.train_step --compile --batch 4 --accum 4, 1x H100
     ("moe", 565.9, 46.8),  # bench.train_step --moe --accum 8 --compile, 1x H100
+    ("llama", 8 * 4096 / 43.4, 44.8),  # bench/hf_roundtrip.sh: tessera-train, Llama-3.2-1B shape, eager, 43.4k tok/s
 ])
 def test_default_table_reproduces_the_measured_steps(case, measured_ms, measured_gib):
     if case == "dense":
         config = _dense_1b(4, 4, compile=True)
+    elif case == "llama":
+        config = Config(model=ModelConfig(vocab_size=128256, dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                                          ffn_dim=8192, tie_embeddings=True, rope_theta=500000.0))
+        config.train = dataclasses.replace(config.train, precision="bf16", seq_len=4096, micro_batch_size=2,
+                                           global_batch_size=8)
+        config = validate(config, 1)
     else:
         config = validate(load_config(ROOT / "launch/configs/deepseek_like.toml", [
             "model.num_layers=4", "parallel.ep=1", "train.micro_batch_size=2", "train.global_batch_size=16",
