@@ -26,7 +26,8 @@ from core.planner.calibration import Calibration, CalibrationError
 from core.planner.cli import main
 from core.planner.layouts import describe
 from core.planner.memory import estimate_memory
-from core.planner.search import dominated, search
+from core.planner.measure import run_plan
+from core.planner.search import apply_plan, dominated, search
 from core.planner import timing
 from core.planner.timing import estimate_time
 
@@ -142,6 +143,15 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, tmp_path, capsys, monkeypa
     err = capsys.readouterr()
     assert code == 2 and not err.out, err
     assert len(err.err.strip().splitlines()) == 1 and says in err.err, err.err
+
+
+@pytest.mark.slow  # builds a dataset, then tessera-train on 2 gloo processes for 3 steps
+def test_measure_runs_a_plan_through_tessera_train(tmp_path):
+    config = load_config(ROOT / "launch/configs/tiny_dense.toml", ["train.seq_len=128", "train.precision=fp32"])
+    plan = search(config, 2, 80 * 2**30, CAL).fitting[0]
+    got = run_plan(apply_plan(config, plan, 2), 2, 3, tmp_path, "plan1", device="cpu")
+    assert got.error == "" and got.step_s > 0 and got.mem_gib > 0, got
+    assert (tmp_path / "plan1" / "metrics.jsonl").is_file()
 
 
 def test_console_script_reports_misuse_without_traceback():

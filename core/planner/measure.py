@@ -48,11 +48,12 @@ def synthetic_dataset(workdir: Path, seq_len: int) -> Path:
     return out
 
 
-def run_plan(config: Config, world: int, steps: int, workdir: Path, name: str) -> Measured:
-    """Train `config` for `steps` steps on `world` local GPUs; the figures of rank 0."""
+def run_plan(config: Config, world: int, steps: int, workdir: Path, name: str, device: str = "cuda") -> Measured:
+    """Train `config` for `steps` steps on `world` local GPUs (or CPU processes: the tests); the
+    figures of rank 0."""
     run = copy.deepcopy(config)
     t = run.train
-    t.max_steps, t.stop_at_step, t.run_dir, t.device = steps, 0, str(workdir / name), "cuda"
+    t.max_steps, t.stop_at_step, t.run_dir, t.device = steps, 0, str(workdir / name), device
     t.log_interval, t.plot, t.tensorboard = 1, False, False
     run.checkpoint.interval, run.checkpoint.save_at_end, run.checkpoint.init_from = 0, False, ""
     run.eval.interval = 0

@@ -382,26 +382,28 @@ def _optimizer(model: _Model, pp_rank: int) -> float:
     c, p, cal = model.c, model.p, model.cal
     b = model.b
 
-    def sums() -> tuple[float, float, float]:
-        chunk = numel = gathered = 0.0
+    def sums() -> tuple[float, float, float, float]:  # chunk, numel, gathered dense / expert bytes
+        chunk = numel = dense = expert = 0.0
         for spec in local_params(c, pp_rank):
             size = p.dp * p.cp // p.ep if spec.expert else p.dp * p.cp
             numel += spec.numel
             if p.distributed_optimizer and size > 1:
                 chunk += spec.numel / size
-                gathered += spec.numel * b
+                if spec.expert:
+                    expert += spec.numel * b
+                else:
+                    dense += spec.numel * b
             else:
                 chunk += spec.numel
-        return chunk, numel, gathered
+        return chunk, numel, dense, expert
 
-    chunk, numel, gathered = cached(("optimizer", pp_rank) + layout_key(c), sums)
+    chunk, numel, dense, expert = cached(("optimizer", pp_rank) + layout_key(c), sums)
     seconds = cal.memory_s(chunk * 4, 16) + cal.collective_s("all_reduce", 8, 8)  # the norm
     seconds += cal.memory_s(chunk * ADAMW_BYTES, 16)
     seconds += cal.memory_s(chunk * (4 + b) + numel * 2 * b, 32)  # pack masters, unpack params
-    if gathered:
-        group = "dp_cp"
-        size = p.dp * p.cp
-        seconds += cal.collective_s("all_gather", size, gathered, group_spans_nodes(c, group, model.g))
+    for group, nbytes in (("dp_cp", dense), ("edp", expert)):
+        if nbytes:  # the all-gathers of the new weights: launched together, waited for together
+            seconds += model.coll("all_gather", group, nbytes)
     return seconds
 
 
