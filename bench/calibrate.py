@@ -268,6 +268,7 @@ def calibrate(base: Calibration, log=print, collectives: bool = True) -> Calibra
     cal.host_us_per_block = measure_host(log)
     measured += ["attention_tflops", "memory_gbps", "launch_us", "pcie_gbps", "host_us_per_block"]
     gpus = torch.cuda.device_count()
+    torch.cuda.empty_cache()  # the workers share GPU 0 with this process
     if collectives and gpus > 1:
         table, p2p = measure_collectives(gpus, log)
         cal.collectives = dict(cal.collectives, intra=table)

@@ -17,11 +17,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from core.config import ConfigError, load_config
+from core.config import ConfigError, load_config, recompute_set, validate
+from core.planner.layouts import describe
 from core.planner.calibration import Calibration, CalibrationError
 from core.planner.measure import run_plan
 from core.planner.memory import estimate_memory
-from core.planner.search import Candidate, Search, apply_plan, config_toml, search
+from core.planner.search import Candidate, Search, apply_plan, checkable, config_toml, search
+from core.planner.timing import estimate_time
 
 GIB = 2 ** 30
 COMM = ("tp_comm", "ep_comm", "cp_comm", "grad_sync")
@@ -156,6 +158,24 @@ def _print_plan(found: Search, args, cal: Calibration) -> None:
     print("\n".join(_winner(found.fitting[0], args.gpus)))
 
 
+def _as_given(config, args, cal: Calibration, found: Search) -> str:
+    """Where the config's own layout, micro-batch and recomputation stand among the plans."""
+    own = checkable(config)
+    own.parallel.dynamic_cp = False  # planned as static CP, like every candidate
+    try:
+        validate(own, args.gpus)
+    except ConfigError as err:
+        return f"the config as given: not a legal layout on {args.gpus} GPUs ({err})"
+    recompute = tuple(sorted(recompute_set(own.train)))
+    c = Candidate(own, describe(own), recompute, tuple(own.train.offload_modules),
+                  estimate_memory(own, allocator=cal.allocator), estimate_time(own, cal, args.gpus_per_node))
+    fits = c.memory.device_total <= args.gpu_memory_gib * GIB
+    place = 1 + sum(1 for f in found.fitting if f.time.tokens_per_s > c.time.tokens_per_s)
+    where = f"would rank {place} of {len(found.fitting)}" if fits else \
+        f"does not fit ({c.memory.device_total / GIB:.1f} GiB)"
+    return f"the config as given {where}:\n{_row(0, c)}"
+
+
 def _write(path: Path, config, plan: Candidate) -> None:
     text = (f"# tessera-plan: {plan.layout}, micro-batch {plan.micro_batch_size}, recompute "
             f"{list(plan.recompute)}, offload {list(plan.offload)}; predicted {plan.time.tokens_per_s / 1e3:.1f}k "
@@ -212,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"none of the {found.considered} candidates fits {args.gpu_memory_gib:g} GiB per GPU; the smallest "
                      f"needs {s.device_total / GIB:.1f} GiB: use more GPUs, larger ones, or a smaller micro-batch or model")
     _print_plan(found, args, cal)
+    print(_as_given(config, args, cal, found))
     if args.write_config:
         try:
             plan = apply_plan(config, found.fitting[0], args.gpus)
