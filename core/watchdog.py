@@ -16,7 +16,7 @@ entered its phase first, so its line comes first.
 Fault injection, for tests only: `TESSERA_INJECT_STALL=RANK:STEP:POINT[:SECONDS][,...]` makes
 rank RANK sleep SECONDS (default: an hour, a hang) when it reaches POINT in step STEP. The points
 are the phase names above, and "checkpoint write" (the background writer of
-`checkpoint.async_save`, before it writes this rank's part). Unset, it costs a tuple check.
+`checkpoint.async_save`, before it writes this rank's part). Unset, it costs one environment lookup.
 """
 
 from __future__ import annotations
@@ -79,10 +79,6 @@ class Watchdog:
         """This rank now works on `phase` of the current step; its deadline starts now."""
         self._state = (phase, self.step, time.monotonic())
         stall_point(phase, self.step, self.rank)
-
-    def idle(self) -> None:
-        """Between steps of no concern (nothing runs that could hang the job)."""
-        self._state = None
 
     def start(self) -> None:
         if self.timeout_s <= 0 or self._thread is not None:
