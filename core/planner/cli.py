@@ -140,7 +140,10 @@ def _winner(c: Candidate, world: int) -> list[str]:
 
 
 def _print_plan(found: Search, args, cal: Calibration) -> None:
-    print(f"calibration: {cal.path} ({cal.source})")
+    shown = Path(cal.path)
+    if shown.is_absolute() and shown.is_relative_to(Path.cwd()):
+        shown = shown.relative_to(Path.cwd())
+    print(f"calibration: {shown} ({cal.source})")
     if cal.derived:
         print("  (derived figures: measure this GPU kind with `python -m bench.calibrate --out FILE`, "
               "then pass --calibration FILE)")
