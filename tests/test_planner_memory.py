@@ -33,7 +33,8 @@ from core.model import build_model
 from core.parallel.recompute import apply_recompute
 from core.parallelize import compile_blocks, parallelize
 from core.planner.layouts import describe, layouts
-from core.planner.memory import block_activations, estimate_memory, head_activations, rope_tables, state_bytes
+from core.planner.memory import block_activations, estimate_memory, head_activations, rope_tables
+from core.planner.state import state_bytes
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,8 @@
 offload to train a config with on N GPUs.
 
 - `layouts`: every legal pp x dp x cp x tp (x ep, etp, schedule) of a config, by `core.config.validate`;
-- `memory`: bytes per rank (state exact, activations per module, the pipeline's micro-batches in flight);
+- `state`: each rank's parameters, gradients and optimizer state, exact;
+- `memory`: peak bytes per rank (activations per module, the pipeline's micro-batches in flight, transients);
 - `calibration`: the per-GPU-kind table of measured rates the time model reads (`h100_default.json`);
 - `timing`: step time from that table, with the overlaps the trainer really has;
 - `search`: the candidates, which of them fit, ranked by predicted tokens/s;

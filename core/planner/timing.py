@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 from core.config import Config, grad_accum_steps, moe_layer_rule, recompute_set
 from core.planner.calibration import Calibration
-from core.planner.memory import PARAM_BYTES, block_activations, cached, layout_key, local_params, shapes, stage_layers
+from core.planner.memory import block_activations, shapes
+from core.planner.state import PARAM_BYTES, cached, layout_key, local_params, stage_layers
 
 # Bytes moved per element by the eager modules (read + write), forward; backward about twice.
 NORM_BYTES = 36  # bf16 in: two fp32 copies, square-mean, rsqrt-mul, cast, gain

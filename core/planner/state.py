@@ -1,0 +1,206 @@
+"""What a rank holds whatever it computes: its parameters, gradients and optimizer state, exactly.
+
+This rank's parameters are the shards `apply_tp`, `apply_ep` and the pipeline split leave (in
+the parameter dtype); the fp32 main grads are one flat buffer per bucket, every parameter
+whole, plus the reduce-scatter target of each ZeRO-1 bucket (rank 0's chunk, the longest);
+AdamW's fp32 moments and masters cover this rank's ZeRO-1 chunks, cut like `torch.chunk` along
+the dim tensor and expert parallelism leave whole (`core.parallel.data.zero_shard_dim`).
+`tests/test_planner_memory.py` compares these numbers with the tensors `core.parallelize`
+allocates on gloo ranks, for every layout of the tiny configs.
+
+All sizes in bytes. Ranks are numbered as `core.mesh` does: tp fastest, then cp, dp, pp. The
+planner asks for the same layout's facts many times: they are computed once per layout (`cached`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from core.config import Config, moe_layer_rule
+from core.parallel.schedules import partition_layers
+
+PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "auto": 2}  # auto: bf16 on the GPU the plan is for
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as a rank holds it: local shape, the dim TP split (None: whole), expert or not."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    expert: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def zero_dim(self) -> int | None:
+        """The dim ZeRO-1 chunks along (core.parallel.data.zero_shard_dim)."""
+        taken = {self.tp_dim} | ({0} if self.expert else set())
+        return next((d for d in range(len(self.shape)) if d not in taken), None)
+
+
+def coordinates(config: Config, rank: int) -> dict[str, int]:
+    """pp, dp, cp, tp coordinates of a global rank, and its dp_cp / edp group ranks."""
+    p = config.parallel
+    tp = rank % p.tp
+    cp = rank // p.tp % p.cp
+    dp = rank // (p.tp * p.cp) % p.dp
+    pp = rank // (p.tp * p.cp * p.dp)
+    i = dp * p.cp + cp
+    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_cp": i, "edp": i // p.ep, "ep": i % p.ep}
+
+
+def stage_layers(config: Config, pp_rank: int) -> list[int]:
+    """The global layer indices pipeline rank `pp_rank` holds (all its virtual stages)."""
+    p, m = config.parallel, config.model
+    ranges = partition_layers(m.num_layers, p.pp * p.pp_virtual_stages, p.pp_first_stage_layers, p.pp_last_stage_layers)
+    return [i for c in range(p.pp_virtual_stages) for i in ranges[c * p.pp + pp_rank]]
+
+
+def _linear(name: str, out_f: int, in_f: int, tp: int, split: str | None, bias: bool) -> list[ParamSpec]:
+    """nn.Linear weight [out, in] (+ bias) after apply_tp: column splits out, row splits in."""
+    if split == "column" and tp > 1:
+        specs = [ParamSpec(name + ".weight", (out_f // tp, in_f), 0)]
+    elif split == "row" and tp > 1:
+        specs = [ParamSpec(name + ".weight", (out_f, in_f // tp), 1)]
+    else:
+        specs = [ParamSpec(name + ".weight", (out_f, in_f), None)]
+    if bias:  # column-parallel biases stay whole (each rank adds its slice), row ones too
+        specs.append(ParamSpec(name + ".bias", (out_f,), None))
+    return specs
+
+
+def layout_key(config: Config) -> tuple:
+    """What the parameter layout depends on (the planner asks for the same layouts many times)."""
+    p = config.parallel
+    return (repr(config.model), p.tp, p.ep, p.etp, p.pp, p.pp_virtual_stages, p.pp_first_stage_layers,
+            p.pp_last_stage_layers, p.dp, p.cp, p.distributed_optimizer, config.train.precision)
+
+
+_CACHE: dict[tuple, object] = {}
+
+
+def cached(key: tuple, make):
+    if key not in _CACHE:
+        if len(_CACHE) > 20000:
+            _CACHE.clear()
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
+def local_params(config: Config, pp_rank: int = 0) -> list[ParamSpec]:
+    """This pipeline rank's parameters, as the parallelize steps leave them (any tp/ep/dp rank)."""
+    return cached(("params", pp_rank) + layout_key(config), lambda: _local_params(config, pp_rank))
+
+
+def _local_params(config: Config, pp_rank: int) -> list[ParamSpec]:
+    m, p = config.model, config.parallel
+    tp, ep, etp = p.tp, p.ep, p.etp
+    hd, d = m.attention_head_dim, m.dim
+    layers = stage_layers(config, pp_rank)
+    first = pp_rank == 0
+    last = pp_rank == p.pp - 1
+    specs: list[ParamSpec] = []
+    if first:
+        specs.append(ParamSpec("tok_embeddings.weight", (m.vocab_size // tp, d), 0 if tp > 1 else None))
+    for i in layers:
+        pre = f"layers.{i}."
+        specs.append(ParamSpec(pre + "attention_norm.weight", (d,), None))
+        a = pre + "attention."
+        specs += _linear(a + "wq", m.num_heads * hd, d, tp, "column", m.attention_bias)
+        specs += _linear(a + "wk", m.num_kv_heads * hd, d, tp, "column", m.attention_bias)
+        specs += _linear(a + "wv", m.num_kv_heads * hd, d, tp, "column", m.attention_bias)
+        specs += _linear(a + "wo", d, m.num_heads * hd, tp, "row", m.attention_bias)
+        if m.qk_norm:
+            specs += [ParamSpec(a + "q_norm.weight", (hd,), None), ParamSpec(a + "k_norm.weight", (hd,), None)]
+        specs.append(ParamSpec(pre + "ffn_norm.weight", (d,), None))
+        f = pre + "feed_forward."
+        if moe_layer_rule(m.moe, i):
+            moe = m.moe
+            e, hidden = moe.num_experts // ep, (moe.ffn_dim or m.ffn_dim) // etp
+            specs.append(ParamSpec(f + "router.weight", (moe.num_experts, d), None))
+            w13_dim, w2_dim = (2, 1) if etp > 1 else (None, None)
+            specs += [ParamSpec(f + "experts.w1", (e, d, hidden), w13_dim, True),
+                      ParamSpec(f + "experts.w3", (e, d, hidden), w13_dim, True),
+                      ParamSpec(f + "experts.w2", (e, hidden, d), w2_dim, True)]
+            if moe.num_shared_experts:
+                shared = (moe.shared_ffn_dim or moe.num_shared_experts * (moe.ffn_dim or m.ffn_dim))
+                s = f + "shared_experts."
+                specs += _linear(s + "w1", shared, d, etp, "column", False) + \
+                    _linear(s + "w3", shared, d, etp, "column", False) + _linear(s + "w2", d, shared, etp, "row", False)
+        else:
+            specs += _linear(f + "w1", m.ffn_dim, d, tp, "column", False) + \
+                _linear(f + "w3", m.ffn_dim, d, tp, "column", False) + _linear(f + "w2", d, m.ffn_dim, tp, "row", False)
+    if last:
+        specs.append(ParamSpec("norm.weight", (d,), None))
+        if not (m.tie_embeddings and first):  # tied in one stage: one parameter (named once)
+            specs.append(ParamSpec("output.weight", (m.vocab_size // tp, d), 0 if tp > 1 else None))
+    return specs
+
+
+def _chunk_numel(spec: ParamSpec, parts: int, rank: int) -> int:
+    """Elements of `rank`'s ZeRO-1 chunk (core.parallel.data.chunk_bounds' cut, for one rank)."""
+    if parts == 1:
+        return spec.numel
+    size = spec.shape[spec.zero_dim]
+    step = -(-size // parts)
+    start = min(rank * step, size)
+    return spec.numel // size * (min(size, start + step) - start)
+
+
+@dataclass
+class StateBytes:
+    """A rank's persistent memory (bytes)."""
+
+    params: int
+    grads: int  # fp32 main-grad buffers
+    grad_shards: int  # ZeRO-1 reduce-scatter targets
+    masters: int
+    moments: int
+    param_numel: int
+    chunk_numel: int  # elements whose optimizer state this rank holds
+    packed: int  # fp32 packed copies of the sharded buckets during the gradient reduction
+    gather: int  # parameter-dtype buffers of the all-gather after the step
+
+    @property
+    def optimizer(self) -> int:
+        return self.masters + self.moments
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.grad_shards + self.optimizer
+
+
+def state_bytes(config: Config, rank: int = 0) -> StateBytes:
+    """Parameters, gradients and optimizer state of global rank `rank`, exactly as the trainer
+    allocates them (config validated: parallel.dp set)."""
+    return cached(("state", rank) + layout_key(config), lambda: _state_bytes(config, rank))
+
+
+def _state_bytes(config: Config, rank: int) -> StateBytes:
+    p = config.parallel
+    c = coordinates(config, rank)
+    width = PARAM_BYTES[config.train.precision]
+    params = grads = shards = masters = moments = numel_all = chunk_all = packed = gather = 0
+    for spec in local_params(config, c["pp"]):
+        size = p.dp * p.cp // p.ep if spec.expert else p.dp * p.cp
+        group_rank = c["edp"] if spec.expert else c["dp_cp"]
+        sharded = p.distributed_optimizer and size > 1
+        chunk = _chunk_numel(spec, size, group_rank) if sharded else spec.numel
+        numel_all += spec.numel
+        chunk_all += chunk
+        params += spec.numel * width
+        grads += spec.numel * 4
+        if sharded:
+            region = _chunk_numel(spec, size, 0)  # rank 0's chunk: the longest
+            shards += region * 4
+            packed += size * region * 4
+            gather += (size + 1) * region * width
+        moments += chunk * 8
+        if width != 4:
+            masters += chunk * 4
+    return StateBytes(params, grads, shards, masters, moments, numel_all, chunk_all, packed, gather)
