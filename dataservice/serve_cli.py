@@ -20,12 +20,25 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dataservice.client import DataClient, DataServiceError, check_address, failure_reason, server_info
+import protos
 from dataservice.cp_plan import H200_COST, CostModel
+from dataservice.rpc import (
+    MAX_RECEIVE_BYTES,
+    RETRYABLE,
+    Channels,
+    DataServiceError,
+    check_address,
+    client_options,
+    failure_reason,
+    server_info,
+)
 from dataservice.server import open_datasets, serve
 from dataservice.shards import DatasetError
+
+pb2, pb2_grpc = protos.load()
 
 
 def _fail(prog: str, message: str) -> int:
@@ -252,8 +265,32 @@ def _parse_blend(text: str) -> dict[str, float]:
     return blend
 
 
+def batch_record(msg) -> dict:
+    """A PackedBatch as the JSON object `peek` prints: arrays as lists, [B, S] ones nested."""
+    b, s = msg.micro_batch_size, msg.seq_len
+
+    def array(raw: bytes, dtype: str, shape=None) -> list:
+        values = np.frombuffer(raw, dtype=dtype)
+        return (values.reshape(shape) if shape else values).tolist()
+
+    return {
+        "step": msg.step,
+        "tokens": array(msg.tokens, "<i4", (b, s)),
+        "labels": array(msg.labels, "<i4", (b, s)),
+        "position_ids": array(msg.position_ids, "<i4", (b, s)),
+        "cu_seqlens": array(msg.cu_seqlens, "<i4"),
+        "seq_lens": array(msg.seq_lens, "<i4"),
+        "row_ids": array(msg.row_ids, "<i8"),
+        "doc_hashes": array(msg.doc_hashes, "<u8"),
+        "num_tokens": msg.num_tokens,
+        "efficiency": float(msg.efficiency),
+        "resume_token": msg.resume_token,
+    }
+
+
 def run_peek(args) -> int:
-    """Print `--steps` batches, one JSON object per line."""
+    """Print `--steps` batches, one JSON object per line; a replica that goes away mid-stream is
+    followed by the next, from the last printed batch's resume token."""
     prog = "tessera-data peek"
     for name in ("seq_len", "micro_batch_size", "steps", "dp_size"):
         if getattr(args, name) < 1:
@@ -261,7 +298,7 @@ def run_peek(args) -> int:
     if not 0 <= args.dp_rank < args.dp_size:
         return _fail(prog, f"--dp-rank {args.dp_rank} must be in [0, {args.dp_size - 1}]")
     try:
-        blend = _parse_blend(args.blend) if args.blend else None
+        blend = _parse_blend(args.blend) if args.blend else {}
         addresses = [check_address(a) for a in args.address]
     except ValueError as err:
         return _fail(prog, str(err))
@@ -269,27 +306,26 @@ def run_peek(args) -> int:
         server_info(addresses, timeout=5.0)
     except DataServiceError as err:
         return _fail(prog, f"{err}; check --address (`tessera-data serve` prints 'serving on HOST:PORT')")
-    client = DataClient(addresses, dp_rank=args.dp_rank, dp_size=args.dp_size, seq_len=args.seq_len,
-                        micro_batch_size=args.micro_batch_size, seed=args.seed, consumer="peek",
-                        blend=blend, resume_token=args.resume_token or None, max_batches=args.steps,
-                        max_retries=2)
+    token, left, tried = args.resume_token, args.steps, []
+    channels = Channels(client_options(MAX_RECEIVE_BYTES))
     try:
-        with client:
-            for batch in client:
-                print(json.dumps({
-                    "step": batch.step,
-                    "tokens": batch.tokens.tolist(),
-                    "labels": batch.labels.tolist(),
-                    "position_ids": batch.position_ids.tolist(),
-                    "cu_seqlens": batch.cu_seqlens.tolist(),
-                    "seq_lens": batch.seq_lens.tolist(),
-                    "row_ids": batch.row_ids.tolist(),
-                    "doc_hashes": [int(h) for h in batch.doc_hashes.tolist()],
-                    "num_tokens": batch.num_tokens,
-                    "efficiency": batch.efficiency,
-                    "resume_token": batch.resume_token,
-                }), flush=True)
-    except DataServiceError as err:
-        sys.stderr.write(f"{prog}: error: {' '.join(str(err).split())}\n")
-        return 2 if err.code == grpc.StatusCode.INVALID_ARGUMENT else 1
-    return 0
+        for address in addresses * 2:  # each replica twice, then give up
+            request = pb2.StreamRequest(
+                consumer="peek", dp_rank=args.dp_rank, dp_size=args.dp_size, seq_len=args.seq_len,
+                micro_batch_size=args.micro_batch_size, seed=args.seed, resume_token=token, max_batches=left,
+                blend=[pb2.DatasetWeight(name=k, weight=v) for k, v in blend.items()])
+            try:
+                for msg in pb2_grpc.DataServiceStub(channels.get(address)).StreamBatches(request):
+                    print(json.dumps(batch_record(msg)), flush=True)
+                    token, left = msg.resume_token, left - 1
+                return 0
+            except grpc.RpcError as err:
+                if err.code() not in RETRYABLE:
+                    problem = f"data service at {address} refused the stream: {err.code().name}: {err.details()}"
+                    sys.stderr.write(f"{prog}: error: {' '.join(problem.split())}\n")
+                    return 2 if err.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+                tried.append(f"{address} ({failure_reason(err)})")
+        sys.stderr.write(f"{prog}: error: no replica finished the stream; tried {'; '.join(tried)}\n")
+        return 1
+    finally:
+        channels.close()
