@@ -9,9 +9,9 @@ backward by document length (the model's own attention call, cuDNN for whole row
 memory-bound copies by size and the per-kernel cost, host-to-device copies (offload), and the
 host's time to issue an eager block's forward and backward (a dense ~1B block and a
 DeepSeek-like MoE block at a few tokens, where the GPU waits for the host). With several
-GPUs visible it also measures the collectives inside this node over all of them (NCCL, one
-process per GPU): all-reduce, reduce-scatter, all-gather and all-to-all bus bandwidth at 8,
-64 and 256 MiB, and point-to-point sends. What one node cannot measure (the network between
+GPUs visible it also measures the collectives inside this node (NCCL, one process per GPU):
+all-reduce, reduce-scatter, all-gather and all-to-all bus bandwidth at 8, 64 and 256 MiB over
+groups of 2, 4, 8 ... GPUs up to all of them, and point-to-point sends. What one node cannot measure (the network between
 nodes, ring-attention blocks, FP8 grouped GEMMs, the allocator's overheads) keeps the shipped
 table's values; the file's `notes` say which entries were measured and which were kept.
 Timing: CUDA events, the median of several calls after a warm-up (bench.harness.time_call).
@@ -197,31 +197,38 @@ def _collective_worker(rank: int, world: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    results: dict[str, list] = {op: [] for op in COLLECTIVES}
-    for size in COLLECTIVE_SIZES:
-        elems = size // 2
-        buf = torch.randn(elems, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty_like(buf)
-        shard = torch.empty(elems // world, device="cuda", dtype=torch.bfloat16)
-        calls = {
-            "all_reduce": lambda: dist.all_reduce(buf),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, buf),
-            "all_gather": lambda: dist.all_gather_into_tensor(out, shard),
-            "all_to_all": lambda: dist.all_to_all_single(out, buf),
-        }
-        for op, call in calls.items():
-            dist.barrier()
-            ms = _median_ms(call)
-            factor = (world - 1) / world * (2 if op == "all_reduce" else 1)
-            results[op].append([size, round(factor * size / (ms * 1e-3) / 1e9, 1)])
+    sizes = sorted({g for g in (2, 4, 8, 16) if g <= world} | {world})
+    groups = {g: dist.new_group(list(range(g))) for g in sizes}  # every rank takes part in creating each
+    results: dict[str, dict[str, list]] = {op: {} for op in COLLECTIVES}
+    for g in sizes:
+        dist.barrier()
+        if rank >= g:
+            continue
+        group = groups[g]
+        for size in COLLECTIVE_SIZES:
+            elems = size // 2
+            buf = torch.randn(elems, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(buf)
+            shard = torch.empty(elems // g, device="cuda", dtype=torch.bfloat16)
+            calls = {
+                "all_reduce": lambda: dist.all_reduce(buf, group=group),
+                "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, buf, group=group),
+                "all_gather": lambda: dist.all_gather_into_tensor(out, shard, group=group),
+                "all_to_all": lambda: dist.all_to_all_single(out, buf, group=group),
+            }
+            for op, call in calls.items():
+                ms = _median_ms(call)
+                factor = (g - 1) / g * (2 if op == "all_reduce" else 1)
+                results[op].setdefault(str(g), []).append([size, round(factor * size / (ms * 1e-3) / 1e9, 1)])
+    dist.barrier()
     p2p = None
-    group = dist.new_group([0, 1])  # every rank takes part in creating it
     if rank < 2:
         data = torch.randn(64 * MiB // 2, device="cuda", dtype=torch.bfloat16)
+        into = torch.empty_like(data)
         peer = 1 - rank
 
         def exchange():
-            ops = [dist.P2POp(dist.isend, data, peer, group), dist.P2POp(dist.irecv, out[:data.numel()], peer, group)]
+            ops = [dist.P2POp(dist.isend, data, peer, groups[2]), dist.P2POp(dist.irecv, into, peer, groups[2])]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
@@ -242,8 +249,9 @@ def measure_collectives(world: int, log) -> tuple[dict, float | None]:
     results, p2p = queue.get(timeout=600)
     for p in procs:
         p.join(timeout=60)
-    for op, rows in results.items():
-        log(f"{op} over {world} GPUs: " + ", ".join(f"{s // MiB} MiB {g:.0f} GB/s" for s, g in rows))
+    for op, by_size in results.items():
+        for group, rows in by_size.items():
+            log(f"{op} over {group} GPUs: " + ", ".join(f"{s // MiB} MiB {g:.0f} GB/s" for s, g in rows))
     log(f"send/recv between 2 GPUs, 64 MiB: {p2p} GB/s")
     return results, p2p
 

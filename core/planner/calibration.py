@@ -11,8 +11,9 @@ What it holds (units in the keys), and how each is looked up:
 - `attention_tflops`: causal attention forward and backward by document length (head_dim 128,
   the cuDNN path whole rows take); `ring_efficiency`: context-parallel ring blocks against that;
 - `memory_gbps`: memory-bound passes by bytes moved (read + write), `launch_us` per kernel;
-- `collectives`: bus bandwidth (GB/s) by operation and message size, inside a node (NVLink)
-  and across nodes (the network), `latency_us` per collective; `p2p_gbps` for the pipeline's
+- `collectives`: bus bandwidth (GB/s) by operation, group size and message size, inside a node
+  (NVLink) and across nodes (the network), `latency_us` per collective (a group size between
+  two measured ones takes the nearer one below, clamped to the measured range); `p2p_gbps` for the pipeline's
   sends; `pcie_gbps` for activation offload; `host_us_per_block`: the host's time to issue one
   eager block's forward and backward (a step never runs faster than its host);
 - `allocator`: what the caching allocator and the libraries add to the tensors (memory model).
@@ -78,7 +79,7 @@ class Calibration:
     ring_efficiency: float
     memory_gbps: list[list[float]]  # [bytes moved, GB/s]
     launch_us: float
-    collectives: dict[str, dict[str, list[list[float]]]]  # "intra"/"inter" -> op -> [[bytes, bus GB/s]]
+    collectives: dict[str, dict[str, dict[str, list[list[float]]]]]  # where -> op -> group size -> [[bytes, GB/s]]
     latency_us: dict[str, float]
     p2p_gbps: dict[str, float]
     pcie_gbps: float
@@ -147,7 +148,10 @@ class Calibration:
             return 0.0
         where = "inter" if inter_node else "intra"
         factor = (group - 1) / group * (2 if op == "all_reduce" else 1)
-        busbw = _interp_log([(p[0], p[1]) for p in self.collectives[where][op]], nbytes)
+        by_size = self.collectives[where][op]
+        sizes = sorted(int(g) for g in by_size)
+        size = max([g for g in sizes if g <= group] or sizes[:1])
+        busbw = _interp_log([(p[0], p[1]) for p in by_size[str(size)]], nbytes)
         return self.latency_us[where] * 1e-6 + factor * nbytes / (busbw * 1e9)
 
     def p2p_s(self, nbytes: float, inter_node: bool = False) -> float:
@@ -193,8 +197,10 @@ class Calibration:
             collectives = data["collectives"]
             for where_ in ("intra", "inter"):
                 for op in COLLECTIVES:
-                    if not collectives[where_][op]:
-                        raise CalibrationError(f"collectives.{where_}.{op} is empty")
+                    table = collectives[where_][op]
+                    if not table or any(int(g) < 2 or not rows for g, rows in table.items()):
+                        raise CalibrationError(f"collectives.{where_}.{op} must map group sizes >= 2 to "
+                                               "[[bytes, GB/s], ...]")
             a = data.get("allocator", {})
             allocator = Allocator(float(a.get("fragmentation", Allocator.fragmentation)),
                                   int(a.get("context_bytes", Allocator.context_bytes)),
@@ -203,7 +209,8 @@ class Calibration:
                        float(data["grouped_efficiency"]), dict(data["fp8_speedup"]),
                        sorted(data["attention_tflops"]), float(data["ring_efficiency"]),
                        sorted(data["memory_gbps"]), float(data["launch_us"]),
-                       {w: {op: sorted(collectives[w][op]) for op in COLLECTIVES} for w in ("intra", "inter")},
+                       {w: {op: {str(g): sorted(rows) for g, rows in collectives[w][op].items()} for op in COLLECTIVES}
+                        for w in ("intra", "inter")},
                        {k: float(v) for k, v in data["latency_us"].items()},
                        {k: float(v) for k, v in data["p2p_gbps"].items()}, float(data["pcie_gbps"]),
                        {k: float(v) for k, v in data["host_us_per_block"].items()}, allocator, list(data.get("notes", [])), where)
