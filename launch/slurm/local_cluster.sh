@@ -159,9 +159,13 @@ PY
   # The time-limit path: USR1 to the batch shell (what --signal=B:USR1@300 sends) requeues the job;
   # its next start continues from the newest complete checkpoint.
   local ckpt="runs/slurm/tessera-pretrain-moe-$pre/run/checkpoints/latest"
+  local state
   until [ -e "$ckpt" ]; do
-    [ "$(job_field "$pre" JobState)" = RUNNING ] || [ "$(job_field "$pre" JobState)" = PENDING ] \
-      || die "job $pre ended before its first checkpoint: $(job_field "$pre" JobState)"
+    state=$(job_field "$pre" JobState)
+    case "$state" in
+      COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE)
+        die "job $pre ended before its first checkpoint: $state" ;;
+    esac
     sleep 2
   done
   echo "== job $pre has a checkpoint ($(readlink "$ckpt" || cat "$ckpt")): sending USR1 to its batch shell"
