@@ -26,6 +26,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,23 +44,47 @@ from moe.experts import grouped_mm
 from moe.layer import set_moe_sequences
 
 MiB = 1 << 20
-COLLECTIVE_SIZES = (8 * MiB, 64 * MiB, 256 * MiB)
-ATTENTION_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
-MEMORY_SIZES = (1 << 17, 1 << 20, 1 << 24, 1 << 28, 1 << 31)
 
 
-def _median_ms(fn, reps: int = 5, warmup: int = 2) -> float:
+@dataclass(frozen=True)
+class Setup:
+    """Where and at which sizes to measure: the GPU's, or a seconds-long CPU smoke of the same code."""
+
+    device: str = "cuda"
+    attention_lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    attention_tokens: int = 32768
+    heads: tuple[int, int, int] = (32, 8, 128)  # q heads, kv heads, head_dim
+    memory_sizes: tuple[int, ...] = (1 << 17, 1 << 20, 1 << 24, 1 << 28, 1 << 31)
+    collective_sizes: tuple[int, ...] = (8 * MiB, 64 * MiB, 256 * MiB)
+    grouped: tuple[int, int, int, int] = (131072, 64, 2048, 1408)  # rows, experts, k, n
+    linear: tuple[int, int, int] = (16384, 4096, 14336)
+    model_dim: int = 0  # 0: the bench models' own sizes
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+SMOKE = Setup("cpu", (64, 128), 256, (4, 2, 16), (1 << 12, 1 << 16), (1 << 12,), (256, 4, 32, 16), (64, 32, 64), 64)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_ms(fn, reps: int = 5, warmup: int = 2, device: str = "cuda") -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    return statistics.median(time_call(fn) for _ in range(reps))
+    _sync(device)
+    return statistics.median(time_call(fn, device=device) for _ in range(reps))
 
 
-def measure_gemms(grid: list[int], log) -> list:
+def measure_gemms(grid: list[int], log, dev: str = "cuda") -> list:
     """TFLOP/s of torch.mm in bf16 at every (m, n, k) of the grid."""
     big = max(grid)
-    a = torch.randn(big, big, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(big, big, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(big, big, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(big, big, device=dev, dtype=torch.bfloat16)
     table = []
     for m in grid:
         rows = []
@@ -68,35 +93,38 @@ def measure_gemms(grid: list[int], log) -> list:
             for k in grid:
                 x, w = a[:m, :k], b[:k, :n]
                 flops = 2.0 * m * n * k
-                reps = 3 if flops > 1e14 else 5
-                ms = _median_ms(lambda: torch.mm(x, w), reps=reps, warmup=1)
-                cols.append(round(flops / (ms * 1e-3) / 1e12, 1))
+                ms = _median_ms(lambda: torch.mm(x, w), reps=3 if flops > 1e14 else 5, warmup=1, device=dev)
+                cols.append(max(round(flops / (ms * 1e-3) / 1e12, 3), 1e-3))
             rows.append(cols)
         table.append(rows)
         log(f"gemm m={m}: " + " ".join(f"{max(c):.0f}" for c in rows) + " TFLOP/s (best k per n)")
     del a, b
-    torch.cuda.empty_cache()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return table
 
 
-def measure_grouped(cal: Calibration, log) -> float:
+def measure_grouped(cal: Calibration, log, setup: Setup) -> float:
     """Grouped GEMM time against `cal`'s dense per-expert estimate (the fine-grained MoE shape)."""
-    rows, experts, k, n = 131072, 64, 2048, 1408
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(experts, k, n, device="cuda", dtype=torch.bfloat16)
-    offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
-    ms = _median_ms(lambda: grouped_mm(x, w, offsets))
+    rows, experts, k, n = setup.grouped
+    x = torch.randn(rows, k, device=setup.device, dtype=torch.bfloat16)
+    w = torch.randn(experts, k, n, device=setup.device, dtype=torch.bfloat16)
+    offsets = torch.arange(1, experts + 1, device=setup.device, dtype=torch.int32) * (rows // experts)
+    ms = _median_ms(lambda: grouped_mm(x, w, offsets), device=setup.device)
     efficiency = cal.grouped_gemm_s(rows, experts, n, k) * cal.grouped_efficiency / (ms * 1e-3)
     log(f"grouped gemm E={experts} rows={rows} {k}->{n}: {2 * rows * k * n / ms / 1e9:.0f} TFLOP/s, "
         f"{efficiency:.2f} of dense per-expert GEMMs")
     return round(efficiency, 3)
 
 
-def measure_fp8_linear(log) -> float | None:
-    """Tessera's FP8 linear against bf16, forward + backward, at 16384 x 4096 -> 14336."""
-    x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(16384, 14336, device="cuda", dtype=torch.bfloat16)
+def measure_fp8_linear(log, setup: Setup) -> float | None:
+    """Tessera's FP8 linear against bf16, forward + backward (16384 x 4096 -> 14336 on the GPU)."""
+    if not setup.cuda:
+        return None  # the CPU runs FP8 as an exact emulation: no speed to measure
+    m, k, n = setup.linear
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
 
     def run(fn):
         return lambda: fn(x, w).backward(grad)
@@ -111,42 +139,44 @@ def measure_fp8_linear(log) -> float | None:
     return round(bf16 / fp8, 3)
 
 
-def measure_attention(log) -> list:
-    """Causal attention TFLOP/s (forward, backward) by document length, 32 q / 8 kv heads of 128."""
-    out = []
-    for length in ATTENTION_LENGTHS:
-        docs = max(1, 32768 // length)
+def measure_attention(log, setup: Setup) -> list:
+    """Causal attention TFLOP/s (forward, backward) by document length (32 q / 8 kv heads of 128)."""
+    out, dev = [], setup.device
+    hq, hkv, hd = setup.heads
+    for length in setup.attention_lengths:
+        docs = max(1, setup.attention_tokens // length)
         total = docs * length
-        q = torch.randn(total, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(total, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(total, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        cu = torch.arange(0, total + 1, length, device="cuda", dtype=torch.int32)
-        meta = AttentionMeta(cu_seqlens=cu, max_seqlen=length)
-        grad = torch.randn(total, 32, 128, device="cuda", dtype=torch.bfloat16)
-        fwd = _median_ms(lambda: varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen))
-        both = _median_ms(lambda: varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen).backward(grad))
-        flops = 2.0 * length * length * 32 * 128 * docs
-        row = [length, round(flops / (fwd * 1e-3) / 1e12, 1), round(2.5 * flops / ((both - fwd) * 1e-3) / 1e12, 1)]
+        q = torch.randn(total, hq, hd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(total, hkv, hd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(total, hkv, hd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        cu = torch.arange(0, total + 1, length, device=dev, dtype=torch.int32)
+        grad = torch.randn(total, hq, hd, device=dev, dtype=torch.bfloat16)
+        fwd = _median_ms(lambda: varlen_attention(q, k, v, cu, length), device=dev)
+        both = _median_ms(lambda: varlen_attention(q, k, v, cu, length).backward(grad), device=dev)
+        flops = 2.0 * length * length * hq * hd * docs
+        row = [length, round(flops / (fwd * 1e-3) / 1e12, 3), round(2.5 * flops / (max(both - fwd, 1e-6) * 1e-3) / 1e12, 3)]
         out.append(row)
         log(f"attention {docs} x {length}: fwd {row[1]:.0f}, bwd {row[2]:.0f} TFLOP/s")
     return out
 
 
-def measure_memory(log) -> tuple[list, float]:
-    """Copy bandwidth (read + write bytes) by size, and the GPU's cost per small kernel."""
-    out = []
-    for size in MEMORY_SIZES:
-        src = torch.empty(size // 2, dtype=torch.uint8, device="cuda")
+def measure_memory(log, setup: Setup) -> tuple[list, float]:
+    """Copy bandwidth (read + write bytes) by size, and the device's cost per small kernel."""
+    out, dev = [], setup.device
+    for size in setup.memory_sizes:
+        src = torch.empty(size // 2, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
-        ms = _median_ms(lambda: dst.copy_(src))
-        out.append([float(size), round(size / (ms * 1e-3) / 1e9, 1)])
-    tiny = torch.zeros(1, device="cuda")
-    per_kernel_us = _median_ms(lambda: [tiny.add_(1) for _ in range(200)]) * 1e3 / 200
+        ms = _median_ms(lambda: dst.copy_(src), device=dev)
+        out.append([float(size), round(size / (ms * 1e-3) / 1e9, 3)])
+    tiny = torch.zeros(1, device=dev)
+    per_kernel_us = _median_ms(lambda: [tiny.add_(1) for _ in range(200)], device=dev) * 1e3 / 200
     log("memory: " + ", ".join(f"{int(s) >> 10} KiB {g:.0f} GB/s" for s, g in out) + f"; {per_kernel_us:.1f} us per kernel")
     return out, round(per_kernel_us, 2)
 
 
-def measure_pcie(log) -> float:
+def measure_pcie(log, setup: Setup) -> float | None:
+    if not setup.cuda:
+        return None
     host = torch.empty(256 * MiB, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
     down = _median_ms(lambda: host.copy_(dev, non_blocking=True))
@@ -156,18 +186,22 @@ def measure_pcie(log) -> float:
     return round(gbps, 1)
 
 
-def measure_host(log) -> dict[str, float]:
+def measure_host(log, setup: Setup) -> dict[str, float]:
     """Host microseconds to issue one eager block's forward and backward, at few tokens (GPU idle)."""
-    out = {}
+    out, dev = {}, setup.device
     tokens = 256
-    pos = torch.arange(tokens, device="cuda")
-    meta = AttentionMeta(cu_seqlens=torch.tensor([0, tokens], device="cuda", dtype=torch.int32), max_seqlen=tokens)
+    pos = torch.arange(tokens, device=dev)
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, tokens], device=dev, dtype=torch.int32), max_seqlen=tokens)
     for name, moe in (("dense", False), ("moe", True)):
         cfg = model_config(2, moe)
-        model = build_model(cfg, seed=0).to("cuda", torch.bfloat16)
+        if setup.model_dim:  # the smoke's small model (as bench.train_step --dim)
+            cfg.dim, cfg.ffn_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size = setup.model_dim, \
+                setup.model_dim * 2, 4, 2, 512
+            cfg.moe.ffn_dim = setup.model_dim // 2 if moe else 0
+        model = build_model(cfg, seed=0).to(dev, torch.bfloat16)
         block = model.layers["1"]  # the second block: MoE in the DeepSeek-like model
-        rope = rotary_tables(pos, model.rope_inv_freq.to("cuda"), model.rope_scale)
-        h = torch.randn(tokens, cfg.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        rope = rotary_tables(pos, model.rope_inv_freq.to(dev), model.rope_scale)
+        h = torch.randn(tokens, cfg.dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
         set_moe_sequences(model, meta.cu_seqlens, tokens)
 
         def step():
@@ -175,15 +209,16 @@ def measure_host(log) -> dict[str, float]:
 
         for _ in range(3):
             step()
-        torch.cuda.synchronize()
+        _sync(dev)
         start = time.perf_counter()
         for _ in range(20):
             step()
-        torch.cuda.synchronize()
+        _sync(dev)
         out[name] = round((time.perf_counter() - start) / 20 * 1e6, 0)
         del model, block
         log(f"host time of one eager {name} block, forward + backward: {out[name]:.0f} us")
-    torch.cuda.empty_cache()
+    if setup.cuda:
+        torch.cuda.empty_cache()
     return out
 
 
@@ -193,10 +228,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _collective_worker(rank: int, world: int, port: int, queue) -> None:
+def _collective_worker(rank: int, world: int, port: int, queue, setup: Setup) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    dev = setup.device
+    if setup.cuda:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:  # the smoke: gloo, and all-reduce stands in for what gloo lacks
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     sizes = sorted({g for g in (2, 4, 8, 16) if g <= world} | {world})
     groups = {g: dist.new_group(list(range(g))) for g in sizes}  # every rank takes part in creating each
     results: dict[str, dict[str, list]] = {op: {} for op in COLLECTIVES}
@@ -205,25 +244,27 @@ def _collective_worker(rank: int, world: int, port: int, queue) -> None:
         if rank >= g:
             continue
         group = groups[g]
-        for size in COLLECTIVE_SIZES:
+        for size in setup.collective_sizes:
             elems = size // 2
-            buf = torch.randn(elems, device="cuda", dtype=torch.bfloat16)
+            buf = torch.randn(elems, device=dev, dtype=torch.bfloat16 if setup.cuda else torch.float32)
             out = torch.empty_like(buf)
-            shard = torch.empty(elems // g, device="cuda", dtype=torch.bfloat16)
+            shard = torch.empty(elems // g, device=dev, dtype=buf.dtype)
             calls = {
                 "all_reduce": lambda: dist.all_reduce(buf, group=group),
                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, buf, group=group),
                 "all_gather": lambda: dist.all_gather_into_tensor(out, shard, group=group),
                 "all_to_all": lambda: dist.all_to_all_single(out, buf, group=group),
             }
+            if not setup.cuda:
+                calls = {op: calls["all_reduce"] for op in calls}
             for op, call in calls.items():
-                ms = _median_ms(call)
+                ms = _median_ms(call, device=dev)
                 factor = (g - 1) / g * (2 if op == "all_reduce" else 1)
                 results[op].setdefault(str(g), []).append([size, round(factor * size / (ms * 1e-3) / 1e9, 1)])
     dist.barrier()
     p2p = None
     if rank < 2:
-        data = torch.randn(64 * MiB // 2, device="cuda", dtype=torch.bfloat16)
+        data = torch.randn(setup.collective_sizes[-1] // 2, device=dev, dtype=torch.bfloat16)
         into = torch.empty_like(data)
         peer = 1 - rank
 
@@ -232,18 +273,18 @@ def _collective_worker(rank: int, world: int, port: int, queue) -> None:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-        p2p = round(64 * MiB / (_median_ms(exchange) * 1e-3) / 1e9, 1)
+        p2p = round(data.numel() * 2 / (_median_ms(exchange, device=dev) * 1e-3) / 1e9, 3)
     if rank == 0:
         queue.put((results, p2p))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_collectives(world: int, log) -> tuple[dict, float | None]:
+def measure_collectives(world: int, log, setup: Setup) -> tuple[dict, float | None]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, queue, setup)) for r in range(world)]
     for p in procs:
         p.start()
     results, p2p = queue.get(timeout=600)
@@ -252,44 +293,52 @@ def measure_collectives(world: int, log) -> tuple[dict, float | None]:
     for op, by_size in results.items():
         for group, rows in by_size.items():
             log(f"{op} over {group} GPUs: " + ", ".join(f"{s // MiB} MiB {g:.0f} GB/s" for s, g in rows))
-    log(f"send/recv between 2 GPUs, 64 MiB: {p2p} GB/s")
+    log(f"send/recv between 2 GPUs, {setup.collective_sizes[-1] // MiB} MiB: {p2p} GB/s")
     return results, p2p
 
 
-def calibrate(base: Calibration, log=print, collectives: bool = True) -> Calibration:
-    """A table measured here, on top of `base` for what one node cannot measure."""
+def calibrate(base: Calibration, log=print, collectives: bool = True, setup: Setup = Setup(),
+              grid: list[int] | None = None, world: int | None = None) -> Calibration:
+    """A table measured here, on top of `base` for what one node cannot measure. `setup`,
+    `grid` and `world` other than the defaults: the CPU smoke of the same code."""
     started = time.time()
     cal = Calibration.from_dict(base.to_dict(), base.path)
     measured, kept = [], []
-    cal.gemm_tflops = {"bf16": measure_gemms(cal.gemm_grid, log)}
+    if grid:
+        cal.gemm_grid = grid
+    cal.gemm_tflops = {"bf16": measure_gemms(cal.gemm_grid, log, setup.device)}
     cal._gemm_cache.clear()
     measured.append("gemm_tflops")
-    cal.grouped_efficiency = measure_grouped(cal, log)
+    cal.grouped_efficiency = measure_grouped(cal, log, setup)
     measured.append("grouped_efficiency")
-    fp8 = measure_fp8_linear(log)
+    fp8 = measure_fp8_linear(log, setup)
     if fp8:
         cal.fp8_speedup = dict(cal.fp8_speedup, linear=fp8)
         measured.append("fp8_speedup.linear")
-    cal.attention_tflops = measure_attention(log)
-    cal.memory_gbps, cal.launch_us = measure_memory(log)
-    cal.pcie_gbps = measure_pcie(log)
-    cal.host_us_per_block = measure_host(log)
-    measured += ["attention_tflops", "memory_gbps", "launch_us", "pcie_gbps", "host_us_per_block"]
-    gpus = torch.cuda.device_count()
-    torch.cuda.empty_cache()  # the workers share GPU 0 with this process
+    cal.attention_tflops = measure_attention(log, setup)
+    cal.memory_gbps, cal.launch_us = measure_memory(log, setup)
+    pcie = measure_pcie(log, setup)
+    if pcie:
+        cal.pcie_gbps = pcie
+        measured.append("pcie_gbps")
+    cal.host_us_per_block = measure_host(log, setup)
+    measured += ["attention_tflops", "memory_gbps", "launch_us", "host_us_per_block"]
+    gpus = world or torch.cuda.device_count()
+    if setup.cuda:
+        torch.cuda.empty_cache()  # the workers share GPU 0 with this process
     if collectives and gpus > 1:
-        table, p2p = measure_collectives(gpus, log)
+        table, p2p = measure_collectives(gpus, log, setup)
         cal.collectives = dict(cal.collectives, intra=table)
-        measured.append(f"collectives.intra ({gpus} GPUs)")
+        measured.append(f"collectives.intra (groups of up to {gpus} GPUs)")
         if p2p:
             cal.p2p_gbps = dict(cal.p2p_gbps, intra=p2p)
             measured.append("p2p_gbps.intra")
     else:
         kept.append("collectives.intra, p2p_gbps.intra (one GPU visible)")
     kept += ["collectives.inter", "p2p_gbps.inter", "latency_us", "ring_efficiency", "fp8_speedup.grouped",
-             "allocator"] + ([] if fp8 else ["fp8_speedup.linear"])
+             "allocator"] + ([] if fp8 else ["fp8_speedup.linear"]) + ([] if pcie else ["pcie_gbps"])
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    cal.device = torch.cuda.get_device_name()
+    cal.device = torch.cuda.get_device_name() if setup.cuda else "cpu (smoke)"
     cal.source = f"measured by bench.calibrate on {cal.device}, {date}, torch {torch.__version__}"
     cal.notes = [f"measured: {', '.join(measured)}", f"kept from {Path(base.path).name}: {', '.join(kept)}"]
     log(f"calibrated in {time.time() - started:.0f} s")

@@ -63,11 +63,17 @@ class Case:
     recompute: tuple[str, ...] = ()
     offload: tuple[str, ...] = ()
     compile: bool = False
+    smoke: bool = False  # a small model on the CPU: the same code, in seconds (the tests)
 
     def config(self) -> Config:
-        config = Config(model=model_config(4 if self.moe else 20, self.moe))
+        config = Config(model=model_config(2 if self.smoke else 4 if self.moe else 20, self.moe))
+        if self.smoke:  # as bench.train_step --dim 64
+            m = config.model
+            m.dim, m.ffn_dim, m.num_heads, m.num_kv_heads, m.vocab_size = 64, 128, 4, 2, 512
+            m.moe.ffn_dim = 32 if self.moe else 0
         config.train = dataclasses.replace(
-            config.train, device="cuda", seed=0, seq_len=self.seq, precision="bf16", micro_batch_size=self.micro,
+            config.train, device="cpu" if self.smoke else "cuda", seed=0, seq_len=self.seq, precision="bf16",
+            micro_batch_size=self.micro,
             global_batch_size=self.micro * self.accum, recompute="none", recompute_modules=list(self.recompute),
             offload_modules=list(self.offload), compile=self.compile)
         return validate(config, 1)
@@ -87,6 +93,8 @@ CASES = [Case("r:" + ("+".join(r) or "none"), False, TABLE_SEQ, 1, recompute=r) 
          offload=("attention_core",)),
 ]
 COMPILED = Case("dense mb2 8k attention_core, compiled", False, 8192, 2, recompute=("attention_core",), compile=True)
+SMOKE = [Case("r:none", False, 128, 1, smoke=True), Case("r:block", False, 128, 1, recompute=("block",), smoke=True),
+         Case("moe mb2x2 offload mlp", True, 128, 2, accum=2, offload=("mlp",), smoke=True)]
 
 
 def predict(case: Case, cal: Calibration) -> dict:
@@ -98,39 +106,59 @@ def predict(case: Case, cal: Calibration) -> dict:
             "step_s": estimate_time(config, cal, 8).step_s}
 
 
+class _Allocator:
+    """The CUDA caching allocator's statistics (zeros on the CPU smoke)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def now(self) -> tuple[int, int]:
+        return (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) if self.cuda else (0, 0)
+
+    def peak(self) -> tuple[int, int]:
+        return (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if self.cuda else (0, 0)
+
+    def free(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
 def measure(case: Case) -> dict:
     """Build the trainer, run the steps; what the allocator and the clock saw."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base_alloc, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    memory = _Allocator(not case.smoke)
+    memory.free()
+    memory.reset()
+    base_alloc, base_reserved = memory.now()
     trainer = None
     try:
         config = case.config()
         trainer = Trainer(config)
-        batch = synthetic_batch(case.micro, case.seq, config.model.vocab_size, torch.device("cuda"))
+        batch = synthetic_batch(case.micro, case.seq, config.model.vocab_size, torch.device(config.train.device))
         micro = [batch] * case.accum
         times, added, peak_alloc, peak_res = [], 0, 0, 0
         for i in range(WARMUP + TIMED):
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()  # the whole run's peak is the max over the steps
+            memory.reset()  # the whole run's peak is the max over the steps
+            before = memory.now()[0]
             start = time.perf_counter()
             record = trainer.record(trainer.step(micro), start)
-            added = max(added, torch.cuda.max_memory_allocated() - before)
+            alloc, reserved = memory.peak()
+            added = max(added, alloc - before)
             if i >= WARMUP:
                 times.append(record["step_s"])
-            peak_alloc = max(peak_alloc, torch.cuda.max_memory_allocated() - base_alloc)
-            peak_res = max(peak_res, torch.cuda.max_memory_reserved() - base_reserved)
+            peak_alloc, peak_res = max(peak_alloc, alloc - base_alloc), max(peak_res, reserved - base_reserved)
         return {"peak_allocated_gib": peak_alloc / GIB, "peak_reserved_gib": peak_res / GIB,
                 "step_added_per_token": added / (case.micro * case.seq), "step_s": statistics.median(times)}
     except torch.cuda.OutOfMemoryError as err:
         return {"error": "out of memory: " + str(err).splitlines()[0][:120]}
     finally:
         del trainer
-        gc.collect()
-        torch.cuda.empty_cache()
+        memory.free()
 
 
 def _err(pred: float, got: float | None) -> str:
@@ -182,13 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="run the cases whose name contains this text")
     parser.add_argument("--with-compile", action="store_true", help="add a compiled case")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
+    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # CPU, tiny models: the tests
     args = parser.parse_args(argv)
     try:
         cal = Calibration.load(args.calibration)
     except CalibrationError as err:
         print(f"bench.planner_check: {err}", file=sys.stderr)
         return 2
-    cases = [c for c in CASES + ([COMPILED] if args.with_compile else []) if not args.only or args.only in c.name]
+    cases = SMOKE if args.smoke else CASES + ([COMPILED] if args.with_compile else [])
+    cases = [c for c in cases if not args.only or args.only in c.name]
     if args.dry_run:
         print(f"calibration: {cal.path} ({cal.source})")
         for case in cases:
@@ -197,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{p['peak_reserved_gib']:6.2f} GiB, step {p['step_s'] * 1e3:7.0f} ms")
         print("\n".join(recompute_table([(c, predict(c, cal), {"error": "dry run"}) for c in cases])))
         return 0
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.smoke:
         print("bench.planner_check: needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
     if args.write_calibration and not Path(args.write_calibration).absolute().parent.is_dir():

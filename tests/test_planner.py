@@ -171,6 +171,22 @@ def test_calibration_files_round_trip_and_refuse_damage(tmp_path):
         Calibration.load(path)
 
 
+@pytest.mark.slow  # the GPU scripts' code on the CPU: small models, gloo for the collectives (~30 s each)
+def test_calibrate_runs_its_measurements_on_cpu(tmp_path):
+    table = calibrate.calibrate(CAL, log=lambda line: None, setup=calibrate.SMOKE, grid=[16, 32], world=2)
+    again = Calibration.load(table.save(tmp_path / "smoke.json"))
+    assert not again.derived and "measured:" in again.notes[0] and again.collectives["intra"]["all_to_all"]["2"]
+    assert again.gemm_s(32, 32, 32) > 0 and again.host_us_per_block["moe"] > 0
+
+
+@pytest.mark.slow
+def test_planner_check_runs_its_cases_on_cpu(tmp_path, capsys):
+    assert planner_check.main(["--smoke", "--out", str(tmp_path / "check.json")]) == 0
+    cases = json.loads((tmp_path / "check.json").read_text())["cases"]
+    assert len(cases) == 3 and all(c["measured"]["step_s"] > 0 and c["predicted"]["step_s"] > 0 for c in cases)
+    assert "recompute table" in capsys.readouterr().out
+
+
 def test_gpu_scripts_import_and_list_their_work_on_cpu(capsys):
     assert planner_check.main(["--dry-run"]) == 0
     listed = capsys.readouterr().out
