@@ -40,6 +40,7 @@ from dataservice.build import build_dataset, make_corpus
 from dataservice.server import serve
 from dataservice.shards import ShardedDataset
 from tests.distributed import free_port
+from tests.test_service import fetch as service_fetch, request as service_request, stub
 
 pb2, pb2_grpc = protos.load()
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,20 +85,15 @@ def only_a(opened):
     srv.stop(0)
 
 
-def stub(address):
-    return pb2_grpc.DataServiceStub(grpc.insecure_channel(address))
-
-
 def request(**kw):
+    """test_service's request at this file's shorter rows."""
     kw.setdefault("seq_len", 128)
-    kw.setdefault("micro_batch_size", 2)
-    kw.setdefault("dp_size", 1)
-    blend = kw.pop("blend", {})
-    return pb2.StreamRequest(blend=[pb2.DatasetWeight(name=k, weight=v) for k, v in blend.items()], **kw)
+    return service_request(**kw)
 
 
 def fetch(address, n, **kw):
-    return list(stub(address).StreamBatches(request(max_batches=n, **kw), timeout=60))
+    kw.setdefault("seq_len", 128)
+    return service_fetch(address, n, **kw)
 
 
 def arrays(msg):
