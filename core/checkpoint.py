@@ -200,21 +200,35 @@ def _publish(root: Path, name: str, keep: int) -> None:
     _prune(root, keep, name)
 
 
-def _stage_on_host(state: dict) -> dict:
+def _stage_on_host(state: dict, buffers: dict[str, torch.Tensor]) -> dict:
     """A host copy of every tensor (DTensors keep their layout: the local shard is copied and
     rewrapped with the same spec, so the writer sees what `save_checkpoint` would). Copies are
-    made even for tensors already on the host: training changes the originals in place."""
+    made even for tensors already on the host: training changes the originals in place.
+
+    GPU tensors go into pinned `buffers` kept from one save to the next (allocated at the first
+    save): a pageable copy runs at a few GB/s and would cost the step seconds on a ~1B model,
+    a pinned one runs at the link's rate, all copies queued before a single synchronisation."""
     from torch.distributed.tensor import DTensor
+
+    def host_copy(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.device.type != "cuda":
+            return tensor.to("cpu", copy=True)
+        buffer = buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return buffer.copy_(tensor, non_blocking=True)
 
     staged = {}
     for key, value in state.items():
         if isinstance(value, DTensor):
-            local = value.to_local().detach().to("cpu", copy=True)
-            staged[key] = DTensor(local, value._spec, requires_grad=False)
+            staged[key] = DTensor(host_copy(key, value.to_local()), value._spec, requires_grad=False)
         elif isinstance(value, torch.Tensor):
-            staged[key] = value.detach().to("cpu", copy=True)
+            staged[key] = host_copy(key, value)
         else:
             staged[key] = value
+    if buffers and torch.cuda.is_available():
+        torch.cuda.synchronize()
     return staged
 
 
@@ -247,6 +261,7 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._pending: tuple | None = None  # (root, name, keep, started)
         self._error: BaseException | None = None
+        self._host_buffers: dict[str, torch.Tensor] = {}  # pinned staging, reused: one save in flight at a time
 
     def save(self, directory, step: int, model: nn.Module, optimizer, scheduler, mesh: ParallelMesh,
              extra: dict | None = None, keep: int = 2) -> dict:
@@ -254,15 +269,16 @@ class AsyncCheckpointer:
         (`save_blocking_s`) and of a previous save it had to finish (`save_s`)."""
         started = time.perf_counter()
         done = self.wait()
+        waited = time.perf_counter() - started
         root, name, tmp = _begin_save(directory, step, keep)
         state = _state_to_save(step, model, optimizer, scheduler, mesh, extra)
-        staged = _stage_on_host(state)
+        staged = _stage_on_host(state, self._host_buffers)
         self._error = None
         self._thread = threading.Thread(target=self._write, args=(staged, tmp, step), name="checkpoint-writer",
                                         daemon=True)
         self._pending = (root, name, keep, started)
         self._thread.start()
-        return {**done, "save_blocking_s": time.perf_counter() - started}
+        return {**done, "save_blocking_s": time.perf_counter() - started, "save_wait_s": waited}
 
     def _write(self, staged: dict, tmp: Path, step: int) -> None:
         try:
