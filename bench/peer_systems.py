@@ -17,10 +17,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import os
 import socket
+import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -103,6 +106,28 @@ def optional(module: str, why: str):
     except Exception as err:  # an incompatible release fails with any error, not only ImportError
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise Unavailable(f"{why}: {type(err).__name__}: {first}") from None
+
+
+def _stand_in_for_hf_datasets() -> None:
+    """TorchTitan's model specs import its Hugging Face text loader, which imports `datasets`
+    (with pyarrow and pandas, ~70 MB of wheels). This bench never builds that loader: it feeds
+    the shared micro-batches. Where `datasets` is not installed, an empty module answers the
+    import, and anything taken from it raises when used."""
+    if importlib.util.find_spec("datasets") is not None:
+        return
+
+    def unused(*args, **kwargs):
+        raise RuntimeError("the `datasets` package is not installed: bench/peers.py feeds TorchTitan its own batches")
+
+    def attribute(attr: str):
+        if attr.startswith("__"):  # what import machinery and inspect probe for
+            raise AttributeError(attr)
+        return unused
+
+    for name in ("datasets", "datasets.distributed"):
+        module = types.ModuleType(name)
+        module.__getattr__ = attribute
+        sys.modules[name] = module
 
 
 def _autocast(spec: Spec):
@@ -388,6 +413,7 @@ def torchtitan(spec: Spec, feed: Feed, weights) -> Built:
     if not version.startswith(TORCHTITAN_API):
         raise Unavailable(f"torchtitan {version}: this bench drives the {TORCHTITAN_API} API "
                           "(torchtitan 0.3 needs a torch newer than 2.11)")
+    _stand_in_for_hf_datasets()
     train = optional("torchtitan.train", f"torchtitan {version} does not import with torch {torch.__version__}")
     where = optional("torchtitan.tools.utils", "torchtitan's utils").device_type
     if where != spec.device.type:  # it picks CUDA whenever no other accelerator is found
