@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     if args.write_calibration:
         cal = calibrate(cal)
+        cal.save(args.write_calibration)  # kept if the cases are cut short; rewritten with the allocator's fit
     rows = []
     for case in cases:
         got = measure(case)
