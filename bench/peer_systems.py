@@ -468,13 +468,20 @@ def torchtitan(spec: Spec, feed: Feed, weights) -> Built:
         adapter = trainer.train_spec.state_dict_adapter(args, None)
         copy_by_name(model, adapter.from_hf(hf_llama_weights(spec, weights)))
 
+    on_host: dict[int, tuple[dict, torch.Tensor]] = {}
+
     def batches():
+        # Its train_step counts the target tokens on the host and moves each micro-batch to the
+        # GPU itself, as it does with its own data loader: host copies, made once per micro-batch.
         while True:
             micro = feed.next()
-            inputs = {"input": micro.tokens}
-            if spec.packed:  # rotary positions restart at each document, as in the other systems
-                inputs["positions"] = micro.positions
-            yield inputs, micro.targets
+            if id(micro) not in on_host:
+                inputs = {"input": micro.tokens.cpu()}
+                if spec.packed:  # rotary positions restart at each document, as in the other systems
+                    inputs["positions"] = micro.positions.cpu()
+                on_host[id(micro)] = inputs, micro.targets.cpu()
+            inputs, targets = on_host[id(micro)]
+            yield dict(inputs), targets  # its train_step moves the dict's tensors in place
 
     data = trainer.batch_generator(batches())  # its own wrapper: data-loading times, token counts
 

@@ -171,12 +171,18 @@ def build(name: str, w: Workload, pool: list[Micro], weights, warmup: int) -> Ra
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if cuda else 0
     start = time.perf_counter()
-    built = SYSTEMS[name](w.spec, Feed(pool), weights)
     losses = []
-    step = built.step
-    built.step = lambda: losses.append(step())
-    for _ in range(warmup):
-        built.step()
+    try:
+        built = SYSTEMS[name](w.spec, Feed(pool), weights)
+        step = built.step
+        built.step = lambda: losses.append(step())
+        for _ in range(warmup):
+            built.step()
+    except (Unavailable, torch.cuda.OutOfMemoryError):
+        raise
+    except Exception as err:  # a peer that breaks on this workload is reported, the others still run
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise Unavailable(f"failed while building or warming up: {type(err).__name__}: {first}") from None
     if cuda:
         torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
