@@ -38,26 +38,26 @@ SETS = [
 ]
 
 
-def _micro(seed: int, vocab: int, seq: int = 128, rows: int = 2) -> StepInputs:
+def _micro(seed: int, vocab: int, seq: int = 128, rows: int = 2, device: str = "cpu") -> StepInputs:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows * seq,), generator=g)
     lengths = [seq // 4, seq // 2, seq // 4] * rows  # several documents per row
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     positions = torch.cat([torch.arange(n) for n in lengths])
-    meta = AttentionMeta(cu_seqlens=cu, max_seqlen=max(lengths), doc_lengths=tuple(lengths))
-    return StepInputs(tokens, torch.roll(tokens, -1), positions, meta, num_tokens=float(tokens.numel()),
-                      num_labels=float(tokens.numel()))
+    meta = AttentionMeta(cu_seqlens=cu.to(device), max_seqlen=max(lengths), doc_lengths=tuple(lengths))
+    return StepInputs(tokens.to(device), torch.roll(tokens, -1).to(device), positions.to(device), meta,
+                      num_tokens=float(tokens.numel()), num_labels=float(tokens.numel()))
 
 
-def _train(name: str, recompute: list[str], offload: list[str]):
+def _train(name: str, recompute: list[str], offload: list[str], device: str = "cpu"):
     config = load_config(ROOT / "launch" / "configs" / f"{name}.toml",
-                         ["train.device=cpu", "train.micro_batch_size=2", "train.global_batch_size=4",
+                         [f"train.device={device}", "train.micro_batch_size=2", "train.global_batch_size=4",
                           "train.seq_len=128", "parallel.ep=1", f"train.recompute_modules={recompute!r}",
                           f"train.offload_modules={offload!r}"])
     trainer = Trainer(config)
     losses = []
     for step in range(2):
-        micro = [_micro(10 * step + i, config.model.vocab_size) for i in range(2)]
+        micro = [_micro(10 * step + i, config.model.vocab_size, device=device) for i in range(2)]
         result = trainer.step(micro)
         losses.append((float(result.loss_sum), float(result.grad_norm)))
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
@@ -75,6 +75,17 @@ def test_recompute_and_offload_leave_training_identical(name):
             assert torch.equal(weights[key], value), (recompute, offload, key)
         if offload:
             assert offloader.stats["bytes"] > 0, offload
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_offload_through_pinned_host_memory_leaves_training_identical_on_gpu():
+    # The GPU path: pinned host copies on a side stream (dense, transposed and gapped saved tensors).
+    reference, ref_weights, _ = _train("tiny_dense", [], [], device="cuda")
+    losses, weights, offloader = _train("tiny_dense", [], ["attention", "mlp"], device="cuda")
+    assert losses == reference
+    assert all(torch.equal(weights[k], v) for k, v in ref_weights.items())
+    assert offloader.stats["bytes"] > 0
 
 
 def _saved_bytes(model, micro) -> int:

@@ -167,8 +167,9 @@ class ActivationOffload:
         if known is not None and known[0]() is t:
             return known[1]
         if t.is_cuda:
-            host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True) \
-                if t.is_non_overlapping_and_dense() else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            # preserve_format keeps the strides of a dense layout (a transposed weight's input)
+            # and makes a gapped view contiguous: the copy never reads or writes outside the view
+            host = torch.empty_like(t, device="cpu", pin_memory=True)
             side = self._stream(t.device)
             side.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(side):
