@@ -64,7 +64,7 @@ from bench.harness import compare, emit, ratio
 from bench.peer_systems import (EOS, Built, Feed, Micro, Spec, Unavailable, huggingface, reference_weights,
                                 tessera, torchao_fp8, torchtitan)
 from bench.train_step import model_config
-from core.config import ModelConfig, MoEConfig
+from core.config import RECOMPUTE_MODULES, ModelConfig, MoEConfig
 from core.metrics import PEAK_FLOPS, flops_per_token
 from core.model import build_model
 
@@ -279,7 +279,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each system first (compile, state)")
     parser.add_argument("--sequential", action="store_true", help="time one system after the other, each alone")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU in fp32, no compile (a smoke test)")
+    parser.add_argument("--tessera-recompute", default="", metavar="MODULES",
+                        help="Tessera's train.recompute_modules, comma-separated (e.g. mlp): its own memory/speed "
+                             "choice, as TorchTitan runs its own activation checkpointing")
     args = parser.parse_args(argv)
+    modules = tuple(m for m in args.tessera_recompute.split(",") if m)
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        print(f"bench.peers: --tessera-recompute: unknown module {unknown[0]!r} (known: {', '.join(RECOMPUTE_MODULES)})",
+              file=sys.stderr)
+        raise SystemExit(2)
     chosen = [s for s in args.systems.split(",") if s]
     bad = [s for s in chosen if s not in SYSTEMS]
     if bad or args.rounds < 1 or args.warmup < 1:
@@ -291,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     table = workloads(args.tiny, device)
     for name in (list(table) if args.workload == "all" else [args.workload]):
         w = table[name]
+        w = replace(w, spec=replace(w.spec, tessera_modules=modules))
         names = list(chosen or w.systems)
         record = run_workload(w, names, args.rounds, args.warmup, args.sequential)
         report(record)

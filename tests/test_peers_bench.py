@@ -26,7 +26,8 @@ def test_tiny_run_records_every_workload_and_every_system_learns(tmp_path):
     systems = ["tessera", "hf"] + (["torchao-rowwise", "torchao-tensorwise"]
                                    if importlib.util.find_spec("torchao") else [])
     proc = subprocess.run([sys.executable, "-m", "bench.peers", "--tiny", "--rounds", "1", "--warmup", "2",
-                           "--systems", ",".join(systems)], capture_output=True, text=True, timeout=600,
+                           "--systems", ",".join(systems), "--tessera-recompute", "mlp"], capture_output=True,
+                          text=True, timeout=600,
                           env={**os.environ, "TESSERA_BENCH_RECORDS": str(records)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in records.read_text().splitlines()]
@@ -35,6 +36,7 @@ def test_tiny_run_records_every_workload_and_every_system_learns(tmp_path):
         assert r["bench"] == "peers" and r["device"] == "cpu" and r["commit"] and r["argv"][0] == "--tiny"
         ran = r["results"]
         assert "tessera" in ran and set(ran) | set(r["unavailable"]) == set(systems)
+        assert ran["tessera"]["setup"].count("+ mlp") == 1 and r["spec"]["tessera_modules"] == ["mlp"]
         for name, figures in ran.items():
             losses = figures["losses"]
             assert len(losses) == 3 and figures["rounds"] == 1  # warm-up steps, then the timed round
@@ -51,6 +53,14 @@ def test_tiny_run_records_every_workload_and_every_system_learns(tmp_path):
     assert "hf" in by_name["dense-fp8"]["unavailable"]  # bf16 only: one line says why
     assert by_name["longseq"]["spec"]["packed"] and by_name["longseq"]["results"]["hf"]["setup"].count("position_ids")
     assert "not run:" in proc.stdout
+
+
+def test_bad_recompute_module_is_one_line_and_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "bench.peers", "--tiny", "--tessera-recompute", "mlp,ffn"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench.peers: --tessera-recompute: unknown module 'ffn' (known: ")
 
 
 def test_bad_system_name_is_one_line_and_exit_2():
