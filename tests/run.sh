@@ -3,4 +3,5 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../launch/env.sh"
 cd "$TESSERA_ROOT"
-exec python -m pytest -q "$@"
+# --durations: the slowest tests in every log (CI included), where the time goes.
+exec python -m pytest -q --durations=30 "$@"
