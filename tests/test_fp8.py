@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -304,12 +306,29 @@ def test_fp8_model_forward_backward_close_to_bf16(corpus):
 # Training: bf16 against FP8, and the CLI.
 # ---------------------------------------------------------------------------------------
 
-STEPS = 200  # ~35 s for both models on this 2-core machine (1 thread, light load)
+STEPS = 200  # ~20 s a dense run, ~33 s an MoE run on this 2-core machine (1 thread, light load)
+
+
+def _train_run(moe: bool, precision: str):
+    """One run of the parity test in a worker process, on one thread as in this one: the same
+    corpus, weights and batches, so the same numbers."""
+    from bench.fp8_training import TokenData, model_config, train_run
+
+    torch.set_num_threads(1)
+    cfg, corpus = model_config("tiny", moe), TokenData.from_corpus(400)
+    return train_run(cfg, precision, corpus, STEPS, 4, 64, torch.device("cpu"), eval_rows=64)
+
+
+@pytest.fixture(scope="module")
+def run_pool():
+    # The runs of one model are independent: two at a time, one per core.
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_bf16_and_fp8_training_end_within_one_percent(moe, corpus):
+def test_bf16_and_fp8_training_end_within_one_percent(moe, run_pool):
     """Same weights, same batches, the real parallelize path (bf16 params, fp32 master weights):
     the FP8 run's final train loss (mean of the last 10 steps) and held-out loss (64 x 64 tokens)
     are within 1% of a higher-precision run's: the bf16 run, or where FP8 is not, the fp32 run.
@@ -320,11 +339,8 @@ def test_bf16_and_fp8_training_end_within_one_percent(moe, corpus):
     fresh install (2026-11-23, numpy 2.4.6, torch 2.13.0; what moved the numbers was not pinned
     down) dense FP8 ended -1.23% / -1.22% from bf16 but -0.19% / -0.56% from fp32, while fp32
     itself ended -1.04% / -0.66% from bf16."""
-    from bench.fp8_training import model_config, train_run
-
-    cfg = model_config("tiny", moe)
-    run = lambda precision: train_run(cfg, precision, corpus, STEPS, 4, 64, torch.device("cpu"), eval_rows=64)  # noqa: E731
-    b, f = run("bf16"), run("fp8")
+    runs = {precision: run_pool.submit(_train_run, moe, precision) for precision in ("bf16", "fp8")}
+    b, f = runs["bf16"].result(), runs["fp8"].result()
     print(f"{'moe' if moe else 'dense'}: final bf16 {b.final_loss:.4f} fp8 {f.final_loss:.4f}; "
           f"eval bf16 {b.eval_loss:.4f} fp8 {f.eval_loss:.4f}")
     assert b.final_loss < b.losses[0] - 2.5  # it learnt (5.5 -> ~2.2): the comparison means something
@@ -333,7 +349,7 @@ def test_bf16_and_fp8_training_end_within_one_percent(moe, corpus):
         return abs(f.final_loss / ref.final_loss - 1) < 0.01 and abs(f.eval_loss / ref.eval_loss - 1) < 0.01
 
     if not within(b):
-        floor = run("fp32")
+        floor = run_pool.submit(_train_run, moe, "fp32").result()
         print(f"fp32: final {floor.final_loss:.4f}, eval {floor.eval_loss:.4f}")
         assert within(floor), (b, f, floor)
 
