@@ -21,11 +21,11 @@ RTOL_BF16 = 2e-2
 
 
 @pytest.fixture(scope="module")
-def gpu_reference(tmp_path_factory, dataset):  # noqa: F811
+def gpu_reference(tmp_path_factory, train_dataset):  # the `dataset` (tests/conftest.py), module-wide
     if GPUS < 1:
         pytest.skip("needs a CUDA GPU")
     run_dir = tmp_path_factory.mktemp("gpu-ref")
-    run_train(run_dir, dataset, 1, "train.device=cuda")
+    run_train(run_dir, train_dataset, 1, "train.device=cuda")
     return losses(run_dir)
 
 

@@ -37,11 +37,13 @@ SMALL = [
 RTOL = 1e-6
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("lifecycle-data")
-    corpus = make_corpus(tmp, n_docs=300, seed=3, min_len=16, max_len=600)
-    return build_dataset([corpus], tmp / "shards")
+def build_small_dataset(tmp: Path) -> Path:
+    return build_dataset([make_corpus(tmp, n_docs=300, seed=3, min_len=16, max_len=600)], tmp / "shards")
+
+
+@pytest.fixture
+def dataset(lifecycle_dataset) -> Path:
+    return lifecycle_dataset  # built once per session (tests/conftest.py)
 
 
 def _env(tag: str) -> dict:
@@ -113,12 +115,9 @@ def assert_only_complete_checkpoints(run_dir: Path) -> None:
         assert path.name == "latest" or (path.name.startswith("step_") and (path / ".metadata").is_file()), path
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, dataset) -> dict[int, float]:
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    proc = run(train_cmd(run_dir, dataset))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r["step"]: r["loss"] for r in metrics(run_dir)}
+@pytest.fixture
+def reference(lifecycle_reference) -> dict[int, float]:
+    return lifecycle_reference  # the uninterrupted run of train_cmd, once per session (tests/conftest.py)
 
 
 def resume_and_check(run_dir: Path, reference: dict[int, float]) -> None:

@@ -31,11 +31,13 @@ SMALL = [
 RTOL = 2e-4
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("train-data")
-    corpus = make_corpus(tmp, n_docs=300, seed=3, min_len=16, max_len=600)
-    return build_dataset([corpus], tmp / "shards")
+def build_small_dataset(tmp: Path) -> Path:
+    return build_dataset([make_corpus(tmp, n_docs=300, seed=3, min_len=16, max_len=600)], tmp / "shards")
+
+
+@pytest.fixture
+def dataset(train_dataset) -> Path:
+    return train_dataset  # built once per session (tests/conftest.py)
 
 
 def run_train(run_dir: Path, dataset: Path, nproc: int, *extra: str, resume: bool = False, check: bool = True,
@@ -60,11 +62,9 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, dataset) -> dict[int, float]:
-    run_dir = tmp_path_factory.mktemp("ref")
-    run_train(run_dir, dataset, 1)
-    return losses(run_dir)
+@pytest.fixture
+def reference(train_reference) -> dict[int, float]:
+    return train_reference  # the single-process run, once per session (tests/conftest.py)
 
 
 @pytest.mark.slow
@@ -140,9 +140,9 @@ MOE_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory, dataset) -> dict[int, float]:
+def moe_reference(tmp_path_factory, train_dataset) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("moe-ref")
-    run_train(run_dir, dataset, 1, "parallel.ep=1", config=MOE_CONFIG)
+    run_train(run_dir, train_dataset, 1, "parallel.ep=1", config=MOE_CONFIG)
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert "moe/all_to_all_s" not in first  # no expert parallelism, no exchange to time
     return losses(run_dir)
