@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from dataservice.build import build_dataset, make_corpus
+from tests.test_bad_input import run as run_entry_point
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -200,7 +201,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path, dataset):
     first = start(train_cmd(run_dir, dataset, "--set", "train.max_steps=200"), tag)
     try:
         wait_until(lambda: len(metrics(run_dir)) >= 1)
-        second = run(train_cmd(run_dir, dataset, "--overwrite"))
+        second = run_entry_point("core.cli", *train_cmd(run_dir, dataset, "--overwrite")[3:])  # refused before torchrun
         assert second.returncode == 2
         assert second.stderr.strip().count("\n") == 0 and "is in use by process" in second.stderr, second.stderr
         assert first.poll() is None  # the first run goes on
@@ -221,18 +222,19 @@ def test_run_directory_rules_and_resume_with_changes(tmp_path, dataset):
     saved = (run_dir / "config.toml").read_text()
     assert "max_steps = 3" in saved and f'dataset = "{dataset}"' in saved
 
-    again = run(base + sets)  # the same command again, neither --resume nor --overwrite
+    # Refusals and --print-config end before any training: the entry point in this process
+    # (tests/test_bad_input.py's `run`) says the same as a new interpreter, seconds sooner.
+    again = run_entry_point("core.cli", *base[3:], *sets)  # the same command again, neither --resume nor --overwrite
     assert again.returncode == 2 and "already holds a run" in again.stderr and "--resume" in again.stderr
     assert len(metrics(run_dir)) == 3  # nothing was appended
 
     (run_dir / "checkpoints" / "step_000009.tmp").mkdir()  # a save that died
-    shape = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--set", "model.dim=128"])
+    shape = run_entry_point("core.cli", "--resume", run_dir, "--set", "model.dim=128")
     assert shape.returncode == 2 and "cannot resume with model.dim 64 -> 128" in shape.stderr
-    seed = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--set", "train.seed=7"])
+    seed = run_entry_point("core.cli", "--resume", run_dir, "--set", "train.seed=7")
     assert seed.returncode == 2 and "train.seed" in seed.stderr and seed.stderr.count("\n") == 1, seed.stderr
 
-    printed = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--set", "train.max_steps=5",
-                   "--print-config"])
+    printed = run_entry_point("core.cli", "--resume", run_dir, "--set", "train.max_steps=5", "--print-config")
     assert printed.returncode == 0 and "max_steps = 5" in printed.stdout and len(metrics(run_dir)) == 3
 
     more = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--set", "train.max_steps=5"])
