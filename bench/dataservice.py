@@ -20,9 +20,13 @@ seconds, as threads spread over `--client-procs` processes, each sleeping `--ste
 each batch like a training step (default 0.05; 0: reading as fast as it can). Reports tokens/s per stream,
 next() latency p50/p99, errors (client exceptions and the server's tessera_data_errors_total),
 and the server's resident memory sampled from its metrics endpoint every `--sample-s` seconds.
+`--rounds R` repeats this R times on one server and takes its memory after each round, once
+the streams have closed (and the server's next `--trim-every` has passed): memory that only
+grows from round to round is memory the server does not give back.
 Loopback only; every loop ends at the deadline.
 
     python -m bench.dataservice --streams 64 --seconds 60 --seq-len 8192 --micro-batch-size 1 --step-sleep 0
+    python -m bench.dataservice --streams 64 --seconds 40 --rounds 3 --step-sleep 0 --sample-s 10
 """
 
 from __future__ import annotations
@@ -150,11 +154,12 @@ def run_streams(address: str, n: int, args) -> dict:
     }
 
 
-def start_server(path: Path, workers: int, log: Path, metrics: bool = False) -> tuple[subprocess.Popen, str, str]:
+def start_server(path: Path, workers: int, log: Path, metrics: bool = False,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
     """A `serve` process on loopback: (process, address, metrics URL or ""); its log goes to `log`
     (a pipe nobody reads would block it)."""
     cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--data", str(path), "--host", "127.0.0.1", "--port", "0",
-           "--workers", str(workers)] + (["--metrics-port", "0"] if metrics else [])
+           "--workers", str(workers), *extra] + (["--metrics-port", "0"] if metrics else [])
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     line = proc.stdout.readline() if ready else ""
@@ -248,59 +253,40 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_load(path: Path, args, log: Path) -> dict:
-    """One server, args.streams streams over args.client_procs processes for args.seconds."""
-    n, procs = args.streams[0], []
+    """One server, args.streams streams over args.client_procs processes for args.seconds, args.rounds
+    times; after each round, once its streams have closed, the server's memory."""
+    n = args.streams[0]
     workers = max(args.workers, n + 8)
-    server, address, url = start_server(path, workers, log, metrics=True)
-    samples = []
+    extra = () if args.trim_every is None else ("--trim-every", str(args.trim_every))
+    server, address, url = start_server(path, workers, log, metrics=True, extra=extra)
+    samples, rounds, streams = [], [], []
     try:
-        per_proc = -(-n // args.client_procs)
-        for first in range(0, n, per_proc):
-            cmd = [sys.executable, "-m", "bench.dataservice", "--load-client", "--address", address,
-                   "--first-rank", str(first), "--threads", str(min(per_proc, n - first)), "--dp-size", str(n),
-                   "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size),
-                   "--prefetch", str(args.prefetch), "--seconds", str(args.seconds),
-                   "--step-sleep", str(args.step_sleep)]
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT))
-        for p in procs:
-            if p.stdout.readline().strip() != "ready":
-                raise RuntimeError("a load client failed to start")
         t0 = time.monotonic()
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        lines, pending = {}, {p.stdout.fileno(): p for p in procs}
-        next_sample = t0
-        while pending:  # sample the server while the clients run; collect each client's line
-            if time.monotonic() >= next_sample:
-                m = scrape(url)
-                samples.append({"t": round(time.monotonic() - t0, 2), "rss_mb": m["process_resident_memory_bytes"] / 2**20,
-                                **rss_split_mb(server.pid), "streams": m["tessera_data_streams_active"],
-                                "tokens": m["tessera_data_tokens_total"], "errors": m["errors"]})
-                next_sample += args.sample_s
-            ready, _, _ = select.select(list(pending), [], [], max(0.0, next_sample - time.monotonic()))
-            for fd in ready:
-                lines[fd] = pending.pop(fd).stdout.readline()
-            if time.monotonic() - t0 > args.seconds + 180:
-                raise RuntimeError("load clients did not finish")
+        for _ in range(args.rounds):
+            done = load_round(address, url, server, n, args, samples, t0)
+            while scrape(url)["tessera_data_streams_active"]:
+                time.sleep(0.2)
+            time.sleep((args.trim_every or 0) + 1.5)  # past the server's next trim, if it trims
+            per_stream = [s["slots"] / (s["end"] - s["start"]) for s in done]
+            rounds.append({"tokens_per_s": sum(per_stream), **rss_split_mb(server.pid)})
+            streams += done
         final = scrape(url)
-        for p in procs:
-            p.wait(60)
         server.send_signal(signal.SIGTERM)  # a drain with no stream open: exit 0 at once
         server_exit = server.wait(60)
     finally:
-        for p in [*procs, server]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    streams = sorted((s for line in lines.values() for s in json.loads(line)), key=lambda s: s["rank"])
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    streams.sort(key=lambda s: s["rank"])
     waits = [w for s in streams for w in s["waits"]]
     per_stream = [s["slots"] / (s["end"] - s["start"]) for s in streams]
     errors = [f"rank {s['rank']}: {e}" for s in streams for e in s["errors"]]
-    half = [x for x in samples if x["t"] >= args.seconds / 2] or samples[-1:]
+    half = [x for x in samples if x["t"] >= samples[-1]["t"] / 2] or samples[-1:]
     return {
-        "streams": n, "seconds": args.seconds, "client_procs": len(procs), "step_sleep": args.step_sleep,
-        "tokens_per_s": sum(per_stream), "real_tokens_per_s": sum(s["real"] / (s["end"] - s["start"]) for s in streams),
+        "streams": n, "seconds": args.seconds, "rounds": rounds, "client_procs": len(range(0, n, -(-n // args.client_procs))),
+        "step_sleep": args.step_sleep,
+        "tokens_per_s": sum(r["tokens_per_s"] for r in rounds) / len(rounds),
+        "real_tokens_per_s": sum(s["real"] / (s["end"] - s["start"]) for s in streams) / len(rounds),
         "per_stream_tokens_per_s": {"min": min(per_stream), "median": statistics.median(per_stream),
                                     "max": max(per_stream)},
         "batches": sum(s["batches"] for s in streams),
@@ -313,9 +299,53 @@ def run_load(path: Path, args, log: Path) -> dict:
     }
 
 
+def load_round(address: str, url: str, server: subprocess.Popen, n: int, args, samples: list, t0: float) -> list:
+    """One round of the load: the client processes read for args.seconds while the server is
+    sampled every args.sample_s (into `samples`, times from t0); returns each stream's figures."""
+    procs = []
+    try:
+        per_proc = -(-n // args.client_procs)
+        for first in range(0, n, per_proc):
+            cmd = [sys.executable, "-m", "bench.dataservice", "--load-client", "--address", address,
+                   "--first-rank", str(first), "--threads", str(min(per_proc, n - first)), "--dp-size", str(n),
+                   "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size),
+                   "--prefetch", str(args.prefetch), "--seconds", str(args.seconds),
+                   "--step-sleep", str(args.step_sleep)]
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT))
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a load client failed to start")
+        start = time.monotonic()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        lines, pending = {}, {p.stdout.fileno(): p for p in procs}
+        next_sample = start
+        while pending:  # sample the server while the clients run; collect each client's line
+            if time.monotonic() >= next_sample:
+                m = scrape(url)
+                samples.append({"t": round(time.monotonic() - t0, 2), "rss_mb": m["process_resident_memory_bytes"] / 2**20,
+                                **rss_split_mb(server.pid), "streams": m["tessera_data_streams_active"],
+                                "tokens": m["tessera_data_tokens_total"], "errors": m["errors"]})
+                next_sample += args.sample_s
+            ready, _, _ = select.select(list(pending), [], [], max(0.0, next_sample - time.monotonic()))
+            for fd in ready:
+                lines[fd] = pending.pop(fd).stdout.readline()
+            if time.monotonic() - start > args.seconds + 180:
+                raise RuntimeError("load clients did not finish")
+        for p in procs:
+            p.wait(60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [s for line in lines.values() for s in json.loads(line)]
+
+
 def print_load(r: dict, base: dict, args) -> None:
-    print(f"\ndata service load: {r['streams']} streams x {r['seconds']:g} s, seq_len {args.seq_len}, "
-          f"micro_batch_size {args.micro_batch_size}, {r['client_procs']} client processes, "
+    print(f"\ndata service load: {r['streams']} streams x {r['seconds']:g} s x {len(r['rounds'])} rounds, "
+          f"seq_len {args.seq_len}, micro_batch_size {args.micro_batch_size}, {r['client_procs']} client processes, "
           f"step sleep {r['step_sleep']:g} s, {os.cpu_count()} CPU cores")
     print(f"baseline (one process, no gRPC): {base['tokens_per_s'] / 1e6:.1f} M tok/s")
     ps = r["per_stream_tokens_per_s"]
@@ -333,6 +363,8 @@ def print_load(r: dict, base: dict, args) -> None:
               f"max {m['max']:.0f}")
     print("samples (s: RSS/anon MiB): " + " ".join(f"{x['t']:.0f}:{x['rss_mb']:.0f}/{x['anon_mb']:.0f}"
                                                    for x in r["samples"]))
+    print("after each round, its streams closed: " + ", ".join(
+        f"anonymous {x['anon_mb']:.1f} MiB ({x['tokens_per_s'] / 1e6:.2f} M tok/s)" for x in r["rounds"]))
 
 
 def main() -> None:
@@ -358,13 +390,17 @@ def main() -> None:
                    help="load mode: read --streams N streams for this many seconds (default: off)")
     p.add_argument("--client-procs", type=int, default=4, help="load mode: client processes (default 4)")
     p.add_argument("--sample-s", type=float, default=2.0, help="load mode: seconds between samples of the server")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="load mode: rounds of --seconds on one server, its memory taken after each (default 1)")
+    p.add_argument("--trim-every", type=float, default=None,
+                   help="load mode: the server's --trim-every (default: the server's own)")
     args = p.parse_args()
     if args.client:
         return client_main(args)
     if args.load_client:
         return load_client_main(args)
-    if args.seconds and (len(args.streams) != 1 or args.seconds < 0 or args.client_procs < 1):
-        p.error("--seconds takes one --streams N and --client-procs >= 1")
+    if args.seconds and (len(args.streams) != 1 or args.seconds < 0 or args.client_procs < 1 or args.rounds < 1):
+        p.error("--seconds takes one --streams N, --client-procs >= 1 and --rounds >= 1")
     if args.seconds:
         with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
             path = args.data or make_dataset(Path(tmp), args.docs)

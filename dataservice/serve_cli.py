@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import protos
 from dataservice.cp_plan import H200_COST, CostModel
+from dataservice.heap import release_free_heap
 from dataservice.rpc import (
     MAX_RECEIVE_BYTES,
     RETRYABLE,
@@ -115,6 +116,10 @@ def add_serve(sub) -> None:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default: off)")
     p.add_argument("--metrics-host", default=None,
                    help="address of the metrics endpoint (default: --host)")
+    p.add_argument("--trim-every", type=float, default=5.0, metavar="S",
+                   help="every S seconds give the memory freed by finished messages back to the OS (glibc "
+                        "malloc_trim), so the server's memory stays flat under load and falls when streams "
+                        "close; 0: never (default: 5)")
     p.add_argument("--address-file", default=None, metavar="FILE",
                    help="once listening, write HOST:PORT to FILE (atomically; the host name of this machine when "
                         "--host is a wildcard): how batch jobs hand the address to their ranks")
@@ -142,6 +147,8 @@ def run_serve(args) -> int:
         return _fail(prog, f"--workers {args.workers} must be at least 8")
     if not args.grace >= 0:
         return _fail(prog, f"--grace {args.grace} must be >= 0")
+    if not (math.isfinite(args.trim_every) and args.trim_every >= 0):
+        return _fail(prog, f"--trim-every {args.trim_every} must be a number of seconds >= 0 (0: never)")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         return _fail(prog, f"--metrics-port {args.metrics_port} must be in [0, 65535]")
     if args.address_file and not Path(args.address_file).absolute().parent.is_dir():
@@ -172,9 +179,15 @@ def run_serve(args) -> int:
     if args.address_file:
         _write_atomically(args.address_file, f"{advertised_host(args.host)}:{port}\n")
     parent = os.getppid()
+    next_trim = time.monotonic() + args.trim_every
     while not stop.wait(0.5):  # wake up now and then so signals are handled promptly
         if args.exit_with_parent and os.getppid() != parent:  # re-parented: the trainer is gone
             break
+        if args.trim_every and time.monotonic() >= next_trim:
+            # glibc keeps freed message buffers in its arenas: without this the resident memory
+            # creeps up under load and stays after the streams close (dataservice.heap).
+            release_free_heap()
+            next_trim = time.monotonic() + args.trim_every
     sys.stderr.write(f"{prog}: draining {server.active_streams()} streams (NOT_SERVING; grace {args.grace:g}s)\n")
     left = server.drain(args.grace)
     server.stop(0)
