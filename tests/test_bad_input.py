@@ -326,13 +326,13 @@ def test_under_torchrun_rank0_alone_reports_and_every_rank_exits_2(tmp_path, dat
 @pytest.mark.slow
 def test_a_resume_the_data_cannot_follow_is_one_line_through_the_launcher(tmp_path, dataset):
     # Resuming with another seed: the checkpoint's resume token belongs to the first seed's
-    # stream, so the run directory's own check refuses it before any worker starts.
+    # stream, so the run directory's own check refuses it before any worker starts. The run
+    # to resume is any saved run (one process here); the refusal is the launcher's.
     common = ["--config", DENSE, "--set", f"data.dataset={dataset}", "--set", f"train.run_dir={tmp_path / 'run'}",
-              "--set", "train.seq_len=64", "--set", "train.max_steps=2", "--set", "train.plot=false",
-              "--nproc-per-node", "2"]
+              "--set", "train.seq_len=64", "--set", "train.max_steps=2", "--set", "train.plot=false"]
     first = run_process("core.cli", *common, "--set", "train.stop_at_step=1", timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
-    proc = run_process("core.cli", *common, "--set", "train.seed=7", "--resume", timeout=300)
+    proc = run_process("core.cli", *common, "--set", "train.seed=7", "--resume", "--nproc-per-node", "2", timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert_one_line(proc, "tessera-train: error: cannot resume with train.seed 1234 -> 7")
