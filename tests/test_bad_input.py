@@ -332,7 +332,7 @@ def test_a_resume_the_data_cannot_follow_is_one_line_through_the_launcher(tmp_pa
               "--set", "train.seq_len=64", "--set", "train.max_steps=2", "--set", "train.plot=false"]
     first = run_process("core.cli", *common, "--set", "train.stop_at_step=1", timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
-    proc = run_process("core.cli", *common, "--set", "train.seed=7", "--resume", "--nproc-per-node", "2", timeout=300)
+    proc = run("core.cli", *common, "--set", "train.seed=7", "--resume", "--nproc-per-node", "2")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert_one_line(proc, "tessera-train: error: cannot resume with train.seed 1234 -> 7")

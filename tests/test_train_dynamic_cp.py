@@ -13,7 +13,8 @@ import pytest
 
 from dataservice.client import DataClient
 from dataservice.server import serve
-from tests.test_train import RTOL, dataset, losses, reference, run_train  # noqa: F401 (fixtures)
+from tests.test_bad_input import run as run_entry_point
+from tests.test_train import CONFIG, RTOL, SMALL, dataset, losses, reference, run_train  # noqa: F401 (fixtures)
 
 # seq_len 64 over 4 ranks: pieces of up to 16 tokens may run on one rank, up to 32 need a
 # group of 2, longer ones a group of 4 (the test checks the plans do mix them).
@@ -51,7 +52,12 @@ def test_dynamic_cp_on_4_processes_matches_single_process_and_resumes(tmp_path, 
 
 @pytest.mark.slow
 def test_budget_too_small_for_a_row_exits_2_with_one_clear_line(tmp_path, dataset):
-    proc = run_train(tmp_path, dataset, 1, "parallel.dynamic_cp=true", "parallel.cp_token_budget=10", check=False)
+    # Refused before any training: the entry point in this process (tests/test_bad_input.py).
+    args = ["--config", CONFIG]
+    for item in [*SMALL, f"data.dataset={dataset}", f"train.run_dir={tmp_path}", "parallel.dynamic_cp=true",
+                 "parallel.cp_token_budget=10"]:
+        args += ["--set", item]
+    proc = run_entry_point("core.cli", *args)
     assert proc.returncode == 2
     assert "tessera-train: error:" in proc.stderr and "parallel.cp_token_budget >= 64" in proc.stderr, proc.stderr
 
