@@ -1,5 +1,5 @@
 """Test-wide settings: GPU tests are skipped where there is no GPU (CI); the reference runs that
-several modules compare against, run once per session."""
+several modules compare against, run once per test run."""
 
 import pytest
 import torch
