@@ -60,12 +60,20 @@ def _recompute_forward(module: nn.Module) -> None:
 
 
 class _Recipe:
-    """Stands for a dropped output among a consumer's saved tensors: how to compute it again."""
+    """Stands for a dropped output among a consumer's saved tensors: how to compute it again.
+    One recipe serves every op that saved the output (wq, wk and wv the norm's): the first
+    unpack computes it, the others share the value, which goes with the last of them."""
 
-    __slots__ = ("run", "args")
+    __slots__ = ("run", "args", "value")
 
     def __init__(self, run, args):
-        self.run, self.args = run, args
+        self.run, self.args, self.value = run, args, None
+
+    def get(self) -> torch.Tensor:
+        if self.value is None:
+            with torch.no_grad():
+                self.value = self.run(*self.args)
+        return self.value
 
 
 def _drop_output(producer: nn.Module, consumer: nn.Module) -> None:
@@ -75,31 +83,28 @@ def _drop_output(producer: nn.Module, consumer: nn.Module) -> None:
     norm's output and the SwiGLU product): one pair of hooks serves them all, since only the
     innermost saved-tensor hooks see a saved tensor."""
     run = getattr(producer, "_recompute_original", producer.forward)
-    live: list[tuple[torch.Tensor, tuple]] = []
+    live: list[tuple[torch.Tensor, _Recipe]] = []
 
     def note(module, args, output):  # the producer runs just before its consumer (or inside it)
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor):
-            live.append((output, args))
+            live.append((output, _Recipe(run, args)))
 
     producer.register_forward_hook(note)
     producers = consumer.__dict__.get("_dropped_outputs")
     if producers is not None:
-        producers.append((run, live))
+        producers.append(live)
         return
-    producers = consumer.__dict__["_dropped_outputs"] = [(run, live)]
+    producers = consumer.__dict__["_dropped_outputs"] = [live]
 
     def pack(t: torch.Tensor):
-        for recompute, outputs in producers:
-            for out, args in outputs:
+        for outputs in producers:
+            for out, recipe in outputs:
                 if t._cdata == out._cdata:  # the very tensor (its C++ object), never a look-alike
-                    return _Recipe(recompute, args)
+                    return recipe
         return t
 
     def unpack(saved):
-        if isinstance(saved, _Recipe):
-            with torch.no_grad():
-                return saved.run(*saved.args)
-        return saved
+        return saved.get() if isinstance(saved, _Recipe) else saved
 
     original = consumer.forward
 
@@ -108,7 +113,7 @@ def _drop_output(producer: nn.Module, consumer: nn.Module) -> None:
             with saved_tensors_hooks(pack, unpack):
                 return original(*args, **kwargs)
         finally:
-            for _, outputs in producers:
+            for outputs in producers:
                 outputs.clear()  # the outputs are referenced only until their consumer ran
 
     consumer.forward = forward
@@ -195,6 +200,9 @@ class ActivationOffload:
         side = self._stream(saved.dtype_device)
         device = torch.empty_strided(saved.host.shape, saved.host.stride(), dtype=saved.host.dtype,
                                      device=saved.dtype_device)
+        # The allocator hands out memory freed on the compute stream at once, while kernels queued
+        # there may still read its old contents: the copy must not write before they have run.
+        side.wait_stream(torch.cuda.current_stream(saved.dtype_device))
         with torch.cuda.stream(side):
             side.wait_event(saved.stored)
             device.copy_(saved.host, non_blocking=True)

@@ -270,11 +270,13 @@ class _Model:
             again = n1 + attn_f + n2 + ffn_f + res
         else:
             again = (attn_f if "attention" in r else core_f if "attention_core" in r else 0.0)
-            again += (n1 + n2) if "norms" in r else 0.0
+            # A norm or SwiGLU product runs twice more: its checkpoint's recompute for its own
+            # backward, and the recipe that stands for its dropped output in its consumers'.
+            again += 2 * (n1 + n2) if "norms" in r else 0.0
             if "mlp" in r:
                 again += ffn_f
             else:
-                again += experts_f if "moe_experts" in r else glu_f if "swiglu" in r else 0.0
+                again += experts_f if "moe_experts" in r else 2 * glu_f if "swiglu" in r else 0.0
         bwd.add("recompute", again)
         compute = fwd.total + bwd.total - before
         if self.offload:
