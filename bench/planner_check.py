@@ -12,8 +12,8 @@ Llama-style model (20 layers) and the DeepSeek-like MoE at 4 layers. The cases c
 MoE, micro-batches 1-8, sequences of 4k-64k tokens, every recompute set the planner weighs,
 offload on and off, gradient accumulation. Per case:
 
-- memory: `torch.cuda.max_memory_allocated` over the steps, above what was allocated before the
-  Trainer was built, against the planner's `peak_allocated` (what it predicts: the allocator's
+- memory (each case in a process of its own): `torch.cuda.max_memory_allocated` over the steps,
+  above what was allocated before the Trainer was built, against the planner's `peak_allocated` (what it predicts: the allocator's
   tensors, not the CUDA context); `max_memory_reserved` against `peak_reserved`; and the peak a
   step adds above the state (activations and transients) per token, against the same prediction;
 - time: the median step time (`Trainer.record`'s step_s, a host sync per step) against the
@@ -31,9 +31,12 @@ import argparse
 import dataclasses
 import gc
 import json
+import multiprocessing
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,6 +164,17 @@ def measure(case: Case) -> dict:
         memory.free()
 
 
+def measure_isolated(case: Case) -> dict:
+    """`measure` in a process of its own: each case starts from an empty allocator (what an
+    earlier case or the calibration left cached cannot lend it memory), and a case that kills its
+    process (a device-side assert) is reported and the others still run."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(measure, case).result()
+        except BrokenProcessPool:
+            return {"error": "the case's process died (see its output above)"}
+
+
 def _err(pred: float, got: float | None) -> str:
     return f"{100 * (pred / got - 1):+6.1f}%" if got else "    - "
 
@@ -238,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_calibration:
         cal = calibrate(cal)
         cal.save(args.write_calibration)  # kept if the cases are cut short; rewritten with the allocator's fit
+        gc.collect()
+        torch.cuda.empty_cache()
     rows = []
     for case in cases:
-        got = measure(case)
+        got = measure(case) if case.smoke else measure_isolated(case)
         rows.append((case, predict(case, cal), got))
         print(report(rows[-1:])[-1], f"  [{time.time() - started:.0f} s]", flush=True)
     print()

@@ -198,17 +198,16 @@ class ActivationOffload:
             saved.device = saved.host
             return
         side = self._stream(saved.dtype_device)
-        device = torch.empty_strided(saved.host.shape, saved.host.stride(), dtype=saved.host.dtype,
-                                     device=saved.dtype_device)
-        # The allocator hands out memory freed on the compute stream at once, while kernels queued
-        # there may still read its old contents: the copy must not write before they have run.
-        side.wait_stream(torch.cuda.current_stream(saved.dtype_device))
         with torch.cuda.stream(side):
             side.wait_event(saved.stored)
+            # Allocated on the side stream: memory freed on the compute stream is handed out there
+            # at once, while kernels queued on it may still read it, and a copy on another stream
+            # would overwrite it under them. The compute stream's use is recorded in `_unpack`.
+            device = torch.empty_strided(saved.host.shape, saved.host.stride(), dtype=saved.host.dtype,
+                                         device=saved.dtype_device)
             device.copy_(saved.host, non_blocking=True)
             saved.loaded = torch.cuda.Event()
             saved.loaded.record(side)
-        device.record_stream(side)
         saved.device = device
 
     def _load_group(self, group: list) -> None:
@@ -226,7 +225,10 @@ class ActivationOffload:
             if index:
                 self._load_group(self._groups[index - 1])
         if saved.loaded is not None:
-            torch.cuda.current_stream(saved.dtype_device).wait_event(saved.loaded)
+            current = torch.cuda.current_stream(saved.dtype_device)
+            current.wait_event(saved.loaded)
+            saved.device.record_stream(current)  # its memory is not reused before this use has run
+            saved.loaded = None  # waited for and recorded once
         return saved.device
 
     def pop_stats(self) -> dict:
