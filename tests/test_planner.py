@@ -163,7 +163,7 @@ def test_console_script_reports_misuse_without_traceback():
 def test_calibration_files_round_trip_and_refuse_damage(tmp_path):
     path = CAL.save(tmp_path / "cal.json")
     again = Calibration.load(path)
-    assert again.gemm_s(4096, 4096, 4096) == CAL.gemm_s(4096, 4096, 4096) and again.derived
+    assert again.gemm_s(4096, 4096, 4096) == CAL.gemm_s(4096, 4096, 4096) and again.source == CAL.source
     data = json.loads(path.read_text())
     data["gemm_tflops"]["bf16"][0][0][0] = -1
     path.write_text(json.dumps(data))

@@ -18,9 +18,9 @@ What it holds (units in the keys), and how each is looked up:
   eager block's forward and backward (a step never runs faster than its host);
 - `allocator`: what the caching allocator and the libraries add to the tensors (memory model).
 
-`source` says where the numbers come from: the shipped `h100_default.json` is derived from the
-H100 figures in BENCHMARKS.md and the project's measured ceilings (PERFORMANCE.md), plus stated
-assumptions for what no figure covers (the network across nodes, PCIe); `python -m
+`source` says where the numbers come from: the shipped `h100_default.json` was measured by
+`bench.calibrate` on one H100 (SXM, 80 GB), keeping stated assumptions for what one GPU cannot
+measure (collectives, the network across nodes; `notes` lists which); `python -m
 bench.calibrate --out FILE` measures a table on a GPU, `tessera-plan --calibration FILE` uses it.
 """
 
