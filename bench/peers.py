@@ -63,7 +63,7 @@ import torch
 from bench.harness import compare, emit, ratio
 from bench.peer_systems import (EOS, Built, Feed, Micro, Spec, Unavailable, huggingface, reference_weights,
                                 tessera, torchao_fp8, torchtitan)
-from bench.train_step import model_config
+from bench.train_step import model_config, print_profile
 from core.config import RECOMPUTE_MODULES, ModelConfig, MoEConfig
 from core.metrics import PEAK_FLOPS, flops_per_token
 from core.model import build_model
@@ -201,7 +201,8 @@ def fits_together(w: Workload, names: list[str]) -> bool:
     return params * STATE_BYTES * len(names) < 0.7 * total
 
 
-def run_workload(w: Workload, names: list[str], rounds: int, warmup: int, sequential: bool) -> dict:
+def run_workload(w: Workload, names: list[str], rounds: int, warmup: int, sequential: bool,
+                 profile: tuple[str, ...] = ()) -> dict:
     pool = make_pool(w, count=max(2 * w.spec.accum, 4))
     weights = reference_weights(w.spec)
     unavailable, results, times = {}, {}, {}
@@ -221,6 +222,10 @@ def run_workload(w: Workload, names: list[str], rounds: int, warmup: int, sequen
             interleaved = False
         if interleaved:
             results = {n: figures(w, r, times[n]) for n, r in ran.items()}
+            for name in profile if w.spec.device.type == "cuda" else ():
+                if name in ran:
+                    print(f"== {w.name}: one step of {name}, profiled", flush=True)
+                    print_profile(ran[name].built.step, rows=20)
         del ran
         _release()
     if not interleaved:
@@ -282,6 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tessera-recompute", default="", metavar="MODULES",
                         help="Tessera's train.recompute_modules, comma-separated (e.g. mlp): its own memory/speed "
                              "choice, as TorchTitan runs its own activation checkpointing")
+    parser.add_argument("--profile", default="", metavar="SYSTEMS",
+                        help="comma-separated systems to profile for one step after the timed rounds (GPU, "
+                             "interleaved runs): the top kernels and the GPU's idle gaps")
     args = parser.parse_args(argv)
     modules = tuple(m for m in args.tessera_recompute.split(",") if m)
     unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
@@ -290,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         raise SystemExit(2)
     chosen = [s for s in args.systems.split(",") if s]
-    bad = [s for s in chosen if s not in SYSTEMS]
+    profiled = tuple(s for s in args.profile.split(",") if s)
+    bad = [s for s in chosen + list(profiled) if s not in SYSTEMS]
     if bad or args.rounds < 1 or args.warmup < 1:
         what = f"unknown system {bad[0]!r} (known: {', '.join(SYSTEMS)})" if bad else "--rounds and --warmup must be >= 1"
         print(f"bench.peers: {what}", file=sys.stderr)
@@ -302,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         w = table[name]
         w = replace(w, spec=replace(w.spec, tessera_modules=modules))
         names = list(chosen or w.systems)
-        record = run_workload(w, names, args.rounds, args.warmup, args.sequential)
+        record = run_workload(w, names, args.rounds, args.warmup, args.sequential, profiled)
         report(record)
         emit("peers", record, device)
 
