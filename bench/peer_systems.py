@@ -73,9 +73,10 @@ class Micro:
     cu_seqlens: torch.Tensor  # [docs + 1] int32 over the flattened rows
     max_seqlen: int
     num_labels: int
+    doc_lengths: tuple[int, ...] | None = None  # on the host, as Tessera's data client hands them over
 
     def flat(self) -> StepInputs:
-        meta = AttentionMeta(cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen)
+        meta = AttentionMeta(cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen, doc_lengths=self.doc_lengths)
         return StepInputs(self.tokens.reshape(-1), self.targets.reshape(-1), self.positions.reshape(-1), meta,
                           num_tokens=float(self.tokens.numel()), num_labels=float(self.num_labels))
 

@@ -136,7 +136,7 @@ def make_pool(w: Workload, count: int, seed: int = 0) -> list[Micro]:
         docs = [n for row in lengths[rows_b] for n in row]
         cu = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), dtype=torch.int32, device=spec.device)
         pool.append(Micro(t, targets, torch.from_numpy(positions[rows_b]).to(spec.device), cu, max(docs),
-                          spec.batch * (spec.seq - 1)))
+                          spec.batch * (spec.seq - 1), tuple(int(n) for n in docs)))
     return pool
 
 

@@ -26,7 +26,7 @@ from core.optim import build_optimizer, clip_grad_norm_
 from core.parallel.context import apply_cp
 from core.parallel.data import DataParallel, apply_data_parallel
 from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_data_parallel
-from core.parallel.recompute import apply_recompute
+from core.parallel.recompute import apply_recompute, compile_inside_checkpoint
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear, apply_tp
 from moe.experts import GroupedExperts
 from moe.layer import moe_layers, update_expert_bias
@@ -49,7 +49,8 @@ def compile_blocks(chunks: list[nn.Module]) -> None:
     backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
     for chunk in chunks:
         for block in chunk.layers.values():
-            block.compile(backend=backend, dynamic=False)
+            if True:
+                block.compile(backend=backend, dynamic=False)
 
 
 @dataclass

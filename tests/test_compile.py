@@ -10,13 +10,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo import register_backend
 
 from core.config import ModelConfig, MoEConfig
 from core.loss import cross_entropy_sum
 from core.layers import AttentionMeta
 from core.model import build_model
+from core.parallel.recompute import apply_recompute
 from core.parallelize import COMPILE_BACKEND_ENV, compile_blocks
 from moe.layer import moe_metrics, set_moe_sequences
+
+
+RECORDING_BACKEND = "tessera_record_graphs"
+_RECORDED_GRAPHS: list[str] = []
+
+
+@register_backend(name=RECORDING_BACKEND)
+def _record_graphs(gm, example_inputs):
+    """Dynamo's capture, run as captured, remembering each graph's code."""
+    _RECORDED_GRAPHS.append(gm.code)
+    return gm.forward
 
 
 def _moe_config() -> ModelConfig:
@@ -90,3 +103,34 @@ def test_compile_backend_env_reaches_the_blocks(monkeypatch):
         compile_blocks([model])
         tokens, _, positions, meta = _batch(0, [64], 64)
         model(tokens, positions, meta)
+
+
+@pytest.mark.parametrize("with_moe", [False, True])
+def test_recomputed_blocks_are_compiled_not_run_eagerly(monkeypatch, with_moe):
+    """Whole-block recompute with train.compile: the block's own ops (norms, projections, the
+    SwiGLU) must land in compiled graphs. The attention core stays outside compile, and a graph
+    break inside a checkpointed region makes dynamo run the whole region eagerly: the block is
+    compiled inside its checkpoint. Loss and gradients stay the eager ones."""
+    import torch._dynamo
+
+    graphs = _RECORDED_GRAPHS
+    graphs.clear()
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, RECORDING_BACKEND)
+    cfg = _moe_config()
+    if not with_moe:
+        cfg.moe = MoEConfig()
+    eager = apply_recompute(build_model(cfg, seed=5), "full")
+    compiled = apply_recompute(build_model(cfg, seed=5), "full")
+    torch._dynamo.reset()
+    compile_blocks([compiled])
+    try:
+        for batch in (_batch(1, [40, 24, 32, 32], cfg.vocab_size), _batch(2, [100, 28], cfg.vocab_size)):
+            want_loss, want = _loss_and_grads(eager, batch)
+            got_loss, got = _loss_and_grads(compiled, batch)
+            torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        torch._dynamo.reset()
+    code = "\n".join(graphs)
+    assert "rsqrt" in code and "silu" in code, f"{len(graphs)} graphs captured, without the block's norms or SwiGLU"

@@ -60,6 +60,23 @@ def _recompute_forward(module: nn.Module) -> None:
     module._recompute_original = original
 
 
+def compile_inside_checkpoint(module: nn.Module, **compile_options) -> bool:
+    """Compile a recomputed module's own forward and keep the checkpoint outside it; False when
+    `module` is not recomputed whole. Compiled from outside, the checkpoint becomes one region
+    for dynamo, and a graph break inside it (the attention core and the MoE dispatch stay out
+    of compile) runs that whole region eagerly: every block op uncompiled."""
+    original = getattr(module, "_recompute_original", None)
+    if original is None:
+        return False
+    compiled = torch.compile(original, **compile_options)
+
+    def forward(*args, **kwargs):
+        return checkpoint(compiled, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    return True
+
+
 class _Recipe:
     """Stands for a dropped output among a consumer's saved tensors: how to compute it again.
     One recipe serves every op that saved the output (wq, wk and wv the norm's): the first
