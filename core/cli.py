@@ -29,7 +29,7 @@ from core.checkpoint import latest_checkpoint
 from core.config import Config, ConfigError, load_config, reference, validate
 from core.data import check_data_source
 from core.launcher import Rendezvous, interrupted_line, launch_local
-from core.lifecycle import Interrupted, die_with_parent, install_stop_handlers, interrupted_by
+from core.lifecycle import Interrupted, die_with_parent, exit_without_teardown, install_stop_handlers, interrupted_by
 from core.mesh import init_distributed
 from core.model import build_model
 from core.pretrained import check_weights, expected_shapes
@@ -339,4 +339,4 @@ def _take_run_dir_on_rank0(config, resume, overwrite, note, rank) -> tuple[RunLo
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())  # a run's exception still ends through the normal exit (traceback)
