@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from core.lifecycle import exit_without_teardown
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -47,6 +49,11 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # The result is in the pipe once the queue's feeder thread is done; the interpreter's
+    # teardown after that (collecting every object torch made) only delays the parent's join.
+    queue.close()
+    queue.join_thread()
+    exit_without_teardown(0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo"):
