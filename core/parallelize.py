@@ -49,7 +49,7 @@ def compile_blocks(chunks: list[nn.Module]) -> None:
     backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
     for chunk in chunks:
         for block in chunk.layers.values():
-            if True:
+            if not compile_inside_checkpoint(block, backend=backend, dynamic=False):
                 block.compile(backend=backend, dynamic=False)
 
 
