@@ -18,6 +18,7 @@ from torch import nn
 
 from core.attention import varlen_attention
 from core.config import ModelConfig
+from core.eager import eager_only
 
 
 @dataclass
@@ -122,7 +123,7 @@ class CoreAttention(nn.Module):
     # Outside torch.compile: the document boundaries (cu_seqlens length, max_seqlen) change
     # with every packed batch, so a compiled block recompiled on each one until dynamo's
     # recompile limit; the attention kernels are opaque to inductor anyway.
-    @torch.compiler.disable
+    @eager_only
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, doc_lengths=meta.doc_lengths)
 

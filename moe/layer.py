@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core.config import ModelConfig
+from core.eager import eager_only
 from core.layers import FeedForward
 from core.parallel.comm import (
     all_gather_tokens,
@@ -120,7 +121,7 @@ class MoELayer(nn.Module):
     # part recompiled on each new routing (and then ran with dynamic shapes); its time is the
     # opaque grouped GEMMs and the all-to-all, which compiling would not speed up. Router,
     # auxiliary losses and shared experts around it stay in the block's compiled graphs.
-    @torch.compiler.disable
+    @eager_only
     def _routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         expert_in, tokens_per_expert = self.dispatcher.dispatch(x, routing)
         return self.dispatcher.combine(self.experts(expert_in, tokens_per_expert))
@@ -146,7 +147,7 @@ class MoELayer(nn.Module):
 
     # Outside torch.compile too: the per-sequence statistics are shaped by the batch's
     # document count (and check it on the host), so a compiled block recompiled per batch.
-    @torch.compiler.disable
+    @eager_only
     def _aux_loss(self, routing: Routing, token_offset: int, n: int):
         """(the loss term to attach or None, detached values for the metrics).
 
@@ -231,7 +232,7 @@ class MoELayer(nn.Module):
         return out
 
     # ------------------------------------------------------------- statistics
-    @torch.compiler.disable  # host-side dict of running sums: its state would be a guard
+    @eager_only  # host-side dict of running sums: its state would be a guard
     @torch.no_grad()
     def _record(self, routing: Routing, parts: dict[str, torch.Tensor]) -> None:
         counts = routing.tokens_per_expert

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core.attention import varlen_attention
+from core.eager import eager_only
 from core.mesh import ParallelMesh
 from core.layers import AttentionMeta
 from core.parallel.ring_attention import CPLayout, ring_attention
@@ -156,7 +157,7 @@ class RingCoreAttention(nn.Module):
         super().__init__()
         self.group = group
 
-    @torch.compiler.disable  # as CoreAttention: per-batch layouts, collectives
+    @eager_only  # as CoreAttention: per-batch layouts, collectives
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         layout = meta.extra.get("cp")
         if layout is None or layout.cp_size == 1:
