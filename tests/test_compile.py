@@ -134,3 +134,42 @@ def test_recomputed_blocks_are_compiled_not_run_eagerly(monkeypatch, with_moe):
         torch._dynamo.reset()
     code = "\n".join(graphs)
     assert "rsqrt" in code and "silu" in code, f"{len(graphs)} graphs captured, without the block's norms or SwiGLU"
+
+
+COMPILE_AFTER_PLAIN_IMPORT = r"""
+import os, sys
+import torch
+from core.model import build_model
+from core.layers import CoreAttention
+assert "torch._dynamo" not in sys.modules, "importing the model pulled in torch._dynamo"
+import torch._dynamo
+from core.parallelize import compile_blocks
+sys.path.insert(0, "tests")
+from test_compile import _batch, _loss_and_grads, _moe_config
+assert getattr(CoreAttention.forward, "_torchdynamo_disable", False), "CoreAttention.forward not disabled"
+cfg = _moe_config()
+eager, compiled = build_model(cfg, seed=5), build_model(cfg, seed=5)
+compile_blocks([compiled])
+for i, batch in enumerate([_batch(1, [40, 24, 32, 32], 64), _batch(2, [100, 28], 64)]):
+    torch._dynamo.config.error_on_recompile = i > 0
+    want_loss, _ = _loss_and_grads(eager, batch)
+    got_loss, _ = _loss_and_grads(compiled, batch)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_eager_only_methods_stay_out_of_graphs_when_dynamo_comes_later():
+    """A training process imports the model before anything imports torch._dynamo (which
+    `@eager_only` waits for): compiling then must still leave the attention core and the MoE
+    dispatch out of the graphs, or new document boundaries would recompile every block."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, **{COMPILE_BACKEND_ENV: "aot_eager"})
+    done = subprocess.run([sys.executable, "-c", COMPILE_AFTER_PLAIN_IMPORT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
