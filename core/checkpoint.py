@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from core import placement
@@ -48,6 +47,15 @@ from core.watchdog import stall_point
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 1
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported by the first save or load (DTensor likewise, below):
+    with what it imports, about a second of CPU that a process which never saves (the launcher)
+    does not spend."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def _rank() -> int:
@@ -125,7 +133,7 @@ def save_checkpoint(directory, step: int, model: nn.Module, optimizer, scheduler
     root, name, tmp = _begin_save(directory, step, keep)
     state = _state_to_save(step, model, optimizer, scheduler, mesh, extra)
     try:
-        dcp.save(state, checkpoint_id=str(tmp))
+        _dcp().save(state, checkpoint_id=str(tmp))
         _barrier()
     except BaseException:
         # Interrupted or failed mid-save: leave no partial folder behind (the start-up sweep
@@ -232,17 +240,18 @@ def _stage_on_host(state: dict, buffers: dict[str, torch.Tensor]) -> dict:
     return staged
 
 
-class _StallableWriter(dcp.FileSystemWriter):
+def _stallable_writer(path: str, step: int):
     """DCP's file writer with the fault-injection point "checkpoint write" (core/watchdog.py):
     after the collective planning, before this rank writes its part."""
+    writer = _dcp().FileSystemWriter(path)
+    write_data = writer.write_data
 
-    def __init__(self, path: str, step: int):
-        super().__init__(path)
-        self.step = step
+    def stallable_write_data(plan, planner):
+        stall_point("checkpoint write", step, _rank())
+        return write_data(plan, planner)
 
-    def write_data(self, plan, planner):
-        stall_point("checkpoint write", self.step, _rank())
-        return super().write_data(plan, planner)
+    writer.write_data = stallable_write_data
+    return writer
 
 
 class AsyncCheckpointer:
@@ -282,7 +291,7 @@ class AsyncCheckpointer:
 
     def _write(self, staged: dict, tmp: Path, step: int) -> None:
         try:
-            dcp.save(staged, storage_writer=_StallableWriter(str(tmp), step), process_group=self.group)
+            _dcp().save(staged, storage_writer=_stallable_writer(str(tmp), step), process_group=self.group)
         except BaseException as err:  # raised on the training thread at the next poll / wait
             self._error = err
 
@@ -365,7 +374,7 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"'{path}' is not a complete checkpoint (no .metadata); latest_checkpoint(dir) finds one")
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = _dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
     meshes = _meshes(mesh)
     state: dict = {"meta": b""}
     for pname, param in model.named_parameters():
@@ -387,7 +396,7 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     for kind in ("cpu", "cuda"):
         if f"{rng}.{kind}" in saved and (kind == "cpu" or torch.cuda.is_available()):
             state[f"{rng}.{kind}"] = torch.empty(saved[f"{rng}.{kind}"].size, dtype=torch.uint8)
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp().load(state, checkpoint_id=str(path))
 
     meta = pickle.loads(state["meta"])
     if optimizer is not None:
