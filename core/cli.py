@@ -19,6 +19,7 @@ _collecting = gc.isenabled()
 gc.disable()
 
 import argparse
+import atexit
 import logging
 import os
 import signal
@@ -46,6 +47,10 @@ from core.trainer import train
 from dataservice.client import DataServiceError
 
 if _collecting:
+    # What the imports made lives as long as the process: later passes skip it (the first would
+    # otherwise walk it all at once), until the exit handlers hand it back for the teardown.
+    gc.freeze()
+    atexit.register(gc.unfreeze)
     gc.enable()
 
 #: How long a rank other than 0 that met a bad input waits for rank 0 to report it (torchrun
