@@ -13,8 +13,8 @@ MoE, micro-batches 1-8, sequences of 4k-64k tokens, every recompute set the plan
 offload on and off, gradient accumulation. Per case:
 
 - memory (each case in a process of its own): `torch.cuda.max_memory_allocated` over the steps,
-  above what was allocated before the Trainer was built, against the planner's `peak_allocated` (what it predicts: the allocator's
-  tensors, not the CUDA context); `max_memory_reserved` against `peak_reserved`; and the peak a
+  above what was allocated before the Trainer was built, against the planner's `peak_allocated`
+  (what it predicts: the allocator's tensors, not the CUDA context); `max_memory_reserved` against `peak_reserved`; and the peak a
   step adds above the state (activations and transients) per token, against the same prediction;
 - time: the median step time (`Trainer.record`'s step_s, a host sync per step) against the
   predicted step time.

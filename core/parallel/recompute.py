@@ -21,8 +21,8 @@ around that layer replaces it by a recipe that reruns the cheap module when the 
 it. Those hooks are not traceable by torch.compile (`core.config` refuses the combination).
 
 Offload (`offload`): the tensors a module saves for backward are copied to pinned host memory
-on a side stream as they are saved (the forward goes on meanwhile) and copied back (on another) in the
-backward; the first use of a module's tensors also starts bringing back the module that ran
+on a side stream as they are saved (the forward goes on meanwhile) and copied back on a second
+one in the backward; the first use of a module's tensors also starts bringing back the module that ran
 before it, so the copies overlap the backward's compute. Parameters and tensors smaller than
 `MIN_OFFLOAD_BYTES` stay on the device.
 
