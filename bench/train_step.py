@@ -125,6 +125,8 @@ def tessera_config(cfg: ModelConfig, args, device: torch.device) -> Config:
     t.device, t.seed, t.seq_len = device.type, 0, args.seq  # seq_len: the trainer's MFU accounting
     t.recompute, t.compile, t.precision = args.recompute, args.compile, args.precision
     t.fp8_weight_cache = not args.no_fp8_weight_cache
+    t.fp8_recipe = getattr(args, "fp8_recipe", "blockwise")
+    config.model.dense_backend = getattr(args, "dense_backend", "torch")
     t.micro_batch_size = args.batch
     t.global_batch_size = args.batch * args.accum  # one rank: accum micro-batches per step
     config.parallel.gradient_accumulation_fusion = not args.no_wgrad_fusion
@@ -246,6 +248,10 @@ def main() -> None:
                         help="time one side after the other, each alone on the GPU (when both do not fit together)")
     parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
                         help="Tessera's precision (fp8: the blocks' linears and the experts; MFU still against bf16 peak)")
+    parser.add_argument("--dense-backend", choices=["torch", "te"], default="torch",
+                        help="Tessera's model.dense_backend (te: Transformer Engine's linears)")
+    parser.add_argument("--fp8-recipe", choices=["blockwise", "tensorwise", "delayed"], default="blockwise",
+                        help="with --precision fp8: train.fp8_recipe (tensorwise and delayed need --dense-backend te)")
     parser.add_argument("--no-wgrad-fusion", action="store_true",
                         help="Tessera without gradient-accumulation fusion (expert wgrad in bf16, then an fp32 pass)")
     parser.add_argument("--no-fp8-weight-cache", action="store_true",

@@ -32,7 +32,7 @@ import tomli_w
 import torch
 import torch.distributed as dist
 
-from core import fp8
+from core import fp8, te_backend
 from core.checkpoint import latest_checkpoint
 from core.config import Config, ConfigError, load_config, reference, validate
 from core.data import check_data_source
@@ -227,6 +227,11 @@ def check_inputs(config: Config) -> None:
     wgrad = os.environ.get(fp8.EXPERT_WGRAD_ENV)
     if config.train.precision == "fp8" and wgrad and wgrad not in fp8.EXPERT_WGRAD_MODES:
         raise ConfigError(f"{fp8.EXPERT_WGRAD_ENV}={wgrad!r} must be " + " or ".join(fp8.EXPERT_WGRAD_MODES))
+    if config.model.dense_backend == "te":
+        reason = te_backend.unavailable_reason()
+        if reason:
+            raise ConfigError(f"model.dense_backend='te' needs Transformer Engine on a GPU, but {reason}; "
+                              "use model.dense_backend='torch'")
     check_data_source(config)
     if config.checkpoint.init_from:
         with torch.device("meta"):  # names and shapes only: no memory, no init

@@ -140,6 +140,8 @@ class ModelConfig:
     """Scaling of the rotary frequencies for long contexts ([model.rope_scaling])."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """The mixture-of-experts layers ([model.moe])."""
+    dense_backend: Literal["torch", "te"] = "torch"
+    """GEMMs of the blocks' linear layers: torch (F.linear, or Tessera's FP8 kernels) or te (Transformer Engine, GPU only)."""
 
     @property
     def attention_head_dim(self) -> int:
@@ -215,6 +217,8 @@ class TrainConfig:
     """Most global gradient L2 norm; larger gradients are scaled down; 0: no clipping."""
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     """Compute precision; auto: bf16 on GPU, fp32 on CPU."""
+    fp8_recipe: Literal["blockwise", "tensorwise", "delayed"] = "blockwise"
+    """fp8: scaling of the dense layers' GEMMs; tensorwise (current) and delayed need model.dense_backend=te; experts stay blockwise."""
     fp8_weight_cache: bool = True
     """fp8: quantise each weight once per optimizer step, not per micro-batch (core/fp8_cache.py)."""
     recompute: Literal["none", "selective", "full"] = "none"
@@ -727,6 +731,23 @@ def _check_train(config: Config) -> None:
     if not t.run_dir.strip():
         raise ConfigError("train.run_dir is empty; give the run a folder, e.g. train.run_dir=runs/my_run")
     _check_recompute(t)
+    _check_dense_backend(config)
+
+
+def _check_dense_backend(config: Config) -> None:
+    t, backend = config.train, config.model.dense_backend
+    if t.fp8_recipe != "blockwise" and t.precision != "fp8":
+        raise ConfigError(f"train.fp8_recipe={t.fp8_recipe!r} applies to train.precision='fp8' only "
+                          f"(now {t.precision!r}); set both or leave fp8_recipe at 'blockwise'")
+    if t.fp8_recipe != "blockwise" and backend != "te":
+        raise ConfigError(f"train.fp8_recipe={t.fp8_recipe!r} runs through Transformer Engine: set "
+                          "model.dense_backend='te' (Tessera's own kernels scale blockwise only)")
+    if backend == "te":
+        hooked = sorted(recompute_set(t) & set(HOOKED_RECOMPUTE))
+        if hooked:
+            raise ConfigError(f"train.recompute_modules {hooked} cannot run with model.dense_backend='te': Transformer "
+                              "Engine's linears save their own (possibly FP8) inputs, which those hooks do not see; "
+                              "recompute 'attention_core', 'attention', 'mlp' or 'block' instead")
 
 
 # Fine-grained recomputation and offload (core/parallel/recompute.py). Each name is a kind of

@@ -1,6 +1,6 @@
 """Where the parallelisms compose: one function applies each step to the plain model in order.
 
-    tensor (+sequence) -> experts -> context -> fp8 GEMMs -> pipeline split -> recompute -> device/compile
+    tensor (+sequence) -> experts -> context -> Transformer Engine linears -> fp8 GEMMs -> pipeline split -> recompute -> device/compile
     -> data (+ZeRO-1)
 
 Each step is a function of its own module that rewrites the plain model in place; this
@@ -28,6 +28,7 @@ from core.parallel.data import DataParallel, apply_data_parallel
 from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_data_parallel
 from core.parallel.recompute import apply_recompute, compile_inside_checkpoint
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear, apply_tp
+from core.te_backend import apply_te
 from moe.experts import GroupedExperts
 from moe.layer import moe_layers, update_expert_bias
 from moe.parallel import apply_ep
@@ -94,8 +95,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         apply_ep(model, mesh, etp=p.etp, sequence_parallel=p.sequence_parallel)
     if mesh.cp > 1:
         apply_cp(model, mesh)
-    if precision == "fp8":  # after TP/EP: it reads the local shards' shapes
-        apply_fp8(model)
+    if config.model.dense_backend == "te":  # after TP/EP: it reads the local shards' shapes
+        apply_te(model, t.fp8_recipe if precision == "fp8" else None, fuse_wgrad=p.gradient_accumulation_fusion)
+    if precision == "fp8":  # the experts' GEMMs, and with the torch backend the dense ones
+        apply_fp8(model, dense=config.model.dense_backend == "torch")
     stage = None
     chunks = [model]
     if mesh.pp > 1:
@@ -126,8 +129,9 @@ def _cache_fp8_weights(model: nn.Module, dp, config: Config) -> None:
         WEIGHT_CACHE.track([])
 
 
-def apply_fp8(model: nn.Module, expert_wgrad: str | None = None) -> dict[str, str]:
+def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = True) -> dict[str, str]:
     """Switch the GEMMs of `model.layers` to FP8 in place; returns {module name: "fp8" | "bf16"}.
+    `dense=False`: the experts only (the linear layers run Transformer Engine's recipe).
 
     Touches the blocks' linear layers (`nn.Linear` -> `Fp8Linear`; tensor-parallel layers get
     `matmul = fp8_linear`) and `GroupedExperts.mm`; everything outside the blocks (embedding,
@@ -151,6 +155,8 @@ def apply_fp8(model: nn.Module, expert_wgrad: str | None = None) -> dict[str, st
             if isinstance(module, fp8.Fp8Linear) or getattr(module, "matmul", None) is fp8.fp8_linear \
                     or isinstance(getattr(module, "mm", None), fp8.Fp8GroupedMM):
                 raise ValueError(f"{full} already runs in FP8: apply_fp8 was applied twice")
+            if isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)) and not dense:
+                continue
             if isinstance(module, nn.Linear):
                 ok = fp8.fits_blocks(module.in_features, module.out_features)
                 if ok:

@@ -261,6 +261,16 @@ class DataParallel:
         # find the sink on the param; the rest keep handing bf16 gradients to the hook.
         for slot in self.slots:
             slot.param.main_grad_sink = MainGradSink(slot) if gradient_accumulation_fusion else None
+        # Ops that add weight gradients into `param.main_grad` themselves and flag it in
+        # `param.grad_added_to_main_grad` (Megatron's protocol; Transformer Engine's
+        # fuse_wgrad_accumulation): their main grads are exposed, and zeroed at each step's start.
+        self._accumulating = [slot for slot in self.slots if getattr(slot.param, "accumulates_main_grad", False)]
+        if self._accumulating and not gradient_accumulation_fusion:
+            raise ValueError(f"parameter '{self._accumulating[0].name}' adds its gradient into main_grad itself "
+                             "(gradient-accumulation fusion): build DataParallel with gradient_accumulation_fusion=True")
+        for slot in self._accumulating:
+            slot.param.main_grad, slot.param.grad_added_to_main_grad = slot.main_grad, False
+            slot.written = True  # the buffers start at zero
 
     # ------------------------------------------------------------------ layout
     def _make_slots(self, model: nn.Module) -> list[ParamSlot]:
@@ -304,7 +314,10 @@ class DataParallel:
         def on_grad(grads: tuple[torch.Tensor | None, ...]) -> tuple[None]:
             if grads[0] is None:
                 return (None,)
-            if slot.fused_pending:  # the backward already wrote main_grad (grads[0] is a stand-in)
+            if getattr(slot.param, "grad_added_to_main_grad", False):  # grads[0] is a placeholder
+                slot.param.grad_added_to_main_grad = False
+                self.stats["fused_grads"] += 1
+            elif slot.fused_pending:  # the backward already wrote main_grad (grads[0] is a stand-in)
                 slot.fused_pending = False
                 self.stats["fused_grads"] += 1
                 if any(grads[0].stride()):  # stand-ins have all-zero strides: the param was also used
@@ -430,6 +443,10 @@ class DataParallel:
         for slot in self.slots:
             slot.ready = slot.written = slot.fused_pending = False
             slot.param.grad = None
+        if self._accumulating:
+            torch._foreach_zero_([slot.main_grad for slot in self._accumulating])
+            for slot in self._accumulating:
+                slot.written = True
         self.pending_grad_scale = None
         self._next, self._finished = 0, False
 
@@ -466,6 +483,8 @@ class DataParallel:
         self._hooks = []
         for slot in self.slots:
             slot.param.main_grad_sink = None
+        for slot in self._accumulating:
+            del slot.param.main_grad, slot.param.grad_added_to_main_grad
 
 
 def apply_data_parallel(
@@ -481,7 +500,8 @@ def apply_data_parallel(
     """Attach bucketed, overlapped gradient reduction (and the ZeRO-1 layout when
     `distributed_optimizer`) to a plain model; returns the handle the optimizer uses.
     `gradient_accumulation_fusion`: ops that can (the experts' grouped GEMM) write weight
-    gradients straight into the fp32 main grads through `param.main_grad_sink`."""
+    gradients straight into the fp32 main grads through `param.main_grad_sink`; params tagged
+    `accumulates_main_grad` (Transformer Engine's linears) get `param.main_grad` to add into."""
     return DataParallel(
         model, mesh, bucket_mb=bucket_mb, shard_optimizer=distributed_optimizer,
         param_dtype=param_dtype, grad_reduce=grad_reduce, gradient_accumulation_fusion=gradient_accumulation_fusion,

@@ -1,0 +1,190 @@
+"""Transformer Engine as the GEMM backend of the blocks' linear layers (`model.dense_backend = "te"`).
+
+`apply_te(model, fp8_recipe, fuse_wgrad)` swaps each block's `nn.Linear` for a `TeLinear` and gives
+the tensor-parallel Column/RowParallelLinear a `TeMatmul`; their three GEMMs (forward, dgrad,
+wgrad) then run through `transformer_engine.pytorch.Linear`, in bf16 or with one of TE's FP8
+recipes. What stays Tessera's:
+
+- the parameters: TE's module is handed the very `nn.Parameter` the model registers under the
+  same name and shape, and is kept outside the module tree, so state dicts, checkpoints, ZeRO
+  and the optimizer see what the "torch" backend has; checkpoints move between the backends
+  unchanged. Not saved: the delayed recipe's amax history (a resumed run rebuilds it);
+- tensor and sequence parallelism: Tessera's collectives around the local GEMM;
+- the routed experts (Tessera's grouped kernels; blockwise FP8 whatever the dense recipe) and
+  everything that is not a block's linear layer.
+
+Each call enters TE's autocast itself and is kept out of torch.compile graphs: recomputation in
+the backward (outside any context the forward ran in) quantises like the forward, and the
+blocks' compiled graphs keep the norms, rotary and SwiGLU around the calls.
+
+FP8 recipes (`train.fp8_recipe`): "tensorwise" is TE's current scaling, "delayed" its delayed
+scaling (amax history per tensor, not reduced across ranks: each rank's scales are its own,
+which costs no collective per layer), "blockwise" its 1x128 / 128x128 block scaling, the
+scheme of Tessera's own kernels.
+
+Gradient-accumulation fusion: TE's wgrad GEMM adds into the parameter's fp32 `main_grad`
+(Megatron's protocol: `main_grad`, `grad_added_to_main_grad`), which core.parallel.data serves
+for parameters tagged by `mark_accumulates_main_grad`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.eager import eager_only
+from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+log = logging.getLogger(__name__)
+
+FP8_RECIPES = ("blockwise", "tensorwise", "delayed")
+FP8_ALIGN = 16  # TE's FP8 GEMMs take both dims of an operand in multiples of 16
+
+
+@functools.cache
+def _import_te():
+    """(transformer_engine.pytorch, transformer_engine.common.recipe) or the reason they fail."""
+    try:
+        return importlib.import_module("transformer_engine.pytorch"), importlib.import_module(
+            "transformer_engine.common.recipe")
+    except Exception as err:  # noqa: BLE001 (a broken install raises anything: OSError, RuntimeError, ...)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"{type(err).__name__}: {first}"[:300]
+
+
+def unavailable_reason() -> str | None:
+    """None when Transformer Engine's PyTorch API imports and a CUDA GPU is visible, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible (Transformer Engine runs on NVIDIA GPUs only)"
+    loaded = _import_te()
+    if isinstance(loaded, str):
+        return f"transformer_engine.pytorch does not import ({loaded})"
+    return None
+
+
+def _te():
+    loaded = _import_te()
+    if isinstance(loaded, str):
+        raise RuntimeError(f"model.dense_backend='te': transformer_engine.pytorch does not import ({loaded})")
+    return loaded
+
+
+def build_recipe(name: str | None):
+    """TE's recipe object for train.fp8_recipe `name`; None: bf16 GEMMs."""
+    if name is None:
+        return None
+    _, recipes = _te()
+    if name == "tensorwise":
+        return recipes.Float8CurrentScaling()
+    if name == "delayed":
+        return recipes.DelayedScaling(reduce_amax=False)
+    if name == "blockwise":
+        return recipes.Float8BlockScaling()
+    raise ValueError(f"fp8 recipe {name!r} must be one of {', '.join(FP8_RECIPES)}")
+
+
+def mark_accumulates_main_grad(param: nn.Parameter) -> None:
+    """The backward of this parameter's GEMM adds its gradient into `param.main_grad` itself."""
+    param.accumulates_main_grad = True
+
+
+def accumulates_main_grad(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "accumulates_main_grad", False))
+
+
+class TeMatmul:
+    """`F.linear`-like callable (x, weight, bias=None) whose GEMMs run in one `te.Linear`.
+
+    The TE module is created around `weight` (it holds that parameter, nothing of its own) and
+    is not a submodule of anything: the model's state stays the "torch" backend's."""
+
+    def __init__(self, weight: nn.Parameter, recipe, fuse_wgrad: bool):
+        te, _ = _te()
+        out_features, in_features = weight.shape
+        self.recipe = recipe
+        self.module = te.Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device="meta",
+                                fuse_wgrad_accumulation=fuse_wgrad)
+        self.module.weight = weight
+        self.autocast = functools.partial(te.autocast, enabled=recipe is not None, recipe=recipe)
+        if fuse_wgrad:
+            mark_accumulates_main_grad(weight)
+
+    @eager_only
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.module.weight is not weight:  # e.g. a checkpoint load that assigned new parameters
+            self.module.weight = weight
+        flat = x.reshape(-1, x.shape[-1])
+        pad = -flat.shape[0] % FP8_ALIGN if self.recipe is not None else 0
+        if pad:  # zero rows change neither an amax nor a product
+            flat = F.pad(flat, (0, 0, 0, pad))
+        with self.autocast():
+            y = self.module(flat)
+        if pad:
+            y = y[: flat.shape[0] - pad]
+        y = y.view(*x.shape[:-1], weight.shape[0])
+        return y + bias if bias is not None else y
+
+    def __repr__(self) -> str:
+        return f"TeMatmul(recipe={type(self.recipe).__name__ if self.recipe is not None else 'bf16'})"
+
+
+class TeLinear(nn.Module):
+    """`nn.Linear`'s parameters under the same names, with the GEMMs in Transformer Engine."""
+
+    def __init__(self, linear: nn.Linear, recipe, fuse_wgrad: bool):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.gemm = TeMatmul(linear.weight, recipe, fuse_wgrad)  # a plain attribute, not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {self.gemm!r}"
+
+
+def _fits(recipe, *dims: int) -> bool:
+    return recipe is None or all(d % FP8_ALIGN == 0 for d in dims)
+
+
+def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool) -> dict[str, str]:
+    """Switch the linear layers of `model.layers` to Transformer Engine in place; returns
+    {module name: "te" | "torch"}. `fp8_recipe` None: bf16 GEMMs. Apply after tensor and expert
+    parallelism (the local shards' shapes) and before the pipeline split, recompute, compile
+    and data parallelism (which serves `main_grad` when `fuse_wgrad`)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"model.dense_backend='te': {reason}")
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise ValueError(f"apply_te needs a core.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
+    recipe = build_recipe(fp8_recipe)
+    plan: dict[str, str] = {}
+    for layer_name, block in layers.items():
+        for name, module in list(block.named_modules()):
+            full = f"layers.{layer_name}.{name}"
+            if isinstance(module, nn.Linear):
+                ok = _fits(recipe, module.in_features, module.out_features)
+                if ok:
+                    parent, _, child = name.rpartition(".")
+                    setattr(block.get_submodule(parent), child, TeLinear(module, recipe, fuse_wgrad))
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                ok = _fits(recipe, *module.weight.shape)
+                if ok:
+                    module.matmul = TeMatmul(module.weight, recipe, fuse_wgrad)
+            else:
+                continue
+            plan[full] = "te" if ok else "torch"
+    kept = [name for name, how in plan.items() if how == "torch"]
+    if kept:
+        log.warning("te: %d of %d block linear layers keep torch GEMMs (FP8 needs feature sizes in multiples of %d): %s",
+                    len(kept), len(plan), FP8_ALIGN, ", ".join(kept))
+    log.info("te: %d block linear layers on Transformer Engine (%s)", len(plan) - len(kept), fp8_recipe or "bf16")
+    return plan

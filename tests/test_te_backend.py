@@ -1,0 +1,223 @@
+"""model.dense_backend = "te": the blocks' linear layers on Transformer Engine.
+
+On any machine: the settings' checks, the clear refusal where TE cannot run, and data
+parallelism's side of TE's gradient-accumulation fusion (Megatron's main_grad protocol).
+On a GPU with TE installed: TE's linears against torch's, the "te" backend's training
+against the "torch" backend's (bf16, dense and MoE), each FP8 recipe's loss against bf16,
+and checkpoints moving between the backends.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from core import te_backend
+from core.config import Config, ConfigError, validate
+from core.mesh import ParallelMesh
+from core.parallel.data import apply_data_parallel
+from tests.test_train import CONFIG, MOE_CONFIG, ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
+
+TE_MISSING = te_backend.unavailable_reason()
+needs_te = pytest.mark.skipif(TE_MISSING is not None, reason=f"Transformer Engine: {TE_MISSING}")
+RTOL_BF16 = 2e-2
+
+
+def _config(**train) -> Config:
+    config = Config()
+    for key, value in train.items():
+        section, _, name = key.partition("__")
+        setattr(getattr(config, section), name, value)
+    return config
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"train__precision": "bf16", "train__fp8_recipe": "tensorwise"}, "applies to train.precision='fp8' only"),
+    ({"train__precision": "fp8", "train__fp8_recipe": "delayed"}, "set model.dense_backend='te'"),
+    ({"model__dense_backend": "te", "train__recompute_modules": ["norms"]}, "cannot run with model.dense_backend='te'"),
+])
+def test_settings_that_cannot_work_are_refused(settings, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(_config(**settings), 1)
+
+
+def test_te_settings_that_work_pass():
+    validate(_config(model__dense_backend="te", train__precision="fp8", train__fp8_recipe="delayed",
+                     train__recompute_modules=["attention_core"]), 1)
+
+
+@pytest.mark.skipif(TE_MISSING is None, reason="Transformer Engine runs here")
+def test_te_backend_where_it_cannot_run_is_one_line_and_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "core.cli", "--config", str(CONFIG), "--set", "model.dense_backend=te",
+                           "--set", f"train.run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.dense_backend='te' needs Transformer Engine" in lines[0], proc.stderr
+    assert "use model.dense_backend='torch'" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+class _AddsIntoMainGrad(torch.autograd.Function):
+    """y = x W^T whose backward adds dW into W.main_grad and flags it, returning a placeholder
+    for W's gradient: what TE's linear does with fuse_wgrad_accumulation (the op TE runs on GPUs)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        weight.main_grad.add_((dy.t() @ x).float())
+        weight.grad_added_to_main_grad = True
+        return dy @ weight, torch.empty_like(weight)  # uninitialised, as TE's is
+
+
+class _Fused(nn.Linear):
+    def forward(self, x):
+        return _AddsIntoMainGrad.apply(x, self.weight)
+
+
+def _main_grads(fused: bool, micro_batches: int, steps: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 4, bias=False))
+    if fused:
+        for i in (0, 1):
+            old = model[i]
+            model[i] = _Fused(old.in_features, old.out_features, bias=False)
+            model[i].weight = old.weight
+            te_backend.mark_accumulates_main_grad(model[i].weight)
+    dp = apply_data_parallel(model, ParallelMesh.build(device_type="cpu"), gradient_accumulation_fusion=True)
+    out = []
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        dp.zero_grad()
+        for m in range(micro_batches):
+            context = dp.no_sync() if m < micro_batches - 1 else torch.enable_grad()
+            with context:
+                model(torch.randn(5, 8, generator=gen)).square().sum().backward()
+        dp.finish_grad_sync()
+        out.append(torch.cat([g.reshape(-1).clone() for g in dp.local_grads()]))
+        with torch.no_grad():  # a step, so the next one starts from other weights
+            for slot in dp.slots:
+                slot.param.sub_(0.01 * slot.main_grad.to(slot.param.dtype))
+    assert dp.stats["fused_grads"] == (2 * micro_batches * steps if fused else 0)
+    return out
+
+
+def test_data_parallel_serves_the_main_grad_protocol():
+    # Three steps of three micro-batches: main grads zeroed at each step's start, accumulated
+    # by the op itself, identical to the hook's own accumulation of returned gradients.
+    want, got = _main_grads(False, 3, 3), _main_grads(True, 3, 3)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_main_grad_protocol_needs_fusion_on():
+    layer = nn.Linear(4, 4, bias=False)
+    te_backend.mark_accumulates_main_grad(layer.weight)
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion=True"):
+        apply_data_parallel(nn.Sequential(layer), ParallelMesh.build(device_type="cpu"),
+                            gradient_accumulation_fusion=False)
+
+
+# ------------------------------------------------------------------------------- GPU
+@needs_te
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe, rtol", [(None, 1e-2), ("tensorwise", 0.12), ("delayed", 0.12), ("blockwise", 0.12)])
+def test_te_linear_matches_torch_linear(recipe, rtol):
+    torch.manual_seed(0)
+    ref = nn.Linear(256, 384, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # 200: padded to 208 in FP8
+    dy = torch.randn(200, 384, device="cuda", dtype=torch.bfloat16)
+    y_ref = ref(x)
+    y_ref.backward(dy)
+    dx_ref, dw_ref = x.grad.clone(), ref.weight.grad.clone()
+    x.grad, ref.weight.grad = None, None
+    layer = te_backend.TeLinear(ref, te_backend.build_recipe(recipe), fuse_wgrad=False)
+    assert dict(layer.state_dict()).keys() == {"weight", "bias"}
+    for _ in range(3):  # delayed scaling's scales come from the amax of earlier calls
+        x.grad, ref.weight.grad = None, None
+        y = layer(x)
+        y.backward(dy)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert rel(y, y_ref) < rtol and rel(x.grad, dx_ref) < rtol and rel(ref.weight.grad, dw_ref) < rtol
+
+
+GPU = ["train.device=cuda", "train.max_steps=200", "train.seq_len=256", "train.micro_batch_size=2",
+       "train.global_batch_size=8", "train.log_interval=50"]
+
+
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory, train_dataset):
+    if TE_MISSING is not None:
+        pytest.skip(f"Transformer Engine: {TE_MISSING}")
+    out = {}
+    for name, config in (("dense", CONFIG), ("moe", MOE_CONFIG)):
+        run_dir = tmp_path_factory.mktemp(f"torch-{name}")
+        run_train(run_dir, train_dataset, 1, *GPU, "parallel.ep=1", config=config)
+        out[name] = losses(run_dir)
+    return out
+
+
+def _tail_mean(values: dict[int, float], n: int = 20) -> float:
+    steps = sorted(values)[-n:]
+    return sum(values[s] for s in steps) / len(steps)
+
+
+@needs_te
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_te_backend_trains_like_the_torch_backend(tmp_path, dataset, torch_runs, name):
+    # 200 bf16 steps: each step's loss within bf16 noise of the torch backend's; the last 20
+    # steps' mean within 1%.
+    run_train(tmp_path / "te", dataset, 1, *GPU, "parallel.ep=1", "model.dense_backend=te",
+              config=CONFIG if name == "dense" else MOE_CONFIG)
+    want, got = torch_runs[name], losses(tmp_path / "te")
+    assert got.keys() == want.keys()
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=3 * RTOL_BF16), (step, got[step], loss)
+    assert _tail_mean(got) == pytest.approx(_tail_mean(want), rel=0.01)
+
+
+@needs_te
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_fp8_recipes_learn_like_bf16(tmp_path, dataset, torch_runs, recipe):
+    # 500 steps of each TE recipe (compiled blocks): the last 20 steps' mean loss within 1% of
+    # the bf16 run's over the same data.
+    common = [*GPU, "train.max_steps=500", "model.dense_backend=te"]
+    run_train(tmp_path / "bf16", dataset, 1, *common)
+    run_train(tmp_path / "fp8", dataset, 1, *common, "train.precision=fp8", f"train.fp8_recipe={recipe}",
+              "train.compile=true")
+    want, got = losses(tmp_path / "bf16"), losses(tmp_path / "fp8")
+    assert sorted(got) == list(range(1, 501))
+    assert _tail_mean(got) == pytest.approx(_tail_mean(want), rel=0.01), (_tail_mean(got), _tail_mean(want))
+
+
+@needs_te
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then", [("torch", "te"), ("te", "torch")])
+def test_checkpoints_move_between_backends(tmp_path, dataset, first, then):
+    # Save after step 10 under one backend, resume under the other: steps 11-20 equal the
+    # uninterrupted run of the first backend within bf16 noise.
+    common = [*GPU, "train.max_steps=20", "checkpoint.interval=10"]
+    run_train(tmp_path / "whole", dataset, 1, *common, f"model.dense_backend={first}")
+    run_dir = tmp_path / "moved"
+    run_train(run_dir, dataset, 1, *common, f"model.dense_backend={first}", "train.stop_at_step=10")
+    run_train(run_dir, dataset, 1, *common, f"model.dense_backend={then}", resume=True)
+    want, got = losses(tmp_path / "whole"), losses(run_dir)
+    for step in range(11, 21):
+        assert got[step] == pytest.approx(want[step], rel=RTOL_BF16), (step, got[step], want[step])
