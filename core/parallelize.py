@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core import fp8
+from core import fp8, te_backend
 from core.config import Config, grad_accum_steps
 from core.fp8_cache import WEIGHT_CACHE
 from core.mesh import ParallelMesh
@@ -28,7 +28,6 @@ from core.parallel.data import DataParallel, apply_data_parallel
 from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_data_parallel
 from core.parallel.recompute import apply_recompute, compile_inside_checkpoint
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear, apply_tp
-from core.te_backend import apply_te
 from moe.experts import GroupedExperts
 from moe.layer import moe_layers, update_expert_bias
 from moe.parallel import apply_ep
@@ -96,7 +95,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     if mesh.cp > 1:
         apply_cp(model, mesh)
     if config.model.dense_backend == "te":  # after TP/EP: it reads the local shards' shapes
-        apply_te(model, t.fp8_recipe if precision == "fp8" else None, fuse_wgrad=p.gradient_accumulation_fusion)
+        te_backend.apply_te(model, t.fp8_recipe if precision == "fp8" else None, fuse_wgrad=p.gradient_accumulation_fusion)
     if precision == "fp8":  # the experts' GEMMs, and with the torch backend the dense ones
         apply_fp8(model, dense=config.model.dense_backend == "torch")
     stage = None
@@ -127,6 +126,10 @@ def _cache_fp8_weights(model: nn.Module, dp, config: Config) -> None:
         dp.on_new_weights.append(WEIGHT_CACHE.clear)
     else:
         WEIGHT_CACHE.track([])
+    # Transformer Engine's linears keep their own FP8 weights from a step's first micro-batch.
+    te_backend.WEIGHTS.enabled = WEIGHT_CACHE.enabled and config.model.dense_backend == "te"
+    if te_backend.WEIGHTS.enabled:
+        dp.on_new_weights.append(te_backend.WEIGHTS.bump)
 
 
 def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = True) -> dict[str, str]:

@@ -97,11 +97,28 @@ def accumulates_main_grad(param: torch.Tensor) -> bool:
     return bool(getattr(param, "accumulates_main_grad", False))
 
 
+class _WeightVersion:
+    """Counts optimizer steps (data parallelism's `on_new_weights`): a linear's first call after
+    a new step is its first micro-batch, where TE quantises the weight and keeps it for the rest."""
+
+    def __init__(self):
+        self.version = 0
+        self.enabled = False
+
+    def bump(self) -> None:
+        self.version += 1
+
+
+WEIGHTS = _WeightVersion()
+
+
 class TeMatmul:
     """`F.linear`-like callable (x, weight, bias=None) whose GEMMs run in one `te.Linear`.
 
     The TE module is created around `weight` (it holds that parameter, nothing of its own) and
-    is not a submodule of anything: the model's state stays the "torch" backend's."""
+    is not a submodule of anything: the model's state stays the "torch" backend's. In FP8 the
+    call runs inside the model's autocast (`forward_in_autocast`), or enters its own where there
+    is none (recomputation in the backward, a model without the hooks)."""
 
     def __init__(self, weight: nn.Parameter, recipe, fuse_wgrad: bool):
         te, _ = _te()
@@ -110,9 +127,18 @@ class TeMatmul:
         self.module = te.Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device="meta",
                                 fuse_wgrad_accumulation=fuse_wgrad)
         self.module.weight = weight
-        self.autocast = functools.partial(te.autocast, enabled=recipe is not None, recipe=recipe)
+        self.autocast = functools.partial(te.autocast, enabled=True, recipe=recipe)
+        self.fp8_enabled = te.quantization.FP8GlobalStateManager.is_fp8_enabled
+        self.seen = -1  # the weight version of the last call
         if fuse_wgrad:
             mark_accumulates_main_grad(weight)
+
+    def _first_microbatch(self) -> bool | None:
+        """TE's is_first_microbatch: None (quantise the weight on every call) unless caching."""
+        if self.recipe is None or not WEIGHTS.enabled:
+            return None
+        first, self.seen = self.seen != WEIGHTS.version, WEIGHTS.version
+        return first
 
     @eager_only
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,8 +148,12 @@ class TeMatmul:
         pad = -flat.shape[0] % FP8_ALIGN if self.recipe is not None else 0
         if pad:  # zero rows change neither an amax nor a product
             flat = F.pad(flat, (0, 0, 0, pad))
-        with self.autocast():
-            y = self.module(flat)
+        first = self._first_microbatch()
+        if self.recipe is not None and not self.fp8_enabled():
+            with self.autocast():
+                y = self.module(flat, is_first_microbatch=first)
+        else:
+            y = self.module(flat, is_first_microbatch=first)
         if pad:
             y = y[: flat.shape[0] - pad]
         y = y.view(*x.shape[:-1], weight.shape[0])
@@ -148,6 +178,24 @@ class TeLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {self.gemm!r}"
+
+
+def forward_in_autocast(model: nn.Module, recipe) -> None:
+    """Run `model`'s whole forward inside one TE autocast (hooks on the model): one amax
+    update per forward for the delayed recipe, not one per layer, and no context per call."""
+    te, _ = _te()
+    state: list = []
+
+    def enter(module, args):
+        state.append(te.autocast(enabled=True, recipe=recipe))
+        state[-1].__enter__()
+
+    def leave(module, args, output):
+        if state:
+            state.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
 
 
 def _fits(recipe, *dims: int) -> bool:
@@ -182,6 +230,8 @@ def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool) -> dict
             else:
                 continue
             plan[full] = "te" if ok else "torch"
+    if recipe is not None:
+        forward_in_autocast(model, recipe)
     kept = [name for name, how in plan.items() if how == "torch"]
     if kept:
         log.warning("te: %d of %d block linear layers keep torch GEMMs (FP8 needs feature sizes in multiples of %d): %s",
