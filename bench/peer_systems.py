@@ -550,3 +550,190 @@ def _titan_moe(spec: Spec):
         qk_rope_head_dim=rope, v_head_dim=v, max_seq_len=spec.seq, original_seq_len=spec.seq, rope_theta=m.rope_theta,
         attn_type="flex" if spec.packed else "sdpa", attn_mask_type="block_causal" if spec.packed else "causal")
     return "deepseek_v3", args, m.num_heads * ((nope + rope) + v) / 2
+
+
+# -- Megatron-Core ---------------------------------------------------------------------------
+
+MEGATRON_API = "0.19"  # TransformerConfig, GPTModel, DDP, get_megatron_optimizer as megatron-core 0.19 has them
+# Megatron's non-TE linears (the output layer) fuse the weight-gradient accumulation only with
+# Apex's extension; without it a Megatron user runs --no-gradient-accumulation-fusion
+_WGRAD_FUSION = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def megatron_gpt_weights(m: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The reference weights under Megatron-Core GPTModel names. Its fused QKV interleaves per
+    query group ([the group's query heads; its key; its value] for each group in turn, the grouping
+    Tessera's repeat_interleave GQA reads); linear_fc1 is [gate; up] (silu on the first half). The
+    input norms sit in linear_qkv / linear_fc1 as layer_norm_weight in the Transformer Engine layer
+    spec, as input_layernorm / pre_mlp_layernorm in the local spec: both names are given."""
+    head, groups = m.attention_head_dim, m.num_kv_heads
+    out = {"embedding.word_embeddings.weight": weights["tok_embeddings.weight"],
+           "decoder.final_layernorm.weight": weights["norm.weight"],
+           "output_layer.weight": weights["output.weight"]}
+    for i in range(m.num_layers):
+        src, dst = f"layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = (weights[f"{src}attention.{w}.weight"] for w in ("wq", "wk", "wv"))
+        qkv = torch.cat([q.reshape(groups, -1, m.dim), k.reshape(groups, head, m.dim), v.reshape(groups, head, m.dim)],
+                        dim=1)
+        out[dst + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, m.dim)
+        out[dst + "self_attention.linear_proj.weight"] = weights[src + "attention.wo.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([weights[src + "feed_forward.w1.weight"],
+                                                        weights[src + "feed_forward.w3.weight"]])
+        out[dst + "mlp.linear_fc2.weight"] = weights[src + "feed_forward.w2.weight"]
+        for norm, fused, local in (("attention_norm", "self_attention.linear_qkv", "input_layernorm"),
+                                   ("ffn_norm", "mlp.linear_fc1", "pre_mlp_layernorm")):
+            out[f"{dst}{fused}.layer_norm_weight"] = out[f"{dst}{local}.weight"] = weights[f"{src}{norm}.weight"]
+    return out
+
+
+def megatron_gpt(spec: Spec, transformer_engine: bool):
+    """Megatron-Core's TransformerConfig and GPTModel for Tessera's dense shapes (SwiGLU, RMSNorm,
+    no biases, GQA, rotary, no dropout), on the current device, parameters in bf16 unless fp32.
+    The local layer spec (Megatron's own modules) where `transformer_engine` is false. Needs
+    torch.distributed and megatron.core.parallel_state initialised."""
+    transformer = optional("megatron.core.transformer", "megatron-core's transformer")
+    layer_specs = optional("megatron.core.models.gpt.gpt_layer_specs", "megatron-core's GPT layer specs")
+    gpt = optional("megatron.core.models.gpt", "megatron-core's GPTModel")
+    m = spec.model
+    if m.qk_norm or m.attention_bias or m.rope_scaling.type != "none":
+        raise Unavailable("megatron: this bench maps Llama-like blocks only (no qk-norm, attention bias or rope scaling)")
+    cuda = spec.device.type == "cuda"
+    half = spec.precision != "fp32"
+    kwargs = dict(
+        num_layers=m.num_layers, hidden_size=m.dim, num_attention_heads=m.num_heads, num_query_groups=m.num_kv_heads,
+        kv_channels=m.attention_head_dim, ffn_hidden_size=m.ffn_dim, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=m.norm_eps,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bf16=half,
+        params_dtype=torch.bfloat16 if half else torch.float32, pipeline_dtype=torch.bfloat16 if half else torch.float32,
+        # the reference weights are copied over every parameter: Megatron's own init would be discarded
+        perform_initialization=False, use_cpu_initialization=not cuda,
+        # Megatron-LM's command-line defaults (its fused kernels) on the GPU; the plain ops elsewhere
+        bias_activation_fusion=cuda, masked_softmax_fusion=cuda, bias_dropout_fusion=cuda, apply_rope_fusion=cuda,
+        persist_layer_norm=cuda, gradient_accumulation_fusion=cuda and transformer_engine and _WGRAD_FUSION,
+        cross_entropy_loss_fusion=cuda, calculate_per_token_loss=True)
+    if spec.recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif spec.recompute == "selective":
+        kwargs.update(recompute_granularity="selective")  # its default module: core attention
+    if spec.precision == "fp8":
+        # Megatron's default FP8 recipe (delayed scaling, E4M3 forward / E5M2 gradients) with the
+        # amax history of its Llama 3 H100 FP8 example
+        kwargs.update(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+    config = transformer.TransformerConfig(**kwargs)
+    layer = (layer_specs.get_gpt_layer_with_transformer_engine_spec() if transformer_engine
+             else layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"))
+    model = gpt.GPTModel(config, layer, vocab_size=m.vocab_size, max_sequence_length=spec.seq,
+                         position_embedding_type="rope", rotary_base=m.rope_theta,
+                         share_embeddings_and_output_weights=m.tie_embeddings)
+    return config, model
+
+
+def megatron_distributed(spec: Spec) -> None:
+    """One rank of torch.distributed (NCCL on the GPU, gloo elsewhere) and Megatron's model-parallel
+    state at TP = PP = 1, unless this process has them already (another system, an earlier workload)."""
+    parallel_state = optional("megatron.core.parallel_state", "megatron-core's parallel_state")
+    if not torch.distributed.is_initialized():
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+            os.environ.setdefault(key, value)
+        torch.distributed.init_process_group("nccl" if spec.device.type == "cuda" else "gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def megatron_core(spec: Spec, feed: Feed, weights) -> Built:
+    """Megatron-Core as a Megatron-LM pretraining run drives it on one GPU: GPTModel with the
+    Transformer Engine layer spec (TE's fused norm+linear, attention and, for FP8, its delayed
+    scaling recipe) in bf16 parameters inside Float16Module, Megatron's DistributedDataParallel
+    (fp32 gradient buffer) and DistributedOptimizer (fp32 master weights, Adam with decoupled
+    weight decay, its global-norm clipping), the no-pipelining schedule from
+    get_forward_backward_func over the accumulation's micro-batches, per-token loss normalisation
+    (calculate_per_token_loss: summed token losses, gradients divided by the step's label count in
+    finalize_model_grads), recompute per the workload, packed documents in the THD layout
+    (PackedSeqParams over the shared cu_seqlens). Weights: Tessera's, rounded once to bf16."""
+    mcore = optional("megatron.core", "megatron-core is not installed (pip install megatron-core==0.19.2)")
+    version = getattr(mcore, "__version__", "0")
+    if not version.startswith(MEGATRON_API):
+        raise Unavailable(f"megatron-core {version}: this bench drives the {MEGATRON_API} API")
+    if spec.device.type != "cuda":
+        raise Unavailable("megatron: its DDP, distributed optimizer and schedules allocate on CUDA "
+                          "(its model alone runs here: tests/test_peers_bench.py checks it against Tessera's)")
+    if spec.model.moe.num_experts:
+        raise Unavailable("megatron: Tessera's DeepSeek-like MoE is not mapped onto Megatron's MoE layer in this bench")
+    optional("transformer_engine.pytorch", "megatron: its Transformer Engine layer spec needs transformer_engine")
+    ddp_mod = optional("megatron.core.distributed", "megatron-core's distributed")
+    optim = optional("megatron.core.optimizer", "megatron-core's optimizer")
+    schedules = optional("megatron.core.pipeline_parallel", "megatron-core's pipeline_parallel")
+    module = optional("megatron.core.transformer.module", "megatron-core's transformer module")
+    random = optional("megatron.core.tensor_parallel", "megatron-core's tensor_parallel")
+    packing = optional("megatron.core.packed_seq_params", "megatron-core's packed_seq_params")
+    torch.cuda.set_device(spec.device.index if spec.device.index is not None else torch.cuda.current_device())
+    megatron_distributed(spec)
+    random.model_parallel_cuda_manual_seed(0)  # its RNG tracker, which recompute forks
+    config, gpt = megatron_gpt(spec, transformer_engine=True)
+    copy_by_name(gpt, megatron_gpt_weights(spec.model, weights))
+    counts = _counts(gpt, gpt.embedding.word_embeddings, spec)
+    model = module.Float16Module(config, gpt) if spec.precision != "fp32" else gpt
+    model = ddp_mod.DistributedDataParallel(
+        config=config, module=model,
+        ddp_config=ddp_mod.DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                         use_distributed_optimizer=True))
+    opt = optim.get_megatron_optimizer(optim.OptimizerConfig(
+        optimizer="adam", lr=spec.lr, weight_decay=0.0, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
+        clip_grad=CLIP, bf16=spec.precision != "fp32", params_dtype=config.params_dtype,
+        use_distributed_optimizer=True), [model])
+    # what Megatron-LM's training loop sets before its first step
+    config.grad_scale_func = opt.scale_loss
+    config.finalize_model_grads_func = ddp_mod.finalize_model_grads
+    forward_backward = schedules.get_forward_backward_func()
+
+    inputs: dict[int, dict] = {}
+
+    def prepared(micro: Micro) -> dict:
+        # Megatron's batch: [b, s] tokens, positions, labels and a loss mask (the model returns
+        # [b, s] token losses); packed rows become one THD row with the documents' cu_seqlens
+        if id(micro) not in inputs:
+            shape = (1, -1) if spec.packed else micro.tokens.shape
+            batch = {"input_ids": micro.tokens.reshape(shape), "position_ids": micro.positions.reshape(shape),
+                     "labels": micro.targets.clamp(min=0).reshape(shape),
+                     "mask": (micro.targets != -100).reshape(-1).float()}
+            batch["count"] = batch["mask"].sum().to(torch.int)
+            if spec.packed:
+                batch["packed_seq_params"] = packing.PackedSeqParams(
+                    qkv_format="thd", cu_seqlens_q=micro.cu_seqlens, cu_seqlens_kv=micro.cu_seqlens,
+                    max_seqlen_q=micro.max_seqlen, max_seqlen_kv=micro.max_seqlen)
+            inputs[id(micro)] = batch
+        return inputs[id(micro)]
+
+    def batches():
+        while True:
+            yield prepared(feed.next())
+
+    data = batches()
+
+    def loss_func(batch: dict, token_losses: torch.Tensor):
+        loss = (token_losses.float().reshape(-1) * batch["mask"]).sum()
+        return loss, batch["count"], {"lm loss": torch.stack([loss.detach(), batch["count"].float()])}
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        out = chunk(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"],
+                    packed_seq_params=batch.get("packed_seq_params"))
+        return out, lambda token_losses: loss_func(batch, token_losses)
+
+    def step():
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        reduced = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
+                                   num_microbatches=spec.accum, seq_length=spec.seq, micro_batch_size=spec.batch,
+                                   forward_only=False)
+        opt.step()
+        total = torch.stack([r["lm loss"] for r in reduced]).sum(0)
+        return total[0] / total[1]
+
+    recompute = {"full": "full (uniform, 1 layer)", "selective": "selective (core attention)"}.get(spec.recompute, "none")
+    precision = ("FP8 hybrid delayed scaling (amax history 1024, max) in TE, bf16 params" if spec.precision == "fp8"
+                 else "bf16 params (Float16Module)" if spec.precision == "bf16" else "fp32")
+    return Built(step, counts, spec.model.num_heads * spec.model.attention_head_dim,
+                 f"megatron-core {version} GPTModel, TE layer spec, {precision}, DDP (fp32 grads) + "
+                 f"DistributedOptimizer, forward_backward_no_pipelining, per-token loss, recompute {recompute}, "
+                 f"{'THD packed documents' if spec.packed else 'causal'}")

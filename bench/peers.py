@@ -5,6 +5,9 @@ the architecture is the same), sequence length, micro-batch, global batch (gradi
 accumulation), precision and optimizer (AdamW 0.9/0.95, no weight decay, constant lr, clip 1.0)
 on the same synthetic token batches (a fixed pool cycled in the same order for everyone):
 - tessera: `core.trainer.Trainer` (`step` then `record`, as bench/train_step.py drives it);
+- megatron: Megatron-Core 0.19's GPTModel with its Transformer Engine layer spec, its
+  DistributedDataParallel, DistributedOptimizer and forward-backward schedule, as Megatron-LM's
+  pretraining loop drives them (GPU; dense, dense-fp8 and longseq; chosen with --systems);
 - torchtitan: its own `Trainer.train_step` with its model, parallelize (compile, its
   activation checkpointing, its float8 converter), optimizer and scheduler (bench/peer_systems.py);
 - torchao-rowwise / torchao-tensorwise: `convert_to_float8_training` on the plain model,
@@ -16,8 +19,9 @@ Workloads (`--workload`, default all): dense (the ~1B Llama of bench/train_step.
 bf16), dense-fp8 (the same in FP8: Tessera's 1x128/128x128 blockwise recipe against torchao's
 rowwise and tensorwise), moe (launch/configs/deepseek_like.toml at 4 layers), longseq (the dense
 model on 32k-token rows of packed documents, whole-block recompute in every system). Document
-boundaries: Tessera's varlen attention (cu_seqlens); TorchTitan's flex block-causal mask split at
-the EOS token; transformers' block-causal mask from position_ids that restart per document.
+boundaries: Tessera's varlen attention (cu_seqlens); Megatron's THD layout over the same
+cu_seqlens; TorchTitan's flex block-causal mask split at the EOS token; transformers' block-causal
+mask from position_ids that restart per document.
 
 Timing and records are bench/harness.py's: each system is built and warmed up (--warmup steps),
 then --rounds interleaved rounds of one optimizer step each (CUDA events, median and spread), or
@@ -38,7 +42,8 @@ holds no other version of these packages:
 
     bash ../shared/tools/gpu-wheels.sh torchtitan==0.2.2 torchao==0.18.0 tyro==1.0.17 \
         docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 datasets==4.7.0 dill==0.4.0 \
-        multiprocess==0.70.18 grpcio-health-checking==1.84.0 grpcio-tools==1.84.0 tomli-w==1.2.0
+        multiprocess==0.70.18 grpcio-health-checking==1.84.0 grpcio-tools==1.84.0 tomli-w==1.2.0 \
+        megatron-core==0.19.2
 
 then, there (carrying .whl; each workload bounded so the run ends within about 9 minutes):
 
@@ -46,6 +51,11 @@ then, there (carrying .whl; each workload bounded so the run ends within about 9
       && export PYTHONPATH=/tmp/site:$PYTHONPATH TESSERA_BENCH_RECORDS=$OUT/peers.jsonl PYTHONUNBUFFERED=1 \
       && for w in dense dense-fp8 moe longseq; do timeout 130 python3 -m bench.peers --workload $w \
          --rounds 4 --warmup 2; done
+
+Megatron-Core (its wheel needs only torch, numpy and packaging) also needs Transformer Engine on
+that path (../shared/tools/te-wheels.sh); then, for example:
+
+    python3 -m bench.peers --workload dense --systems tessera,megatron,torchtitan --rounds 4 --warmup 2
 """
 
 from __future__ import annotations
@@ -61,15 +71,15 @@ import numpy as np
 import torch
 
 from bench.harness import compare, emit, ratio
-from bench.peer_systems import (EOS, Built, Feed, Micro, Spec, Unavailable, huggingface, reference_weights,
-                                tessera, torchao_fp8, torchtitan)
+from bench.peer_systems import (EOS, Built, Feed, Micro, Spec, Unavailable, huggingface, megatron_core,
+                                reference_weights, tessera, torchao_fp8, torchtitan)
 from bench.train_step import model_config, print_profile
 from core.config import RECOMPUTE_MODULES, ModelConfig, MoEConfig
 from core.metrics import PEAK_FLOPS, flops_per_token
 from core.model import build_model
 
-SYSTEMS = {"tessera": tessera, "torchtitan": torchtitan, "torchao-rowwise": torchao_fp8("rowwise"),
-           "torchao-tensorwise": torchao_fp8("tensorwise"), "hf": huggingface}
+SYSTEMS = {"tessera": tessera, "megatron": megatron_core, "torchtitan": torchtitan,
+           "torchao-rowwise": torchao_fp8("rowwise"), "torchao-tensorwise": torchao_fp8("tensorwise"), "hf": huggingface}
 STATE_BYTES = 18  # per parameter held between steps, at most: bf16 weight, fp32 master, grad, two moments
 
 
