@@ -20,6 +20,7 @@ from core import te_backend
 from core.config import Config, ConfigError, validate
 from core.mesh import ParallelMesh
 from core.parallel.data import apply_data_parallel
+from dataservice.build import build_dataset, make_corpus
 from tests.test_train import CONFIG, MOE_CONFIG, ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
 
 TE_MISSING = te_backend.unavailable_reason()
@@ -190,20 +191,40 @@ def test_te_backend_trains_like_the_torch_backend(tmp_path, dataset, torch_runs,
     assert _tail_mean(got) == pytest.approx(_tail_mean(want), rel=0.01)
 
 
+@pytest.fixture(scope="module")
+def fresh_text(tmp_path_factory):
+    """1.2M tokens: 500 steps of 8 x 256 read each document at most once, so the loss measures
+    learning the text's statistics, not memorising a small set of documents (where runs drift
+    apart by a few % whatever their precision: bf16 eager against compiled, 0.9% on the tests'
+    small dataset)."""
+    tmp = tmp_path_factory.mktemp("fresh-text")
+    return build_dataset([make_corpus(tmp, n_docs=4000, seed=5, min_len=64, max_len=1200)], tmp / "shards")
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory, fresh_text):
+    if TE_MISSING is not None:
+        pytest.skip(f"Transformer Engine: {TE_MISSING}")
+    run_dir = tmp_path_factory.mktemp("te-bf16")
+    run_train(run_dir, fresh_text, 1, *FP8_RUN)
+    return losses(run_dir)
+
+
+FP8_RUN = [*GPU, "train.max_steps=500", "model.dense_backend=te", "train.compile=true"]
+
+
 @needs_te
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
-def test_fp8_recipes_learn_like_bf16(tmp_path, dataset, torch_runs, recipe):
-    # 500 steps of each TE recipe (compiled blocks): the last 20 steps' mean loss within 1% of
-    # the bf16 run's over the same data.
-    common = [*GPU, "train.max_steps=500", "model.dense_backend=te"]
-    run_train(tmp_path / "bf16", dataset, 1, *common)
-    run_train(tmp_path / "fp8", dataset, 1, *common, "train.precision=fp8", f"train.fp8_recipe={recipe}",
-              "train.compile=true")
-    want, got = losses(tmp_path / "bf16"), losses(tmp_path / "fp8")
+def test_fp8_recipes_learn_like_bf16(tmp_path, fresh_text, bf16_run, recipe):
+    # 500 steps of each TE recipe against bf16 (both compiled), same data: the last 50 steps'
+    # mean loss within 1%.
+    run_train(tmp_path / "fp8", fresh_text, 1, *FP8_RUN, "train.precision=fp8", f"train.fp8_recipe={recipe}")
+    got = losses(tmp_path / "fp8")
     assert sorted(got) == list(range(1, 501))
-    assert _tail_mean(got) == pytest.approx(_tail_mean(want), rel=0.01), (_tail_mean(got), _tail_mean(want))
+    assert _tail_mean(got, 50) == pytest.approx(_tail_mean(bf16_run, 50), rel=0.01), \
+        (_tail_mean(got, 50), _tail_mean(bf16_run, 50))
 
 
 @needs_te
