@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from bench.train_step import moe_step_hooks
+from core import te_backend
 from core.config import Config, ModelConfig
 from core.data import StepInputs
 from core.layers import AttentionMeta
@@ -650,6 +651,7 @@ def megatron_core(spec: Spec, feed: Feed, weights) -> Built:
     (calculate_per_token_loss: summed token losses, gradients divided by the step's label count in
     finalize_model_grads), recompute per the workload, packed documents in the THD layout
     (PackedSeqParams over the shared cu_seqlens). Weights: Tessera's, rounded once to bf16."""
+    te_backend.prefer_torch_cudnn()  # megatron.core imports Transformer Engine
     mcore = optional("megatron.core", "megatron-core is not installed (pip install megatron-core==0.19.2)")
     version = getattr(mcore, "__version__", "0")
     if not version.startswith(MEGATRON_API):

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +48,25 @@ FP8_RECIPES = ("blockwise", "tensorwise", "delayed")
 FP8_ALIGN = 16  # TE's FP8 GEMMs take both dims of an operand in multiples of 16
 
 
+def prefer_torch_cudnn() -> None:
+    """Point Transformer Engine at the cuDNN torch loads. TE looks in CUDNN_HOME, CUDNN_PATH,
+    CUDA_HOME, /usr/local/cuda and the system loader before torch's pip copy (nvidia.cudnn);
+    two different cuDNNs in one process fail at import (undefined symbols between their
+    libraries, seen with a system cuDNN beside torch's). A path the user set is kept."""
+    if os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH"):
+        return
+    try:
+        spec = importlib.util.find_spec("nvidia.cudnn")
+    except ModuleNotFoundError:  # no `nvidia` namespace package: torch uses a system cuDNN too
+        return
+    if spec is not None and spec.submodule_search_locations:
+        os.environ["CUDNN_PATH"] = next(iter(spec.submodule_search_locations))
+
+
 @functools.cache
 def _import_te():
     """(transformer_engine.pytorch, transformer_engine.common.recipe) or the reason they fail."""
+    prefer_torch_cudnn()
     try:
         return importlib.import_module("transformer_engine.pytorch"), importlib.import_module(
             "transformer_engine.common.recipe")
