@@ -29,7 +29,9 @@ for parameters tagged by `mark_accumulates_main_grad`.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import glob
 import importlib
 import importlib.util
 import logging
@@ -59,8 +61,14 @@ def prefer_torch_cudnn() -> None:
         spec = importlib.util.find_spec("nvidia.cudnn")
     except ModuleNotFoundError:  # no `nvidia` namespace package: torch uses a system cuDNN too
         return
-    if spec is not None and spec.submodule_search_locations:
-        os.environ["CUDNN_PATH"] = next(iter(spec.submodule_search_locations))
+    if spec is None or not spec.submodule_search_locations:
+        return
+    folder = next(iter(spec.submodule_search_locations))
+    os.environ["CUDNN_PATH"] = folder
+    # cuDNN's front library opens its sub-libraries (cnn, ops, ...) by name when first needed,
+    # which finds the system's where torch has not loaded its own yet: load them all now.
+    for lib in sorted(glob.glob(os.path.join(folder, "lib", "libcudnn*.so*"))):
+        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
 
 
 @functools.cache
