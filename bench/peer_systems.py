@@ -62,6 +62,7 @@ class Spec:
     lr: float
     device: torch.device
     tessera_modules: tuple[str, ...] = ()  # Tessera's own recompute_modules on top (each system its own choice)
+    tessera_fp8_recipe: str = "blockwise"  # Tessera's train.fp8_recipe (model.dense_backend is in `model`)
 
 
 @dataclass
@@ -230,6 +231,8 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
     t.device, t.seed, t.seq_len = spec.device.type, 0, spec.seq
     t.compile, t.precision, t.recompute = spec.compile, spec.precision, spec.recompute
     t.recompute_modules = list(spec.tessera_modules)
+    if spec.precision == "fp8":
+        t.fp8_recipe = spec.tessera_fp8_recipe
     t.micro_batch_size, t.global_batch_size = spec.batch, spec.batch * spec.accum
     t.lr = t.min_lr = spec.lr
     t.warmup_steps, t.weight_decay, t.beta1, t.beta2, t.eps, t.grad_clip = 0, 0.0, *BETAS, EPS, CLIP
@@ -243,7 +246,9 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
         return trainer.record(trainer.step(micro), start)["loss"]
 
     return Built(step, _tessera_counts(spec), spec.model.num_heads * spec.model.attention_head_dim,
-                 f"Trainer.step+record, precision {spec.precision}, recompute {spec.recompute}"
+                 f"Trainer.step+record, precision {spec.precision}"
+                 f"{' (' + spec.tessera_fp8_recipe + ')' if spec.precision == 'fp8' else ''}, "
+                 f"dense backend {spec.model.dense_backend}, recompute {spec.recompute}"
                  f"{' + ' + '+'.join(spec.tessera_modules) if spec.tessera_modules else ''}, "
                  f"compile {spec.compile}")
 

@@ -297,6 +297,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tessera-recompute", default="", metavar="MODULES",
                         help="Tessera's train.recompute_modules, comma-separated (e.g. mlp): its own memory/speed "
                              "choice, as TorchTitan runs its own activation checkpointing")
+    parser.add_argument("--tessera-backend", choices=["torch", "te"], default="torch",
+                        help="Tessera's model.dense_backend (te: Transformer Engine's linears)")
+    parser.add_argument("--tessera-fp8-recipe", choices=["blockwise", "tensorwise", "delayed"], default="blockwise",
+                        help="Tessera's train.fp8_recipe in FP8 workloads (tensorwise and delayed need --tessera-backend te)")
     parser.add_argument("--profile", default="", metavar="SYSTEMS",
                         help="comma-separated systems to profile for one step after the timed rounds (GPU, "
                              "interleaved runs): the top kernels and the GPU's idle gaps")
@@ -319,7 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     table = workloads(args.tiny, device)
     for name in (list(table) if args.workload == "all" else [args.workload]):
         w = table[name]
-        w = replace(w, spec=replace(w.spec, tessera_modules=modules))
+        w = replace(w, spec=replace(w.spec, tessera_modules=modules, tessera_fp8_recipe=args.tessera_fp8_recipe,
+                                    model=replace(w.spec.model, dense_backend=args.tessera_backend)))
         names = list(chosen or w.systems)
         record = run_workload(w, names, args.rounds, args.warmup, args.sequential, profiled)
         report(record)
