@@ -4,7 +4,8 @@
 #
 # Environment:
 #   CUTLASS_DIR         CUTLASS checkout or the nvidia-cutlass package's `source` folder
-#                       (must hold include/cutlass); default: found through Python.
+#                       (must hold include/cutlass); default: found through Python, else the
+#                       copy .ci/run installs in csrc/build/cutlass.
 #   PYTHON              interpreter used to find the nvidia-cutlass package (default: the
 #                       repository's .venv/bin/python, else python3).
 #   NVCC                compiler (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc).
@@ -36,6 +37,7 @@ if [[ -z "${CUTLASS_DIR:-}" ]]; then
   py="${py:-python3}"
   # find_spec locates the package without importing it (its import needs extra packages).
   CUTLASS_DIR="$("$py" -c 'import importlib.util as u, os; s = u.find_spec("cutlass_library"); print(os.path.join(os.path.dirname(s.origin), "source") if s else "")' 2>/dev/null || true)"
+  [[ -z "$CUTLASS_DIR" && -d "$out/cutlass/cutlass_library/source" ]] && CUTLASS_DIR="$out/cutlass/cutlass_library/source"
 fi
 [[ -n "${CUTLASS_DIR:-}" && -f "$CUTLASS_DIR/include/cutlass/cutlass.h" ]] ||
   die "CUTLASS headers not found: pip install nvidia-cutlass (e.g. .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl) or set CUTLASS_DIR to a folder with include/cutlass (now '${CUTLASS_DIR:-}')"
