@@ -1,16 +1,20 @@
 """Token dispatchers: move routed tokens to the ranks that own their experts, and back.
 
-Both dispatchers keep what `combine` needs between the two calls, so one layer calls
-`dispatch` then `combine` (recomputation calls both again, in the same order on every rank).
+Each direction runs in three phases, preprocess (local), exchange (the only one that
+communicates) and postprocess (local), each a method taking the dispatch's `DispatchHandle`
+(`_Dispatcher` lists them); a layer calls `dispatch` then `combine`, which run the phases in
+order and keep the handle between the two (recomputation calls both again, in the same order
+on every rank). With the phases apart, a schedule can overlap one micro-batch's exchange with
+another's computation.
 
 `AllToAllDispatcher` (the default; also the single-rank path when its group is None):
-  1. permute: sort this rank's (token, choice) assignments by global expert id (a stable
-     argsort, so rows destined to each rank, then each of its experts, are contiguous);
-  2. exchange the per-expert counts with one small all-to-all, then read the split sizes
-     on the host (the one host sync: uneven all-to-all needs them there);
-  3. all-to-all the token rows with uneven splits;
-  4. local grouping: rows arrive ordered (source rank, local expert); a stable argsort by
-     local expert makes each expert's rows contiguous for the grouped GEMM;
+  1. preprocess, permute: sort this rank's (token, choice) assignments by global expert id (a
+     stable argsort, so rows destined to each rank, then each of its experts, are contiguous);
+  2. exchange: the per-expert counts with one small all-to-all, then the split sizes read on
+     the host (the one host sync: uneven all-to-all needs them there), then the token rows with
+     uneven splits;
+  3. postprocess, local grouping: rows arrive ordered (source rank, local expert); a stable
+     argsort by local expert makes each expert's rows contiguous for the grouped GEMM;
   and the reverse for combine: ungroup, all-to-all back, unpermute into [T, k, dim] and
   weigh-and-sum over k in one batched product (no atomics: deterministic; the backward of
   the permute sums the k row gradients with a reduction too).
@@ -22,6 +26,8 @@ when k is large relative to ep and the all-to-all's latency dominates.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -139,8 +145,40 @@ def weighted_unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.T
     return _WeightedSum.apply(weights.to(rows.dtype), slots)
 
 
+@dataclass
+class DispatchHandle:
+    """What one dispatch leaves for its combine. Each phase takes the handle (and fills in what
+    it learns), so a dispatcher can have several dispatches in flight: one micro-batch's
+    exchange can run while another's experts compute."""
+
+    order: torch.Tensor  # assignment ids (token * k + choice) of the rows, in dispatch order
+    weights: torch.Tensor  # [rows of tokens, k] routing weights
+    tokens: int  # this rank's tokens
+    k: int
+    counts: torch.Tensor | None = None  # rows per expert (all experts: all-to-all; local: all-gather)
+    rows: int = 0  # tokens the combine's weighted sum covers (all-gather: the gathered tokens)
+    in_splits: list[int] | None = None  # rows sent to each EP rank (all-to-all)
+    out_splits: list[int] | None = None  # rows received from each EP rank
+    regroup: torch.Tensor | None = None  # received rows -> grouped by local expert
+    ungroup: torch.Tensor | None = None  # its inverse
+    received_counts: torch.Tensor | None = None  # [ep, local experts]: rows from each rank to each expert
+
+
 class _Dispatcher:
-    """What every dispatcher knows: the expert-parallel group and this rank's experts."""
+    """What every dispatcher knows: the expert-parallel group and this rank's experts.
+
+    Both directions run in three phases; only `*_exchange` communicates (over the EP group),
+    the others are local GPU work, and none of them waits on another rank's data but the
+    exchange:
+
+        dispatch_preprocess(x, routing) -> (rows, handle)
+        dispatch_exchange(rows, handle) -> rows
+        dispatch_postprocess(rows, handle) -> (expert inputs grouped by local expert, rows per local expert)
+        combine_preprocess(expert outputs, handle) -> rows
+        combine_exchange(rows, handle) -> rows
+        combine_postprocess(rows, handle) -> [tokens, dim]
+
+    `dispatch` and `combine` run them in order for one micro-batch (the handle kept in between)."""
 
     def __init__(self, num_experts: int, group=None):
         self.num_experts = num_experts
@@ -149,80 +187,126 @@ class _Dispatcher:
         if num_experts % self.ep:
             raise ValueError(f"ep={self.ep} must divide num_experts={num_experts}")
         self.num_local = num_experts // self.ep
-        self._state: dict | None = None
+        self._state: DispatchHandle | None = None
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (rows grouped by local expert [N, dim], tokens per local expert [E_local])."""
+        rows, handle = self.dispatch_preprocess(x, routing)
+        rows = self.dispatch_exchange(rows, handle)
+        expert_in, counts = self.dispatch_postprocess(rows, handle)
+        self._state = handle
+        return expert_in, counts
+
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """Expert outputs in dispatch's row order -> weighted sum per token [T, dim]."""
+        handle, self._state = self._state, None
+        if handle is None:
+            raise RuntimeError("combine() called without a matching dispatch()")
+        rows = self.combine_preprocess(expert_out, handle)
+        rows = self.combine_exchange(rows, handle)
+        return self.combine_postprocess(rows, handle)
 
 
 class AllToAllDispatcher(_Dispatcher):
     """Permute -> count exchange -> uneven all-to-all -> local grouping, and back."""
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (rows grouped by local expert [N, dim], tokens per local expert [E_local])."""
+    def dispatch_preprocess(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, DispatchHandle]:
+        """Local: sort the assignments by global expert and gather their token rows."""
         t, k = routing.indices.shape
         order, counts = sort_by_expert(routing.indices, routing.keep, self.num_experts)
-        permuted = permute(x, order, k)
-        state = {"order": order, "tokens": t, "weights": routing.weights}
-        self._state = state
+        return permute(x, order, k), DispatchHandle(order, routing.weights, t, k, counts=counts, rows=t)
+
+    def dispatch_exchange(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Communicating: the per-expert counts (one small all-to-all, then the split sizes on
+        the host: the one host sync), then the rows with uneven splits."""
         if self.ep == 1:
-            return permuted, counts
-        send = counts.view(self.ep, self.num_local)
+            return rows
+        send = handle.counts.view(self.ep, self.num_local)
         recv = exchange_counts(send, self.group)  # row i: what rank i sends to each of my experts
         sizes = torch.cat([send.sum(1), recv.sum(1)]).tolist()
-        in_splits, out_splits = sizes[: self.ep], sizes[self.ep:]
-        received = all_to_all(permuted, out_splits, in_splits, self.group)
-        local_ids = torch.arange(self.num_local, device=x.device).repeat(self.ep)
-        local_ids = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(out_splits))
+        handle.in_splits, handle.out_splits, handle.received_counts = sizes[: self.ep], sizes[self.ep:], recv
+        return all_to_all(rows, handle.out_splits, handle.in_splits, self.group)
+
+    def dispatch_postprocess(self, rows: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local: rows arrive ordered (source rank, local expert); make each expert's contiguous."""
+        if self.ep == 1:
+            return rows, handle.counts
+        recv = handle.received_counts
+        local_ids = torch.arange(self.num_local, device=rows.device).repeat(self.ep)
+        local_ids = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(handle.out_splits))
         regroup = torch.argsort(local_ids, stable=True)
         ungroup = torch.empty_like(regroup)
         ungroup[regroup] = torch.arange(regroup.numel(), device=regroup.device)
-        state.update(in_splits=in_splits, out_splits=out_splits, regroup=regroup, ungroup=ungroup)
-        return _Reorder.apply(received, ungroup, regroup), recv.sum(0)
+        handle.regroup, handle.ungroup = regroup, ungroup
+        return _Reorder.apply(rows, ungroup, regroup), recv.sum(0)
 
-    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
-        """Expert outputs in dispatch's row order -> weighted sum per token [T, dim]."""
-        state, self._state = self._state, None
-        if state is None:
-            raise RuntimeError("combine() called without a matching dispatch()")
-        rows = expert_out
-        if self.ep > 1:
-            rows = _Reorder.apply(rows, state["regroup"], state["ungroup"])
-            rows = all_to_all(rows, state["in_splits"], state["out_splits"], self.group)
-        return weighted_unpermute(rows, state["order"], state["weights"], state["tokens"])
+    def combine_preprocess(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Local: back to the order the rows arrived in."""
+        if self.ep == 1:
+            return expert_out
+        return _Reorder.apply(expert_out, handle.regroup, handle.ungroup)
+
+    def combine_exchange(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Communicating: every row back to the rank of its token."""
+        if self.ep == 1:
+            return rows
+        return all_to_all(rows, handle.in_splits, handle.out_splits, self.group)
+
+    def combine_postprocess(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Local: weigh each token's k rows and sum them."""
+        return weighted_unpermute(rows, handle.order, handle.weights, handle.tokens)
 
 
 class AllGatherDispatcher(_Dispatcher):
     """Gather all tokens of the EP group, run the local experts on their share, reduce-scatter."""
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch_preprocess(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, DispatchHandle]:
+        """Local: dropped assignments go to a sentinel expert no rank owns."""
         t, k = routing.indices.shape
-        indices, weights = routing.indices, routing.weights
-        if routing.keep is not None:  # dropped assignments go to a sentinel expert no rank owns
+        indices = routing.indices
+        if routing.keep is not None:
             indices = indices.masked_fill(~routing.keep, self.num_experts)
-        pad = 0
-        if self.ep > 1:
-            sizes = all_gather_dim0(torch.tensor([t], device=x.device), self.group).tolist()
-            pad = max(sizes) - t  # equal chunks for the collectives; padding rows route nowhere
-            x = F.pad(x, (0, 0, 0, pad))
-            indices = F.pad(indices, (0, 0, 0, pad), value=self.num_experts)
-            weights = F.pad(weights, (0, 0, 0, pad))
-            # Each rank's gradient of the gathered tokens/weights covers only its experts'
-            # share: partial sums, so the backward reduce-scatters (the default).
-            x = all_gather_tokens(x, self.group)
-            weights = all_gather_tokens(weights, self.group)
-            indices = all_gather_dim0(indices, self.group)
-        local = indices - self.ep_rank * self.num_local
+        handle = DispatchHandle(indices, routing.weights, t, k, rows=t)  # order: set by the postprocess
+        return x, handle
+
+    def dispatch_exchange(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Communicating: every rank's token count, then its tokens, weights and expert ids."""
+        if self.ep == 1:
+            return x
+        indices, weights, t = handle.order, handle.weights, handle.tokens
+        sizes = all_gather_dim0(torch.tensor([t], device=x.device), self.group).tolist()
+        pad = max(sizes) - t  # equal chunks for the collectives; padding rows route nowhere
+        x = F.pad(x, (0, 0, 0, pad))
+        indices = F.pad(indices, (0, 0, 0, pad), value=self.num_experts)
+        weights = F.pad(weights, (0, 0, 0, pad))
+        # Each rank's gradient of the gathered tokens/weights covers only its experts' share:
+        # partial sums, so the backward reduce-scatters (the default).
+        x = all_gather_tokens(x, self.group)
+        handle.weights = all_gather_tokens(weights, self.group)
+        handle.order = all_gather_dim0(indices, self.group)
+        handle.rows = x.shape[0]
+        return x
+
+    def dispatch_postprocess(self, x: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local: this rank's experts' assignments of every gathered token, sorted by expert."""
+        local = handle.order - self.ep_rank * self.num_local
         mine = (local >= 0) & (local < self.num_local)
         order, counts = sort_by_expert(local.clamp(0, self.num_local), mine, self.num_local)
-        self._state = {"order": order, "weights": weights, "tokens": t, "rows": x.shape[0]}
-        return permute(x, order, k), counts
+        handle.order, handle.counts = order, counts
+        return permute(x, order, handle.k), counts
 
-    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
-        state, self._state = self._state, None
-        if state is None:
-            raise RuntimeError("combine() called without a matching dispatch()")
-        partial = weighted_unpermute(expert_out, state["order"], state["weights"], state["rows"])
+    def combine_preprocess(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Local: this rank's partial sum for every gathered token."""
+        return weighted_unpermute(expert_out, handle.order, handle.weights, handle.rows)
+
+    def combine_exchange(self, partial: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Communicating: sum the partials over the EP group, each rank keeping its tokens' share."""
         if self.ep == 1:
             return partial
-        return reduce_scatter_tokens(partial, self.group)[: state["tokens"]]
+        return reduce_scatter_tokens(partial, self.group)
+
+    def combine_postprocess(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        return rows[: handle.tokens]  # the padding rows, if any
 
 
 def build_dispatcher(kind: str, num_experts: int, group=None):
