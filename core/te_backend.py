@@ -13,9 +13,11 @@ recipes. What stays Tessera's:
 - the routed experts (Tessera's grouped kernels; blockwise FP8 whatever the dense recipe) and
   everything that is not a block's linear layer.
 
-Each call enters TE's autocast itself and is kept out of torch.compile graphs: recomputation in
-the backward (outside any context the forward ran in) quantises like the forward, and the
-blocks' compiled graphs keep the norms, rotary and SwiGLU around the calls.
+In FP8 the model's whole forward runs in one TE autocast (`forward_in_autocast`); a call outside
+any (recomputation in the backward) enters its own, so it quantises like the forward. A step's
+first micro-batch quantises each weight and TE keeps it for the others (`WEIGHTS`, with
+`train.fp8_weight_cache`). The calls stay out of torch.compile graphs; the blocks' graphs keep
+the norms, rotary and SwiGLU around them.
 
 FP8 recipes (`train.fp8_recipe`): "tensorwise" is TE's current scaling, "delayed" its delayed
 scaling (amax history per tensor, not reduced across ranks: each rank's scales are its own,
@@ -74,8 +76,8 @@ def prefer_torch_cudnn() -> None:
 @functools.cache
 def _import_te():
     """(transformer_engine.pytorch, transformer_engine.common.recipe) or the reason they fail."""
-    prefer_torch_cudnn()
     try:
+        prefer_torch_cudnn()
         return importlib.import_module("transformer_engine.pytorch"), importlib.import_module(
             "transformer_engine.common.recipe")
     except Exception as err:  # noqa: BLE001 (a broken install raises anything: OSError, RuntimeError, ...)
@@ -117,10 +119,6 @@ def build_recipe(name: str | None):
 def mark_accumulates_main_grad(param: nn.Parameter) -> None:
     """The backward of this parameter's GEMM adds its gradient into `param.main_grad` itself."""
     param.accumulates_main_grad = True
-
-
-def accumulates_main_grad(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "accumulates_main_grad", False))
 
 
 class _WeightVersion:
