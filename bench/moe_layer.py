@@ -13,6 +13,10 @@ forward+backward of, in --iters interleaved rounds (bench.harness):
   dense   a SwiGLU MLP of hidden k x F on the R/k tokens: equal active FLOPs
 and prints times, TFLOP/s of the expert GEMMs (18 R dim F per fwd+bwd) and the ratios
 loop/layer (speed-up from grouping) and dense/layer (1.0: MoE costs what its FLOPs cost).
+`--routing balanced` replaces the router's choice by an exactly balanced one (R/E rows per
+expert, each token's k experts distinct, the router still computed): against the default
+`router` (a freshly initialised router's load, max/mean printed) it separates the cost of
+imbalance from the kernels' own.
 
 EP mode (torchrun, one process per GPU, ep = world size; NCCL, or gloo on CPU with --tiny):
 
@@ -42,6 +46,7 @@ from core.mesh import ParallelMesh, init_distributed
 from moe.dispatcher import build_dispatcher
 from moe.experts import grouped_mm_loop
 from moe.layer import MoELayer
+from moe.router import Routing
 from moe.parallel import apply_ep
 
 # name: (experts, top_k, routed rows, dim, expert hidden)
@@ -64,10 +69,28 @@ def make_layer(e: int, k: int, dim: int, hidden: int, device, dtype) -> MoELayer
     return MoELayer(cfg, layer_id=0).to(device=device, dtype=dtype)
 
 
-def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = False) -> None:
+class BalancedRouter(torch.nn.Module):
+    """The layer's router, run as usual, with its expert choice replaced by an exactly balanced
+    one: token t takes experts (t*k + j) mod E, j < k, with the router's own weights."""
+
+    def __init__(self, router: torch.nn.Module, num_experts: int):
+        super().__init__()
+        self.router, self.num_experts = router, num_experts
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        r = self.router(x)
+        t, k = r.indices.shape
+        indices = (torch.arange(t * k, device=x.device) % self.num_experts).view(t, k)
+        counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
+        return Routing(indices, r.weights, r.probs, r.logits, None, counts)
+
+
+def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = False, routing: str = "router") -> None:
     e, k, routed, dim, hidden = shape
     tokens = routed // k
     layer = make_layer(e, k, dim, hidden, device, dtype)
+    if routing == "balanced":
+        layer.router = BalancedRouter(layer.router, e)
     grouped = layer.experts.mm
     x = torch.randn(tokens, dim, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(tokens, dim, device=device, dtype=dtype)
@@ -102,14 +125,15 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
 
     flops = 18 * routed * dim * hidden  # 3 GEMMs x (fwd + 2 bwd) x 2 flops per MAC
     loads = (counts.float().max() / counts.float().mean()).item()
-    print(f"{name}: E={e} top-{k} routed={routed} {dim}->{hidden} ({dtype}, {device.type}; max/mean load {loads:.2f})")
+    print(f"{name}: E={e} top-{k} routed={routed} {dim}->{hidden} ({dtype}, {device.type}; {routing} routing, "
+          f"max/mean load {loads:.2f})")
     for what, t in times.items():
         print(f"  {what:6s} {t.ms:9.2f} ms [{t.min_ms:.2f} - {t.max_ms:.2f}]  {flops / t.ms / 1e9:8.1f} TFLOP/s "
               "(expert-GEMM FLOPs)")
     ratios = {f"{what}/layer": ratio(times[what], times["layer"]) for what in ("loop", "dense", "gemm")}
     print("  ratios: " + "  ".join(f"{what} {r['median']:.2f}" for what, r in ratios.items()))
     emit("moe_layer", {"mode": "layer", "shape": name, "experts": e, "top_k": k, "routed": routed, "dim": dim,
-                       "hidden": hidden, "dtype": str(dtype), "max_mean_load": loads,
+                       "hidden": hidden, "dtype": str(dtype), "routing": routing, "max_mean_load": loads,
                        "timings": {what: t.summary() for what, t in times.items()},
                        "tflops": {what: flops / t.ms / 1e9 for what, t in times.items()}, "ratios": ratios}, device)
 
@@ -191,6 +215,8 @@ def main() -> None:
     parser.add_argument("--ep", action="store_true", help="expert-parallel dispatch mode (torchrun)")
     parser.add_argument("--dispatchers", default="alltoall",
                         help="EP mode: dispatchers to time in the same run (alltoall, allgather)")
+    parser.add_argument("--routing", choices=["router", "balanced"], default="router",
+                        help="layer mode: the router's own choice, or an exactly balanced one (R/E rows per expert)")
     parser.add_argument("--profile", action="store_true",
                         help="print a profiler table of 3 steps (EP mode: of 3 dispatch+combine rounds, GPU only)")
     args = parser.parse_args()
@@ -210,7 +236,7 @@ def main() -> None:
             bench_ep(n, table[n], args.iters, device, dtype, args.profile and device.type == "cuda",
                      tuple(args.dispatchers.split(",")))
         else:
-            bench_layer(n, table[n], args.iters, device, dtype, args.profile)
+            bench_layer(n, table[n], args.iters, device, dtype, args.profile, args.routing)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.ep:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.moe_layer import BalancedRouter, make_layer as make_bench_layer
 from core.config import ModelConfig, MoEConfig
 from core.layers import AttentionMeta
 from core.model import build_model
@@ -517,3 +518,16 @@ def test_gradient_accumulation_fusion_keeps_a_gradient_from_outside_the_experts(
         grads[fused] = dp.slots[0].main_grad.clone()
         assert dp.stats["fused_grads"] == int(fused)
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-6, atol=1e-6)
+
+
+def test_layer_bench_balanced_routing_gives_every_expert_the_same_rows():
+    # bench/moe_layer.py --routing balanced: R/E rows per expert, k distinct experts per token,
+    # and the layer runs on it (dispatch, experts, combine) as on the router's own choice.
+    layer = make_bench_layer(16, 4, 32, 48, torch.device("cpu"), torch.float32)
+    layer.router = BalancedRouter(layer.router, 16)
+    x = torch.randn(60, 32)
+    routing = layer.router(x)
+    assert routing.tokens_per_expert.tolist() == [15] * 16
+    assert all(len(set(row)) == 4 for row in routing.indices.tolist())
+    y = layer(x)
+    assert y.shape == x.shape and torch.isfinite(y).all()
