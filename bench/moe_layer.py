@@ -9,6 +9,8 @@ For each shape (E experts, top-k, R routed rows = tokens x k, dim -> expert hidd
 forward+backward of, in --iters interleaved rounds (bench.harness):
   layer   MoELayer (router, permute, grouped GEMMs through moe.experts.grouped_mm, combine)
   gemm    the three grouped GEMMs alone on pre-grouped rows (where the layer's time goes)
+  gemm13  the same with gate and up fused into one [E, dim, 2F] weight (two grouped GEMMs
+          forward, one wider): what fusing the experts' w1 and w3 would buy
   loop    the same layer with a per-expert Python loop of matmuls instead of grouped_mm
   dense   a SwiGLU MLP of hidden k x F on the R/k tokens: equal active FLOPs
 and prints times, TFLOP/s of the expert GEMMs (18 R dim F per fwd+bwd) and the ratios
@@ -44,7 +46,7 @@ from core.config import ModelConfig, MoEConfig
 from core.layers import FeedForward
 from core.mesh import ParallelMesh, init_distributed
 from moe.dispatcher import build_dispatcher
-from moe.experts import grouped_mm_loop
+from moe.experts import GroupedExperts, grouped_mm_loop, offsets_from_counts
 from moe.layer import MoELayer
 from moe.router import Routing
 from moe.parallel import apply_ep
@@ -67,6 +69,21 @@ def make_layer(e: int, k: int, dim: int, hidden: int, device, dtype) -> MoELayer
                       moe=MoEConfig(num_experts=e, top_k=k, ffn_dim=hidden, aux_loss_coeff=0.01))
     torch.manual_seed(0)
     return MoELayer(cfg, layer_id=0).to(device=device, dtype=dtype)
+
+
+class FusedGateUp(torch.nn.Module):
+    """GroupedExperts' math with w1 and w3 in one [E, dim, 2F] weight (a copy of the layer's):
+    one grouped GEMM for both, then SwiGLU on its halves, then w2."""
+
+    def __init__(self, experts: GroupedExperts):
+        super().__init__()
+        self.w13 = torch.nn.Parameter(torch.cat([experts.w1.detach(), experts.w3.detach()], dim=2))
+        self.w2, self.act, self.mm = experts.w2, experts.act, experts.mm
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        offsets = offsets_from_counts(tokens_per_expert)
+        gate, up = self.mm(x, self.w13, offsets).chunk(2, dim=-1)
+        return self.mm(self.act(gate, up), self.w2, offsets)
 
 
 class BalancedRouter(torch.nn.Module):
@@ -119,7 +136,13 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
         layer.experts.mm = grouped
         layer.experts(rows, counts).backward(rows_grad)
 
-    times = compare({"layer": layer_step, "gemm": gemm_step, "loop": lambda: layer_step(grouped_mm_loop),
+    fused = FusedGateUp(layer.experts)
+
+    def gemm13_step():
+        fused(rows, counts).backward(rows_grad)
+
+    times = compare({"layer": layer_step, "gemm": gemm_step, "gemm13": gemm13_step,
+                     "loop": lambda: layer_step(grouped_mm_loop),
                      "dense": lambda: dense(x).backward(grad)}, rounds=iters, iters=1, warmup=2, device=device)
     layer.experts.mm = grouped
 
@@ -128,9 +151,10 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     print(f"{name}: E={e} top-{k} routed={routed} {dim}->{hidden} ({dtype}, {device.type}; {routing} routing, "
           f"max/mean load {loads:.2f})")
     for what, t in times.items():
-        print(f"  {what:6s} {t.ms:9.2f} ms [{t.min_ms:.2f} - {t.max_ms:.2f}]  {flops / t.ms / 1e9:8.1f} TFLOP/s "
+        print(f"  {what:7s} {t.ms:9.2f} ms [{t.min_ms:.2f} - {t.max_ms:.2f}]  {flops / t.ms / 1e9:8.1f} TFLOP/s "
               "(expert-GEMM FLOPs)")
     ratios = {f"{what}/layer": ratio(times[what], times["layer"]) for what in ("loop", "dense", "gemm")}
+    ratios["gemm/gemm13"] = ratio(times["gemm"], times["gemm13"])
     print("  ratios: " + "  ".join(f"{what} {r['median']:.2f}" for what, r in ratios.items()))
     emit("moe_layer", {"mode": "layer", "shape": name, "experts": e, "top_k": k, "routed": routed, "dim": dim,
                        "hidden": hidden, "dtype": str(dtype), "routing": routing, "max_mean_load": loads,

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.moe_layer import BalancedRouter, make_layer as make_bench_layer
+from bench.moe_layer import BalancedRouter, FusedGateUp, make_layer as make_bench_layer
 from core.config import ModelConfig, MoEConfig
 from core.layers import AttentionMeta
 from core.model import build_model
@@ -531,3 +531,19 @@ def test_layer_bench_balanced_routing_gives_every_expert_the_same_rows():
     assert all(len(set(row)) == 4 for row in routing.indices.tolist())
     y = layer(x)
     assert y.shape == x.shape and torch.isfinite(y).all()
+
+
+def test_layer_bench_fused_gate_up_computes_the_experts_math():
+    # bench/moe_layer.py's gemm13 row times the experts with w1 and w3 in one [E, dim, 2F]
+    # weight: the same outputs and input gradients as GroupedExperts (fp32, exact products).
+    layer = make_bench_layer(8, 2, 16, 24, torch.device("cpu"), torch.float32)
+    layer.experts.mm = grouped_mm_loop
+    fused = FusedGateUp(layer.experts)
+    counts = torch.tensor([3, 0, 5, 2, 4, 1, 0, 5])
+    x = torch.randn(int(counts.sum()), 16, requires_grad=True)
+    want = layer.experts(x, counts)
+    (gx_want,) = torch.autograd.grad(want.square().sum(), x)
+    got = fused(x, counts)
+    (gx_got,) = torch.autograd.grad(got.square().sum(), x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx_got, gx_want, rtol=1e-5, atol=1e-6)
