@@ -80,10 +80,7 @@ def main() -> None:
     if any(VARIANTS[n][0] == "te" for n in names) and te_backend.unavailable_reason():
         parser.error(f"te variants need Transformer Engine: {te_backend.unavailable_reason()}")
     args.layers = args.layers or (4 if args.moe else 20)
-    cfg = model_config(args.layers, args.moe)
-    if args.dim != 2048:
-        cfg.dim, cfg.ffn_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size = args.dim, args.dim * 2, 4, 2, 512
-        cfg.moe.ffn_dim = args.dim // 2 if args.moe else 0
+    cfg = model_config(args.layers, args.moe, args.dim)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = {}
     for name in [*names, names[0]]:

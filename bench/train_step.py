@@ -40,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu_idle import summarise
 from bench.harness import Timing, compare, emit, ratio
+from core import te_backend
 from core.config import Config, ModelConfig, load_config
 from core.data import StepInputs
 from core.fp8_cache import WEIGHT_CACHE
@@ -53,13 +54,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("baseline", "tessera")
 
 
-def model_config(layers: int, moe: bool) -> ModelConfig:
+def model_config(layers: int, moe: bool, dim: int = 2048) -> ModelConfig:
+    """The bench model; `dim` other than 2048 shrinks it (4 heads, vocab 512) for a CPU smoke test."""
     if not moe:
-        return ModelConfig(vocab_size=32000, dim=2048, num_layers=layers, num_heads=16, num_kv_heads=4, ffn_dim=5632,
-                           rope_theta=500000.0)
-    # launch/configs/deepseek_like.toml's model, fewer layers to fit one GPU with all 64 experts
-    # (at ep=8 each GPU holds 8 experts but runs the same FLOPs per token).
-    return load_config(ROOT / "launch" / "configs" / "deepseek_like.toml", [f"model.num_layers={layers}"]).model
+        cfg = ModelConfig(vocab_size=32000, dim=2048, num_layers=layers, num_heads=16, num_kv_heads=4, ffn_dim=5632,
+                          rope_theta=500000.0)
+    else:
+        # launch/configs/deepseek_like.toml's model, fewer layers to fit one GPU with all 64 experts
+        # (at ep=8 each GPU holds 8 experts but runs the same FLOPs per token).
+        cfg = load_config(ROOT / "launch" / "configs" / "deepseek_like.toml", [f"model.num_layers={layers}"]).model
+    if dim != 2048:
+        cfg.dim, cfg.ffn_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size = dim, dim * 2, 4, 2, 512
+        cfg.moe.ffn_dim = dim // 2 if moe else 0
+    return cfg
 
 
 def synthetic_batch(batch: int, seq: int, vocab: int, device) -> StepInputs:
@@ -250,7 +257,7 @@ def main() -> None:
                         help="Tessera's precision (fp8: the blocks' linears and the experts; MFU still against bf16 peak)")
     parser.add_argument("--dense-backend", choices=["torch", "te"], default="torch",
                         help="Tessera's model.dense_backend (te: Transformer Engine's linears)")
-    parser.add_argument("--fp8-recipe", choices=["blockwise", "tensorwise", "delayed"], default="blockwise",
+    parser.add_argument("--fp8-recipe", choices=te_backend.FP8_RECIPES, default="blockwise",
                         help="with --precision fp8: train.fp8_recipe (tensorwise and delayed need --dense-backend te)")
     parser.add_argument("--no-wgrad-fusion", action="store_true",
                         help="Tessera without gradient-accumulation fusion (expert wgrad in bf16, then an fp32 pass)")
@@ -263,10 +270,7 @@ def main() -> None:
                      "state and gives the peak memory)")
     torch.backends.cuda.matmul.allow_tf32 = True
     args.layers = args.layers or (4 if args.moe else 20)
-    cfg = model_config(args.layers, args.moe)
-    if args.dim != 2048:
-        cfg.dim, cfg.ffn_dim, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size = args.dim, args.dim * 2, 4, 2, 512
-        cfg.moe.ffn_dim = args.dim // 2 if args.moe else 0
+    cfg = model_config(args.layers, args.moe, args.dim)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, device)
     names = [name for name in SIDES if not args.only or name == args.only]
