@@ -151,10 +151,11 @@ class DispatchHandle:
     it learns), so a dispatcher can have several dispatches in flight: one micro-batch's
     exchange can run while another's experts compute."""
 
-    order: torch.Tensor  # assignment ids (token * k + choice) of the rows, in dispatch order
     weights: torch.Tensor  # [rows of tokens, k] routing weights
     tokens: int  # this rank's tokens
     k: int
+    order: torch.Tensor | None = None  # assignment ids (token * k + choice) of the rows, in dispatch order
+    indices: torch.Tensor | None = None  # all-gather: [rows of tokens, k] expert ids, dropped -> E
     counts: torch.Tensor | None = None  # rows per expert (all experts: all-to-all; local: all-gather)
     rows: int = 0  # tokens the combine's weighted sum covers (all-gather: the gathered tokens)
     in_splits: list[int] | None = None  # rows sent to each EP rank (all-to-all)
@@ -214,7 +215,7 @@ class AllToAllDispatcher(_Dispatcher):
         """Local: sort the assignments by global expert and gather their token rows."""
         t, k = routing.indices.shape
         order, counts = sort_by_expert(routing.indices, routing.keep, self.num_experts)
-        return permute(x, order, k), DispatchHandle(order, routing.weights, t, k, counts=counts, rows=t)
+        return permute(x, order, k), DispatchHandle(routing.weights, t, k, order=order, counts=counts, rows=t)
 
     def dispatch_exchange(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Communicating: the per-expert counts (one small all-to-all, then the split sizes on
@@ -266,14 +267,13 @@ class AllGatherDispatcher(_Dispatcher):
         indices = routing.indices
         if routing.keep is not None:
             indices = indices.masked_fill(~routing.keep, self.num_experts)
-        handle = DispatchHandle(indices, routing.weights, t, k, rows=t)  # order: set by the postprocess
-        return x, handle
+        return x, DispatchHandle(routing.weights, t, k, indices=indices, rows=t)
 
     def dispatch_exchange(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Communicating: every rank's token count, then its tokens, weights and expert ids."""
         if self.ep == 1:
             return x
-        indices, weights, t = handle.order, handle.weights, handle.tokens
+        indices, weights, t = handle.indices, handle.weights, handle.tokens
         sizes = all_gather_dim0(torch.tensor([t], device=x.device), self.group).tolist()
         pad = max(sizes) - t  # equal chunks for the collectives; padding rows route nowhere
         x = F.pad(x, (0, 0, 0, pad))
@@ -283,13 +283,13 @@ class AllGatherDispatcher(_Dispatcher):
         # partial sums, so the backward reduce-scatters (the default).
         x = all_gather_tokens(x, self.group)
         handle.weights = all_gather_tokens(weights, self.group)
-        handle.order = all_gather_dim0(indices, self.group)
+        handle.indices = all_gather_dim0(indices, self.group)
         handle.rows = x.shape[0]
         return x
 
     def dispatch_postprocess(self, x: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
         """Local: this rank's experts' assignments of every gathered token, sorted by expert."""
-        local = handle.order - self.ep_rank * self.num_local
+        local = handle.indices - self.ep_rank * self.num_local
         mine = (local >= 0) & (local < self.num_local)
         order, counts = sort_by_expert(local.clamp(0, self.num_local), mine, self.num_local)
         handle.order, handle.counts = order, counts
