@@ -11,6 +11,8 @@ forward+backward of, in --iters interleaved rounds (bench.harness):
   gemm    the three grouped GEMMs alone on pre-grouped rows (where the layer's time goes)
   gemm13  the same with gate and up fused into one [E, dim, 2F] weight (two grouped GEMMs
           forward, one wider): what fusing the experts' w1 and w3 would buy
+  gemmT   the three GEMMs through torch._grouped_mm and its autograd (CUDA bf16 only): the
+          per-shape choice between Tessera's CUTLASS kernels and PyTorch's
   loop    the same layer with a per-expert Python loop of matmuls instead of grouped_mm
   dense   a SwiGLU MLP of hidden k x F on the R/k tokens: equal active FLOPs
 and prints times, TFLOP/s of the expert GEMMs (18 R dim F per fwd+bwd) and the ratios
@@ -46,7 +48,7 @@ from core.config import ModelConfig, MoEConfig
 from core.layers import FeedForward
 from core.mesh import ParallelMesh, init_distributed
 from moe.dispatcher import build_dispatcher
-from moe.experts import GroupedExperts, grouped_mm_loop, offsets_from_counts
+from moe.experts import GroupedExperts, _native_reason, grouped_mm_loop, offsets_from_counts
 from moe.layer import MoELayer
 from moe.router import Routing
 from moe.parallel import apply_ep
@@ -84,6 +86,14 @@ class FusedGateUp(torch.nn.Module):
         offsets = offsets_from_counts(tokens_per_expert)
         gate, up = self.mm(x, self.w13, offsets).chunk(2, dim=-1)
         return self.mm(self.act(gate, up), self.w2, offsets)
+
+
+def torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
+def native_grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return _native_reason(x, w) is None
 
 
 class BalancedRouter(torch.nn.Module):
@@ -141,9 +151,14 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     def gemm13_step():
         fused(rows, counts).backward(rows_grad)
 
-    times = compare({"layer": layer_step, "gemm": gemm_step, "gemm13": gemm13_step,
-                     "loop": lambda: layer_step(grouped_mm_loop),
-                     "dense": lambda: dense(x).backward(grad)}, rounds=iters, iters=1, warmup=2, device=device)
+    steps = {"layer": layer_step, "gemm": gemm_step, "gemm13": gemm13_step}
+    if native_grouped_mm_runs(rows, layer.experts.w1):
+        def gemm_torch_step():
+            layer.experts.mm = torch_grouped_mm
+            layer.experts(rows, counts).backward(rows_grad)
+        steps["gemmT"] = gemm_torch_step
+    steps.update({"loop": lambda: layer_step(grouped_mm_loop), "dense": lambda: dense(x).backward(grad)})
+    times = compare(steps, rounds=iters, iters=1, warmup=2, device=device)
     layer.experts.mm = grouped
 
     flops = 18 * routed * dim * hidden  # 3 GEMMs x (fwd + 2 bwd) x 2 flops per MAC
@@ -155,6 +170,8 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
               "(expert-GEMM FLOPs)")
     ratios = {f"{what}/layer": ratio(times[what], times["layer"]) for what in ("loop", "dense", "gemm")}
     ratios["gemm/gemm13"] = ratio(times["gemm"], times["gemm13"])
+    if "gemmT" in times:
+        ratios["gemmT/gemm"] = ratio(times["gemmT"], times["gemm"])
     print("  ratios: " + "  ".join(f"{what} {r['median']:.2f}" for what, r in ratios.items()))
     emit("moe_layer", {"mode": "layer", "shape": name, "experts": e, "top_k": k, "routed": routed, "dim": dim,
                        "hidden": hidden, "dtype": str(dtype), "routing": routing, "max_mean_load": loads,
