@@ -15,6 +15,10 @@ forward+backward of, in --iters interleaved rounds (bench.harness):
           per-shape choice between Tessera's CUTLASS kernels and PyTorch's
   loop    the same layer with a per-expert Python loop of matmuls instead of grouped_mm
   dense   a SwiGLU MLP of hidden k x F on the R/k tokens: equal active FLOPs
+  layer+acc, dense+acc  the same as a later micro-batch of an accumulating step runs them: the
+          weight gradients added into fp32 main grads (the experts' in the grouped GEMM's
+          epilogue, the dense MLP's by one pass per gradient), which costs in proportion to the
+          parameters (E x 3 x dim x F for the experts), not the FLOPs
 and prints times, TFLOP/s of the expert GEMMs (18 R dim F per fwd+bwd) and the ratios
 loop/layer (speed-up from grouping) and dense/layer (1.0: MoE costs what its FLOPs cost).
 `--routing balanced` replaces the router's choice by an exactly balanced one (R/E rows per
@@ -37,6 +41,7 @@ nccl-tests convention) and their ratio. Each shape ends with one record (JSON li
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 
 import torch
@@ -45,8 +50,10 @@ from torch.profiler import ProfilerActivity, profile as torch_profile
 
 from bench.harness import compare, emit, ratio
 from core.config import ModelConfig, MoEConfig
+from core.kernels.fused import accumulate_fp32_
 from core.layers import FeedForward
 from core.mesh import ParallelMesh, init_distributed
+from core.parallel.data import MainGradSink
 from moe.dispatcher import build_dispatcher
 from moe.experts import GroupedExperts, _native_reason, grouped_mm_loop, offsets_from_counts
 from moe.layer import MoELayer
@@ -112,6 +119,53 @@ class BalancedRouter(torch.nn.Module):
         return Routing(indices, r.weights, r.probs, r.logits, None, counts)
 
 
+class _MainGrad:
+    """What core.parallel.data.MainGradSink needs of a parameter's slot: an fp32 main grad
+    already holding this step's earlier micro-batches (written), so every backward adds."""
+
+    def __init__(self, param: torch.nn.Parameter):
+        self.param, self.written, self.fused_pending = param, True, False
+        self.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+
+
+def accumulating(fn, experts: GroupedExperts, others: list[torch.nn.Parameter]):
+    """fn run as a later micro-batch of an accumulating step: the experts' weight gradients go
+    through their MainGradSink (added by the grouped GEMM's epilogue on the CUTLASS path), the
+    other params' are added into fp32 main grads by one accumulate pass each, as the trainer does."""
+    sinks = {p: MainGradSink(_MainGrad(p)) for p in (experts.w1, experts.w3, experts.w2)}
+    mains = {p: _MainGrad(p) for p in others}
+
+    def consume(slot):
+        def hook(grads):
+            accumulate_fp32_(slot.main_grad, grads[0], copy=False)
+            return (None,)
+        return hook
+
+    # The hook lives on the param's AccumulateGrad node, which lives only while referenced.
+    nodes = [torch.autograd.graph.get_gradient_edge(p).node for p in mains]
+    for node, slot in zip(nodes, mains.values()):
+        node.register_prehook(consume(slot))
+
+    def step():
+        for p, sink in sinks.items():
+            p.main_grad_sink = sink
+        try:
+            fn()
+        finally:
+            for p in sinks:
+                p.main_grad_sink = None
+    step.sinks, step.mains, step.nodes = sinks, mains, nodes
+    return step
+
+
+def _with_fresh_grads(fn, tensors):
+    def step():
+        for t in tensors:
+            t.grad = None
+        fn()
+    return step
+
+
 def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = False, routing: str = "router") -> None:
     e, k, routed, dim, hidden = shape
     tokens = routed // k
@@ -158,6 +212,16 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
             layer.experts(rows, counts).backward(rows_grad)
         steps["gemmT"] = gemm_torch_step
     steps.update({"loop": lambda: layer_step(grouped_mm_loop), "dense": lambda: dense(x).backward(grad)})
+    # Each round is one micro-batch's forward + backward that writes its gradients, as the
+    # trainer's first micro-batch does: left in .grad, every round after the first would add a
+    # bf16 read-modify-write of every weight gradient (aten::add_, 26% of the E=128 layer's GPU
+    # time in a profile), a cost the trainer never pays (its gradients go to fp32 main grads).
+    grads_of = [*layer.parameters(), *fused.parameters(), *dense.parameters(), x, rows]
+    steps = {what: _with_fresh_grads(fn, grads_of) for what, fn in steps.items()}
+    dense_acc = copy.deepcopy(dense)
+    steps["layer+acc"] = _with_fresh_grads(accumulating(layer_step, layer.experts, []), grads_of)
+    steps["dense+acc"] = _with_fresh_grads(
+        accumulating(lambda: dense_acc(x).backward(grad), layer.experts, list(dense_acc.parameters())), [x])
     times = compare(steps, rounds=iters, iters=1, warmup=2, device=device)
     layer.experts.mm = grouped
 
@@ -166,9 +230,10 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     print(f"{name}: E={e} top-{k} routed={routed} {dim}->{hidden} ({dtype}, {device.type}; {routing} routing, "
           f"max/mean load {loads:.2f})")
     for what, t in times.items():
-        print(f"  {what:7s} {t.ms:9.2f} ms [{t.min_ms:.2f} - {t.max_ms:.2f}]  {flops / t.ms / 1e9:8.1f} TFLOP/s "
+        print(f"  {what:9s} {t.ms:9.2f} ms [{t.min_ms:.2f} - {t.max_ms:.2f}]  {flops / t.ms / 1e9:8.1f} TFLOP/s "
               "(expert-GEMM FLOPs)")
     ratios = {f"{what}/layer": ratio(times[what], times["layer"]) for what in ("loop", "dense", "gemm")}
+    ratios["dense/layer (acc)"] = ratio(times["dense+acc"], times["layer+acc"])
     ratios["gemm/gemm13"] = ratio(times["gemm"], times["gemm13"])
     if "gemmT" in times:
         ratios["gemmT/gemm"] = ratio(times["gemmT"], times["gemm"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.moe_layer import BalancedRouter, FusedGateUp, make_layer as make_bench_layer
+from bench.moe_layer import BalancedRouter, FusedGateUp, accumulating, make_layer as make_bench_layer
 from core.config import ModelConfig, MoEConfig
 from core.layers import AttentionMeta
 from core.model import build_model
@@ -547,3 +547,24 @@ def test_layer_bench_fused_gate_up_computes_the_experts_math():
     (gx_got,) = torch.autograd.grad(got.square().sum(), x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gx_got, gx_want, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_bench_accumulating_rows_add_every_weight_gradient_into_fp32_main_grads():
+    # bench/moe_layer.py's layer+acc / dense+acc rows: each run adds the weight gradients into
+    # fp32 main grads (experts through their MainGradSink, others by a hook) and leaves no .grad.
+    layer = make_bench_layer(8, 2, 16, 24, torch.device("cpu"), torch.float32)
+    dense = torch.nn.Linear(16, 16, bias=False)
+    x = torch.randn(12, 16)
+    want = {}
+    for p in (layer.experts.w1, dense.weight):
+        p.grad = None
+    (layer(x).sum() + dense(x).sum()).backward()
+    want = {"w1": layer.experts.w1.grad.clone(), "dense": dense.weight.grad.clone()}
+    layer.experts.w1.grad = dense.weight.grad = None
+    step = accumulating(lambda: (layer(x).sum() + dense(x).sum()).backward(), layer.experts, [dense.weight])
+    step()
+    step()
+    sinks, mains = step.sinks, step.mains
+    torch.testing.assert_close(sinks[layer.experts.w1].slot.main_grad, 2 * want["w1"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mains[dense.weight].main_grad, 2 * want["dense"], rtol=1e-5, atol=1e-6)
+    assert dense.weight.grad is None and getattr(layer.experts.w1, "main_grad_sink", None) is None

@@ -195,12 +195,15 @@ def test_te_backend_trains_like_the_torch_backend(tmp_path, dataset, torch_runs,
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_te_backend_under_tensor_parallelism_trains_like_one_gpu(tmp_path, dataset, torch_runs):
+def test_te_backend_under_tensor_parallelism_trains_like_the_torch_backend(tmp_path, dataset):
     # tp=2 with sequence parallelism: Tessera's all-gather / reduce-scatter around TE's local
-    # GEMMs (column- and row-parallel shards) and TE's fused wgrad into the sharded main grads.
-    # bf16 against the torch backend on one GPU, as test_te_backend_trains_like_the_torch_backend.
-    run_train(tmp_path / "tp2", dataset, 2, *GPU, "parallel.ep=1", "parallel.tp=2", "model.dense_backend=te")
-    want, got = torch_runs["dense"], losses(tmp_path / "tp2")
+    # GEMMs (column- and row-parallel shards) and TE's fused wgrad into the sharded main grads,
+    # against the torch backend in the same layout (tp=2 against one GPU: test_gpu_train.py).
+    # 200 bf16 steps, as test_te_backend_trains_like_the_torch_backend.
+    tp2 = [*GPU, "parallel.ep=1", "parallel.tp=2"]
+    run_train(tmp_path / "torch", dataset, 2, *tp2)
+    run_train(tmp_path / "te", dataset, 2, *tp2, "model.dense_backend=te")
+    want, got = losses(tmp_path / "torch"), losses(tmp_path / "te")
     assert got.keys() == want.keys()
     for step, loss in want.items():
         assert got[step] == pytest.approx(loss, rel=3 * RTOL_BF16), (step, got[step], loss)
