@@ -3,7 +3,7 @@ MLP, and (EP mode) the expert-parallel dispatch+combine against a plain all-to-a
 
 Layer mode (one GPU; `--tiny` runs small shapes on CPU as a smoke test):
 
-    python -m bench.moe_layer [--shapes mixtral,fine64,fine128] [--iters 10] [--tiny]
+    python -m bench.moe_layer [--shapes mixtral,fine64,fine128] [--iters 10] [--compile] [--tiny]
 
 For each shape (E experts, top-k, R routed rows = tokens x k, dim -> expert hidden) it times
 forward+backward of, in --iters interleaved rounds (bench.harness):
@@ -163,22 +163,28 @@ def _with_fresh_grads(fn, tensors):
         for t in tensors:
             t.grad = None
         fn()
+        for t in tensors:  # freed before the next candidate runs (E=128 fills an 80 GB GPU otherwise)
+            t.grad = None
     return step
 
 
-def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = False, routing: str = "router") -> None:
+def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = False, routing: str = "router",
+                compiled: bool = False) -> None:
     e, k, routed, dim, hidden = shape
     tokens = routed // k
     layer = make_layer(e, k, dim, hidden, device, dtype)
     if routing == "balanced":
         layer.router = BalancedRouter(layer.router, e)
     grouped = layer.experts.mm
+    # --compile: as the trainer's compiled blocks run them, router, auxiliary loss and SwiGLU
+    # fused by inductor, dispatch and grouped GEMMs eager (MoELayer._routed).
+    run_layer = torch.compile(layer) if compiled else layer
     x = torch.randn(tokens, dim, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(tokens, dim, device=device, dtype=dtype)
 
     def layer_step(mm=grouped):
         layer.experts.mm = mm
-        layer(x).backward(grad)
+        run_layer(x).backward(grad)
 
     if profile:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -195,6 +201,7 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     rows = torch.randn(routed, dim, device=device, dtype=dtype, requires_grad=True)
     rows_grad = torch.randn(routed, dim, device=device, dtype=dtype)
     dense = FeedForward(dim, k * hidden).to(device=device, dtype=dtype)
+    run_dense = torch.compile(dense) if compiled else dense
 
     def gemm_step():
         layer.experts.mm = grouped
@@ -211,7 +218,7 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
             layer.experts.mm = torch_grouped_mm
             layer.experts(rows, counts).backward(rows_grad)
         steps["gemmT"] = gemm_torch_step
-    steps.update({"loop": lambda: layer_step(grouped_mm_loop), "dense": lambda: dense(x).backward(grad)})
+    steps.update({"loop": lambda: layer_step(grouped_mm_loop), "dense": lambda: run_dense(x).backward(grad)})
     # Each round is one micro-batch's forward + backward that writes its gradients, as the
     # trainer's first micro-batch does: left in .grad, every round after the first would add a
     # bf16 read-modify-write of every weight gradient (aten::add_, 26% of the E=128 layer's GPU
@@ -219,15 +226,16 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     grads_of = [*layer.parameters(), *fused.parameters(), *dense.parameters(), x, rows]
     steps = {what: _with_fresh_grads(fn, grads_of) for what, fn in steps.items()}
     dense_acc = copy.deepcopy(dense)
+    run_dense_acc = torch.compile(dense_acc) if compiled else dense_acc
     steps["layer+acc"] = _with_fresh_grads(accumulating(layer_step, layer.experts, []), grads_of)
     steps["dense+acc"] = _with_fresh_grads(
-        accumulating(lambda: dense_acc(x).backward(grad), layer.experts, list(dense_acc.parameters())), [x])
+        accumulating(lambda: run_dense_acc(x).backward(grad), layer.experts, list(dense_acc.parameters())), [x])
     times = compare(steps, rounds=iters, iters=1, warmup=2, device=device)
     layer.experts.mm = grouped
 
     flops = 18 * routed * dim * hidden  # 3 GEMMs x (fwd + 2 bwd) x 2 flops per MAC
     loads = (counts.float().max() / counts.float().mean()).item()
-    print(f"{name}: E={e} top-{k} routed={routed} {dim}->{hidden} ({dtype}, {device.type}; {routing} routing, "
+    print(f"{name}: E={e} top-{k} routed={routed} {dim}->{hidden} ({dtype}, {device.type}{', compiled' if compiled else ''}; {routing} routing, "
           f"max/mean load {loads:.2f})")
     for what, t in times.items():
         print(f"  {what:9s} {t.ms:9.2f} ms [{t.min_ms:.2f} - {t.max_ms:.2f}]  {flops / t.ms / 1e9:8.1f} TFLOP/s "
@@ -239,7 +247,7 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
         ratios["gemmT/gemm"] = ratio(times["gemmT"], times["gemm"])
     print("  ratios: " + "  ".join(f"{what} {r['median']:.2f}" for what, r in ratios.items()))
     emit("moe_layer", {"mode": "layer", "shape": name, "experts": e, "top_k": k, "routed": routed, "dim": dim,
-                       "hidden": hidden, "dtype": str(dtype), "routing": routing, "max_mean_load": loads,
+                       "hidden": hidden, "dtype": str(dtype), "routing": routing, "compiled": compiled, "max_mean_load": loads,
                        "timings": {what: t.summary() for what, t in times.items()},
                        "tflops": {what: flops / t.ms / 1e9 for what, t in times.items()}, "ratios": ratios}, device)
 
@@ -323,6 +331,8 @@ def main() -> None:
                         help="EP mode: dispatchers to time in the same run (alltoall, allgather)")
     parser.add_argument("--routing", choices=["router", "balanced"], default="router",
                         help="layer mode: the router's own choice, or an exactly balanced one (R/E rows per expert)")
+    parser.add_argument("--compile", action="store_true",
+                        help="layer mode: torch.compile the layer and the dense MLP, as the trainer's compiled blocks")
     parser.add_argument("--profile", action="store_true",
                         help="print a profiler table of 3 steps (EP mode: of 3 dispatch+combine rounds, GPU only)")
     args = parser.parse_args()
@@ -342,7 +352,7 @@ def main() -> None:
             bench_ep(n, table[n], args.iters, device, dtype, args.profile and device.type == "cuda",
                      tuple(args.dispatchers.split(",")))
         else:
-            bench_layer(n, table[n], args.iters, device, dtype, args.profile, args.routing)
+            bench_layer(n, table[n], args.iters, device, dtype, args.profile, args.routing, args.compile)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.ep:
