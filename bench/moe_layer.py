@@ -3,14 +3,15 @@ MLP, and (EP mode) the expert-parallel dispatch+combine against a plain all-to-a
 
 Layer mode (one GPU; `--tiny` runs small shapes on CPU as a smoke test):
 
-    python -m bench.moe_layer [--shapes mixtral,fine64,fine128] [--iters 10] [--compile] [--tiny]
+    python -m bench.moe_layer [--shapes mixtral,fine64,fine128] [--iters 10] [--compile] [--gemm13] [--tiny]
 
 For each shape (E experts, top-k, R routed rows = tokens x k, dim -> expert hidden) it times
 forward+backward of, in --iters interleaved rounds (bench.harness):
   layer   MoELayer (router, permute, grouped GEMMs through moe.experts.grouped_mm, combine)
   gemm    the three grouped GEMMs alone on pre-grouped rows (where the layer's time goes)
-  gemm13  the same with gate and up fused into one [E, dim, 2F] weight (two grouped GEMMs
-          forward, one wider): what fusing the experts' w1 and w3 would buy
+  gemm13  (--gemm13) the same with gate and up fused into one [E, dim, 2F] weight (two grouped
+          GEMMs forward, one wider): what fusing the experts' w1 and w3 would buy; on an H100 it
+          bought nothing (gemm/gemm13 0.94-1.01 on the three shapes)
   gemmT   the three GEMMs through torch._grouped_mm and its autograd (CUDA bf16 only): the
           per-shape choice between Tessera's CUTLASS kernels and PyTorch's
   loop    the same layer with a per-expert Python loop of matmuls instead of grouped_mm
@@ -169,7 +170,7 @@ def _with_fresh_grads(fn, tensors):
 
 
 def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = False, routing: str = "router",
-                compiled: bool = False) -> None:
+                compiled: bool = False, gemm13: bool = False) -> None:
     e, k, routed, dim, hidden = shape
     tokens = routed // k
     layer = make_layer(e, k, dim, hidden, device, dtype)
@@ -207,12 +208,11 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
         layer.experts.mm = grouped
         layer.experts(rows, counts).backward(rows_grad)
 
-    fused = FusedGateUp(layer.experts)
 
-    def gemm13_step():
-        fused(rows, counts).backward(rows_grad)
-
-    steps = {"layer": layer_step, "gemm": gemm_step, "gemm13": gemm13_step}
+    steps = {"layer": layer_step, "gemm": gemm_step}
+    fused = FusedGateUp(layer.experts) if gemm13 else torch.nn.Module()  # its weight: 2/3 of the experts' again
+    if gemm13:
+        steps["gemm13"] = lambda: fused(rows, counts).backward(rows_grad)
     if native_grouped_mm_runs(rows, layer.experts.w1):
         def gemm_torch_step():
             layer.experts.mm = torch_grouped_mm
@@ -242,7 +242,8 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
               "(expert-GEMM FLOPs)")
     ratios = {f"{what}/layer": ratio(times[what], times["layer"]) for what in ("loop", "dense", "gemm")}
     ratios["dense/layer (acc)"] = ratio(times["dense+acc"], times["layer+acc"])
-    ratios["gemm/gemm13"] = ratio(times["gemm"], times["gemm13"])
+    if "gemm13" in times:
+        ratios["gemm/gemm13"] = ratio(times["gemm"], times["gemm13"])
     if "gemmT" in times:
         ratios["gemmT/gemm"] = ratio(times["gemmT"], times["gemm"])
     print("  ratios: " + "  ".join(f"{what} {r['median']:.2f}" for what, r in ratios.items()))
@@ -331,6 +332,7 @@ def main() -> None:
                         help="EP mode: dispatchers to time in the same run (alltoall, allgather)")
     parser.add_argument("--routing", choices=["router", "balanced"], default="router",
                         help="layer mode: the router's own choice, or an exactly balanced one (R/E rows per expert)")
+    parser.add_argument("--gemm13", action="store_true", help="layer mode: also time gate and up fused (gemm13)")
     parser.add_argument("--compile", action="store_true",
                         help="layer mode: torch.compile the layer and the dense MLP, as the trainer's compiled blocks")
     parser.add_argument("--profile", action="store_true",
@@ -352,7 +354,7 @@ def main() -> None:
             bench_ep(n, table[n], args.iters, device, dtype, args.profile and device.type == "cuda",
                      tuple(args.dispatchers.split(",")))
         else:
-            bench_layer(n, table[n], args.iters, device, dtype, args.profile, args.routing, args.compile)
+            bench_layer(n, table[n], args.iters, device, dtype, args.profile, args.routing, args.compile, args.gemm13)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.ep:

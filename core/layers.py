@@ -19,6 +19,7 @@ from torch import nn
 from core.attention import varlen_attention
 from core.config import ModelConfig
 from core.eager import eager_only
+from core.kernels import fused
 
 
 @dataclass
@@ -156,9 +157,14 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """silu(a) * b: a module of its own so recomputation or offload can take the product alone."""
+    """silu(a) * b: a module of its own so recomputation or offload can take the product alone.
+    Run eagerly on a GPU (the routed experts always are) it is one Triton pass each way
+    (core.kernels.fused.swiglu); compiled, inductor fuses the plain ops itself."""
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and fused.triton_enabled(a) and a.shape == b.shape \
+                and a.dtype == b.dtype:
+            return fused.swiglu(a, b)
         return F.silu(a) * b
 
 

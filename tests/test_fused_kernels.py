@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHECKS = r'''
 import os, torch
-from core.kernels.fused import accumulate_fp32_, gather_sum, gather_weighted_sum, inverse_of, triton_enabled
+from core.kernels.fused import accumulate_fp32_, gather_sum, gather_weighted_sum, inverse_of, swiglu, triton_enabled
 
 torch.manual_seed(0)
 device, dtype = os.environ["CHECK_DEVICE"], getattr(torch, os.environ["CHECK_DTYPE"])
@@ -63,6 +63,21 @@ for t, k, dim, drop in ((37, 3, 1500, False), (20, 2, 700, True)):
     inverse = inverse_of(order, t * k).view(t, k)
     got = gather_sum(rows.detach(), inverse, None)
     torch.testing.assert_close(got.double(), reference(rows.detach(), order, torch.ones(t, k), t, k), **tol)
+
+# swiglu: silu(a) * b and both input gradients against float64, over a size that is not a
+# multiple of the block, with inputs wide enough to reach silu's tails
+a = (4 * torch.randn(3, 2731)).to(dtype).requires_grad_()
+b = torch.randn(3, 2731).to(dtype).requires_grad_()
+out = swiglu(a, b)
+a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+want = torch.nn.functional.silu(a64) * b64
+assert out.dtype == dtype
+torch.testing.assert_close(out.double(), want, **tol)
+grad = torch.randn(3, 2731).to(dtype)
+out.backward(grad)
+want.backward(grad.double())
+torch.testing.assert_close(a.grad.double(), a64.grad, **tol)
+torch.testing.assert_close(b.grad.double(), b64.grad, **tol)
 
 # the MoE layer through the dispatcher: Triton path against the PyTorch path
 from core.config import ModelConfig, MoEConfig

@@ -10,6 +10,11 @@
   cuBLAS kernel ran at ~1 TB/s. Autograd included. `gather_sum(rows, inverse, None)` is the
   plain sum (the backward of the token permutation).
 
+- `swiglu(a, b)`: silu(a) * b, forward in one pass and backward in one (reads a, b and the
+  output's gradient, writes both input gradients), saving only a and b. Eager PyTorch runs it as
+  silu, mul, and in the backward two muls and silu_backward, each a pass over [rows, hidden]
+  (1.7 ms of a 17.6 ms fine-grained E=64 MoE layer on an H100); the experts run it eagerly.
+
 Triton is used when it imports and the tensors are on CUDA (`TESSERA_TRITON=0` turns it off).
 `accumulate_fp32_` falls back to PyTorch itself; for the combine the callers (moe.dispatcher)
 keep their PyTorch path and ask `triton_enabled` first. TRITON_INTERPRET=1 runs the kernels on CPU
@@ -48,6 +53,26 @@ if triton is not None:
         if not COPY:
             value += tl.load(dst + offs, mask=mask)
         tl.store(dst + offs, value, mask=mask)
+
+    @triton.jit
+    def _swiglu_kernel(a, b, out, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(a + offs, mask=mask).to(tl.float32)
+        y = tl.load(b + offs, mask=mask).to(tl.float32)
+        tl.store(out + offs, (x * tl.sigmoid(x) * y).to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_backward_kernel(a, b, grad, grad_a, grad_b, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(a + offs, mask=mask).to(tl.float32)
+        y = tl.load(b + offs, mask=mask).to(tl.float32)
+        g = tl.load(grad + offs, mask=mask).to(tl.float32)
+        sig = tl.sigmoid(x)
+        silu = x * sig
+        tl.store(grad_b + offs, (g * silu).to(grad_b.dtype.element_ty), mask=mask)
+        tl.store(grad_a + offs, (g * y * (sig + silu * (1.0 - sig))).to(grad_a.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _gather_sum_kernel(rows, inverse, weights, out, dim, K: tl.constexpr, WEIGHTED: tl.constexpr,
@@ -114,6 +139,37 @@ def accumulate_fp32_(dst: Tensor, src: Tensor, copy: bool) -> None:
     if n:
         _launch(_accumulate_kernel, (triton.cdiv(n, _FLAT_BLOCK),), dst, src, n, COPY=copy, BLOCK=_FLAT_BLOCK,
                 num_warps=4)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        a, b = a.contiguous(), b.contiguous()
+        ctx.save_for_backward(a, b)
+        out = torch.empty_like(a)
+        if a.numel():
+            _launch(_swiglu_kernel, (triton.cdiv(a.numel(), _FLAT_BLOCK),), a, b, out, a.numel(), BLOCK=_FLAT_BLOCK,
+                    num_warps=4)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+        if a.numel():
+            _launch(_swiglu_backward_kernel, (triton.cdiv(a.numel(), _FLAT_BLOCK),), a, b, grad, grad_a, grad_b,
+                    a.numel(), BLOCK=_FLAT_BLOCK, num_warps=4)
+        return grad_a, grad_b
+
+
+def swiglu(a: Tensor, b: Tensor) -> Tensor:
+    """silu(a) * b in a's dtype, fp32 inside (Triton; a and b of one shape and dtype, see the
+    module doc). Needs `triton_enabled(a)`."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"swiglu needs a and b of one shape and dtype, got {list(a.shape)} {a.dtype} and "
+                         f"{list(b.shape)} {b.dtype}")
+    return _SwiGLU.apply(a, b)
 
 
 def inverse_of(order: Tensor, slots: int) -> Tensor:
