@@ -79,6 +79,13 @@ want.backward(grad.double())
 torch.testing.assert_close(a.grad.double(), a64.grad, **tol)
 torch.testing.assert_close(b.grad.double(), b64.grad, **tol)
 
+# core.layers.SwiGLU: the kernel when eager, the plain ops when traced (one graph, no break)
+from core.layers import FeedForward
+ff = FeedForward(48, 64).to(dtype)
+xf = torch.randn(10, 48).to(dtype)
+traced = torch.compile(ff, backend="aot_eager", fullgraph=True)
+torch.testing.assert_close(traced(xf), ff(xf), **tol)
+
 # the MoE layer through the dispatcher: Triton path against the PyTorch path
 from core.config import ModelConfig, MoEConfig
 from moe.layer import MoELayer
