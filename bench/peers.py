@@ -3,7 +3,7 @@
 For each workload every system runs the same model (shapes, vocabulary, initial weights where
 the architecture is the same), sequence length, micro-batch, global batch (gradient
 accumulation), precision and optimizer (AdamW 0.9/0.95, no weight decay, constant lr, clip 1.0)
-on the same synthetic token batches (a fixed pool cycled in the same order for everyone):
+on the same synthetic token batches (one per micro-batch of the run, never repeated, in the same order for everyone):
 - tessera: `core.trainer.Trainer` (`step` then `record`, as bench/train_step.py drives it);
 - megatron: Megatron-Core 0.19's GPTModel with its Transformer Engine layer spec, its
   DistributedDataParallel, DistributedOptimizer and forward-backward schedule, as Megatron-LM's
