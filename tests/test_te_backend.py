@@ -170,6 +170,14 @@ def torch_runs(tmp_path_factory, train_dataset):
     return out
 
 
+def _assert_trains_alike(got: dict[int, float], want: dict[int, float]) -> None:
+    """Every step's loss within bf16 noise, and the last 20 steps' mean within 1%."""
+    assert got.keys() == want.keys()
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=3 * RTOL_BF16), (step, got[step], loss)
+    assert _tail_mean(got) == pytest.approx(_tail_mean(want), rel=0.01)
+
+
 def _tail_mean(values: dict[int, float], n: int = 20) -> float:
     steps = sorted(values)[-n:]
     return sum(values[s] for s in steps) / len(steps)
@@ -184,11 +192,7 @@ def test_te_backend_trains_like_the_torch_backend(tmp_path, dataset, torch_runs,
     # steps' mean within 1%.
     run_train(tmp_path / "te", dataset, 1, *GPU, "parallel.ep=1", "model.dense_backend=te",
               config=CONFIG if name == "dense" else MOE_CONFIG)
-    want, got = torch_runs[name], losses(tmp_path / "te")
-    assert got.keys() == want.keys()
-    for step, loss in want.items():
-        assert got[step] == pytest.approx(loss, rel=3 * RTOL_BF16), (step, got[step], loss)
-    assert _tail_mean(got) == pytest.approx(_tail_mean(want), rel=0.01)
+    _assert_trains_alike(losses(tmp_path / "te"), torch_runs[name])
 
 
 @needs_te
@@ -203,11 +207,7 @@ def test_te_backend_under_tensor_parallelism_trains_like_the_torch_backend(tmp_p
     tp2 = [*GPU, "parallel.ep=1", "parallel.tp=2"]
     run_train(tmp_path / "torch", dataset, 2, *tp2)
     run_train(tmp_path / "te", dataset, 2, *tp2, "model.dense_backend=te")
-    want, got = losses(tmp_path / "torch"), losses(tmp_path / "te")
-    assert got.keys() == want.keys()
-    for step, loss in want.items():
-        assert got[step] == pytest.approx(loss, rel=3 * RTOL_BF16), (step, got[step], loss)
-    assert _tail_mean(got) == pytest.approx(_tail_mean(want), rel=0.01)
+    _assert_trains_alike(losses(tmp_path / "te"), losses(tmp_path / "torch"))
 
 
 @needs_te
