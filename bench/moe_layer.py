@@ -100,10 +100,6 @@ def torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) ->
     return torch._grouped_mm(x, w, offs=offsets)
 
 
-def native_grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return _native_reason(x, w) is None
-
-
 class BalancedRouter(torch.nn.Module):
     """The layer's router, run as usual, with its expert choice replaced by an exactly balanced
     one: token t takes experts (t*k + j) mod E, j < k, with the router's own weights."""
@@ -129,11 +125,12 @@ class _MainGrad:
         self.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
 
 
-def accumulating(fn, experts: GroupedExperts, others: list[torch.nn.Parameter]):
+def accumulating(fn, experts: GroupedExperts | None, others: list[torch.nn.Parameter]):
     """fn run as a later micro-batch of an accumulating step: the experts' weight gradients go
     through their MainGradSink (added by the grouped GEMM's epilogue on the CUTLASS path), the
     other params' are added into fp32 main grads by one accumulate pass each, as the trainer does."""
-    sinks = {p: MainGradSink(_MainGrad(p)) for p in (experts.w1, experts.w3, experts.w2)}
+    expert_params = (experts.w1, experts.w3, experts.w2) if experts is not None else ()
+    sinks = {p: MainGradSink(_MainGrad(p)) for p in expert_params}
     mains = {p: _MainGrad(p) for p in others}
 
     def consume(slot):
@@ -208,12 +205,13 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
         layer.experts.mm = grouped
         layer.experts(rows, counts).backward(rows_grad)
 
-
     steps = {"layer": layer_step, "gemm": gemm_step}
-    fused = FusedGateUp(layer.experts) if gemm13 else torch.nn.Module()  # its weight: 2/3 of the experts' again
-    if gemm13:
+    fused_params = []
+    if gemm13:  # opt-in: its weight is 2/3 of the experts' again
+        fused = FusedGateUp(layer.experts)
+        fused_params = list(fused.parameters())
         steps["gemm13"] = lambda: fused(rows, counts).backward(rows_grad)
-    if native_grouped_mm_runs(rows, layer.experts.w1):
+    if _native_reason(rows, layer.experts.w1) is None:
         def gemm_torch_step():
             layer.experts.mm = torch_grouped_mm
             layer.experts(rows, counts).backward(rows_grad)
@@ -222,21 +220,22 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     # Each round is one micro-batch's forward + backward that writes its gradients, as the
     # trainer's first micro-batch does: left in .grad, every round after the first would add a
     # bf16 read-modify-write of every weight gradient (aten::add_, 26% of the E=128 layer's GPU
-    # time in a profile), a cost the trainer never pays (its gradients go to fp32 main grads).
-    grads_of = [*layer.parameters(), *fused.parameters(), *dense.parameters(), x, rows]
+    # time in a profile), a pass the trainer never makes. Its later micro-batches add into fp32
+    # main grads instead: the +acc rows.
+    grads_of = [*layer.parameters(), *fused_params, *dense.parameters(), x, rows]
     steps = {what: _with_fresh_grads(fn, grads_of) for what, fn in steps.items()}
     dense_acc = copy.deepcopy(dense)
     run_dense_acc = torch.compile(dense_acc) if compiled else dense_acc
     steps["layer+acc"] = _with_fresh_grads(accumulating(layer_step, layer.experts, []), grads_of)
     steps["dense+acc"] = _with_fresh_grads(
-        accumulating(lambda: run_dense_acc(x).backward(grad), layer.experts, list(dense_acc.parameters())), [x])
+        accumulating(lambda: run_dense_acc(x).backward(grad), None, list(dense_acc.parameters())), [x])
     times = compare(steps, rounds=iters, iters=1, warmup=2, device=device)
     layer.experts.mm = grouped
 
     flops = 18 * routed * dim * hidden  # 3 GEMMs x (fwd + 2 bwd) x 2 flops per MAC
     loads = (counts.float().max() / counts.float().mean()).item()
-    print(f"{name}: E={e} top-{k} routed={routed} {dim}->{hidden} ({dtype}, {device.type}{', compiled' if compiled else ''}; {routing} routing, "
-          f"max/mean load {loads:.2f})")
+    how = f"{dtype}, {device.type}" + (", compiled" if compiled else "")
+    print(f"{name}: E={e} top-{k} routed={routed} {dim}->{hidden} ({how}; {routing} routing, max/mean load {loads:.2f})")
     for what, t in times.items():
         print(f"  {what:9s} {t.ms:9.2f} ms [{t.min_ms:.2f} - {t.max_ms:.2f}]  {flops / t.ms / 1e9:8.1f} TFLOP/s "
               "(expert-GEMM FLOPs)")
@@ -248,7 +247,8 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
         ratios["gemmT/gemm"] = ratio(times["gemmT"], times["gemm"])
     print("  ratios: " + "  ".join(f"{what} {r['median']:.2f}" for what, r in ratios.items()))
     emit("moe_layer", {"mode": "layer", "shape": name, "experts": e, "top_k": k, "routed": routed, "dim": dim,
-                       "hidden": hidden, "dtype": str(dtype), "routing": routing, "compiled": compiled, "max_mean_load": loads,
+                       "hidden": hidden, "dtype": str(dtype), "routing": routing, "compiled": compiled,
+                       "max_mean_load": loads,
                        "timings": {what: t.summary() for what, t in times.items()},
                        "tflops": {what: flops / t.ms / 1e9 for what, t in times.items()}, "ratios": ratios}, device)
 
