@@ -61,7 +61,8 @@ class Spec:
     packed: bool  # rows of several documents
     lr: float
     device: torch.device
-    tessera_modules: tuple[str, ...] = ()  # Tessera's own recompute_modules on top (each system its own choice)
+    # Tessera's own recompute_modules in place of `recompute` (each system its own choice); None: `recompute`
+    tessera_modules: tuple[str, ...] | None = None
     tessera_fp8_recipe: str = "blockwise"  # Tessera's train.fp8_recipe (model.dense_backend is in `model`)
 
 
@@ -229,8 +230,11 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
     config = Config(model=spec.model)
     t = config.train
     t.device, t.seed, t.seq_len = spec.device.type, 0, spec.seq
-    t.compile, t.precision, t.recompute = spec.compile, spec.precision, spec.recompute
-    t.recompute_modules = list(spec.tessera_modules)
+    t.compile, t.precision = spec.compile, spec.precision
+    if spec.tessera_modules is None:
+        t.recompute = spec.recompute
+    else:
+        t.recompute, t.recompute_modules = "none", list(spec.tessera_modules)
     if spec.precision == "fp8":
         t.fp8_recipe = spec.tessera_fp8_recipe
     t.micro_batch_size, t.global_batch_size = spec.batch, spec.batch * spec.accum
@@ -248,8 +252,8 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
     return Built(step, _tessera_counts(spec), spec.model.num_heads * spec.model.attention_head_dim,
                  f"Trainer.step+record, precision {spec.precision}"
                  f"{' (' + spec.tessera_fp8_recipe + ')' if spec.precision == 'fp8' else ''}, "
-                 f"dense backend {spec.model.dense_backend}, recompute {spec.recompute}"
-                 f"{' + ' + '+'.join(spec.tessera_modules) if spec.tessera_modules else ''}, "
+                 f"dense backend {spec.model.dense_backend}, "
+                 f"{'recompute ' + spec.recompute if spec.tessera_modules is None else 'recompute_modules ' + ('+'.join(spec.tessera_modules) or 'none')}, "
                  f"compile {spec.compile}")
 
 

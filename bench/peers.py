@@ -18,7 +18,8 @@ A peer that is not installed or cannot run a workload is reported in one line; t
 Workloads (`--workload`, default all): dense (the ~1B Llama of bench/train_step.py at seq 4096,
 bf16), dense-fp8 (the same in FP8: Tessera's 1x128/128x128 blockwise recipe against torchao's
 rowwise and tensorwise), moe (launch/configs/deepseek_like.toml at 4 layers), longseq (the dense
-model on 32k-token rows of packed documents, whole-block recompute in every system). Document
+model on 32k-token rows of packed documents, whole-block recompute in every system; --recompute
+changes every system's, --tessera-recompute Tessera's alone). Document
 boundaries: Tessera's varlen attention (cu_seqlens); Megatron's THD layout over the same
 cu_seqlens; TorchTitan's flex block-causal mask split at the EOS token; transformers' block-causal
 mask from position_ids that restart per document.
@@ -299,9 +300,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each system first (compile, state)")
     parser.add_argument("--sequential", action="store_true", help="time one system after the other, each alone")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU in fp32, no compile (a smoke test)")
-    parser.add_argument("--tessera-recompute", default="", metavar="MODULES",
-                        help="Tessera's train.recompute_modules, comma-separated (e.g. mlp): its own memory/speed "
-                             "choice, as TorchTitan runs its own activation checkpointing")
+    parser.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
+                        help="every system's recompute in place of the workload's (selective: TorchTitan's per-op "
+                             "AC, Megatron's core attention; transformers recomputes whole layers or nothing)")
+    parser.add_argument("--tessera-recompute", default=None, metavar="MODULES",
+                        help="Tessera's train.recompute_modules, comma-separated (e.g. mlp; 'none': nothing), in "
+                             "place of --recompute: its own memory/speed choice, as TorchTitan runs its own")
     parser.add_argument("--tessera-backend", choices=["torch", "te"], default="torch",
                         help="Tessera's model.dense_backend (te: Transformer Engine's linears)")
     parser.add_argument("--tessera-fp8-recipe", choices=te_backend.FP8_RECIPES, default="blockwise",
@@ -310,8 +314,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated systems to profile for one step after the timed rounds (GPU, "
                              "interleaved runs): the top kernels and the GPU's idle gaps")
     args = parser.parse_args(argv)
-    modules = tuple(m for m in args.tessera_recompute.split(",") if m)
-    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    modules = None if args.tessera_recompute is None else \
+        tuple(m for m in args.tessera_recompute.split(",") if m and m != "none")
+    unknown = [m for m in modules or () if m not in RECOMPUTE_MODULES]
     if unknown:
         print(f"bench.peers: --tessera-recompute: unknown module {unknown[0]!r} (known: {', '.join(RECOMPUTE_MODULES)})",
               file=sys.stderr)
@@ -328,7 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     table = workloads(args.tiny, device)
     for name in (list(table) if args.workload == "all" else [args.workload]):
         w = table[name]
-        w = replace(w, spec=replace(w.spec, tessera_modules=modules, tessera_fp8_recipe=args.tessera_fp8_recipe,
+        w = replace(w, spec=replace(w.spec, tessera_modules=modules, recompute=args.recompute or w.spec.recompute,
+                                    tessera_fp8_recipe=args.tessera_fp8_recipe,
                                     model=replace(w.spec.model, dense_backend=args.tessera_backend)))
         names = list(chosen or w.systems)
         record = run_workload(w, names, args.rounds, args.warmup, args.sequential, profiled)

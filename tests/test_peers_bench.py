@@ -46,7 +46,7 @@ def test_tiny_run_records_every_workload_and_every_system_learns(tmp_path):
         ran = r["results"]
         assert r["micro_batches"] == 5 * r["spec"]["accum"]  # one for every micro-batch the 5 steps read
         assert "tessera" in ran and set(ran) | set(r["unavailable"]) == set(systems)
-        assert ran["tessera"]["setup"].count("+ mlp") == 1 and r["spec"]["tessera_modules"] == ["mlp"]
+        assert ran["tessera"]["setup"].count("recompute_modules mlp,") == 1 and r["spec"]["tessera_modules"] == ["mlp"]
         for name, figures in ran.items():
             losses = figures["losses"]
             assert len(losses) == 5 and figures["rounds"] == 2  # warm-up steps, then the timed rounds
