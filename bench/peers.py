@@ -240,7 +240,7 @@ def run_workload(w: Workload, names: list[str], rounds: int, warmup: int, sequen
             for name in profile if w.spec.device.type == "cuda" else ():
                 if name in ran:
                     print(f"== {w.name}: one step of {name}, profiled", flush=True)
-                    print_profile(ran[name].built.step, rows=20)
+                    print_profile(ran[name].built.step, rows=30)
         del ran
         _release()
     if not interleaved:
@@ -254,6 +254,9 @@ def run_workload(w: Workload, names: list[str], rounds: int, warmup: int, sequen
                 continue
             times[name] = compare({name: r.built.step}, rounds=rounds, iters=1, warmup=0)[name]
             results[name] = figures(w, r, times[name])
+            if name in profile and w.spec.device.type == "cuda":
+                print(f"== {w.name}: one step of {name}, profiled", flush=True)
+                print_profile(r.built.step, rows=30)
             del r
             _release()
     speedups = {}
@@ -311,8 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tessera-fp8-recipe", choices=te_backend.FP8_RECIPES, default="blockwise",
                         help="Tessera's train.fp8_recipe in FP8 workloads (tensorwise and delayed need --tessera-backend te)")
     parser.add_argument("--profile", default="", metavar="SYSTEMS",
-                        help="comma-separated systems to profile for one step after the timed rounds (GPU, "
-                             "interleaved runs): the top kernels and the GPU's idle gaps")
+                        help="comma-separated systems to profile for one step after the timed rounds (GPU): "
+                             "the top kernels and the GPU's idle gaps")
     args = parser.parse_args(argv)
     modules = None if args.tessera_recompute is None else \
         tuple(m for m in args.tessera_recompute.split(",") if m and m != "none")
