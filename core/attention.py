@@ -9,9 +9,10 @@ Backends, chosen per call:
 - CUDA, packed: `torch.nn.attention.varlen.varlen_attn` (FlashAttention varlen); when the
   host knows the document lengths (`doc_lengths`), documents of at least `CUDNN_MIN_DOC`
   tokens go through cuDNN SDPA instead (1.6-1.7x flash varlen's speed on H100, BENCHMARKS.md),
-  batched by length rounded up to `CUDNN_BUCKET` (causal masking makes the padding exact:
-  real queries never see the keys after them, and padded queries are dropped, so they get no
-  gradient), and only the shorter ones through flash varlen. `TESSERA_VARLEN_KERNEL=flash`
+  each padded to a multiple of `CUDNN_BUCKET` (a few shapes, few cuDNN graphs; causal masking
+  makes the padding exact: real queries never see the keys after them, and padded queries are
+  dropped, so they get no gradient), written over one flash varlen call in which those
+  documents cost ~1% of their attention. `TESSERA_VARLEN_KERNEL=flash`
   keeps every document on flash;
 - CPU: an exact reference that runs SDPA per distinct segment length, batching the
   segments of equal length, so it stays exact and cheap enough for tests.
@@ -23,7 +24,6 @@ import functools
 import inspect
 import logging
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -102,68 +102,92 @@ CUDNN_MIN_DOC = 8192  # shorter documents: flash varlen (per-call costs outweigh
 CUDNN_BUCKET = 512  # long documents pad up to a multiple of this: a few shapes, few cuDNN graphs
 
 
+VARLEN_CHUNK = 128  # long documents' rows in the varlen call: one diagonal tile each, overwritten after
+
+
 @dataclass(frozen=True)
 class _SplitPlan:
-    """Index tensors of one packed batch's split (the same for every layer: cached)."""
+    """One packed batch's split (the same for every layer: cached)."""
 
-    buckets: tuple  # (padded length, gather [n*padded]) per bucket of long documents
-    short_rows: torch.Tensor | None  # token indices of the short documents
-    short_cu: torch.Tensor | None
-    short_max: int
-    source: torch.Tensor  # [T]: each token's row in the concatenated results (buckets, then short)
+    long_docs: tuple[tuple[int, int, int], ...]  # (start, length, padded length) of each long document
+    varlen_cu: torch.Tensor  # segments of the varlen call: short documents whole, long ones in chunks
+    varlen_max: int
 
 
 @functools.lru_cache(maxsize=4)
-def _split_plan(doc_lengths: tuple[int, ...], min_doc: int, bucket: int, device: torch.device) -> _SplitPlan:
-    total = sum(doc_lengths)
-    grouped: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    short: list[tuple[int, int]] = []
-    start = 0
+def _split_plan(doc_lengths: tuple[int, ...], min_doc: int, bucket: int, chunk: int, device: torch.device) -> _SplitPlan:
+    long_docs, segments, start = [], [], 0
     for n in doc_lengths:
         if n >= min_doc:
-            grouped[-(-n // bucket) * bucket].append((start, n))
+            long_docs.append((start, n, -(-n // bucket) * bucket))
+            segments += [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
         elif n:
-            short.append((start, n))
+            segments.append(n)
         start += n
-    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-    source = torch.empty(total, dtype=torch.long)
-    buckets, row = [], 0
-    for padded, docs in sorted(grouped.items()):
-        # Padded runs read in-range rows past each document's end: finite values that causal
-        # masking hides from the real queries; the padded queries' outputs are never read.
-        starts = torch.tensor([s for s, _ in docs])
-        buckets.append((padded, move((starts[:, None] + torch.arange(padded)[None, :]).clamp_max(total - 1).reshape(-1))))
-        for s, n in docs:
-            source[s:s + n] = torch.arange(row, row + n)
-            row += padded
-    rows = cu = None
-    if short:
-        rows = torch.cat([torch.arange(s, s + n) for s, n in short])
-        source[rows] = torch.arange(row, row + rows.numel())
-        rows = move(rows)
-        cu = move(torch.tensor([0] + [n for _, n in short]).cumsum(0).to(torch.int32))
-    return _SplitPlan(tuple(buckets), rows, cu, max((n for _, n in short), default=0), move(source))
+    cu = torch.tensor([0] + segments).cumsum(0).to(torch.int32).to(device, non_blocking=True)
+    return _SplitPlan(tuple(long_docs), cu, max(segments, default=0))
+
+
+def _window(t: torch.Tensor, start: int, length: int, padded: int) -> torch.Tensor:
+    """Rows [start, start + padded) of t as a view; past the end, a zero-padded copy. The rows
+    after `length` are another document's or zeros: causal masking hides them from the real
+    queries, and the padded queries' outputs are dropped (their gradient is zero)."""
+    if start + padded <= t.shape[0]:
+        return t[start:start + padded]
+    out = t.new_zeros(padded, *t.shape[1:])
+    out[:length] = t[start:start + length]
+    return out
+
+
+class _SplitAttention(torch.autograd.Function):
+    """One varlen call over every token (long documents cut into tiles that cost ~1% of their
+    attention), then each long document through dense SDPA on a view of its rows, written over
+    the varlen result. The gradients are assembled the same way, by row ranges: no gathers and
+    no scatter-adds (index_select's backward cost ~7% of a 32k-token step). Each kernel's
+    autograd graph is built in the forward on detached inputs and run in the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: _SplitPlan, scale):
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+                out_all = _flash_varlen(*leaves, plan.varlen_cu, plan.varlen_max, scale)
+            else:  # CPU tests of the split itself
+                out_all = _reference_varlen(*leaves, plan.varlen_cu, scale)
+            pieces = []
+            for start, n, padded in plan.long_docs:
+                inputs = [_window(t, start, n, padded).detach().requires_grad_() for t in (q, k, v)]
+                pieces.append((start, n, inputs, _sdpa_dense(*inputs, padded, scale)))
+        out = out_all.detach().clone()
+        for start, n, _, piece in pieces:
+            out[start:start + n] = piece[:n]
+        ctx.graphs = (leaves, out_all, pieces)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.graphs is None:
+            raise RuntimeError("split attention frees its graphs in the backward: it runs once (no retain_graph)")
+        leaves, out_all, pieces = ctx.graphs
+        ctx.graphs = None
+        grads = list(torch.autograd.grad(out_all, leaves, grad_out))
+        for start, n, inputs, piece in pieces:
+            g = grad_out.new_zeros(piece.shape)
+            g[:n] = grad_out[start:start + n]
+            for full, part in zip(grads, torch.autograd.grad(piece, inputs, g)):
+                full[start:start + n] = part[:n]
+        return *grads, None, None
 
 
 def _split_by_length(q, k, v, doc_lengths: tuple[int, ...], scale: float | None,
-                     min_doc: int = CUDNN_MIN_DOC, bucket: int = CUDNN_BUCKET) -> torch.Tensor:
-    """Long documents through dense causal SDPA (bucketed), the rest through one varlen call;
-    see the module docstring. Exact: the same attention as one varlen call over all. The
-    results are put back in token order by one gather."""
-    plan = _split_plan(tuple(doc_lengths), min_doc, bucket, q.device)
-    if plan.source.numel() != q.shape[0]:
-        raise ValueError(f"attention: doc_lengths cover {plan.source.numel()} tokens but q has {q.shape[0]}; "
+                     min_doc: int = CUDNN_MIN_DOC, bucket: int = CUDNN_BUCKET, chunk: int = VARLEN_CHUNK) -> torch.Tensor:
+    """Long documents through dense causal SDPA (padded to a multiple of `bucket`), the rest
+    through one varlen call; see the module docstring. Exact: the same attention as one varlen
+    call over all."""
+    if sum(doc_lengths) != q.shape[0]:
+        raise ValueError(f"attention: doc_lengths cover {sum(doc_lengths)} tokens but q has {q.shape[0]}; "
                          "they must describe the same packed batch as cu_seqlens")
-    parts = [_sdpa_dense(q.index_select(0, g), k.index_select(0, g), v.index_select(0, g), padded, scale)
-             for padded, g in plan.buckets]
-    if plan.short_rows is not None:
-        rows = plan.short_rows
-        sq, sk, sv = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            parts.append(_flash_varlen(sq, sk, sv, plan.short_cu, plan.short_max, scale))
-        else:  # CPU tests of the split itself
-            parts.append(_reference_varlen(sq, sk, sv, plan.short_cu, scale))
-    return torch.cat(parts).index_select(0, plan.source)
+    return _SplitAttention.apply(q, k, v, _split_plan(tuple(doc_lengths), min_doc, bucket, chunk, q.device), scale)
 
 
 def varlen_attention(

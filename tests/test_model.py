@@ -83,10 +83,12 @@ def test_long_documents_split_off_to_dense_attention_exactly(device):
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    lengths = (5, 13, 1, 22, 7, 0, 9, 16, 16, 3)  # GPU: x 800, three long documents
-    min_doc, bucket, dtype, scale_up = 8, 4, torch.float64, 1
+    # the last long document's padded window runs past the batch's end (a zero-padded copy)
+    lengths = (5, 13, 1, 22, 7, 0, 9, 16, 16, 3, 11)  # GPU: x 800, four long documents
+    min_doc, bucket, chunk, dtype, scale_up = 8, 4, 4, torch.float64, 1
     if device == "cuda":  # the real thresholds; lengths scaled so some documents are long
-        min_doc, bucket, dtype, scale_up = attention.CUDNN_MIN_DOC, attention.CUDNN_BUCKET, torch.bfloat16, 800
+        min_doc, bucket, chunk, dtype, scale_up = (attention.CUDNN_MIN_DOC, attention.CUDNN_BUCKET,
+                                                   attention.VARLEN_CHUNK, torch.bfloat16, 800)
     lengths = tuple(n * scale_up for n in lengths)
     cu = torch.tensor([0, *lengths]).cumsum(0).to(device, torch.int32)
     total = sum(lengths)
@@ -95,10 +97,13 @@ def test_long_documents_split_off_to_dense_attention_exactly(device):
                for h in (4, 2, 2))
     dout = torch.randn_like(q)
     results = []
-    for split in (False, True):
+    split = lambda *qkv: attention._split_by_length(*qkv, lengths, None, min_doc, bucket, chunk)  # noqa: E731
+    for kind in ("one call", "split", "split recomputed"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        if split:
-            out = attention._split_by_length(*leaves, lengths, None, min_doc, bucket)
+        if kind == "split":
+            out = split(*leaves)
+        elif kind == "split recomputed":  # as recompute_modules runs it: the graphs built again in the backward
+            out = torch.utils.checkpoint.checkpoint(split, *leaves, use_reentrant=False)
         elif device == "cpu":
             out = attention._reference_varlen(*leaves, cu, None)
         else:
@@ -106,10 +111,13 @@ def test_long_documents_split_off_to_dense_attention_exactly(device):
         out.backward(dout)
         results.append([out.detach(), *(t.grad for t in leaves)])
     tol = 1e-10 if device == "cpu" else 2e-2
-    for name, got, want in zip(("out", "dq", "dk", "dv"), results[1], results[0]):
-        err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
-        assert err < tol, (name, err)
-    assert len(attention._split_plan(lengths, min_doc, bucket, q.device).buckets) >= 2  # padding was exercised
+    for got_all in results[1:]:
+        for name, got, want in zip(("out", "dq", "dk", "dv"), got_all, results[0]):
+            err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+            assert err < tol, (name, err)
+    plan = attention._split_plan(lengths, min_doc, bucket, chunk, q.device)
+    assert len({padded for _, _, padded in plan.long_docs}) >= 2  # padding was exercised
+    assert any(n % chunk for _, n, _ in plan.long_docs) and plan.varlen_max == max(chunk, 7 * scale_up)
 
 
 def test_split_refuses_lengths_of_another_batch():
