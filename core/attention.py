@@ -128,66 +128,73 @@ def _split_plan(doc_lengths: tuple[int, ...], min_doc: int, bucket: int, chunk: 
     return _SplitPlan(tuple(long_docs), cu, max(segments, default=0))
 
 
-def _window(t: torch.Tensor, start: int, length: int, padded: int) -> torch.Tensor:
-    """Rows [start, start + padded) of t as a view; past the end, a zero-padded copy. The rows
-    after `length` are another document's or zeros: causal masking hides them from the real
-    queries, and the padded queries' outputs are dropped (their gradient is zero)."""
-    if start + padded <= t.shape[0]:
-        return t[start:start + padded]
-    out = t.new_zeros(padded, *t.shape[1:])
-    out[:length] = t[start:start + length]
-    return out
-
-
-class _SplitAttention(torch.autograd.Function):
-    """One varlen call over every token (long documents cut into tiles that cost ~1% of their
-    attention), then each long document through dense SDPA on a view of its rows, written over
-    the varlen result. The gradients are assembled the same way, by row ranges: no gathers and
-    no scatter-adds (index_select's backward cost ~7% of a 32k-token step). Each kernel's
-    autograd graph is built in the forward on detached inputs and run in the backward."""
+class _Windows(torch.autograd.Function):
+    """Each long document's rows of x, zero-padded to its padded length (causal masking hides
+    the padding from the real queries; the padded queries' outputs are dropped, so they get no
+    gradient). The backward writes the windows' gradients into one tensor by row ranges."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: _SplitPlan, scale):
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-                out_all = _flash_varlen(*leaves, plan.varlen_cu, plan.varlen_max, scale)
-            else:  # CPU tests of the split itself
-                out_all = _reference_varlen(*leaves, plan.varlen_cu, scale)
-            pieces = []
-            for start, n, padded in plan.long_docs:
-                inputs = [_window(t, start, n, padded).detach().requires_grad_() for t in (q, k, v)]
-                pieces.append((start, n, inputs, _sdpa_dense(*inputs, padded, scale)))
-        out = out_all.detach().clone()
-        for start, n, _, piece in pieces:
+    def forward(ctx, x, docs):
+        ctx.docs, ctx.shape = docs, x.shape
+        windows = []
+        for start, n, padded in docs:
+            window = x.new_zeros(padded, *x.shape[1:])
+            window[:n] = x[start:start + n]
+            windows.append(window)
+        return tuple(windows)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dx = grads[0].new_zeros(ctx.shape)
+        for (start, n, _), g in zip(ctx.docs, grads):
+            dx[start:start + n] = g[:n]
+        return dx, None
+
+
+class _OverwriteRows(torch.autograd.Function):
+    """`base` with each long document's rows replaced by its dense result. Those rows of `base`
+    get a zero gradient, which makes the varlen kernel's gradients there exactly zero."""
+
+    @staticmethod
+    def forward(ctx, base, docs, *pieces):
+        ctx.docs = docs
+        out = base.clone()
+        for (start, n, _), piece in zip(docs, pieces):
             out[start:start + n] = piece[:n]
-        ctx.graphs = (leaves, out_all, pieces)
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        if ctx.graphs is None:
-            raise RuntimeError("split attention frees its graphs in the backward: it runs once (no retain_graph)")
-        leaves, out_all, pieces = ctx.graphs
-        ctx.graphs = None
-        grads = list(torch.autograd.grad(out_all, leaves, grad_out))
-        for start, n, inputs, piece in pieces:
-            g = grad_out.new_zeros(piece.shape)
-            g[:n] = grad_out[start:start + n]
-            for full, part in zip(grads, torch.autograd.grad(piece, inputs, g)):
-                full[start:start + n] = part[:n]
-        return *grads, None, None
+    def backward(ctx, grad):
+        grad_base, grad_pieces = grad.clone(), []
+        for start, n, padded in ctx.docs:
+            g = grad.new_zeros(padded, *grad.shape[1:])
+            g[:n] = grad[start:start + n]
+            grad_base[start:start + n] = 0
+            grad_pieces.append(g)
+        return grad_base, None, *grad_pieces
 
 
 def _split_by_length(q, k, v, doc_lengths: tuple[int, ...], scale: float | None,
                      min_doc: int = CUDNN_MIN_DOC, bucket: int = CUDNN_BUCKET, chunk: int = VARLEN_CHUNK) -> torch.Tensor:
-    """Long documents through dense causal SDPA (padded to a multiple of `bucket`), the rest
-    through one varlen call; see the module docstring. Exact: the same attention as one varlen
-    call over all."""
+    """One varlen call over every token, with each long document cut into `chunk`-token
+    segments (one diagonal tile each, ~1% of its attention), then each long document through
+    dense causal SDPA, padded to a multiple of `bucket`, written over those rows. Exact: the
+    same attention as one varlen call over all."""
     if sum(doc_lengths) != q.shape[0]:
         raise ValueError(f"attention: doc_lengths cover {sum(doc_lengths)} tokens but q has {q.shape[0]}; "
                          "they must describe the same packed batch as cu_seqlens")
-    return _SplitAttention.apply(q, k, v, _split_plan(tuple(doc_lengths), min_doc, bucket, chunk, q.device), scale)
+    plan = _split_plan(tuple(doc_lengths), min_doc, bucket, chunk, q.device)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        base = _flash_varlen(q, k, v, plan.varlen_cu, plan.varlen_max, scale)
+    else:  # CPU tests of the split itself
+        base = _reference_varlen(q, k, v, plan.varlen_cu, scale)
+    if not plan.long_docs:
+        return base
+    # Row ranges, not index_select: its backward (a scatter-add) cost ~7% of a 32k-token step.
+    windows = [_Windows.apply(t, plan.long_docs) for t in (q, k, v)]
+    pieces = [_sdpa_dense(qw, kw, vw, padded, scale)
+              for (_, _, padded), qw, kw, vw in zip(plan.long_docs, *windows)]
+    return _OverwriteRows.apply(base, plan.long_docs, *pieces)
 
 
 def varlen_attention(
