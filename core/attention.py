@@ -11,8 +11,8 @@ Backends, chosen per call:
   tokens go through cuDNN SDPA instead (1.6-1.7x flash varlen's speed on H100, BENCHMARKS.md),
   each padded to a multiple of `CUDNN_BUCKET` (a few shapes, few cuDNN graphs; causal masking
   makes the padding exact: real queries never see the keys after them, and padded queries are
-  dropped, so they get no gradient), written over one flash varlen call in which those
-  documents cost ~1% of their attention. `TESSERA_VARLEN_KERNEL=flash`
+  dropped, so they get no gradient), and each run of shorter documents between them through
+  one flash varlen call, all on views of the packed rows. `TESSERA_VARLEN_KERNEL=flash`
   keeps every document on flash;
 - CPU: an exact reference that runs SDPA per distinct segment length, batching the
   segments of equal length, so it stays exact and cheap enough for tests.
@@ -102,99 +102,91 @@ CUDNN_MIN_DOC = 8192  # shorter documents: flash varlen (per-call costs outweigh
 CUDNN_BUCKET = 512  # long documents pad up to a multiple of this: a few shapes, few cuDNN graphs
 
 
-VARLEN_CHUNK = 128  # long documents' rows in the varlen call: one diagonal tile each, overwritten after
-
-
 @dataclass(frozen=True)
-class _SplitPlan:
-    """One packed batch's split (the same for every layer: cached)."""
+class _Piece:
+    """A row range of a packed batch: one long document (dense SDPA, padded) or a run of short
+    documents between long ones (one varlen call, `cu` their boundaries within the run)."""
 
-    long_docs: tuple[tuple[int, int, int], ...]  # (start, length, padded length) of each long document
-    varlen_cu: torch.Tensor  # segments of the varlen call: short documents whole, long ones in chunks
-    varlen_max: int
+    start: int
+    length: int
+    padded: int
+    cu: torch.Tensor | None = None  # None: a long document
+    max_len: int = 0
 
 
 @functools.lru_cache(maxsize=4)
-def _split_plan(doc_lengths: tuple[int, ...], min_doc: int, bucket: int, chunk: int, device: torch.device) -> _SplitPlan:
-    long_docs, segments, start = [], [], 0
+def _split_plan(doc_lengths: tuple[int, ...], min_doc: int, bucket: int, device: torch.device) -> tuple[_Piece, ...]:
+    pieces: list[_Piece] = []
+    run: list[int] = []  # the short documents since the last long one
+    start = 0
+
+    def close_run(end: int) -> None:
+        if run:
+            cu = torch.tensor([0, *run]).cumsum(0).to(torch.int32).to(device, non_blocking=True)
+            pieces.append(_Piece(end - sum(run), sum(run), sum(run), cu, max(run)))
+            run.clear()
+
     for n in doc_lengths:
         if n >= min_doc:
-            long_docs.append((start, n, -(-n // bucket) * bucket))
-            segments += [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+            close_run(start)
+            pieces.append(_Piece(start, n, -(-n // bucket) * bucket))
         elif n:
-            segments.append(n)
+            run.append(n)
         start += n
-    cu = torch.tensor([0] + segments).cumsum(0).to(torch.int32).to(device, non_blocking=True)
-    return _SplitPlan(tuple(long_docs), cu, max(segments, default=0))
+    close_run(start)
+    return tuple(pieces)
 
 
 class _Windows(torch.autograd.Function):
-    """Each long document's rows of x, zero-padded to its padded length (causal masking hides
-    the padding from the real queries; the padded queries' outputs are dropped, so they get no
-    gradient). The backward writes the windows' gradients into one tensor by row ranges."""
+    """Each piece's rows of x: a view, or past the batch's end a zero-padded copy. A long
+    document's padded rows are the next document's or zeros: causal masking hides them from
+    the real queries, and the padded queries' outputs are dropped, so they get no gradient.
+    The backward writes each piece's real rows into one gradient: no scatter-add, and no
+    full-size gradient per piece for autograd to sum."""
 
     @staticmethod
-    def forward(ctx, x, docs):
-        ctx.docs, ctx.shape = docs, x.shape
+    def forward(ctx, x, pieces):
+        ctx.pieces, ctx.shape = pieces, x.shape
         windows = []
-        for start, n, padded in docs:
-            window = x.new_zeros(padded, *x.shape[1:])
-            window[:n] = x[start:start + n]
-            windows.append(window)
+        for p in pieces:
+            if p.start + p.padded <= x.shape[0]:
+                windows.append(x[p.start:p.start + p.padded])
+            else:
+                window = x.new_zeros(p.padded, *x.shape[1:])
+                window[:p.length] = x[p.start:p.start + p.length]
+                windows.append(window)
         return tuple(windows)
 
     @staticmethod
     def backward(ctx, *grads):
-        dx = grads[0].new_zeros(ctx.shape)
-        for (start, n, _), g in zip(ctx.docs, grads):
-            dx[start:start + n] = g[:n]
+        dx = grads[0].new_empty(ctx.shape) if any(g is not None for g in grads) else None
+        for p, g in zip(ctx.pieces, grads):
+            if g is None:
+                dx[p.start:p.start + p.length] = 0
+            else:
+                dx[p.start:p.start + p.length] = g[:p.length]
         return dx, None
 
 
-class _OverwriteRows(torch.autograd.Function):
-    """`base` with each long document's rows replaced by its dense result. Those rows of `base`
-    get a zero gradient, which makes the varlen kernel's gradients there exactly zero."""
-
-    @staticmethod
-    def forward(ctx, base, docs, *pieces):
-        ctx.docs = docs
-        out = base.clone()
-        for (start, n, _), piece in zip(docs, pieces):
-            out[start:start + n] = piece[:n]
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_base, grad_pieces = grad.clone(), []
-        for start, n, padded in ctx.docs:
-            g = grad.new_zeros(padded, *grad.shape[1:])
-            g[:n] = grad[start:start + n]
-            grad_base[start:start + n] = 0
-            grad_pieces.append(g)
-        return grad_base, None, *grad_pieces
-
-
 def _split_by_length(q, k, v, doc_lengths: tuple[int, ...], scale: float | None,
-                     min_doc: int = CUDNN_MIN_DOC, bucket: int = CUDNN_BUCKET, chunk: int = VARLEN_CHUNK) -> torch.Tensor:
-    """One varlen call over every token, with each long document cut into `chunk`-token
-    segments (one diagonal tile each, ~1% of its attention), then each long document through
-    dense causal SDPA, padded to a multiple of `bucket`, written over those rows. Exact: the
-    same attention as one varlen call over all."""
+                     min_doc: int = CUDNN_MIN_DOC, bucket: int = CUDNN_BUCKET) -> torch.Tensor:
+    """Each long document through dense causal SDPA (padded to a multiple of `bucket`), each
+    run of short documents between them through one varlen call, on views of q, k, v; the
+    results joined in token order. Exact: the same attention as one varlen call over all."""
     if sum(doc_lengths) != q.shape[0]:
         raise ValueError(f"attention: doc_lengths cover {sum(doc_lengths)} tokens but q has {q.shape[0]}; "
                          "they must describe the same packed batch as cu_seqlens")
-    plan = _split_plan(tuple(doc_lengths), min_doc, bucket, chunk, q.device)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        base = _flash_varlen(q, k, v, plan.varlen_cu, plan.varlen_max, scale)
-    else:  # CPU tests of the split itself
-        base = _reference_varlen(q, k, v, plan.varlen_cu, scale)
-    if not plan.long_docs:
-        return base
-    # Row ranges, not index_select: its backward (a scatter-add) cost ~7% of a 32k-token step.
-    windows = [_Windows.apply(t, plan.long_docs) for t in (q, k, v)]
-    pieces = [_sdpa_dense(qw, kw, vw, padded, scale)
-              for (_, _, padded), qw, kw, vw in zip(plan.long_docs, *windows)]
-    return _OverwriteRows.apply(base, plan.long_docs, *pieces)
+    pieces = _split_plan(tuple(doc_lengths), min_doc, bucket, q.device)
+    flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    outs = []
+    for p, qw, kw, vw in zip(pieces, *(_Windows.apply(t, pieces) for t in (q, k, v))):
+        if p.cu is None:
+            outs.append(_sdpa_dense(qw, kw, vw, p.padded, scale)[:p.length])
+        elif flash:
+            outs.append(_flash_varlen(qw, kw, vw, p.cu, p.max_len, scale))
+        else:  # CPU tests of the split itself
+            outs.append(_reference_varlen(qw, kw, vw, p.cu, scale))
+    return torch.cat(outs)
 
 
 def varlen_attention(
