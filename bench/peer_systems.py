@@ -63,6 +63,7 @@ class Spec:
     device: torch.device
     # Tessera's own recompute_modules in place of `recompute` (each system its own choice); None: `recompute`
     tessera_modules: tuple[str, ...] | None = None
+    recompute_forced: bool = False  # `recompute` was asked for, not the workload's default: every system runs it
     tessera_fp8_recipe: str = "blockwise"  # Tessera's train.fp8_recipe (model.dense_backend is in `model`)
 
 
@@ -456,8 +457,10 @@ def torchtitan(spec: Spec, feed: Feed, weights) -> Built:
     o.implementation = "fused" if spec.device.type == "cuda" else "foreach"
     job.lr_scheduler.warmup_steps, job.lr_scheduler.decay_ratio = 0, 0.0
     job.metrics.log_freq = 10**9  # the losses are read here, after the timing, as for the other systems
-    # TorchTitan's recommended selective AC is per-op; "full" when the workload recomputes whole blocks
-    job.activation_checkpoint.mode = "full" if spec.recompute == "full" else "selective"
+    # TorchTitan's recommended selective AC is per-op; "full" when the workload recomputes whole
+    # blocks; none only when asked for (--recompute none)
+    job.activation_checkpoint.mode = ("none" if spec.recompute == "none" and spec.recompute_forced
+                                      else "full" if spec.recompute == "full" else "selective")
     job.activation_checkpoint.selective_ac_option = "op"
     job.compile.enable, job.compile.components = spec.compile, ["model", "loss"]
     if spec.precision == "fp8":

@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in (list(table) if args.workload == "all" else [args.workload]):
         w = table[name]
         w = replace(w, spec=replace(w.spec, tessera_modules=modules, recompute=args.recompute or w.spec.recompute,
+                                    recompute_forced=args.recompute is not None,
                                     tessera_fp8_recipe=args.tessera_fp8_recipe,
                                     model=replace(w.spec.model, dense_backend=args.tessera_backend)))
         names = list(chosen or w.systems)
