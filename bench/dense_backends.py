@@ -5,6 +5,8 @@ The variants (name: model.dense_backend, train.precision, train.fp8_recipe):
     torch-bf16        torch  bf16
     te-bf16           te     bf16
     torch-fp8         torch  fp8  blockwise  (Tessera's CUTLASS kernels)
+    torch-tensorwise  torch  fp8  tensorwise (torchao's Float8Linear, compiled with the block)
+    torch-rowwise     torch  fp8  rowwise    (torchao's Float8Linear)
     te-blockwise      te     fp8  blockwise  (TE's Float8BlockScaling)
     te-tensorwise     te     fp8  tensorwise (TE's current scaling)
     te-delayed        te     fp8  delayed    (TE's delayed scaling)
@@ -38,6 +40,8 @@ VARIANTS = {
     "torch-bf16": ("torch", "bf16", "blockwise"),
     "te-bf16": ("te", "bf16", "blockwise"),
     "torch-fp8": ("torch", "fp8", "blockwise"),
+    "torch-tensorwise": ("torch", "fp8", "tensorwise"),
+    "torch-rowwise": ("torch", "fp8", "rowwise"),
     "te-blockwise": ("te", "fp8", "blockwise"),
     "te-tensorwise": ("te", "fp8", "tensorwise"),
     "te-delayed": ("te", "fp8", "delayed"),

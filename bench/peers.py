@@ -75,8 +75,7 @@ from bench.harness import compare, emit, ratio
 from bench.peer_systems import (EOS, Built, Feed, Micro, Spec, Unavailable, huggingface, megatron_core,
                                 reference_weights, tessera, torchao_fp8, torchtitan)
 from bench.train_step import model_config, print_profile
-from core import te_backend
-from core.config import RECOMPUTE_MODULES, ModelConfig, MoEConfig
+from core.config import FP8_RECIPES, RECOMPUTE_MODULES, ModelConfig, MoEConfig
 from core.metrics import PEAK_FLOPS, flops_per_token
 from core.model import build_model
 
@@ -311,8 +310,9 @@ def main(argv: list[str] | None = None) -> None:
                              "place of --recompute: its own memory/speed choice, as TorchTitan runs its own")
     parser.add_argument("--tessera-backend", choices=["torch", "te"], default="torch",
                         help="Tessera's model.dense_backend (te: Transformer Engine's linears)")
-    parser.add_argument("--tessera-fp8-recipe", choices=te_backend.FP8_RECIPES, default="blockwise",
-                        help="Tessera's train.fp8_recipe in FP8 workloads (tensorwise and delayed need --tessera-backend te)")
+    parser.add_argument("--tessera-fp8-recipe", choices=FP8_RECIPES, default="blockwise",
+                        help="Tessera's train.fp8_recipe in FP8 workloads (delayed needs --tessera-backend te; "
+                             "tensorwise and rowwise with the torch backend run through torchao)")
     parser.add_argument("--profile", default="", metavar="SYSTEMS",
                         help="comma-separated systems to profile for one step after the timed rounds (GPU): "
                              "the top kernels and the GPU's idle gaps")

@@ -40,8 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu_idle import summarise
 from bench.harness import Timing, compare, emit, ratio
-from core import te_backend
-from core.config import Config, ModelConfig, load_config
+from core.config import FP8_RECIPES, Config, ModelConfig, load_config
 from core.data import StepInputs
 from core.fp8_cache import WEIGHT_CACHE
 from core.layers import AttentionMeta
@@ -257,8 +256,8 @@ def main() -> None:
                         help="Tessera's precision (fp8: the blocks' linears and the experts; MFU still against bf16 peak)")
     parser.add_argument("--dense-backend", choices=["torch", "te"], default="torch",
                         help="Tessera's model.dense_backend (te: Transformer Engine's linears)")
-    parser.add_argument("--fp8-recipe", choices=te_backend.FP8_RECIPES, default="blockwise",
-                        help="with --precision fp8: train.fp8_recipe (tensorwise and delayed need --dense-backend te)")
+    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="blockwise",
+                        help="with --precision fp8: train.fp8_recipe (delayed needs --dense-backend te, rowwise torch)")
     parser.add_argument("--no-wgrad-fusion", action="store_true",
                         help="Tessera without gradient-accumulation fusion (expert wgrad in bf16, then an fp32 pass)")
     parser.add_argument("--no-fp8-weight-cache", action="store_true",

@@ -217,8 +217,8 @@ class TrainConfig:
     """Most global gradient L2 norm; larger gradients are scaled down; 0: no clipping."""
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     """Compute precision; auto: bf16 on GPU, fp32 on CPU."""
-    fp8_recipe: Literal["blockwise", "tensorwise", "delayed"] = "blockwise"
-    """fp8: scaling of the dense layers' GEMMs; tensorwise (current) and delayed need model.dense_backend=te; experts stay blockwise."""
+    fp8_recipe: Literal["blockwise", "tensorwise", "rowwise", "delayed"] = "blockwise"
+    """fp8 dense GEMMs' scaling: blockwise; tensorwise or rowwise via torchao (torch backend); te: blockwise, tensorwise, delayed."""
     fp8_weight_cache: bool = True
     """fp8: quantise each weight once per optimizer step, not per micro-batch (core/fp8_cache.py)."""
     recompute: Literal["none", "selective", "full"] = "none"
@@ -739,9 +739,21 @@ def _check_dense_backend(config: Config) -> None:
     if t.fp8_recipe != "blockwise" and t.precision != "fp8":
         raise ConfigError(f"train.fp8_recipe={t.fp8_recipe!r} applies to train.precision='fp8' only "
                           f"(now {t.precision!r}); set both or leave fp8_recipe at 'blockwise'")
-    if t.fp8_recipe != "blockwise" and backend != "te":
-        raise ConfigError(f"train.fp8_recipe={t.fp8_recipe!r} runs through Transformer Engine: set "
-                          "model.dense_backend='te' (Tessera's own kernels scale blockwise only)")
+    if t.fp8_recipe == "delayed" and backend != "te":
+        raise ConfigError("train.fp8_recipe='delayed' runs through Transformer Engine: set model.dense_backend='te', "
+                          "or use blockwise, tensorwise or rowwise with the torch backend")
+    if t.fp8_recipe == "rowwise" and backend == "te":
+        raise ConfigError("train.fp8_recipe='rowwise' runs through torchao with model.dense_backend='torch'; "
+                          "Transformer Engine's recipes here are blockwise, tensorwise and delayed")
+    if backend == "torch" and t.precision == "fp8" and t.fp8_recipe in ("tensorwise", "rowwise"):
+        if config.parallel.tp > 1:
+            raise ConfigError(f"train.fp8_recipe={t.fp8_recipe!r} with the torch backend (torchao) runs at "
+                              f"parallel.tp=1 only (now {config.parallel.tp}); use blockwise, or model.dense_backend='te'")
+        hooked = sorted(recompute_set(t) & set(HOOKED_RECOMPUTE))
+        if hooked:
+            raise ConfigError(f"train.recompute_modules {hooked} cannot run with train.fp8_recipe={t.fp8_recipe!r}: "
+                              "torchao's FP8 linears save their own inputs, which those hooks do not see; recompute "
+                              "'attention_core', 'attention', 'mlp' or 'block' instead")
     if backend == "te":
         hooked = sorted(recompute_set(t) & set(HOOKED_RECOMPUTE))
         if hooked:
@@ -752,6 +764,7 @@ def _check_dense_backend(config: Config) -> None:
 
 # Fine-grained recomputation and offload (core/parallel/recompute.py). Each name is a kind of
 # module in every block; the outer ones contain the inner ones (`block` all of them).
+FP8_RECIPES = ("blockwise", "tensorwise", "rowwise", "delayed")  # train.fp8_recipe's values
 RECOMPUTE_MODULES = ("norms", "swiglu", "moe_experts", "attention_core", "attention", "mlp", "block")
 _INSIDE = {"block": set(RECOMPUTE_MODULES) - {"block"}, "attention": {"attention_core", "norms"},
            "mlp": {"swiglu", "moe_experts"}}
