@@ -18,21 +18,14 @@ import torch
 from torch import nn
 
 from core import fp8_torchao
-from core.config import Config, ConfigError, ModelConfig, validate
+from core.config import ConfigError, ModelConfig, validate
 from core.layers import AttentionMeta
 from core.model import build_model
+from tests.test_te_backend import _config, _tail_mean, fresh_text  # noqa: F401  (fixture reused)
 from tests.test_train import CONFIG, ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
 
 TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not TORCHAO, reason="torchao is not installed")
-
-
-def _config(**settings) -> Config:
-    config = Config()
-    for key, value in settings.items():
-        section, _, name = key.partition("__")
-        setattr(getattr(config, section), name, value)
-    return config
 
 
 @pytest.mark.parametrize("settings, world, message", [
@@ -108,15 +101,6 @@ GPU = ["train.device=cuda", "train.seq_len=256", "train.micro_batch_size=2", "tr
        "train.log_interval=50", "train.max_steps=500", "train.compile=true"]
 
 
-@pytest.fixture(scope="module")
-def fresh_text(tmp_path_factory):
-    """Enough text that 500 steps of 8 x 256 read each document at most once (tests/test_te_backend.py)."""
-    from dataservice.build import build_dataset, make_corpus
-
-    tmp = tmp_path_factory.mktemp("fresh-text")
-    return build_dataset([make_corpus(tmp, n_docs=4000, seed=5, min_len=64, max_len=1200)], tmp / "shards")
-
-
 @needs_torchao
 @pytest.mark.gpu
 @pytest.mark.slow
@@ -125,12 +109,12 @@ def test_gpu_fp8_recipes_learn_like_bf16(tmp_path, fresh_text):
         pytest.skip("needs a CUDA GPU")
     run_train(tmp_path / "bf16", fresh_text, 1, *GPU)
     want = losses(tmp_path / "bf16")
-    tail = lambda values: sum(values[s] for s in range(451, 501)) / 50  # noqa: E731
     for recipe in fp8_torchao.TORCHAO_RECIPES:
         run_train(tmp_path / recipe, fresh_text, 1, *GPU, "train.precision=fp8", f"train.fp8_recipe={recipe}")
         got = losses(tmp_path / recipe)
         assert sorted(got) == list(range(1, 501))
-        assert tail(got) == pytest.approx(tail(want), rel=0.01), (recipe, tail(got), tail(want))
+        assert _tail_mean(got, 50) == pytest.approx(_tail_mean(want, 50), rel=0.01), \
+            (recipe, _tail_mean(got, 50), _tail_mean(want, 50))
 
 
 def test_apply_refuses_what_it_cannot_swap():
