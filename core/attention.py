@@ -159,12 +159,10 @@ class _Windows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        dx = grads[0].new_empty(ctx.shape) if any(g is not None for g in grads) else None
+        # An unused window's gradient arrives as zeros (autograd materialises them by default).
+        dx = grads[0].new_empty(ctx.shape)
         for p, g in zip(ctx.pieces, grads):
-            if g is None:
-                dx[p.start:p.start + p.length] = 0
-            else:
-                dx[p.start:p.start + p.length] = g[:p.length]
+            dx[p.start:p.start + p.length] = g[:p.length]
         return dx, None
 
 
