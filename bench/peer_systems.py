@@ -250,12 +250,12 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
         micro = [flat[id(feed.next())] for _ in range(spec.accum)]
         return trainer.record(trainer.step(micro), start)["loss"]
 
+    recompute = (f"recompute {spec.recompute}" if spec.tessera_modules is None
+                 else f"recompute_modules {'+'.join(spec.tessera_modules) or 'none'}")
     return Built(step, _tessera_counts(spec), spec.model.num_heads * spec.model.attention_head_dim,
                  f"Trainer.step+record, precision {spec.precision}"
                  f"{' (' + spec.tessera_fp8_recipe + ')' if spec.precision == 'fp8' else ''}, "
-                 f"dense backend {spec.model.dense_backend}, "
-                 f"{'recompute ' + spec.recompute if spec.tessera_modules is None else 'recompute_modules ' + ('+'.join(spec.tessera_modules) or 'none')}, "
-                 f"compile {spec.compile}")
+                 f"dense backend {spec.model.dense_backend}, {recompute}, compile {spec.compile}")
 
 
 def _tessera_counts(spec: Spec) -> tuple[int, int, int]:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from core import fp8, fp8_torchao, te_backend
 from core.checkpoint import latest_checkpoint
-from core.config import Config, ConfigError, load_config, reference, validate
+from core.config import Config, ConfigError, load_config, reference, torchao_fp8, validate
 from core.data import check_data_source
 from core.launcher import Rendezvous, interrupted_line, launch_local
 from core.lifecycle import Interrupted, die_with_parent, exit_without_teardown, install_stop_handlers, interrupted_by
@@ -232,11 +232,10 @@ def check_inputs(config: Config) -> None:
         if reason:
             raise ConfigError(f"model.dense_backend='te' needs Transformer Engine on a GPU, but {reason}; "
                               "use model.dense_backend='torch'")
-    torchao = config.model.dense_backend == "torch" and config.train.precision == "fp8" and \
-        config.train.fp8_recipe in fp8_torchao.TORCHAO_RECIPES
-    if torchao and fp8_torchao.unavailable_reason():
-        raise ConfigError(f"train.fp8_recipe={config.train.fp8_recipe!r} needs torchao, but "
-                          f"{fp8_torchao.unavailable_reason()}; or use train.fp8_recipe=blockwise")
+    reason = fp8_torchao.unavailable_reason() if torchao_fp8(config) else None
+    if reason:
+        raise ConfigError(f"train.fp8_recipe={config.train.fp8_recipe!r} needs torchao, but {reason}; "
+                          "or use train.fp8_recipe=blockwise")
     check_data_source(config)
     if config.checkpoint.init_from:
         with torch.device("meta"):  # names and shapes only: no memory, no init

@@ -734,6 +734,16 @@ def _check_train(config: Config) -> None:
     _check_dense_backend(config)
 
 
+FP8_RECIPES = ("blockwise", "tensorwise", "rowwise", "delayed")  # train.fp8_recipe's values
+TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # with the torch backend: torchao's Float8Linear
+
+
+def torchao_fp8(config: Config) -> bool:
+    """Whether the blocks' dense layers run torchao's FP8 (core/fp8_torchao.py)."""
+    t = config.train
+    return config.model.dense_backend == "torch" and t.precision == "fp8" and t.fp8_recipe in TORCHAO_FP8_RECIPES
+
+
 def _check_dense_backend(config: Config) -> None:
     t, backend = config.train, config.model.dense_backend
     if t.fp8_recipe != "blockwise" and t.precision != "fp8":
@@ -745,26 +755,21 @@ def _check_dense_backend(config: Config) -> None:
     if t.fp8_recipe == "rowwise" and backend == "te":
         raise ConfigError("train.fp8_recipe='rowwise' runs through torchao with model.dense_backend='torch'; "
                           "Transformer Engine's recipes here are blockwise, tensorwise and delayed")
-    if backend == "torch" and t.precision == "fp8" and t.fp8_recipe in ("tensorwise", "rowwise"):
-        if config.parallel.tp > 1:
-            raise ConfigError(f"train.fp8_recipe={t.fp8_recipe!r} with the torch backend (torchao) runs at "
-                              f"parallel.tp=1 only (now {config.parallel.tp}); use blockwise, or model.dense_backend='te'")
-        hooked = sorted(recompute_set(t) & set(HOOKED_RECOMPUTE))
-        if hooked:
-            raise ConfigError(f"train.recompute_modules {hooked} cannot run with train.fp8_recipe={t.fp8_recipe!r}: "
-                              "torchao's FP8 linears save their own inputs, which those hooks do not see; recompute "
-                              "'attention_core', 'attention', 'mlp' or 'block' instead")
-    if backend == "te":
-        hooked = sorted(recompute_set(t) & set(HOOKED_RECOMPUTE))
-        if hooked:
-            raise ConfigError(f"train.recompute_modules {hooked} cannot run with model.dense_backend='te': Transformer "
-                              "Engine's linears save their own (possibly FP8) inputs, which those hooks do not see; "
-                              "recompute 'attention_core', 'attention', 'mlp' or 'block' instead")
+    torchao = torchao_fp8(config)
+    if torchao and config.parallel.tp > 1:
+        raise ConfigError(f"train.fp8_recipe={t.fp8_recipe!r} with the torch backend (torchao) runs at "
+                          f"parallel.tp=1 only (now {config.parallel.tp}); use blockwise, or model.dense_backend='te'")
+    hooked = sorted(recompute_set(t) & set(HOOKED_RECOMPUTE))
+    if hooked and (backend == "te" or torchao):
+        setting, linears = (("model.dense_backend='te'", "Transformer Engine's linears") if backend == "te"
+                            else (f"train.fp8_recipe={t.fp8_recipe!r}", "torchao's FP8 linears"))
+        raise ConfigError(f"train.recompute_modules {hooked} cannot run with {setting}: {linears} save their own "
+                          "(possibly FP8) inputs, which those hooks do not see; recompute 'attention_core', "
+                          "'attention', 'mlp' or 'block' instead")
 
 
 # Fine-grained recomputation and offload (core/parallel/recompute.py). Each name is a kind of
 # module in every block; the outer ones contain the inner ones (`block` all of them).
-FP8_RECIPES = ("blockwise", "tensorwise", "rowwise", "delayed")  # train.fp8_recipe's values
 RECOMPUTE_MODULES = ("norms", "swiglu", "moe_experts", "attention_core", "attention", "mlp", "block")
 _INSIDE = {"block": set(RECOMPUTE_MODULES) - {"block"}, "attention": {"attention_core", "norms"},
            "mlp": {"swiglu", "moe_experts"}}

@@ -21,9 +21,10 @@ import logging
 
 from torch import nn
 
+from core.config import TORCHAO_FP8_RECIPES
+
 log = logging.getLogger(__name__)
 
-TORCHAO_RECIPES = ("tensorwise", "rowwise")
 ALIGN = 16  # FP8 GEMMs take both dims of an operand in multiples of 16
 
 
@@ -40,8 +41,8 @@ def apply_torchao_fp8(model: nn.Module, recipe: str, emulate: bool) -> dict[str,
     bf16). Apply before recompute, compile and data parallelism, on a model without tensor
     parallelism (its sharded linears are Tessera's own modules). `emulate`: the CPU's exact
     emulation of the FP8 GEMMs."""
-    if recipe not in TORCHAO_RECIPES:
-        raise ValueError(f"torchao fp8 recipe {recipe!r} must be one of {', '.join(TORCHAO_RECIPES)}")
+    if recipe not in TORCHAO_FP8_RECIPES:
+        raise ValueError(f"torchao fp8 recipe {recipe!r} must be one of {', '.join(TORCHAO_FP8_RECIPES)}")
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"train.fp8_recipe={recipe!r}: {reason}")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from core import fp8, fp8_torchao, te_backend
-from core.config import Config, grad_accum_steps
+from core.config import Config, grad_accum_steps, torchao_fp8
 from core.fp8_cache import WEIGHT_CACHE
 from core.mesh import ParallelMesh
 from core.optim import build_optimizer, clip_grad_norm_
@@ -97,7 +97,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     if config.model.dense_backend == "te":  # after TP/EP: it reads the local shards' shapes
         te_backend.apply_te(model, t.fp8_recipe if precision == "fp8" else None, fuse_wgrad=p.gradient_accumulation_fusion)
     if precision == "fp8":  # the experts' GEMMs, and with the torch backend the dense ones
-        torchao = config.model.dense_backend == "torch" and t.fp8_recipe in fp8_torchao.TORCHAO_RECIPES
+        torchao = torchao_fp8(config)
         if torchao:
             fp8_torchao.apply_torchao_fp8(model, t.fp8_recipe, emulate=device.type != "cuda")
         apply_fp8(model, dense=config.model.dense_backend == "torch" and not torchao)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from core import fp8_torchao
-from core.config import ConfigError, ModelConfig, validate
+from core.config import TORCHAO_FP8_RECIPES, ConfigError, ModelConfig, validate
 from core.layers import AttentionMeta
 from core.model import build_model
 from tests.test_te_backend import _config, _tail_mean, fresh_text  # noqa: F401  (fixture reused)
@@ -57,7 +57,7 @@ def _tiny() -> ModelConfig:
 
 
 @needs_torchao
-@pytest.mark.parametrize("recipe", fp8_torchao.TORCHAO_RECIPES)
+@pytest.mark.parametrize("recipe", TORCHAO_FP8_RECIPES)
 def test_swap_keeps_names_and_shapes_and_computes_like_bf16(recipe):
     from torchao.float8.float8_linear import Float8Linear
 
@@ -88,7 +88,7 @@ def test_cpu_training_in_torchao_fp8_follows_bf16(tmp_path, dataset):  # noqa: F
     common = ["train.precision=bf16", "train.max_steps=12", "train.log_interval=1"]
     run_train(tmp_path / "bf16", dataset, 1, *common)
     want = losses(tmp_path / "bf16")
-    for recipe in fp8_torchao.TORCHAO_RECIPES:
+    for recipe in TORCHAO_FP8_RECIPES:
         proc = run_train(tmp_path / recipe, dataset, 1, *common, "train.precision=fp8", f"train.fp8_recipe={recipe}")
         assert "block linear layers on torchao's Float8Linear" in proc.stdout + proc.stderr
         got = losses(tmp_path / recipe)
@@ -109,7 +109,7 @@ def test_gpu_fp8_recipes_learn_like_bf16(tmp_path, fresh_text):
         pytest.skip("needs a CUDA GPU")
     run_train(tmp_path / "bf16", fresh_text, 1, *GPU)
     want = losses(tmp_path / "bf16")
-    for recipe in fp8_torchao.TORCHAO_RECIPES:
+    for recipe in TORCHAO_FP8_RECIPES:
         run_train(tmp_path / recipe, fresh_text, 1, *GPU, "train.precision=fp8", f"train.fp8_recipe={recipe}")
         got = losses(tmp_path / recipe)
         assert sorted(got) == list(range(1, 501))
