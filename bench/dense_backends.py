@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--cuda-graphs", action="store_true", help="with --compile: train.cuda_graphs")
     parser.add_argument("--recompute", default="none")
     parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
     args = parser.parse_args()

@@ -65,6 +65,7 @@ class Spec:
     tessera_modules: tuple[str, ...] | None = None
     recompute_forced: bool = False  # `recompute` was asked for, not the workload's default: every system runs it
     tessera_fp8_recipe: str = "blockwise"  # Tessera's train.fp8_recipe (model.dense_backend is in `model`)
+    tessera_cuda_graphs: bool = False  # Tessera's train.cuda_graphs (with compile)
 
 
 @dataclass
@@ -232,6 +233,7 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
     t = config.train
     t.device, t.seed, t.seq_len = spec.device.type, 0, spec.seq
     t.compile, t.precision = spec.compile, spec.precision
+    t.cuda_graphs = spec.compile and spec.tessera_cuda_graphs
     if spec.tessera_modules is None:
         t.recompute = spec.recompute
     else:
@@ -255,7 +257,8 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
     return Built(step, _tessera_counts(spec), spec.model.num_heads * spec.model.attention_head_dim,
                  f"Trainer.step+record, precision {spec.precision}"
                  f"{' (' + spec.tessera_fp8_recipe + ')' if spec.precision == 'fp8' else ''}, "
-                 f"dense backend {spec.model.dense_backend}, {recompute}, compile {spec.compile}")
+                 f"dense backend {spec.model.dense_backend}, {recompute}, compile {spec.compile}"
+                 f"{', CUDA graphs' if t.cuda_graphs else ''}")
 
 
 def _tessera_counts(spec: Spec) -> tuple[int, int, int]:

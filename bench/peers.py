@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tessera-fp8-recipe", choices=FP8_RECIPES, default="blockwise",
                         help="Tessera's train.fp8_recipe in FP8 workloads (delayed needs --tessera-backend te; "
                              "tensorwise and rowwise with the torch backend run through torchao)")
+    parser.add_argument("--tessera-cuda-graphs", action="store_true",
+                        help="Tessera's train.cuda_graphs: its compiled block regions replayed as CUDA graphs")
     parser.add_argument("--profile", default="", metavar="SYSTEMS",
                         help="comma-separated systems to profile for one step after the timed rounds (GPU): "
                              "the top kernels and the GPU's idle gaps")
@@ -339,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         w = replace(w, spec=replace(w.spec, tessera_modules=modules, recompute=args.recompute or w.spec.recompute,
                                     recompute_forced=args.recompute is not None,
                                     tessera_fp8_recipe=args.tessera_fp8_recipe,
+                                    tessera_cuda_graphs=args.tessera_cuda_graphs,
                                     model=replace(w.spec.model, dense_backend=args.tessera_backend)))
         names = list(chosen or w.systems)
         record = run_workload(w, names, args.rounds, args.warmup, args.sequential, profiled)

@@ -130,6 +130,7 @@ def tessera_config(cfg: ModelConfig, args, device: torch.device) -> Config:
     t = config.train
     t.device, t.seed, t.seq_len = device.type, 0, args.seq  # seq_len: the trainer's MFU accounting
     t.recompute, t.compile, t.precision = args.recompute, args.compile, args.precision
+    t.cuda_graphs = args.compile and getattr(args, "cuda_graphs", False)
     t.fp8_weight_cache = not args.no_fp8_weight_cache
     t.fp8_recipe = getattr(args, "fp8_recipe", "blockwise")
     config.model.dense_backend = getattr(args, "dense_backend", "torch")
@@ -243,6 +244,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="compile Tessera's blocks")
+    parser.add_argument("--cuda-graphs", action="store_true", help="with --compile: train.cuda_graphs")
     parser.add_argument("--compile-baseline", action="store_true")
     parser.add_argument("--recompute", default="none")
     parser.add_argument("--accum", type=int, default=1,

@@ -239,6 +239,8 @@ class TrainConfig:
     """Where the model runs; auto: the GPUs when there are any."""
     compile: bool = False
     """torch.compile each block and the loss (static shapes)."""
+    cuda_graphs: bool = False
+    """With train.compile on a GPU: replay each block's compiled regions as CUDA graphs (less host time per step)."""
     hang_timeout_s: float = 600.0
     """Seconds one phase of a step may take before the rank reports a hang (rank, step, phase; stacks in RUN_DIR) and exits; 0: off."""
 
@@ -802,6 +804,9 @@ def _check_recompute(t: TrainConfig) -> None:
         if clash:
             raise ConfigError(f"train.offload_modules has {name!r}, which overlaps the recomputed {clash[0]!r} (one "
                               f"module is inside the other); offload or recompute it, not both")
+    if t.cuda_graphs and not t.compile:
+        raise ConfigError("train.cuda_graphs=true replays the compiled blocks' graphs and needs train.compile=true; "
+                          "set train.compile=true or train.cuda_graphs=false")
     if t.compile:
         hooked = sorted((recomputed & set(HOOKED_RECOMPUTE)) | ({"offload"} if t.offload_modules else set()))
         if hooked:

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 COMPILE_BACKEND_ENV = "TESSERA_COMPILE_BACKEND"
 
 
-def compile_blocks(chunks: list[nn.Module]) -> None:
+def compile_blocks(chunks: list[nn.Module], cuda_graphs: bool = False) -> None:
     """torch.compile each transformer block, with static shapes.
 
     A micro-batch's token count is fixed by the packer, so static shapes cost one graph for
@@ -45,12 +45,21 @@ def compile_blocks(chunks: list[nn.Module]) -> None:
     recompiles crashed inside inductor's generated code on an H100 (docs/fp8.md). What
     changes with every batch stays outside the graphs: the attention core (document
     boundaries) and the MoE dispatch and experts (row counts per expert).
-    TESSERA_COMPILE_BACKEND picks another backend ("aot_eager" to bisect an inductor bug)."""
+    TESSERA_COMPILE_BACKEND picks another backend ("aot_eager" to bisect an inductor bug).
+
+    cuda_graphs: inductor's "reduce-overhead" mode, which records each compiled region's
+    kernels once and replays them with one launch; where a step's GPU work is small against
+    its launches (FP8 casts and scales around every GEMM, short micro-batches) the host, not the
+    GPU, sets the step time. Regions inductor cannot graph (CPU tensors, dynamic shapes) run
+    as plain compiled code and are counted in torch._dynamo.utils.counters["inductor"]."""
     backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+    options = {"backend": backend, "dynamic": False}
+    if cuda_graphs and backend == "inductor":
+        options["mode"] = "reduce-overhead"
     for chunk in chunks:
         for block in chunk.layers.values():
-            if not compile_inside_checkpoint(block, backend=backend, dynamic=False):
-                block.compile(backend=backend, dynamic=False)
+            if not compile_inside_checkpoint(block, **options):
+                block.compile(**options)
 
 
 @dataclass
@@ -111,7 +120,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         apply_recompute(chunk, t.recompute, t.recompute_modules, t.offload_modules)
     model.to(device)
     if t.compile:
-        compile_blocks(chunks)
+        compile_blocks(chunks, cuda_graphs=t.cuda_graphs)
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion)
