@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from core.config import ModelConfig, MoEConfig
@@ -28,7 +27,7 @@ from core.layers import AttentionMeta
 from core.model import build_model
 from core.optim import AdamW, clip_grad_norm_
 from core.parallel.data import apply_data_parallel
-from tests.distributed import free_port, run_distributed
+from tests.distributed import context, free_port, run_distributed
 from tests.test_data_parallel import ToyTP, make_trainer, reference_run, toy_reference, toy_train, train_steps
 
 RTOL = 1e-5
@@ -187,7 +186,7 @@ def _resume_worker(rank, world, root):
 def test_killed_save_keeps_the_previous_checkpoint_which_loads(tmp_path):
     root, out_dir = tmp_path / "ckpt", tmp_path / "out"
     out_dir.mkdir()
-    ctx = mp.get_context("spawn")
+    ctx = context()
     port = free_port()
     procs = [ctx.Process(target=_killed_worker, args=(r, 2, port, str(root), str(out_dir))) for r in range(2)]
     for p in procs:
