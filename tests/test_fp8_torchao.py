@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -86,10 +87,14 @@ def test_cpu_training_in_torchao_fp8_follows_bf16(tmp_path, dataset):  # noqa: F
     # same data; the block linears run in FP8 (the log says how many) and every step's loss stays
     # within 3% of bf16's.
     common = ["train.precision=bf16", "train.max_steps=12", "train.log_interval=1"]
-    run_train(tmp_path / "bf16", dataset, 1, *common)
+    runs = {"bf16": common, **{recipe: [*common, "train.precision=fp8", f"train.fp8_recipe={recipe}"]
+                               for recipe in TORCHAO_FP8_RECIPES}}
+    # The runs are independent single processes (one thread each): side by side, one per core.
+    with ThreadPoolExecutor(len(runs)) as pool:
+        procs = dict(zip(runs, pool.map(lambda name: run_train(tmp_path / name, dataset, 1, *runs[name]), runs)))
     want = losses(tmp_path / "bf16")
     for recipe in TORCHAO_FP8_RECIPES:
-        proc = run_train(tmp_path / recipe, dataset, 1, *common, "train.precision=fp8", f"train.fp8_recipe={recipe}")
+        proc = procs[recipe]
         assert "block linear layers on torchao's Float8Linear" in proc.stdout + proc.stderr
         got = losses(tmp_path / recipe)
         assert got.keys() == want.keys() and got[12] < got[1] and got != want
