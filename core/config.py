@@ -734,6 +734,12 @@ def _check_train(config: Config) -> None:
         raise ConfigError("train.run_dir is empty; give the run a folder, e.g. train.run_dir=runs/my_run")
     _check_recompute(t)
     _check_dense_backend(config)
+    if t.cuda_graphs and not t.compile:
+        raise ConfigError("train.cuda_graphs=true replays the compiled blocks' graphs and needs train.compile=true; "
+                          "set train.compile=true or train.cuda_graphs=false")
+    if t.cuda_graphs and config.parallel.pp > 1:
+        raise ConfigError(f"train.cuda_graphs=true runs at parallel.pp=1 only (now {config.parallel.pp}): a pipeline "
+                          "schedule keeps several micro-batches in flight, whose graph outputs a replay would overwrite")
 
 
 FP8_RECIPES = ("blockwise", "tensorwise", "rowwise", "delayed")  # train.fp8_recipe's values
@@ -804,9 +810,6 @@ def _check_recompute(t: TrainConfig) -> None:
         if clash:
             raise ConfigError(f"train.offload_modules has {name!r}, which overlaps the recomputed {clash[0]!r} (one "
                               f"module is inside the other); offload or recompute it, not both")
-    if t.cuda_graphs and not t.compile:
-        raise ConfigError("train.cuda_graphs=true replays the compiled blocks' graphs and needs train.compile=true; "
-                          "set train.compile=true or train.cuda_graphs=false")
     if t.compile:
         hooked = sorted((recomputed & set(HOOKED_RECOMPUTE)) | ({"offload"} if t.offload_modules else set()))
         if hooked:

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 COMPILE_BACKEND_ENV = "TESSERA_COMPILE_BACKEND"
 
 
-def compile_blocks(chunks: list[nn.Module], cuda_graphs: bool = False) -> None:
+def compile_blocks(chunks: list[nn.Module], cuda_graphs: bool = False, fp8_casts: bool = False) -> None:
     """torch.compile each transformer block, with static shapes.
 
     A micro-batch's token count is fixed by the packer, so static shapes cost one graph for
@@ -48,14 +48,23 @@ def compile_blocks(chunks: list[nn.Module], cuda_graphs: bool = False) -> None:
     TESSERA_COMPILE_BACKEND picks another backend ("aot_eager" to bisect an inductor bug).
 
     cuda_graphs: inductor's "reduce-overhead" mode, which records each compiled region's
-    kernels once and replays them with one launch; where a step's GPU work is small against
-    its launches (FP8 casts and scales around every GEMM, short micro-batches) the host, not the
-    GPU, sets the step time. Regions inductor cannot graph (CPU tensors, dynamic shapes) run
-    as plain compiled code and are counted in torch._dynamo.utils.counters["inductor"]."""
+    kernels once and replays them with one launch, for steps whose host time exceeds the GPU's.
+    Regions inductor cannot graph (CPU tensors) run as plain compiled code.
+
+    fp8_casts (torchao's FP8 linears compiled into the block): no mix-order reductions. That
+    fusion puts the norm's backward and its weight-gradient column sum in one row loop, and
+    with them the transposed FP8 copy of the norm's output that the weight-gradient GEMMs
+    read, stored 8 KB apart per element: 0.59 ms per block and micro-batch on an H100 at 8192
+    tokens, 11% of the FP8 step (docs/fp8.md)."""
     backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
     options = {"backend": backend, "dynamic": False}
-    if cuda_graphs and backend == "inductor":
-        options["mode"] = "reduce-overhead"
+    inductor = {}
+    if cuda_graphs:
+        inductor["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
+    if fp8_casts:
+        inductor["triton.mix_order_reduction"] = False
+    if inductor and backend == "inductor":
+        options["options"] = inductor
     for chunk in chunks:
         for block in chunk.layers.values():
             if not compile_inside_checkpoint(block, **options):
@@ -120,7 +129,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         apply_recompute(chunk, t.recompute, t.recompute_modules, t.offload_modules)
     model.to(device)
     if t.compile:
-        compile_blocks(chunks, cuda_graphs=t.cuda_graphs)
+        compile_blocks(chunks, cuda_graphs=t.cuda_graphs, fp8_casts=precision == "fp8" and torchao_fp8(config))
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion)

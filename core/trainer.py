@@ -175,6 +175,10 @@ class Trainer:
         compiled = self.config.train.compile
         with contextlib.nullcontext() if self.dynamic is None else self.grads.dp.no_sync():
             for i, m in enumerate(micro):
+                if self.config.train.cuda_graphs:
+                    # the previous micro-batch's backward is done: its graphs' outputs may be
+                    # overwritten (without this, replays wait for it and fall back to slow paths)
+                    torch.compiler.cudagraph_mark_step_begin()
                 if self.config.model.moe.num_experts:
                     set_moe_sequences(self.model, m.meta.cu_seqlens, m.tokens.numel())
                 with self.grads.sync_context(last=i == len(micro) - 1):

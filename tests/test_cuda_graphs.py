@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.train_step import StepInputs, model_config, synthetic_batch
+from bench.train_step import StepInputs, model_config
 from core.config import Config, ConfigError, validate
+from core.layers import AttentionMeta
 from core.trainer import Trainer
 
 
@@ -20,15 +21,33 @@ def _config(**train) -> Config:
     config = Config(model=model_config(2, False, dim=256))
     t = config.train
     t.seed, t.seq_len, t.micro_batch_size, t.global_batch_size = 0, 512, 2, 4
-    t.warmup_steps, t.lr = 0, 1e-3
+    t.warmup_steps, t.lr = 0, 3e-3
     for key, value in train.items():
         setattr(t, key, value)
     return config
 
 
-def test_cuda_graphs_without_compile_is_refused():
+def test_cuda_graphs_without_compile_or_with_a_pipeline_is_refused():
     with pytest.raises(ConfigError, match=r"train.cuda_graphs=true .* needs train.compile=true"):
         validate(_config(cuda_graphs=True, compile=False), 1)
+    config = _config(cuda_graphs=True, compile=True)
+    config.parallel.pp = 2
+    with pytest.raises(ConfigError, match=r"runs at parallel.pp=1 only \(now 2\)"):
+        validate(config, 2)
+
+
+def _chain_batch(rows: int, seq: int, vocab: int, device) -> StepInputs:
+    """Rows of a fixed successor chain (token -> 5 * token + 3 mod vocab) from random starts: a
+    stream the model learns within a few steps."""
+    tokens = torch.empty(rows, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (rows,))
+    for i in range(seq):
+        tokens[:, i + 1] = (5 * tokens[:, i] + 3) % vocab
+    tokens = tokens.to(device)
+    cu = torch.arange(0, rows * seq + 1, seq, dtype=torch.int32, device=device)
+    return StepInputs(tokens[:, :-1].flatten(), tokens[:, 1:].flatten(), torch.arange(seq, device=device).repeat(rows),
+                      AttentionMeta(cu_seqlens=cu, max_seqlen=seq), num_tokens=float(rows * seq),
+                      num_labels=float(rows * seq))
 
 
 def _losses(batches: list[StepInputs], precision: str, cuda_graphs: bool) -> tuple[list[float], int]:
@@ -55,7 +74,7 @@ def test_gpu_graphs_replay_the_compiled_steps(precision):
     if precision == "fp8":
         pytest.importorskip("torchao")
     torch.manual_seed(0)
-    batches = [synthetic_batch(2, 512, 512, torch.device("cuda")) for _ in range(12)]
+    batches = [_chain_batch(2, 512, 512, torch.device("cuda")) for _ in range(12)]
     want, plain_launches = _losses(batches, precision, cuda_graphs=False)
     got, launches = _losses(batches, precision, cuda_graphs=True)
     print(precision, "plain", want, "graphs", got, "launches", launches)
