@@ -2,10 +2,13 @@
 
 Anywhere: the setting without train.compile is refused in one line. On a GPU: the trainer's
 steps with graphs give the losses of the same compiled steps without them (same kernels, so the
-same numbers up to bf16 reduction order), and the step really launches graphs.
+same numbers up to bf16 reduction order), and the step really launches graphs; a CLI run with
+held-out passes, a stop and a resume gives the losses of the same run without graphs.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from bench.train_step import StepInputs, model_config
 from core.config import Config, ConfigError, validate
 from core.layers import AttentionMeta
 from core.trainer import Trainer
+from tests.test_train import dataset, run_train  # noqa: F401  (fixture reused)
 
 
 def _config(**train) -> Config:
@@ -81,3 +85,29 @@ def test_gpu_graphs_replay_the_compiled_steps(precision):
     assert plain_launches == 0 and launches >= 2 * 2 * 2  # per micro-batch at least each block's forward and backward
     assert want[-1] < want[0] - 0.1  # it learns, so the comparison covers real updates
     assert got == pytest.approx(want, rel=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_run_with_graphs_evaluates_checkpoints_and_resumes_like_one_without(tmp_path, dataset):
+    """The whole CLI run: held-out passes (no-grad replays) between steps, a stop at step 20 and a
+    resume in a new process, against the same compiled run without graphs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    run = ["train.device=cuda", "train.compile=true", "train.seq_len=256", "train.max_steps=30", "train.lr=3e-3",
+           "eval.interval=10", "eval.steps=2", f"eval.dataset={dataset}"]
+    run_train(tmp_path / "plain", dataset, 1, *run)
+    run_train(tmp_path / "graphs", dataset, 1, *run, "train.cuda_graphs=true", "train.stop_at_step=20")
+    run_train(tmp_path / "graphs", dataset, 1, *run, "train.cuda_graphs=true", resume=True)
+    want, got = _records(tmp_path / "plain"), _records(tmp_path / "graphs")
+    print("plain", want, "graphs", got)
+    assert sorted(got) == list(range(1, 31)) and want[30]["loss"] < want[1]["loss"] - 0.5
+    for step in want:
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=5e-3), step
+    for step in (10, 20, 30):
+        assert got[step]["val_loss"] == pytest.approx(want[step]["val_loss"], rel=5e-3), step
+
+
+def _records(run_dir) -> dict[int, dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "step" in r}
