@@ -121,6 +121,33 @@ def test_long_documents_split_off_to_dense_attention_exactly(device):
     assert len(pieces) - len(long_docs) >= 3  # and past the end; runs of short documents between long ones
 
 
+@pytest.mark.gpu
+def test_flash_varlen_grouped_query_heads_match_repeated_heads():
+    # k/v with fewer heads go to FlashAttention as they are (no repeated copies): the same
+    # output and gradients as the heads repeated explicitly.
+    from core import attention
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = (1000, 3096)
+    cu = torch.tensor([0, *lengths]).cumsum(0).to("cuda", torch.int32)
+    q, k, v = (torch.randn(sum(lengths), h, 128, dtype=torch.bfloat16, device="cuda", generator=g) for h in (16, 4, 4))
+    dout = torch.randn_like(q)
+    results = []
+    for repeat in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        qq, kk, vv = leaves
+        if repeat:
+            kk, vv = kk.repeat_interleave(4, dim=1), vv.repeat_interleave(4, dim=1)
+        out = attention._flash_varlen(qq, kk, vv, cu, max(lengths), None)
+        out.backward(dout)
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+        err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+        assert err < 1e-2, (name, err)
+
+
 def test_split_refuses_lengths_of_another_batch():
     from core import attention
 
