@@ -115,8 +115,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         apply_cp(model, mesh)
     if config.model.dense_backend == "te":  # after TP/EP: it reads the local shards' shapes
         te_backend.apply_te(model, t.fp8_recipe if precision == "fp8" else None, fuse_wgrad=p.gradient_accumulation_fusion)
+    torchao = precision == "fp8" and torchao_fp8(config)
     if precision == "fp8":  # the experts' GEMMs, and with the torch backend the dense ones
-        torchao = torchao_fp8(config)
         if torchao:
             fp8_torchao.apply_torchao_fp8(model, t.fp8_recipe, emulate=device.type != "cuda")
         apply_fp8(model, dense=config.model.dense_backend == "torch" and not torchao)
@@ -130,8 +130,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         apply_recompute(chunk, t.recompute, t.recompute_modules, t.offload_modules)
     model.to(device)
     if t.compile:
-        tensorwise = precision == "fp8" and torchao_fp8(config) and t.fp8_recipe == "tensorwise"
-        compile_blocks(chunks, cuda_graphs=t.cuda_graphs, fp8_casts=tensorwise)
+        compile_blocks(chunks, cuda_graphs=t.cuda_graphs, fp8_casts=torchao and t.fp8_recipe == "tensorwise")
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion)

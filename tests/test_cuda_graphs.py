@@ -1,6 +1,6 @@
 """train.cuda_graphs: the compiled blocks' regions replayed as CUDA graphs.
 
-Anywhere: the setting without train.compile is refused in one line. On a GPU: the trainer's
+Anywhere: the setting without train.compile, or with a pipeline, is refused in one line. On a GPU: the trainer's
 steps with graphs give the losses of the same compiled steps without them (same kernels, so the
 same numbers up to bf16 reduction order), and the step really launches graphs; a CLI run with
 held-out passes, a stop and a resume gives the losses of the same run without graphs.
