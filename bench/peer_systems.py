@@ -66,6 +66,7 @@ class Spec:
     recompute_forced: bool = False  # `recompute` was asked for, not the workload's default: every system runs it
     tessera_fp8_recipe: str = "blockwise"  # Tessera's train.fp8_recipe (model.dense_backend is in `model`)
     tessera_cuda_graphs: bool = False  # Tessera's train.cuda_graphs (with compile)
+    tessera_fused_loss: bool = False  # Tessera's train.fused_loss
 
 
 @dataclass
@@ -234,6 +235,7 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
     t.device, t.seed, t.seq_len = spec.device.type, 0, spec.seq
     t.compile, t.precision = spec.compile, spec.precision
     t.cuda_graphs = spec.compile and spec.tessera_cuda_graphs
+    t.fused_loss = spec.tessera_fused_loss
     if spec.tessera_modules is None:
         t.recompute = spec.recompute
     else:
@@ -258,7 +260,7 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
                  f"Trainer.step+record, precision {spec.precision}"
                  f"{' (' + spec.tessera_fp8_recipe + ')' if spec.precision == 'fp8' else ''}, "
                  f"dense backend {spec.model.dense_backend}, {recompute}, compile {spec.compile}"
-                 f"{', CUDA graphs' if t.cuda_graphs else ''}")
+                 f"{', CUDA graphs' if t.cuda_graphs else ''}{', fused loss' if t.fused_loss else ''}")
 
 
 def _tessera_counts(spec: Spec) -> tuple[int, int, int]:

@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
                              "tensorwise and rowwise with the torch backend run through torchao)")
     parser.add_argument("--tessera-cuda-graphs", action="store_true",
                         help="Tessera's train.cuda_graphs: its compiled block regions replayed as CUDA graphs")
+    parser.add_argument("--tessera-fused-loss", action="store_true",
+                        help="Tessera's train.fused_loss: the output head and the loss over token chunks")
     parser.add_argument("--profile", default="", metavar="SYSTEMS",
                         help="comma-separated systems to profile for one step after the timed rounds (GPU): "
                              "the top kernels and the GPU's idle gaps")
@@ -342,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
                                     recompute_forced=args.recompute is not None,
                                     tessera_fp8_recipe=args.tessera_fp8_recipe,
                                     tessera_cuda_graphs=args.tessera_cuda_graphs,
+                                    tessera_fused_loss=args.tessera_fused_loss,
                                     model=replace(w.spec.model, dense_backend=args.tessera_backend)))
         names = list(chosen or w.systems)
         record = run_workload(w, names, args.rounds, args.warmup, args.sequential, profiled)

@@ -241,6 +241,8 @@ class TrainConfig:
     """torch.compile each block and the loss (static shapes)."""
     cuda_graphs: bool = False
     """With train.compile on a GPU: replay each block's compiled regions as CUDA graphs (less host time per step)."""
+    fused_loss: bool = False
+    """Output head and loss over token chunks, never the whole [tokens, vocab] logits (less memory, a little slower)."""
     hang_timeout_s: float = 600.0
     """Seconds one phase of a step may take before the rank reports a hang (rank, step, phase; stacks in RUN_DIR) and exits; 0: off."""
 
@@ -740,6 +742,11 @@ def _check_train(config: Config) -> None:
     if t.cuda_graphs and config.parallel.pp > 1:
         raise ConfigError(f"train.cuda_graphs=true runs at parallel.pp=1 only (now {config.parallel.pp}): a pipeline "
                           "schedule keeps several micro-batches in flight, whose graph outputs a replay would overwrite")
+    if t.fused_loss and (config.parallel.tp > 1 or config.parallel.pp > 1):
+        raise ConfigError(f"train.fused_loss=true runs at parallel.tp=1 and pp=1 (now tp={config.parallel.tp}, "
+                          f"pp={config.parallel.pp}): sharded vocabularies and pipelines keep their own loss")
+    if t.fused_loss and config.model.dense_backend != "torch":
+        raise ConfigError("train.fused_loss=true needs model.dense_backend=\"torch\" (the head is a plain linear)")
 
 
 FP8_RECIPES = ("blockwise", "tensorwise", "rowwise", "delayed")  # train.fp8_recipe's values

@@ -77,6 +77,11 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """tokens, position_ids: [T] (a flattened micro-batch) -> logits [T, vocab]."""
+        h = self.hidden_states(tokens, position_ids, meta)
+        return self.output(h) if self.output is not None else h
+
+    def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """What the output head reads: the final norm's output [T, dim] (a loss may fuse the head in)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         inv_freq = self._rope_on.get(position_ids.device)
         if inv_freq is None:
@@ -84,9 +89,7 @@ class GPT(nn.Module):
         rope = rotary_tables(position_ids, inv_freq, self.rope_scale)
         for layer in self.layers.values():
             h = layer(h, rope, meta)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        return self.norm(h) if self.norm is not None else h
 
 
 def build_model(cfg: ModelConfig, seed: int) -> GPT:

@@ -34,7 +34,7 @@ from core.checkpoint import AsyncCheckpointer, latest_checkpoint, load_checkpoin
 from core.config import Config, grad_accum_steps, resolve_layout
 from core.data import StepInputs, open_stream, resolve_address, to_inputs
 from core.dynamic_cp import DynamicCP
-from core.loss import cross_entropy_sum
+from core.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh, init_distributed
 from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
 from core.model import build_model, count_params
@@ -96,6 +96,11 @@ class Trainer:
         self.peak_flops = PEAK_FLOPS.get(self.precision) if self.device.type == "cuda" else None
         uses_autocast = self.precision == "bf16" and self.grads.uses_autocast
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if uses_autocast else contextlib.nullcontext()
+        self.fused_loss = config.train.fused_loss
+        if self.fused_loss and not fused_loss_applies(self.model):
+            raise ValueError("train.fused_loss: the output head is not one plain linear whose gradient goes to a "
+                             "fp32 main grad")
+        self.loss_dtype = torch.bfloat16 if uses_autocast else None
 
         self.run_dir = Path(t.run_dir)
         self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.run_dir / "checkpoints"
@@ -183,8 +188,14 @@ class Trainer:
                     set_moe_sequences(self.model, m.meta.cu_seqlens, m.tokens.numel())
                 with self.grads.sync_context(last=i == len(micro) - 1):
                     with self.autocast:
-                        logits = self.model(m.tokens, m.position_ids, m.meta)
-                        part, _ = cross_entropy_sum(logits, m.labels, self.tp_group, compiled=compiled)
+                        if self.fused_loss:
+                            scale = torch.full((), 1.0 / max(global_labels, 1.0), device=self.device)
+                            part = fused_output_cross_entropy_sum(
+                                self.model.hidden_states(m.tokens, m.position_ids, m.meta), self.model.output.weight,
+                                m.labels, scale, self.loss_dtype, compiled=compiled)
+                        else:
+                            logits = self.model(m.tokens, m.position_ids, m.meta)
+                            part, _ = cross_entropy_sum(logits, m.labels, self.tp_group, compiled=compiled)
                     (part / max(global_labels, 1.0)).backward()
                 loss_sum += part.detach()
         return loss_sum
@@ -421,6 +432,14 @@ def train(config: Config, resume: bool = False) -> list[dict]:
         trainer.close()
         raise
     return trainer.run()
+
+
+def fused_loss_applies(model: torch.nn.Module) -> bool:
+    """Whether train.fused_loss can run: the head is one plain linear (config.validate has ruled
+    out vocab sharding and pipelines) whose gradient goes to a fp32 main grad."""
+    head = getattr(model, "output", None)
+    return (type(head) is torch.nn.Linear and head.bias is None and hasattr(model, "hidden_states")
+            and getattr(head.weight, "main_grad_sink", None) is not None)
 
 
 def resolve_precision(config: Config, device: torch.device) -> str:
