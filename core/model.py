@@ -36,7 +36,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, meta)
-        return x + self.feed_forward(self.ffn_norm(x))
+        return x + self.feed_forward_branch(x)
+
+    def feed_forward_branch(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm and the feed-forward: recomputed as one unit, they keep only x."""
+        return self.feed_forward(self.ffn_norm(x))
 
 
 class GPT(nn.Module):

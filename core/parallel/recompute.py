@@ -10,7 +10,7 @@ pipeline chunk) in place. The module kinds (`core.config.RECOMPUTE_MODULES`):
 | `moe_experts`    | the routed experts (three grouped GEMMs)           | the dispatched rows               |
 | `attention_core` | softmax(q k^T) v (what `recompute = "selective"` is) | q, k, v                         |
 | `attention`      | the attention sub-layer (projections, rotary, core) | its input                        |
-| `mlp`            | the feed-forward sub-layer (dense or MoE)          | its input                         |
+| `mlp`            | the feed-forward sub-layer (dense or MoE), its norm | the norm's input                 |
 | `block`          | the whole block (what `recompute = "full"` is)     | its input                         |
 
 A recomputed module runs under non-reentrant checkpointing: its own saved tensors are dropped
@@ -58,6 +58,17 @@ def _recompute_forward(module: nn.Module) -> None:
 
     module.forward = forward
     module._recompute_original = original
+
+
+def _recompute_feed_forward_branch(block: nn.Module) -> None:
+    """`mlp`: the feed-forward with its norm in one checkpoint, which keeps the residual stream
+    (saved anyway) instead of the norm's output: one [tokens, dim] tensor less per block."""
+    original = block.feed_forward_branch
+
+    def branch(x):
+        return checkpoint(original, x, use_reentrant=False)
+
+    block.feed_forward_branch = branch
 
 
 def compile_inside_checkpoint(module: nn.Module, **compile_options) -> bool:
@@ -323,8 +334,13 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=()
         offloader = ActivationOffload()
     for block in model.layers.values():
         chosen = _outermost([(m, c, k) for k in sorted(kinds) for m, c in _targets(block, k)])
-        for module, _, _ in chosen:
-            _recompute_forward(module)
+        if any(k == "mlp" for _, _, k in chosen):  # the mlp's checkpoint holds its norm
+            chosen = [c for c in chosen if c[0] is not block.ffn_norm]
+        for module, _, kind in chosen:
+            if kind == "mlp":
+                _recompute_feed_forward_branch(block)
+            else:
+                _recompute_forward(module)
         for module, consumer, _ in chosen:
             if consumer is not None:
                 _drop_output(module, consumer)

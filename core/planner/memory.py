@@ -105,10 +105,12 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
     # Norms: the inputs under recompute (the residual stream, kept by the checkpoint), else
     # their internals. The norm's output is the next module's saved input (below), or under
     # sequence parallelism the input of an all-gather that saves nothing.
+    # Under `mlp` the feed-forward's norm sits inside its checkpoint (its input is the mlp's).
+    norms = 1 if "mlp" in recompute else 2
     if "norms" in recompute:
-        parts["norms"] = 2 * Ts * d * b
+        parts["norms"] = norms * Ts * d * b
     else:
-        parts["norms"] = 2 * (Ts * d * b + 4 * Ts if compiled else norm_saved(Ts, d, b))
+        parts["norms"] = norms * (Ts * d * b + 4 * Ts if compiled else norm_saved(Ts, d, b))
     # Attention: wq/wk/wv's input (the gathered stream under SP, else the norm's output, which
     # recomputed norms drop), qk-norms, then the core's q, k, v, out (= wo's input) and lse.
     # Rotary keeps nothing per layer: its products save only the cos/sin tables.
@@ -144,7 +146,7 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
     else:
         H = s.ffn
         if "mlp" in recompute:
-            parts["mlp"] = T * d * b  # the gathered input (SP: gathered before the module runs)
+            parts["mlp"] = Ts * d * b  # the norm's input (SP: gathered inside the checkpoint)
         else:
             mlp_in = 0 if ("norms" in recompute and not sp) else T * d * b
             parts["mlp"] = mlp_in + T * H * b * (2 if "swiglu" in recompute else inside_glu)
