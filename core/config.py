@@ -788,7 +788,7 @@ def _check_dense_backend(config: Config) -> None:
 RECOMPUTE_MODULES = ("norms", "swiglu", "moe_experts", "attention_core", "attention", "mlp", "block")
 _INSIDE = {"block": set(RECOMPUTE_MODULES) - {"block"}, "attention": {"attention_core", "norms"},
            "mlp": {"swiglu", "moe_experts"}}
-#: Recomputed with hooks on the saved tensors of the next module, which torch.compile cannot trace.
+#: Recomputed eagerly with hooks on the saved tensors of the next module (compiled: checkpoints in the graph).
 HOOKED_RECOMPUTE = ("norms", "swiglu")
 
 
@@ -817,12 +817,9 @@ def _check_recompute(t: TrainConfig) -> None:
         if clash:
             raise ConfigError(f"train.offload_modules has {name!r}, which overlaps the recomputed {clash[0]!r} (one "
                               f"module is inside the other); offload or recompute it, not both")
-    if t.compile:
-        hooked = sorted((recomputed & set(HOOKED_RECOMPUTE)) | ({"offload"} if t.offload_modules else set()))
-        if hooked:
-            what = "train.offload_modules" if hooked == ["offload"] else f"recomputing {hooked[0]!r}"
-            raise ConfigError(f"{what} works on saved-tensor hooks, which train.compile cannot trace; set "
-                              f"train.compile=false, or recompute 'attention_core', 'moe_experts', 'mlp' or 'block'")
+    if t.compile and t.offload_modules:
+        raise ConfigError("train.offload_modules works on saved-tensor hooks, which train.compile cannot trace; set "
+                          "train.compile=false, or recompute 'attention_core', 'moe_experts', 'mlp' or 'block'")
 
 
 def _check_eval(config: Config) -> None:

@@ -10,6 +10,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.config import ModelConfig, moe_layer_rule
 from core.layers import Attention, AttentionMeta, FeedForward, RMSNorm, rope_frequencies, rotary_tables
@@ -26,6 +27,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
+        self.checkpoint_feed_forward = False  # set by recompute "mlp" (core.parallel.recompute)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -36,10 +38,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, meta)
-        return x + self.feed_forward_branch(x)
+        if self.checkpoint_feed_forward:  # recomputed with its norm, the branch keeps only x
+            return x + checkpoint(self.feed_forward_branch, x, use_reentrant=False)
+        return x + self.feed_forward(self.ffn_norm(x))
 
     def feed_forward_branch(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm and the feed-forward: recomputed as one unit, they keep only x."""
         return self.feed_forward(self.ffn_norm(x))
 
 

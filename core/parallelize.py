@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from core import fp8, fp8_torchao, te_backend
-from core.config import Config, grad_accum_steps, torchao_fp8
+from core.config import Config, grad_accum_steps, recompute_set, torchao_fp8
 from core.fp8_cache import WEIGHT_CACHE
 from core.mesh import ParallelMesh
 from core.optim import build_optimizer, clip_grad_norm_
@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 COMPILE_BACKEND_ENV = "TESSERA_COMPILE_BACKEND"
 
 
-def compile_blocks(chunks: list[nn.Module], cuda_graphs: bool = False, fp8_casts: bool = False) -> None:
+def compile_blocks(chunks: list[nn.Module], cuda_graphs: bool = False, fp8_casts: bool = False,
+                   one_graph_per_break: bool = False) -> None:
     """torch.compile each transformer block, with static shapes.
 
     A micro-batch's token count is fixed by the packer, so static shapes cost one graph for
@@ -56,7 +57,13 @@ def compile_blocks(chunks: list[nn.Module], cuda_graphs: bool = False, fp8_casts
     row loop, and with them the transposed FP8 copy of the norm's output that the
     weight-gradient GEMMs read, stored 8 KB apart per element: 0.59 ms per block and
     micro-batch on an H100 at 8192 tokens, 11% of the FP8 step (docs/fp8.md). Rowwise keeps
-    the fusion: not measured there, and its 500-step loss test passed with it."""
+    the fusion: not measured there, and its 500-step loss test passed with it.
+
+    one_graph_per_break (recomputed norms): dynamo's nested graph breaks, so the attention's
+    graph break (its core runs eagerly) ends the block's graph there instead of splitting it
+    before the attention module: the attention norm and the q/k/v projections that save its
+    output share one graph, where the norm's checkpoint can drop that output. It is a global
+    dynamo setting, on for the rest of the process."""
     backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
     options = {"backend": backend, "dynamic": False}
     inductor = {}
@@ -66,6 +73,8 @@ def compile_blocks(chunks: list[nn.Module], cuda_graphs: bool = False, fp8_casts
         inductor["triton.mix_order_reduction"] = False
     if inductor and backend == "inductor":
         options["options"] = inductor
+    if one_graph_per_break:
+        torch._dynamo.config.nested_graph_breaks = True
     for chunk in chunks:
         for block in chunk.layers.values():
             if not compile_inside_checkpoint(block, **options):
@@ -127,10 +136,11 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         tie_for_data_parallel(stage)
         chunks = stage.chunks
     for chunk in chunks:
-        apply_recompute(chunk, t.recompute, t.recompute_modules, t.offload_modules)
+        apply_recompute(chunk, t.recompute, t.recompute_modules, t.offload_modules, compiled=t.compile)
     model.to(device)
     if t.compile:
-        compile_blocks(chunks, cuda_graphs=t.cuda_graphs, fp8_casts=torchao and t.fp8_recipe == "tensorwise")
+        compile_blocks(chunks, cuda_graphs=t.cuda_graphs, fp8_casts=torchao and t.fp8_recipe == "tensorwise",
+                       one_graph_per_break="norms" in recompute_set(t))
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion)

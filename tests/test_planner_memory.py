@@ -189,11 +189,13 @@ def test_activation_model_equals_autograd_saved_tensors():
             assert abs(got - want) <= 0.01 * want, (recompute, got, want)
 
 
-@pytest.mark.slow  # inductor compiles the blocks on the CPU (~30 s)
-def test_compiled_block_activations_equal_what_inductor_saves():
-    config = validate(_config("tiny_dense", "bf16", ["train.seq_len=192", "train.compile=true"]), 1)
-    model = build_model(config.model, seed=0).to(torch.bfloat16)
-    compile_blocks([model])
+@pytest.mark.slow  # inductor compiles the blocks on the CPU (~30 s a set)
+@pytest.mark.parametrize("recompute", [(), ("mlp", "norms")], ids=["none", "mlp+norms"])
+def test_compiled_block_activations_equal_what_inductor_saves(recompute):
+    config = validate(_config("tiny_dense", "bf16", ["train.seq_len=192", "train.compile=true",
+                                                     f"train.recompute_modules={list(recompute)!r}"]), 1)
+    model = apply_recompute(build_model(config.model, seed=0).to(torch.bfloat16), modules=recompute, compiled=True)
+    compile_blocks([model], one_graph_per_break="norms" in recompute)
     n = config.train.seq_len
     tokens = torch.randint(0, config.model.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     meta = AttentionMeta(cu_seqlens=torch.tensor([0, n], dtype=torch.int32), max_seqlen=n)
@@ -214,7 +216,7 @@ def test_compiled_block_activations_equal_what_inductor_saves():
     model.layers["1"].register_forward_hook(run_block_1)
     with saved_tensors_hooks(pack, lambda t: t):
         model(tokens, torch.arange(n), meta).float().sum().backward()
-    assert total == block_activations(config, 1, set(), set()).device + rope_tables(config)  # + the shared cos/sin
+    assert total == block_activations(config, 1, set(recompute), set()).device + rope_tables(config)  # + cos/sin
 
 
 def test_each_recompute_kind_saves_activation_memory():

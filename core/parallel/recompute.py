@@ -18,7 +18,8 @@ after the forward and recomputed in the backward. For `norms` and `swiglu` the m
 *output* is dropped too (Megatron's "checkpoint without output"): the next layer saves it for
 its weight gradient (wq/wk/wv the norm's output, w2 the product), and a saved-tensor hook
 around that layer replaces it by a recipe that reruns the cheap module when the backward needs
-it. Those hooks are not traceable by torch.compile (`core.config` refuses the combination).
+it. Those hooks are not traceable by torch.compile; compiled blocks get the plain checkpoint
+inside their graph instead, which the partitioner honours for the consumers in the same graph.
 
 Offload (`offload`): the tensors a module saves for backward are copied to pinned host memory
 on a side stream as they are saved (the forward goes on meanwhile) and copied back on a second
@@ -63,12 +64,7 @@ def _recompute_forward(module: nn.Module) -> None:
 def _recompute_feed_forward_branch(block: nn.Module) -> None:
     """`mlp`: the feed-forward with its norm in one checkpoint, which keeps the residual stream
     (saved anyway) instead of the norm's output: one [tokens, dim] tensor less per block."""
-    original = block.feed_forward_branch
-
-    def branch(x):
-        return checkpoint(original, x, use_reentrant=False)
-
-    block.feed_forward_branch = branch
+    block.checkpoint_feed_forward = True
 
 
 def compile_inside_checkpoint(module: nn.Module, **compile_options) -> bool:
@@ -319,11 +315,14 @@ def _outermost(chosen: list[tuple[nn.Module, nn.Module | None, str]]) -> list[tu
 
 
 def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=(),
-                    offloader: ActivationOffload | None = None) -> nn.Module:
+                    offloader: ActivationOffload | None = None, compiled: bool = False) -> nn.Module:
     """Recompute `mode`'s modules and `modules`, offload `offload` (kinds in the module docstring).
 
     mode: none, selective (= attention_core) or full (= block). Selective saves the most memory
-    per FLOP recomputed among the old modes; the finer kinds trade further."""
+    per FLOP recomputed among the old modes; the finer kinds trade further.
+    compiled (the blocks will be compiled whole): `norms` and `swiglu` are plain checkpoints,
+    traced into the block's graph, where the partitioner recomputes the module's output for
+    every op that saved it; no saved-tensor hooks (compile cannot trace them)."""
     if mode not in MODES:
         raise ValueError(f"recompute mode must be none, selective or full, got {mode!r}")
     kinds = set(modules) | {"none": set(), "selective": {"attention_core"}, "full": {"block"}}[mode]
@@ -342,7 +341,7 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=()
             else:
                 _recompute_forward(module)
         for module, consumer, _ in chosen:
-            if consumer is not None:
+            if consumer is not None and not compiled:
                 _drop_output(module, consumer)
         for module, _, _ in _outermost([(m, None, k) for k in sorted(offload) for m, _ in _targets(block, k)]):
             offloader.wrap(module)
