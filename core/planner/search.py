@@ -4,7 +4,7 @@ predicted tokens/s.
 
 Legality is `core.config.validate`'s: a candidate it refuses is left out (the micro-batch must
 divide the global batch over dp, the interleaved schedule needs micro-batches in multiples of
-pp, compiled blocks cannot take the saved-tensor hooks of `norms`, `swiglu` or offload, ...).
+pp, compiled blocks cannot take offload's saved-tensor hooks, ...).
 Planning assumptions: static context parallelism (a config's dynamic CP is planned as static
 CP, which it can only beat), rows of one document each (attention's upper bound), balanced
 expert routing.
