@@ -27,6 +27,7 @@ from core.parallel.context import apply_cp
 from core.parallel.data import DataParallel, apply_data_parallel
 from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_data_parallel
 from core.parallel.recompute import apply_recompute, compile_inside_checkpoint
+from core.parallel.wgrad import fuse_weight_grads
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear, apply_tp
 from moe.experts import GroupedExperts
 from moe.layer import moe_layers, update_expert_bias
@@ -142,6 +143,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         compile_blocks(chunks, cuda_graphs=t.cuda_graphs, fp8_casts=torchao and t.fp8_recipe == "tensorwise",
                        one_graph_per_break="norms" in recompute_set(t))
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
+    if precision == "bf16" and p.gradient_accumulation_fusion and config.model.dense_backend == "torch":
+        fuse_weight_grads(chunks)
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion)
     if precision == "fp8":

@@ -314,7 +314,9 @@ class DataParallel:
         def on_grad(grads: tuple[torch.Tensor | None, ...]) -> tuple[None]:
             if grads[0] is None:
                 return (None,)
-            if getattr(slot.param, "grad_added_to_main_grad", False):  # grads[0] is a placeholder
+            if getattr(slot.param, "main_grad_added_in_graph", False):  # a compiled backward added it
+                self.stats["fused_grads"] += 1  # (core.parallel.wgrad); grads[0] is a stand-in
+            elif getattr(slot.param, "grad_added_to_main_grad", False):  # grads[0] is a placeholder
                 slot.param.grad_added_to_main_grad = False
                 self.stats["fused_grads"] += 1
             elif slot.fused_pending:  # the backward already wrote main_grad (grads[0] is a stand-in)
