@@ -745,6 +745,9 @@ def _check_train(config: Config) -> None:
     if t.fused_loss and (config.parallel.tp > 1 or config.parallel.pp > 1):
         raise ConfigError(f"train.fused_loss=true runs at parallel.tp=1 and pp=1 (now tp={config.parallel.tp}, "
                           f"pp={config.parallel.pp}): sharded vocabularies and pipelines keep their own loss")
+    if t.fused_loss and not config.parallel.gradient_accumulation_fusion:
+        raise ConfigError("train.fused_loss=true writes the head's gradient into its fp32 main grad during the "
+                          "forward: it needs parallel.gradient_accumulation_fusion=true")
     if t.fused_loss and config.model.dense_backend != "torch":
         raise ConfigError("train.fused_loss=true needs model.dense_backend=\"torch\" (the head is a plain linear)")
 

@@ -94,6 +94,7 @@ def test_training_with_the_fused_loss_follows_the_plain_run(tmp_path, dataset, r
 @pytest.mark.parametrize("settings, message", [
     (["parallel.tp=2"], "train.fused_loss=true runs at parallel.tp=1 and pp=1"),
     (["model.dense_backend=te"], "train.fused_loss=true needs model.dense_backend"),
+    (["parallel.gradient_accumulation_fusion=false"], "it needs parallel.gradient_accumulation_fusion=true"),
 ])
 def test_fused_loss_refuses_layouts_it_cannot_run(settings, message):
     config = load_config(None, ["train.fused_loss=true", *settings])

@@ -16,7 +16,7 @@ from core.config import load_config
 from core.layers import AttentionMeta
 from core.data import StepInputs
 from core.trainer import Trainer
-from tests.test_train import ROOT
+from tests.test_train import ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
 
 
 def _micro(seed: int, vocab: int, seq: int = 64, rows: int = 2, device: str = "cpu") -> StepInputs:
@@ -49,6 +49,19 @@ def test_fused_weight_gradients_train_like_the_hook(compile_):
     got, fused = _train(True, "cpu", compile_, 3)
     assert got == pytest.approx(want, rel=1e-6), (got, want)
     assert plain_fused == 0 and fused >= 3 * 3 * 2 * 7  # 3 steps x 3 micro-batches x 2 blocks x 7 linears
+
+
+@pytest.mark.slow
+def test_fused_weight_gradients_over_two_data_parallel_ranks(tmp_path, dataset):  # noqa: F811
+    # ZeRO-1 over gloo: the fused weights' main grads are zeroed per step, reduced and sharded
+    # like the others; the run follows the one where the hook adds the bf16 gradients.
+    bf16 = ["train.precision=bf16", "parallel.dp=2"]
+    run_train(tmp_path / "fused", dataset, 2, *bf16)
+    run_train(tmp_path / "plain", dataset, 2, *bf16, "parallel.gradient_accumulation_fusion=false")
+    got, want = losses(tmp_path / "fused"), losses(tmp_path / "plain")
+    assert got.keys() == want.keys() and len(got) == 4
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got, want)
 
 
 @pytest.mark.gpu
