@@ -168,7 +168,7 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     """MiB of gradients per bucket reduced while the backward still runs."""
     gradient_accumulation_fusion: bool = True
-    """The experts' weight-gradient GEMMs add straight into the fp32 main grads (no bf16 gradient)."""
+    """Weight-gradient GEMMs (experts; bf16 block linears) add straight into the fp32 main grads (no bf16 gradient)."""
     pp_schedule: Literal["1f1b", "interleaved"] = "1f1b"
     """Pipeline schedule: 1f1b (one model chunk per rank) or interleaved (pp_virtual_stages chunks per rank)."""
     pp_virtual_stages: int = 1
