@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from core.parallel.comm import group_rank, group_size
+from core.parallel.wgrad import matmul_into_
 
 IGNORE_INDEX = -100
 
@@ -151,17 +152,6 @@ def _compiled_chunk_loss_and_grad():
     return torch.compile(_chunk_loss_and_grad)  # two fused row passes over the bf16 chunk
 
 
-def _add_matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """out (fp32) = [out +] a @ b, with a, b in a 16-bit dtype: one GEMM whose epilogue adds in
-    fp32 on a GPU (Megatron's gradient-accumulation fusion), no 16-bit gradient in between."""
-    if out.is_cuda and a.dtype != out.dtype:
-        torch.addmm(out, a, b, out_dtype=out.dtype, beta=1 if accumulate else 0, out=out)
-    elif accumulate:
-        out.add_(torch.mm(a, b).to(out.dtype))
-    else:
-        out.copy_(torch.mm(a, b))
-
-
 class _FusedOutputCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of `hidden @ weight.T`, chunk by chunk over the tokens, with both
     gradients computed in the forward: no [T, V] logits or logit gradients are ever whole.
@@ -187,7 +177,7 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
                 loss, grad = loss_and_grad(torch.mm(h[rows], w.t()), labels[rows], grad_scale)
                 total += loss
                 torch.mm(grad, w, out=grad_hidden[rows])
-                sink.write(lambda main_grad, accumulate: _add_matmul_into(main_grad, grad.t(), h[rows], accumulate))
+                sink.write(lambda main_grad, accumulate: matmul_into_(main_grad, grad.t(), h[rows], accumulate))
         ctx.save_for_backward(grad_hidden, grad_scale)
         ctx.sink, ctx.hidden_dtype = sink, hidden.dtype
         return total

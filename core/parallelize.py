@@ -143,7 +143,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         compile_blocks(chunks, cuda_graphs=t.cuda_graphs, fp8_casts=torchao and t.fp8_recipe == "tensorwise",
                        one_graph_per_break="norms" in recompute_set(t))
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
-    if precision == "bf16" and p.gradient_accumulation_fusion and config.model.dense_backend == "torch":
+    if precision == "bf16" and p.gradient_accumulation_fusion:
         fuse_weight_grads(chunks)
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion)

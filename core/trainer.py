@@ -96,10 +96,7 @@ class Trainer:
         self.peak_flops = PEAK_FLOPS.get(self.precision) if self.device.type == "cuda" else None
         uses_autocast = self.precision == "bf16" and self.grads.uses_autocast
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if uses_autocast else contextlib.nullcontext()
-        self.fused_loss = config.train.fused_loss
-        if self.fused_loss and not fused_loss_applies(self.model):
-            raise ValueError("train.fused_loss: the output head is not one plain linear whose gradient goes to a "
-                             "fp32 main grad")
+        self.fused_loss = config.train.fused_loss  # its layouts checked by core.config
         self.loss_dtype = torch.bfloat16 if uses_autocast else None
 
         self.run_dir = Path(t.run_dir)
@@ -432,14 +429,6 @@ def train(config: Config, resume: bool = False) -> list[dict]:
         trainer.close()
         raise
     return trainer.run()
-
-
-def fused_loss_applies(model: torch.nn.Module) -> bool:
-    """Whether train.fused_loss can run: the head is one plain linear (config.validate has ruled
-    out vocab sharding and pipelines) whose gradient goes to a fp32 main grad."""
-    head = getattr(model, "output", None)
-    return (type(head) is torch.nn.Linear and head.bias is None and hasattr(model, "hidden_states")
-            and getattr(head.weight, "main_grad_sink", None) is not None)
 
 
 def resolve_precision(config: Config, device: torch.device) -> str:

@@ -13,21 +13,9 @@ import pytest
 import torch
 
 from core.config import load_config
-from core.layers import AttentionMeta
-from core.data import StepInputs
 from core.trainer import Trainer
+from tests.test_recompute import _micro
 from tests.test_train import ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
-
-
-def _micro(seed: int, vocab: int, seq: int = 64, rows: int = 2, device: str = "cpu") -> StepInputs:
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (rows * seq,), generator=g)
-    lengths = [seq // 2, seq // 2] * rows
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    meta = AttentionMeta(cu_seqlens=cu.to(device), max_seqlen=max(lengths), doc_lengths=tuple(lengths))
-    return StepInputs(tokens.to(device), torch.roll(tokens, -1).to(device), positions.to(device), meta,
-                      num_tokens=float(tokens.numel()), num_labels=float(tokens.numel()))
 
 
 def _train(fused: bool, device: str, compile_: bool, steps: int, config_name: str = "tiny_dense"):
@@ -38,7 +26,7 @@ def _train(fused: bool, device: str, compile_: bool, steps: int, config_name: st
     trainer = Trainer(config)
     losses = []
     for step in range(steps):
-        micro = [_micro(10 * step + i, config.model.vocab_size, device=device) for i in range(3)]
+        micro = [_micro(10 * step + i, config.model.vocab_size, seq=64, device=device) for i in range(3)]
         losses.append(float(trainer.step(micro).loss_sum))
     return losses, trainer.grads.dp.stats["fused_grads"]
 

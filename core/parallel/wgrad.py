@@ -23,15 +23,22 @@ from torch import Tensor, nn
 from core.layers import FeedForward
 
 
+def matmul_into_(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out (fp32) = [out +] a @ b, with a, b in a 16-bit dtype: on a GPU one GEMM whose epilogue
+    adds in fp32 (Megatron's gradient-accumulation fusion), no 16-bit product in between."""
+    if out.is_cuda and a.dtype != out.dtype:
+        torch.addmm(out, a, b, out_dtype=out.dtype, beta=1 if accumulate else 0, out=out)
+    elif accumulate:
+        out.add_(torch.mm(a, b).to(out.dtype))
+    else:
+        out.copy_(torch.mm(a, b))
+
+
 @torch.library.custom_op("tessera::add_weight_grad_", mutates_args=("main_grad",))
 def add_weight_grad_(main_grad: Tensor, grad_out: Tensor, inputs: Tensor) -> None:
     """main_grad += grad_out^T @ inputs over all leading dims, accumulated in fp32."""
     dy = grad_out.reshape(-1, grad_out.shape[-1])
-    x = inputs.reshape(-1, inputs.shape[-1])
-    if main_grad.is_cuda and dy.dtype != main_grad.dtype:
-        torch.addmm(main_grad, dy.t(), x, out_dtype=main_grad.dtype, out=main_grad)  # cuBLAS adds in fp32
-    else:
-        main_grad.add_(torch.mm(dy.t(), x).to(main_grad.dtype))
+    matmul_into_(main_grad, dy.t(), inputs.reshape(-1, inputs.shape[-1]), accumulate=True)
 
 
 @add_weight_grad_.register_fake
@@ -63,17 +70,15 @@ def _recomputed_whole(module: nn.Module) -> bool:
     return hasattr(module, "_recompute_original")  # core.parallel.recompute's checkpoint wrapper
 
 
-def fuse_weight_grads(chunks: list[nn.Module]) -> int:
+def fuse_weight_grads(chunks: list[nn.Module]) -> None:
     """Route the plain bias-free linears of every block's attention and feed-forward modules
     through the fused weight gradient, and tag their weights for data parallelism (call after
-    `apply_recompute` and before `apply_data_parallel`, which gives them `main_grad`). Returns
-    how many linears it took.
+    `apply_recompute` and before `apply_data_parallel`, which gives them `main_grad`).
 
     Linears inside a module recomputed whole (`mlp`, `attention`, `block`) keep the plain
     backward: compiled by torch 2.11, a checkpoint around the autograd function keeps the
     function's outputs instead of recomputing them (measured: the w1/w3 outputs of every block,
     +3.4 GiB on the ~1B model)."""
-    count = 0
     for chunk in chunks:
         for block in chunk.layers.values():
             if _recomputed_whole(block):
@@ -87,5 +92,3 @@ def fuse_weight_grads(chunks: list[nn.Module]) -> int:
                         linear.weight.accumulates_main_grad = True
                         linear.weight.main_grad_added_in_graph = True
                         linear.forward = _forward_into_main_grad.__get__(linear)
-                        count += 1
-    return count
