@@ -11,7 +11,8 @@ The activation model against autograd: the bytes each block leaves alive after a
 the CPU (every storage an op creates, tracked until freed), for every recompute kind: exact for
 the dense blocks, the head and the loss; MoE blocks within 1% (balanced routing assumed; the
 CPU's per-expert loop saves slices of the SwiGLU product, so `swiglu` is left to the GPU check);
-and a compiled block (inductor on the CPU) against the tensors its compiled forward saves.
+and a compiled block (inductor on the CPU, its linears adding their weight gradients into the main
+grads as in bf16 training) against the tensors its compiled forward saves.
 Peak memory and step time against the GPU: `bench/planner_check.py`."""
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from core.loss import cross_entropy_sum
 from core.mesh import ParallelMesh
 from core.model import build_model
 from core.parallel.recompute import apply_recompute
+from core.parallel.wgrad import fuse_weight_grads
 from core.parallelize import compile_blocks, parallelize
 from core.planner.layouts import describe, layouts
 from core.planner.memory import block_activations, estimate_memory, head_activations, rope_tables
@@ -196,10 +198,14 @@ def test_compiled_block_activations_equal_what_inductor_saves(recompute):
                                                      f"train.recompute_modules={list(recompute)!r}"]), 1)
     model = apply_recompute(build_model(config.model, seed=0).to(torch.bfloat16), modules=recompute, compiled=True)
     compile_blocks([model], one_graph_per_break="norms" in recompute)
+    fuse_weight_grads([model])  # as the trainer does: the linears are custom ops the partitioner may recompute
+    for p in model.parameters():
+        if getattr(p, "accumulates_main_grad", False):
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
     n = config.train.seq_len
     tokens = torch.randint(0, config.model.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     meta = AttentionMeta(cu_seqlens=torch.tensor([0, n], dtype=torch.int32), max_seqlen=n)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, getattr(p, "main_grad", p))}
     saved: dict[int, int] = {}
     model.layers["1"].register_forward_pre_hook(lambda *_: saved.clear())  # what block 1 saves, once per storage
 

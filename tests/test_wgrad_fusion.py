@@ -3,7 +3,7 @@
 Reference: the same bf16 training with `parallel.gradient_accumulation_fusion=false`, where each
 micro-batch's bf16 weight gradient is added into the main grad by data parallelism's hook. On
 the CPU both round the weight gradient to bf16 before the fp32 add, so the losses agree to
-fp32 rounding (1e-6 relative), eager and compiled; on a GPU the fused GEMM adds in fp32 without
+fp32 rounding (1e-6 relative) eager, and to the forward's bf16 rounding compiled (1e-4); on a GPU the fused GEMM adds in fp32 without
 that rounding: losses within 1e-3 relative over 6 steps.
 """
 
@@ -18,24 +18,32 @@ from tests.test_recompute import _micro
 from tests.test_train import ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
 
 
-def _train(fused: bool, device: str, compile_: bool, steps: int, config_name: str = "tiny_dense"):
+def _train(fused: bool, device: str, compile_: bool, steps: int, config_name: str = "tiny_dense", recompute=()):
     config = load_config(ROOT / "launch" / "configs" / f"{config_name}.toml", [
         f"train.device={device}", "train.precision=bf16", "train.micro_batch_size=2", "train.global_batch_size=6",
         "train.seq_len=64", "parallel.ep=1", f"train.compile={str(compile_).lower()}",
-        f"parallel.gradient_accumulation_fusion={str(fused).lower()}"])
+        f"train.recompute_modules={list(recompute)!r}", f"parallel.gradient_accumulation_fusion={str(fused).lower()}"])
     trainer = Trainer(config)
-    losses = []
+    losses, grad_norms = [], []
     for step in range(steps):
         micro = [_micro(10 * step + i, config.model.vocab_size, seq=64, device=device) for i in range(3)]
-        losses.append(float(trainer.step(micro).loss_sum))
-    return losses, trainer.grads.dp.stats["fused_grads"]
+        result = trainer.step(micro)
+        losses.append(float(result.loss_sum))
+        grad_norms.append(float(result.grad_norm))
+    return losses, grad_norms, trainer.grads.dp.stats["fused_grads"]
 
 
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
 def test_fused_weight_gradients_train_like_the_hook(compile_):
-    want, plain_fused = _train(False, "cpu", compile_, 3)
-    got, fused = _train(True, "cpu", compile_, 3)
-    assert got == pytest.approx(want, rel=1e-6), (got, want)
+    # Compiled: the feed-forward recomputed (`mlp`), its linears inside the checkpoint's graph.
+    recompute = ("mlp",) if compile_ else ()
+    want, want_norms, plain_fused = _train(False, "cpu", compile_, 3, recompute=recompute)
+    got, got_norms, fused = _train(True, "cpu", compile_, 3, recompute=recompute)
+    # Compiled, the fused linear is one aten op where inductor lowers the plain one itself: the
+    # bf16 forward rounds differently (2e-5 at the first step). The losses barely see the
+    # gradients over three warm-up steps; the gradient norm sees a weight's gradient left out.
+    assert got == pytest.approx(want, rel=1e-4 if compile_ else 1e-6), (got, want)
+    assert got_norms == pytest.approx(want_norms, rel=1e-3 if compile_ else 1e-5), (got_norms, want_norms)
     assert plain_fused == 0 and fused >= 3 * 3 * 2 * 7  # 3 steps x 3 micro-batches x 2 blocks x 7 linears
 
 
@@ -56,7 +64,9 @@ def test_fused_weight_gradients_over_two_data_parallel_ranks(tmp_path, dataset):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("config_name", ["tiny_dense", "tiny_moe"])
 def test_gpu_fused_weight_gradients_train_like_the_hook(config_name):
-    want, _ = _train(False, "cuda", True, 6, config_name)
-    got, fused = _train(True, "cuda", True, 6, config_name)
+    recompute = ("mlp", "norms") if config_name == "tiny_dense" else ()
+    want, want_norms, _ = _train(False, "cuda", True, 6, config_name, recompute)
+    got, got_norms, fused = _train(True, "cuda", True, 6, config_name, recompute)
     assert got == pytest.approx(want, rel=1e-3), (got, want)
+    assert got_norms == pytest.approx(want_norms, rel=1e-2), (got_norms, want_norms)
     assert fused > 0

@@ -136,7 +136,10 @@ class Bucket:
             offset += slot.param.numel()
         self.grad_buffer = torch.zeros(offset, dtype=torch.float32, device=device)
         for slot in slots:
-            slot.main_grad = self.grad_buffer[slot.offset:slot.offset + slot.param.numel()].view(slot.param.shape)
+            # `.data`: a version counter of its own, not the bucket's. A compiled block saves the
+            # main grads its linears add into (core.parallel.wgrad) for its backward, and autograd
+            # would refuse them once another parameter's accumulation bumped a shared counter.
+            slot.main_grad = self.grad_buffer[slot.offset:slot.offset + slot.param.numel()].view(slot.param.shape).data
         if self.sharded:
             region_lengths = [0] * self.size
             for slot in slots:

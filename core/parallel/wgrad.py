@@ -8,10 +8,10 @@ gradient GEMM adds into the main grad in its epilogue, the main grads are zeroed
 (`DataParallel.zero_grad`), and the gradient autograd sees is a stand-in with all-zero
 strides, which the data-parallel hook takes as "already added" and only counts.
 
-The GEMM is a custom op that mutates the main grad, so torch.compile traces the linear's
-backward around it; it runs for plain bf16 `nn.Linear`s without bias in the attention and
-feed-forward modules that are not recomputed whole (tensor-parallel, FP8 and Transformer Engine
-linears keep their own backward).
+The linear and its weight-gradient GEMM are custom ops (the latter mutates the main grad), so
+torch.compile traces them and the partitioner may recompute the linear under a checkpoint; it
+runs for the plain bf16 `nn.Linear`s without bias in the attention and feed-forward modules
+(tensor-parallel, FP8 and Transformer Engine linears keep their own backward).
 """
 
 from __future__ import annotations
@@ -46,46 +46,48 @@ def _(main_grad: Tensor, grad_out: Tensor, inputs: Tensor) -> None:
     return None
 
 
-class _LinearIntoMainGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, main_grad: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        # Held, not saved: main_grad is a view of its bucket's buffer, whose version counter
-        # every other parameter's accumulation bumps (saved, autograd would refuse it).
-        ctx.main_grad = main_grad
-        return F.linear(x, weight)
+@torch.library.custom_op("tessera::linear_into_main_grad", mutates_args=())
+def linear_into_main_grad(x: Tensor, weight: Tensor, main_grad: Tensor) -> Tensor:
+    """F.linear(x, weight), whose backward adds the weight gradient into `main_grad`.
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x, weight = ctx.saved_tensors
-        add_weight_grad_(ctx.main_grad, grad_out, x)
-        return grad_out @ weight, weight.new_zeros(()).expand(weight.shape), None
+    A custom op rather than an autograd function: inside a compiled checkpoint (recompute
+    `mlp`, `attention`, `block`) torch 2.11's partitioner recomputes an op's output but keeps
+    an autograd function's (measured: the w1/w3 outputs of every block, +3.4 GiB on the ~1B
+    model)."""
+    return F.linear(x, weight)
+
+
+@linear_into_main_grad.register_fake
+def _(x: Tensor, weight: Tensor, main_grad: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _save_for_weight_grad(ctx, inputs, output) -> None:
+    x, weight, main_grad = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.main_grad = main_grad  # held, not saved: its own backward mutates it
+
+
+def _backward_into_main_grad(ctx, grad_out: Tensor):
+    x, weight = ctx.saved_tensors
+    add_weight_grad_(ctx.main_grad, grad_out, x)
+    return grad_out @ weight, weight.new_zeros(()).expand(weight.shape), None
+
+
+linear_into_main_grad.register_autograd(_backward_into_main_grad, setup_context=_save_for_weight_grad)
 
 
 def _forward_into_main_grad(self: nn.Linear, x: Tensor) -> Tensor:
-    return _LinearIntoMainGrad.apply(x, self.weight, self.weight.main_grad)
-
-
-def _recomputed_whole(module: nn.Module) -> bool:
-    return hasattr(module, "_recompute_original")  # core.parallel.recompute's checkpoint wrapper
+    return linear_into_main_grad(x, self.weight, self.weight.main_grad)
 
 
 def fuse_weight_grads(chunks: list[nn.Module]) -> None:
     """Route the plain bias-free linears of every block's attention and feed-forward modules
     through the fused weight gradient, and tag their weights for data parallelism (call after
-    `apply_recompute` and before `apply_data_parallel`, which gives them `main_grad`).
-
-    Linears inside a module recomputed whole (`mlp`, `attention`, `block`) keep the plain
-    backward: compiled by torch 2.11, a checkpoint around the autograd function keeps the
-    function's outputs instead of recomputing them (measured: the w1/w3 outputs of every block,
-    +3.4 GiB on the ~1B model)."""
+    `apply_recompute` and before `apply_data_parallel`, which gives them `main_grad`)."""
     for chunk in chunks:
         for block in chunk.layers.values():
-            if _recomputed_whole(block):
-                continue
-            parents = [block.attention] if not _recomputed_whole(block.attention) else []
-            if not block.checkpoint_feed_forward and not _recomputed_whole(block.feed_forward):
-                parents += [m for m in block.feed_forward.modules() if isinstance(m, FeedForward)]
+            parents = [block.attention] + [m for m in block.feed_forward.modules() if isinstance(m, FeedForward)]
             for parent in parents:
                 for linear in parent.children():
                     if type(linear) is nn.Linear and linear.bias is None:
