@@ -175,7 +175,7 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
         layer.router = BalancedRouter(layer.router, e)
     grouped = layer.experts.mm
     # --compile: as the trainer's compiled blocks run them, router, auxiliary loss and SwiGLU
-    # fused by inductor, dispatch and grouped GEMMs eager (MoELayer._routed).
+    # fused by inductor, dispatch and grouped GEMMs eager (MoELayer._route).
     run_layer = torch.compile(layer) if compiled else layer
     x = torch.randn(tokens, dim, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(tokens, dim, device=device, dtype=dtype)

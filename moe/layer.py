@@ -104,27 +104,32 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, token_offset = self._enter_tp(x)
         routing = self.router(x)
-        loss, parts = self._aux_loss(routing, token_offset, x.shape[0])
         shared = self._shared_start(x)
-        y = self._routed(x, routing)
+        y, loss = self._route(x, routing, token_offset)
         if shared is not None:
             y = y + self._shared_finish(*shared)
         if loss is not None and torch.is_grad_enabled() and loss.requires_grad:
             # "sharded" TP: every TP rank holds the same whole loss, the TP sum counts it once.
             tp_share = self.tp_size if self.tp_mode == "sharded" else 1
             y = _AttachLoss.apply(y, loss, 1.0 / (self.aux_loss_divisor * tp_share))
-        if self.training and not _in_recompute():
-            self._record(routing, parts)
         return self._leave_tp(y)
 
-    # Outside torch.compile: the per-expert row counts change every batch, so compiled, this
-    # part recompiled on each new routing (and then ran with dynamic shapes); its time is the
-    # opaque grouped GEMMs and the all-to-all, which compiling would not speed up. Router,
-    # auxiliary losses and shared experts around it stay in the block's compiled graphs.
+    # Outside torch.compile, in one piece: the per-expert row counts change every batch, so
+    # compiled, the dispatch recompiled on each new routing (and then ran with dynamic shapes);
+    # its time is the opaque grouped GEMMs and the all-to-all, which compiling would not speed
+    # up. The per-sequence auxiliary loss depends on the batch's boundaries, and the statistics
+    # are a host-side dict whose state would be a guard. One eager piece, not three: each graph
+    # break costs the host a compiled graph's entry and exit, forward and backward, per layer
+    # and micro-batch. Router and shared experts stay in the block's compiled graphs.
     @eager_only
-    def _routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def _route(self, x: torch.Tensor, routing: Routing, token_offset: int):
+        """(the routed experts' combined output, the auxiliary loss term to attach or None)."""
+        loss, parts = self._aux_loss(routing, token_offset, x.shape[0])
         expert_in, tokens_per_expert = self.dispatcher.dispatch(x, routing)
-        return self.dispatcher.combine(self.experts(expert_in, tokens_per_expert))
+        y = self.dispatcher.combine(self.experts(expert_in, tokens_per_expert))
+        if self.training and not _in_recompute():
+            self._record(routing, parts)
+        return y, loss
 
     def _enter_tp(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This rank's tokens for routing, and where they start in the micro-batch."""
@@ -147,7 +152,6 @@ class MoELayer(nn.Module):
 
     # Outside torch.compile too: the per-sequence statistics are shaped by the batch's
     # document count (and check it on the host), so a compiled block recompiled per batch.
-    @eager_only
     def _aux_loss(self, routing: Routing, token_offset: int, n: int):
         """(the loss term to attach or None, detached values for the metrics).
 
@@ -232,7 +236,6 @@ class MoELayer(nn.Module):
         return out
 
     # ------------------------------------------------------------- statistics
-    @eager_only  # host-side dict of running sums: its state would be a guard
     @torch.no_grad()
     def _record(self, routing: Routing, parts: dict[str, torch.Tensor]) -> None:
         counts = routing.tokens_per_expert
