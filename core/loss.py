@@ -17,6 +17,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from core.config import FUSED_CHUNK_ELEMENTS
 from core.parallel.comm import group_rank, group_size
 from core.parallel.wgrad import matmul_into_
 
@@ -125,10 +126,6 @@ def cross_entropy_sum(
 
 # -- the output projection and the loss in one pass over token chunks ---------------------------
 
-# Logits per chunk: 128 MiB in bf16. Each chunk adds its weight gradient into the fp32 main grad
-# (a read and a write of [V, d] fp32), so smaller chunks cost time: 8192 tokens x 32000 vocab on an
-# H100 took 5.0-5.4 ms unfused, 5.6 ms at 2048-token chunks (-0.6 GiB), 6.6-6.9 ms at 1024.
-FUSED_CHUNK_ELEMENTS = 1 << 26
 
 
 def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor):

@@ -29,9 +29,10 @@ from torch.utils._pytree import tree_flatten
 
 from core.config import load_config, validate
 from core.layers import AttentionMeta
-from core.loss import cross_entropy_sum
+from core.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh
 from core.model import build_model
+from core.parallel.data import apply_data_parallel
 from core.parallel.recompute import apply_recompute
 from core.parallel.wgrad import fuse_weight_grads
 from core.parallelize import compile_blocks, parallelize
@@ -189,6 +190,29 @@ def test_activation_model_equals_autograd_saved_tensors():
         if "swiglu" not in recompute:
             got, want = _saved_bytes(moe, recompute)["layer1"], block_activations(moe, 1, set(recompute), set()).device
             assert abs(got - want) <= 0.01 * want, (recompute, got, want)
+
+
+def test_fused_loss_head_activations_equal_autograd_saved_tensors():
+    # The fused head keeps its input's gradient [T, dim] where the plain one keeps its input and
+    # the loss's [T, V] tensors; what the chunks create in between is freed before the forward ends.
+    config = validate(_config("tiny_dense", "bf16", ["train.seq_len=256", "train.fused_loss=true"]), 1)
+    model = build_model(config.model, seed=0).to(torch.bfloat16)
+    dp = apply_data_parallel(model, ParallelMesh.build(), distributed_optimizer=False, param_dtype=torch.bfloat16)
+    n = config.train.seq_len
+    tokens = torch.randint(0, config.model.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, n], dtype=torch.int32), max_seqlen=n)
+    scale = torch.tensor(1.0 / n)
+    # The main grads are state: the head's weight gradient is added into them in place.
+    track = _Storages([*model.parameters(), *(bucket.grad_buffer for bucket in dp.buckets)])
+    model.norm.register_forward_pre_hook(lambda *_: setattr(track, "where", "head"))
+    with track:
+        loss = fused_output_cross_entropy_sum(model.hidden_states(tokens, torch.arange(n), meta),
+                                              model.output.weight, torch.roll(tokens, -1), scale)
+    alive = track.alive()
+    del loss
+    assert 0 <= alive["head"] - head_activations(config) < 64, (alive, head_activations(config))  # + the loss sum
+    plain = validate(_config("tiny_dense", "bf16", ["train.seq_len=256"]), 1)
+    assert head_activations(plain) - head_activations(config) >= n * config.model.vocab_size * 4
 
 
 @pytest.mark.slow  # inductor compiles the blocks on the CPU (~30 s a set)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.config import Config, grad_accum_steps, moe_layer_rule, recompute_set
+from core.config import FUSED_CHUNK_ELEMENTS, Config, grad_accum_steps, moe_layer_rule, recompute_set
 from core.planner.state import PARAM_BYTES, StateBytes, coordinates, local_params, stage_layers, state_bytes
 
 
@@ -192,19 +192,31 @@ def compiled_loss(config: Config) -> bool:
 def head_activations(config: Config) -> int:
     """The last stage's final norm, the head's input, and the loss's saved tensors: eager, the
     fp32 exponentials [T, V/tp] and per-token sums, targets and masks; compiled, the logits in
-    their own dtype and a log-sum-exp per token."""
+    their own dtype and a log-sum-exp per token. `train.fused_loss` keeps the gradient of the
+    head's input [T, dim] in place of the head's input and the loss's tensors."""
     s, m, t = shapes(config), config.model, config.train
     b = PARAM_BYTES[t.precision]
-    loss = s.tokens * s.vocab * b + 16 * s.tokens if compiled_loss(config) else s.tokens * s.vocab * 4 + 18 * s.tokens
+    if t.fused_loss:
+        loss = 0
+    elif compiled_loss(config):
+        loss = s.tokens * s.vocab * b + 16 * s.tokens
+    else:
+        loss = s.tokens * s.vocab * 4 + 18 * s.tokens
     return norm_saved(s.seq_tokens, m.dim, b) + s.tokens * m.dim * b + loss
 
 
 def loss_transient(config: Config) -> int:
     """Alive at the loss besides the saved tensors: the logits (forward; eager, next to their
     fp32 shifted copy) or their gradient (backward), then the head's weight gradient in the
-    parameter dtype before it is added into the fp32 main grad."""
+    parameter dtype before it is added into the fp32 main grad. `train.fused_loss`: one chunk
+    of logits and their gradient (compiled: both in the parameter dtype; eager, about: with the
+    fp32 copy and three fp32 intermediates of the softmax), no weight gradient (it goes into
+    the main grad in the GEMM)."""
     s, t, m = shapes(config), config.train, config.model
     b = PARAM_BYTES[t.precision]
+    if t.fused_loss:
+        chunk = max(1, min(s.tokens, FUSED_CHUNK_ELEMENTS // s.vocab))
+        return chunk * s.vocab * (2 * b if compiled_loss(config) else 2 * b + 4 * 4)
     return s.tokens * s.vocab * b + s.vocab * m.dim * b
 
 
