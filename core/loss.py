@@ -126,8 +126,6 @@ def cross_entropy_sum(
 
 # -- the output projection and the loss in one pass over token chunks ---------------------------
 
-
-
 def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor):
     """(summed fp32 loss, d(loss * grad_scale)/d(logits) in the logits' dtype) of one chunk."""
     x = logits.float()

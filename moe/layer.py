@@ -150,8 +150,8 @@ class MoELayer(nn.Module):
             return reduce_scatter_tokens(y, self.tp_group) if self.sequence_parallel else reduce_from_group(y, self.tp_group)
         return y
 
-    # Outside torch.compile too: the per-sequence statistics are shaped by the batch's
-    # document count (and check it on the host), so a compiled block recompiled per batch.
+    # Runs inside `_route`, outside torch.compile: the per-sequence statistics are shaped by the
+    # batch's document count (and check it on the host), so a compiled block recompiled per batch.
     def _aux_loss(self, routing: Routing, token_offset: int, n: int):
         """(the loss term to attach or None, detached values for the metrics).
 

@@ -2,9 +2,10 @@
 
 Reference: the same bf16 training with `parallel.gradient_accumulation_fusion=false`, where each
 micro-batch's bf16 weight gradient is added into the main grad by data parallelism's hook. On
-the CPU both round the weight gradient to bf16 before the fp32 add, so the losses agree to
-fp32 rounding (1e-6 relative) eager, and to the forward's bf16 rounding compiled (1e-4); on a GPU the fused GEMM adds in fp32 without
-that rounding: losses within 1e-3 relative over 6 steps.
+the CPU both round the weight gradient to bf16 before the fp32 add, so the losses agree to fp32
+rounding (1e-6 relative) eager, and to the forward's bf16 rounding compiled (1e-4), gradient
+norms likewise; on a GPU the fused GEMM adds in fp32 without that rounding: losses within 1e-3
+relative over 6 steps.
 """
 
 from __future__ import annotations
