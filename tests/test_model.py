@@ -85,10 +85,11 @@ def test_long_documents_split_off_to_dense_attention_exactly(device):
         pytest.skip("needs a CUDA GPU")
     # the last long document's padded window runs past the batch's end (a zero-padded copy);
     # short documents come in runs between long ones
-    lengths = (5, 13, 1, 22, 7, 0, 9, 16, 16, 3, 11)  # GPU: x 800, four long documents
+    lengths = (5, 13, 1, 22, 7, 0, 9, 16, 16, 3, 11)
     min_doc, bucket, dtype, scale_up = 8, 4, torch.float64, 1
-    if device == "cuda":  # the real thresholds; lengths scaled so some documents are long
-        min_doc, bucket, dtype, scale_up = attention.CUDNN_MIN_DOC, attention.CUDNN_BUCKET, torch.bfloat16, 800
+    if device == "cuda":  # the real thresholds; lengths scaled so the same documents are long,
+        min_doc, bucket, dtype = attention.CUDNN_MIN_DOC, attention.CUDNN_BUCKET, torch.bfloat16
+        scale_up = min_doc // 8 + 1  # and none a multiple of the bucket (the last one padded past the end)
     lengths = tuple(n * scale_up for n in lengths)
     cu = torch.tensor([0, *lengths]).cumsum(0).to(device, torch.int32)
     total = sum(lengths)
