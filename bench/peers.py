@@ -27,7 +27,8 @@ mask from position_ids that restart per document.
 Timing and records are bench/harness.py's: each system is built and warmed up (--warmup steps),
 then --rounds interleaved rounds of one optimizer step each (CUDA events, median and spread), or
 one system after the other (--sequential, or automatically when the systems' states would not fit
-on the GPU together, or after an out-of-memory error). Per system: tokens/s, MFU (core.metrics'
+on the GPU together, or after an out-of-memory error); Tessera's speed-up is the median of same-round
+ratios (round i of every system reads the same micro-batches). Per system: tokens/s, MFU (core.metrics'
 flops_per_token of the system's own parameter counts against 989 TFLOP/s bf16 peak, also for
 FP8), peak memory above what was allocated before it was built, its build (compile + warm-up)
 seconds, and its loss at every step (warm-up included): all must learn, and where the initial
@@ -258,12 +259,9 @@ def run_workload(w: Workload, names: list[str], rounds: int, warmup: int, sequen
                 print_profile(r.built.step, rows=30)
             del r
             _release()
-    speedups = {}
-    if "tessera" in times:
-        for name, t in times.items():
-            if name != "tessera":
-                speedups[name] = (ratio(t, times["tessera"]) if interleaved
-                                  else {"median": t.ms / times["tessera"].ms, "min": None, "max": None})
+    # Same-round ratios either way: interleaved they cancel drift; sequential, round i of every
+    # system trains on the same micro-batches, and packed rows' step time moves with their documents.
+    speedups = {name: ratio(t, times["tessera"]) for name, t in times.items() if name != "tessera" and "tessera" in times}
     finals = [r["loss_last"] for r in results.values()]
     spread = (max(finals) - min(finals)) / statistics.fmean(finals) if len(finals) > 1 else 0.0
     spec = asdict(w.spec)
@@ -286,7 +284,7 @@ def figures(w: Workload, r: Ran, t) -> dict:
     fpt = flops_per_token(active, embedding, spec.model.num_layers, r.built.attention_width, spec.seq)
     seconds = t.ms / 1e3
     losses = [float(x) for x in r.losses]
-    return {"step_ms": t.ms, "step_ms_range": (t.min_ms, t.max_ms), "step_ms_iqr": t.iqr_ms, "rounds": len(t.rounds_ms),
+    return {"step_ms": t.ms, "step_ms_range": (t.min_ms, t.max_ms), "step_ms_iqr": t.iqr_ms, "rounds_ms": t.rounds_ms,
             "tokens_per_s": tokens / seconds, "mfu": fpt * tokens / seconds / PEAK_FLOPS["bf16"],
             "flops_per_token": fpt, "peak_mem_gib": r.peak_mem_gib, "build_s": r.build_s, "params": total,
             "active_params": active, "losses": losses, "loss_first": losses[0], "loss_last": losses[-1],
