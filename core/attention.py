@@ -142,8 +142,8 @@ class _Windows(torch.autograd.Function):
     the real queries, and the padded queries' outputs are dropped, so they get no gradient.
     The backward joins the pieces' real rows into one gradient (they tile the batch in order):
     no scatter-add, no full-size gradient per piece for autograd to sum, and one copy kernel
-    where per-piece slice assignments were device-to-device memcpys at a third of its speed
-    (18 ms a step at 32k-token rows on an H100)."""
+    where per-piece slice assignments were a device-to-device memcpy each (the 32k-token step
+    0.987x with it on an H100)."""
 
     @staticmethod
     def forward(ctx, x, pieces):
