@@ -261,8 +261,8 @@ def run_workload(w: Workload, names: list[str], rounds: int, warmup: int, sequen
             _release()
     # Same-round ratios either way: interleaved they cancel drift; sequential, round i of every
     # system trains on the same micro-batches, and packed rows' step time moves with their documents.
-    speedups = {name: ratio(t, times["tessera"]) for name, t in times.items()
-                if name != "tessera" and "tessera" in times}
+    base = times.get("tessera")
+    speedups = {name: ratio(t, base) for name, t in times.items() if name != "tessera"} if base else {}
     finals = [r["loss_last"] for r in results.values()]
     spread = (max(finals) - min(finals)) / statistics.fmean(finals) if len(finals) > 1 else 0.0
     spec = asdict(w.spec)

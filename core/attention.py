@@ -147,7 +147,7 @@ class _Windows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pieces):
-        ctx.pieces, ctx.shape = pieces, x.shape
+        ctx.pieces = pieces
         windows = []
         for p in pieces:
             if p.start + p.padded <= x.shape[0]:
