@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from core import placement
+from core.kernels.adamw import AdamWTables, multi_tensor_adamw, multi_tensor_adamw_supported
 from core.mesh import ParallelMesh
 from core.parallel.data import DataParallel
 
@@ -44,10 +45,11 @@ class AdamW:
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.step_count = 0
         self._step_tensor: torch.Tensor | None = None
+        self._tables = AdamWTables()
         self.exp_avg = [torch.zeros_like(s.master) for s in dp.slots]
         self.exp_avg_sq = [torch.zeros_like(s.master) for s in dp.slots]
-        decay = [uses_weight_decay(s.param) for s in dp.slots]
-        self._groups = [[i for i, d in enumerate(decay) if d], [i for i, d in enumerate(decay) if not d]]
+        self._decayed = [uses_weight_decay(s.param) for s in dp.slots]
+        self._groups = [[i for i, d in enumerate(self._decayed) if d], [i for i, d in enumerate(self._decayed) if not d]]
 
     @torch.no_grad()
     def step(self) -> None:
@@ -56,6 +58,9 @@ class AdamW:
         self.step_count += 1
         clip = self.dp.pending_grad_scale
         self.dp.pending_grad_scale = None
+        if self.fused and self._triton_step(clip):
+            self.dp.gather_params(targets_written=True)
+            return
         if self.fused:
             self._fused_step(clip)
         else:
@@ -63,6 +68,20 @@ class AdamW:
                 torch._foreach_mul_(self.dp.local_grads(), clip)
             self._foreach_step()
         self.dp.gather_params()
+
+    def _triton_step(self, clip: torch.Tensor | None) -> bool:
+        """The update and the cast of the new weights into the params (or the all-gather's send
+        buffer) in one launch (core.kernels.adamw); False where it cannot run here."""
+        slots, targets = self.dp.slots, self.dp.weight_targets()
+        masters = [s.master for s in slots]
+        grads = [s.shard_grad for s in slots]
+        if not multi_tensor_adamw_supported(masters + grads + self.exp_avg + self.exp_avg_sq, targets):
+            return False
+        decays = [self.weight_decay if decayed else 0.0 for decayed in self._decayed]
+        multi_tensor_adamw(self._tables, masters, grads, self.exp_avg, self.exp_avg_sq, targets, decays,
+                           lr=self.lr, betas=self.betas, eps=self.eps, step=self.step_count,
+                           grad_scale=None if clip is None else clip.reshape(1).to(torch.float32))
+        return True
 
     def _fused_step(self, clip: torch.Tensor | None = None) -> None:
         """torch's fused AdamW kernel: one pass over master, grad and moments. The foreach

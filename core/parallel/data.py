@@ -159,6 +159,7 @@ class Bucket:
         self.pending = len(slots)
         self.work = None
         self.packed: torch.Tensor | None = None  # kept alive until the collective finished
+        self.send: torch.Tensor | None = None  # the weights' all-gather input, where an optimizer writes it
         self.fallback = False
 
     def _region_view(self, flat: torch.Tensor, slot: ParamSlot, rank: int, base: int) -> torch.Tensor:
@@ -456,18 +457,38 @@ class DataParallel:
         self._next, self._finished = 0, False
 
     # ------------------------------------------------------------------ after the step
-    def gather_params(self) -> None:
+    def weight_targets(self) -> list[torch.Tensor | None]:
+        """Per slot, where an optimizer may write its updated weights in the param dtype as it
+        updates the master (one pass instead of two): the param itself in an unsharded bucket,
+        this rank's region of the all-gather's send buffer in a sharded one; None where there
+        is nothing to write (the master is the param, or this rank's chunk is empty). After
+        writing all of them, call `gather_params(targets_written=True)`."""
+        targets: dict[int, torch.Tensor] = {}
+        for bucket in self.buckets:
+            if not bucket.sharded:
+                targets.update((id(s), s.param.data) for s in bucket.slots if not s.master_is_param)
+                continue
+            if bucket.send is None:  # kept: the optimizer's tables stay valid while addresses do
+                bucket.send = torch.empty(bucket.region, dtype=bucket.param_dtype, device=self.device)
+            targets.update((id(s), bucket._region_view(bucket.send, s, bucket.rank, 0))
+                           for s in bucket.slots if s.bounds[bucket.rank][1])
+        return [targets.get(id(s)) for s in self.slots]
+
+    def gather_params(self, targets_written: bool = False) -> None:
         """Write the updated fp32 master chunks back into the (possibly bf16) params: an
-        all-gather per sharded bucket, a local copy otherwise."""
+        all-gather per sharded bucket, a local copy otherwise. With `targets_written` the
+        optimizer already wrote every `weight_targets()` entry: no local copy or packing."""
         in_flight = []
         for bucket in self.buckets:
             if not bucket.sharded:
                 pairs = [(s.param.data, s.master) for s in bucket.slots if not s.master_is_param]
-                if pairs:
+                if pairs and not targets_written:
                     torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
                 continue
-            send = torch.empty(bucket.region, dtype=bucket.param_dtype, device=self.device)
-            bucket.pack_masters(send)
+            send = bucket.send
+            if send is None or not targets_written:
+                send = torch.empty(bucket.region, dtype=bucket.param_dtype, device=self.device)
+                bucket.pack_masters(send)
             recv = torch.empty(bucket.size * bucket.region, dtype=bucket.param_dtype, device=self.device)
             in_flight.append((bucket, recv, _all_gather(recv, send, group=bucket.group, async_op=True)))
         for bucket, recv, work in in_flight:
