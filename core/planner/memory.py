@@ -1,6 +1,7 @@
 """Peak memory per rank of a config and layout, predicted without building anything.
 
-- **State** (`core.planner.state`): parameters, gradients, optimizer state, exact.
+- **State** (`core.planner.state`): parameters, gradients, optimizer state, exact; under ZeRO-1
+  also the all-gather's send buffers, which the one-pass AdamW keeps between steps on a GPU.
 - **Activations** (`block_activations`, `head_activations`): what autograd keeps between the
   forward and the backward of one micro-batch, module by module, for every recompute and offload
   choice (eager RMSNorm's two fp32 copies, FlashAttention's q, k, v, out and log-sum-exp, the
@@ -8,7 +9,7 @@
   loss's fp32 exponentials; what compiled blocks keep instead), then the pipeline schedule's
   micro-batches in flight (`in_flight`).
 - **Transients**: the loss, a recomputed block, offloaded tensors brought back, the ring's KV
-  blocks; the gradient reduction's packed copies and the all-gather buffers after the step,
+  blocks; the gradient reduction's packed copies and the all-gather's receive buffers after the step,
   which fill as the activations drain; the FP8 weight cache.
 - **Around the tensors** (`Allocator`, calibrated): the caching allocator's fragmentation, the
   CUDA context, the NCCL communicators.
@@ -297,7 +298,7 @@ class MemoryEstimate:
         """GiB by part."""
         gib = 2 ** 30
         s = self.state
-        return {"params": s.params / gib, "grads": (s.grads + s.grad_shards) / gib, "optimizer": s.optimizer / gib,
+        return {"params": (s.params + s.send) / gib, "grads": (s.grads + s.grad_shards) / gib, "optimizer": s.optimizer / gib,
                 "fp8_cache": self.fp8_cache / gib, "activations": self.activations / gib,
                 "transient": self.transient / gib, "reduction": self.reduction / gib,
                 "other": (self.device_total - self.peak_allocated) / gib, "host_offload": self.offloaded / gib}

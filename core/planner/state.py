@@ -164,7 +164,8 @@ class StateBytes:
     param_numel: int
     chunk_numel: int  # elements whose optimizer state this rank holds
     packed: int  # fp32 packed copies of the sharded buckets during the gradient reduction
-    gather: int  # parameter-dtype buffers of the all-gather after the step
+    gather: int  # parameter-dtype receive buffers of the all-gather after the step
+    send: int = 0  # the all-gather's send buffers, which the one-pass AdamW keeps (GPU, ZeRO-1)
 
     @property
     def optimizer(self) -> int:
@@ -172,7 +173,7 @@ class StateBytes:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.grad_shards + self.optimizer
+        return self.params + self.grads + self.grad_shards + self.optimizer + self.send
 
 
 def state_bytes(config: Config, rank: int = 0) -> StateBytes:
@@ -185,7 +186,7 @@ def _state_bytes(config: Config, rank: int) -> StateBytes:
     p = config.parallel
     c = coordinates(config, rank)
     width = PARAM_BYTES[config.train.precision]
-    params = grads = shards = masters = moments = numel_all = chunk_all = packed = gather = 0
+    params = grads = shards = masters = moments = numel_all = chunk_all = packed = gather = send = 0
     for spec in local_params(config, c["pp"]):
         size = p.dp * p.cp // p.ep if spec.expert else p.dp * p.cp
         group_rank = c["edp"] if spec.expert else c["dp_cp"]
@@ -199,8 +200,9 @@ def _state_bytes(config: Config, rank: int) -> StateBytes:
             region = _chunk_numel(spec, size, 0)  # rank 0's chunk: the longest
             shards += region * 4
             packed += size * region * 4
-            gather += (size + 1) * region * width
+            gather += size * region * width
+            send += region * width
         moments += chunk * 8
         if width != 4:
             masters += chunk * 4
-    return StateBytes(params, grads, shards, masters, moments, numel_all, chunk_all, packed, gather)
+    return StateBytes(params, grads, shards, masters, moments, numel_all, chunk_all, packed, gather, send)
