@@ -2,7 +2,9 @@
 
 `AdamW(dp, ...)` updates each `ParamSlot`'s fp32 master chunk from its reduced gradient
 (`slot.shard_grad`) with torch's AdamW arithmetic (decoupled weight decay, bias-corrected
-moments), then `dp.gather_params()` writes the new weights into the model. With
+moments), then `dp.gather_params()` writes the new weights into the model. On a GPU with
+Triton the update also writes the new weights in the param dtype in the same pass
+(`core.kernels.adamw`; elsewhere torch's fused or foreach AdamW, then a copy). With
 `distributed_optimizer` the masters and both moments cover only this rank's chunk, so optimizer
 memory per rank falls as 1/dp_cp; otherwise every rank holds them whole.
 
@@ -72,10 +74,13 @@ class AdamW:
     def _triton_step(self, clip: torch.Tensor | None) -> bool:
         """The update and the cast of the new weights into the params (or the all-gather's send
         buffer) in one launch (core.kernels.adamw); False where it cannot run here."""
-        slots, targets = self.dp.slots, self.dp.weight_targets()
+        slots = self.dp.slots
         masters = [s.master for s in slots]
         grads = [s.shard_grad for s in slots]
-        if not multi_tensor_adamw_supported(masters + grads + self.exp_avg + self.exp_avg_sq, targets):
+        if not multi_tensor_adamw_supported(masters + grads + self.exp_avg + self.exp_avg_sq, []):
+            return False
+        targets = self.dp.weight_targets()  # asked only here: under ZeRO it allocates the send buffers
+        if not multi_tensor_adamw_supported(masters, targets):
             return False
         decays = [self.weight_decay if decayed else 0.0 for decayed in self._decayed]
         multi_tensor_adamw(self._tables, masters, grads, self.exp_avg, self.exp_avg_sq, targets, decays,
