@@ -63,6 +63,7 @@ class Spec:
     device: torch.device
     # Tessera's own recompute_modules in place of `recompute` (each system its own choice); None: `recompute`
     tessera_modules: tuple[str, ...] | None = None
+    tessera_recompute_layers: int = 0  # Tessera's train.recompute_num_layers (0: every block)
     recompute_forced: bool = False  # `recompute` was asked for, not the workload's default: every system runs it
     tessera_fp8_recipe: str = "blockwise"  # Tessera's train.fp8_recipe (model.dense_backend is in `model`)
     tessera_cuda_graphs: bool = False  # Tessera's train.cuda_graphs (with compile)
@@ -240,6 +241,7 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
         t.recompute = spec.recompute
     else:
         t.recompute, t.recompute_modules = "none", list(spec.tessera_modules)
+        t.recompute_num_layers = spec.tessera_recompute_layers
     if spec.precision == "fp8":
         t.fp8_recipe = spec.tessera_fp8_recipe
     t.micro_batch_size, t.global_batch_size = spec.batch, spec.batch * spec.accum
@@ -255,7 +257,8 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
         return trainer.record(trainer.step(micro), start)["loss"]
 
     recompute = (f"recompute {spec.recompute}" if spec.tessera_modules is None
-                 else f"recompute_modules {'+'.join(spec.tessera_modules) or 'none'}")
+                 else f"recompute_modules {'+'.join(spec.tessera_modules) or 'none'}"
+                 + (f" in the first {spec.tessera_recompute_layers} blocks" if spec.tessera_recompute_layers else ""))
     return Built(step, _tessera_counts(spec), spec.model.num_heads * spec.model.attention_head_dim,
                  f"Trainer.step+record, precision {spec.precision}"
                  f"{' (' + spec.tessera_fp8_recipe + ')' if spec.precision == 'fp8' else ''}, "

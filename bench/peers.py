@@ -307,6 +307,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tessera-recompute", default=None, metavar="MODULES",
                         help="Tessera's train.recompute_modules, comma-separated (e.g. mlp; 'none': nothing), in "
                              "place of --recompute: its own memory/speed choice, as TorchTitan runs its own")
+    parser.add_argument("--tessera-recompute-layers", type=int, default=0, metavar="N",
+                        help="with --tessera-recompute: recompute in the first N blocks only "
+                             "(train.recompute_num_layers; 0: every block)")
     parser.add_argument("--tessera-backend", choices=["torch", "te"], default="torch",
                         help="Tessera's model.dense_backend (te: Transformer Engine's linears)")
     parser.add_argument("--tessera-fp8-recipe", choices=FP8_RECIPES, default="blockwise",
@@ -327,6 +330,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bench.peers: --tessera-recompute: unknown module {unknown[0]!r} (known: {', '.join(RECOMPUTE_MODULES)})",
               file=sys.stderr)
         raise SystemExit(2)
+    if args.tessera_recompute_layers < 0 or (args.tessera_recompute_layers and not modules):
+        print(f"bench.peers: --tessera-recompute-layers {args.tessera_recompute_layers} needs --tessera-recompute "
+              "with modules to recompute, and N >= 0", file=sys.stderr)
+        raise SystemExit(2)
     chosen = [s for s in args.systems.split(",") if s]
     profiled = tuple(s for s in args.profile.split(",") if s)
     bad = [s for s in chosen + list(profiled) if s not in SYSTEMS]
@@ -339,7 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     table = workloads(args.tiny, device)
     for name in (list(table) if args.workload == "all" else [args.workload]):
         w = table[name]
-        w = replace(w, spec=replace(w.spec, tessera_modules=modules, recompute=args.recompute or w.spec.recompute,
+        w = replace(w, spec=replace(w.spec, tessera_modules=modules, tessera_recompute_layers=args.tessera_recompute_layers,
+                                    recompute=args.recompute or w.spec.recompute,
                                     recompute_forced=args.recompute is not None,
                                     tessera_fp8_recipe=args.tessera_fp8_recipe,
                                     tessera_cuda_graphs=args.tessera_cuda_graphs,

@@ -227,6 +227,8 @@ class TrainConfig:
     """Modules recomputed in the backward besides train.recompute: norms, swiglu, moe_experts, attention_core, attention, mlp, block."""
     offload_modules: list[str] = field(default_factory=list)
     """Modules whose saved activations wait in host memory until the backward (copies overlap compute); the same names."""
+    recompute_num_layers: int = 0
+    """Recompute only in the first N blocks of each model chunk (pipeline stage); 0: in every block."""
     run_dir: str = "runs/default"
     """Folder of the run: config.toml, metrics.jsonl, loss.png, checkpoints/."""
     log_interval: int = 1
@@ -821,6 +823,11 @@ def _check_recompute(t: TrainConfig) -> None:
         if len(set(names)) != len(names):
             raise ConfigError(f"train.{key}={names!r} names a module twice")
     recomputed = recompute_set(t)
+    if t.recompute_num_layers < 0:
+        raise ConfigError(f"train.recompute_num_layers={t.recompute_num_layers} must be >= 0 (0: recompute in every block)")
+    if t.recompute_num_layers and not recomputed:
+        raise ConfigError(f"train.recompute_num_layers={t.recompute_num_layers} limits a recomputation that is not "
+                          "set: name modules in train.recompute_modules (or set train.recompute)")
     for name in t.offload_modules:
         clash = sorted(r for r in recomputed if nests(name, r))
         if clash:

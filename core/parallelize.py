@@ -137,7 +137,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         tie_for_data_parallel(stage)
         chunks = stage.chunks
     for chunk in chunks:
-        apply_recompute(chunk, t.recompute, t.recompute_modules, t.offload_modules, compiled=t.compile)
+        apply_recompute(chunk, t.recompute, t.recompute_modules, t.offload_modules, compiled=t.compile,
+                        num_layers=t.recompute_num_layers)
     model.to(device)
     if t.compile:
         compile_blocks(chunks, cuda_graphs=t.cuda_graphs, fp8_casts=torchao and t.fp8_recipe == "tensorwise",

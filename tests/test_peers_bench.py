@@ -80,6 +80,14 @@ def test_bad_recompute_module_is_one_line_and_exit_2():
     assert len(lines) == 1 and lines[0].startswith("bench.peers: --tessera-recompute: unknown module 'ffn' (known: ")
 
 
+def test_recompute_layers_without_modules_is_one_line_and_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "bench.peers", "--tiny", "--tessera-recompute-layers", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["bench.peers: --tessera-recompute-layers 3 needs --tessera-recompute "
+                                                "with modules to recompute, and N >= 0"]
+
+
 def test_bad_system_name_is_one_line_and_exit_2():
     proc = subprocess.run([sys.executable, "-m", "bench.peers", "--tiny", "--systems", "tessera,nemo"],
                           capture_output=True, text=True, timeout=120)

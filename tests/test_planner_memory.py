@@ -192,6 +192,22 @@ def test_activation_model_equals_autograd_saved_tensors():
             assert abs(got - want) <= 0.01 * want, (recompute, got, want)
 
 
+def test_recompute_in_the_first_layers_counts_per_block():
+    """train.recompute_num_layers: the estimate's activations are those of the first N blocks
+    recomputing plus the other blocks' plain ones (4 blocks; N past the end: all recompute)."""
+    def activations(extra, world=1):
+        config = validate(_config("tiny_dense", "bf16", ["train.seq_len=256", *extra]), world)
+        return estimate_memory(config, 0).activations, config
+
+    plain, config = activations([])
+    full, _ = activations(["train.recompute_modules=['mlp']"])
+    part, _ = activations(["train.recompute_modules=['mlp']", "train.recompute_num_layers=1"])
+    saved = block_activations(config, 1, set(), set()).device - block_activations(config, 1, {"mlp"}, set()).device
+    assert saved > 0 and plain - part == saved and part - full == 3 * saved  # 4 blocks, one recomputes
+    everything, _ = activations(["train.recompute_modules=['mlp']", "train.recompute_num_layers=9"])
+    assert everything == full
+
+
 def test_fused_loss_head_activations_equal_autograd_saved_tensors():
     # The fused head keeps its input's gradient [T, dim] where the plain one keeps its input and
     # the loss's [T, V] tensors; what the chunks create in between is freed before the forward ends.

@@ -134,12 +134,32 @@ def test_dropped_outputs_are_not_saved():
     assert offloader.stats["tensors"] > 0 and offloader.stats["bytes"] > 0
 
 
+@pytest.mark.slow  # three trainers built and stepped
+def test_recompute_in_the_first_layers_only_leaves_training_identical():
+    """train.recompute_num_layers=2 of 4: the first two blocks recompute their feed-forward, the
+    others keep theirs; losses, norms and weights as without any recomputation."""
+    reference, ref_weights, _ = _train("tiny_dense", [], [])
+    losses, weights, _ = _train("tiny_dense", ["mlp"], [], "cpu", "train.recompute_num_layers=2")
+    assert losses == reference
+    for key, value in ref_weights.items():
+        assert torch.equal(weights[key], value), key
+    config = load_config(ROOT / "launch" / "configs" / "tiny_dense.toml", [])
+    model = apply_recompute(build_model(config.model, seed=0), modules=["mlp"], num_layers=2)
+    assert [getattr(b, "checkpoint_feed_forward", False) for b in model.layers.values()] == [True, True, False, False]
+    micro = _micro(0, config.model.vocab_size)
+    saved = [_saved_bytes(apply_recompute(build_model(config.model, seed=0), modules=["mlp"], num_layers=n), micro)
+             for n in (0, 2)] + [_saved_bytes(build_model(config.model, seed=0), micro)]
+    assert saved[0] < saved[1] < saved[2], saved  # all blocks recompute < two of four < none
+
+
 @pytest.mark.parametrize("sets, message", [
     ({"train.recompute_modules": ["nrom"]}, "unknown module 'nrom'"),
     ({"train.recompute_modules": ["mlp", "mlp"]}, "names a module twice"),
     ({"train.recompute_modules": ["mlp"], "train.offload_modules": ["swiglu"]}, "overlaps the recomputed 'mlp'"),
     ({"train.recompute": "full", "train.offload_modules": ["attention"]}, "overlaps the recomputed 'block'"),
     ({"train.offload_modules": ["block"], "train.compile": True}, "train.compile cannot trace"),
+    ({"train.recompute_modules": ["mlp"], "train.recompute_num_layers": -1}, "must be >= 0"),
+    ({"train.recompute_num_layers": 2}, "limits a recomputation that is not set"),
 ])
 def test_bad_module_sets_stop_at_config_time(sets, message):
     config = load_config(ROOT / "launch" / "configs" / "tiny_dense.toml", [f"{k}={v!r}".replace("True", "true")

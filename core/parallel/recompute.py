@@ -315,8 +315,11 @@ def _outermost(chosen: list[tuple[nn.Module, nn.Module | None, str]]) -> list[tu
 
 
 def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=(),
-                    offloader: ActivationOffload | None = None, compiled: bool = False) -> nn.Module:
+                    offloader: ActivationOffload | None = None, compiled: bool = False,
+                    num_layers: int = 0) -> nn.Module:
     """Recompute `mode`'s modules and `modules`, offload `offload` (kinds in the module docstring).
+    `num_layers` > 0: recompute in the model's (chunk's) first `num_layers` blocks only, so a
+    memory budget between two recompute sets is used up block by block (offload: every block).
 
     mode: none, selective (= attention_core) or full (= block). Selective saves the most memory
     per FLOP recomputed among the old modes; the finer kinds trade further.
@@ -331,8 +334,9 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=()
             raise ValueError(f"unknown module kind {kind!r}; choose from {', '.join(RECOMPUTE_MODULES)}")
     if offload and offloader is None:
         offloader = ActivationOffload()
-    for block in model.layers.values():
-        chosen = _outermost([(m, c, k) for k in sorted(kinds) for m, c in _targets(block, k)])
+    for position, block in enumerate(model.layers.values()):
+        recomputed = kinds if not num_layers or position < num_layers else set()
+        chosen = _outermost([(m, c, k) for k in sorted(recomputed) for m, c in _targets(block, k)])
         if any(k == "mlp" for _, _, k in chosen):  # the mlp's checkpoint holds its norm
             chosen = [c for c in chosen if c[0] is not block.ffn_norm]
         for module, _, kind in chosen:

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.config import FUSED_CHUNK_ELEMENTS, Config, grad_accum_steps, moe_layer_rule, recompute_set
-from core.planner.state import PARAM_BYTES, StateBytes, coordinates, local_params, stage_layers, state_bytes
+from core.planner.state import (PARAM_BYTES, StateBytes, coordinates, local_params, recomputed_layers, stage_layers,
+                                state_bytes)
 
 
 # ---- activations ---------------------------------------------------------------------------
@@ -317,12 +318,13 @@ def estimate_memory(config: Config, rank: int | None = None, allocator: Allocato
     t, m = config.train, config.model
     b = PARAM_BYTES[t.precision]
     s = shapes(config)
-    layers = stage_layers(config, c["pp"])
-    recompute, offload = recompute_set(t), set(t.offload_modules)
+    layers, recomputing = stage_layers(config, c["pp"]), recomputed_layers(config, c["pp"])
+    offload = set(t.offload_modules)
     per_micro, offloaded, per_layer, rebuilt, brought_back = 0, 0, {}, 0, 0
-    kinds: dict[bool, tuple[LayerActivations, int]] = {}  # blocks differ only by dense / MoE
+    kinds: dict[tuple[bool, bool], tuple[LayerActivations, int]] = {}  # blocks differ by dense / MoE, recomputed
     for i in layers:
-        kind = moe_layer_rule(m.moe, i)
+        kind = moe_layer_rule(m.moe, i), i in recomputing
+        recompute = recompute_set(t) if kind[1] else set()
         if kind not in kinds:
             act = block_activations(config, i, recompute, offload)
             kinds[kind] = act, block_activations(config, i, set(), set()).device if recompute else act.device

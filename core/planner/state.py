@@ -61,6 +61,15 @@ def stage_layers(config: Config, pp_rank: int) -> list[int]:
     return [i for c in range(p.pp_virtual_stages) for i in ranges[c * p.pp + pp_rank]]
 
 
+def recomputed_layers(config: Config, pp_rank: int) -> set[int]:
+    """Of `stage_layers`, those whose blocks recompute (`train.recompute_num_layers`: the first
+    N of each chunk; all where it is 0)."""
+    p, m, n = config.parallel, config.model, config.train.recompute_num_layers
+    ranges = partition_layers(m.num_layers, p.pp * p.pp_virtual_stages, p.pp_first_stage_layers, p.pp_last_stage_layers)
+    return {i for c in range(p.pp_virtual_stages) for i in (ranges[c * p.pp + pp_rank][:n] if n else
+                                                           ranges[c * p.pp + pp_rank])}
+
+
 def _linear(name: str, out_f: int, in_f: int, tp: int, split: str | None, bias: bool) -> list[ParamSpec]:
     """nn.Linear weight [out, in] (+ bias) after apply_tp: column splits out, row splits in."""
     if split == "column" and tp > 1:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from core.config import Config, grad_accum_steps, moe_layer_rule, recompute_set
 from core.planner.calibration import Calibration
 from core.planner.memory import block_activations, shapes
-from core.planner.state import PARAM_BYTES, cached, layout_key, local_params, stage_layers
+from core.planner.state import PARAM_BYTES, cached, layout_key, local_params, recomputed_layers, stage_layers
 
 # Bytes moved per element by the eager modules (read + write), forward; backward about twice.
 NORM_BYTES = 36  # bf16 in: two fp32 copies, square-mean, rsqrt-mul, cast, gain
@@ -251,10 +251,10 @@ class _Model:
 
     # -- one block, one micro-batch ------------------------------------------------------------
 
-    def block(self, layer: int, fwd: Pass, bwd: Pass) -> float:
-        """Adds one block's forward and backward; returns the block's compute seconds (for the
-        offload copies to hide behind)."""
-        r = self.recompute
+    def block(self, layer: int, fwd: Pass, bwd: Pass, recomputed: bool = True) -> float:
+        """Adds one block's forward and backward (`recomputed`: with the recompute set); returns
+        the block's compute seconds (for the offload copies to hide behind)."""
+        r = self.recompute if recomputed else set()
         before = fwd.total + bwd.total
         n1 = self.norm(fwd, bwd)
         attn_f, core_f = self.attention(fwd, bwd)
@@ -291,13 +291,13 @@ class _Model:
         host's time to issue them."""
         fwd, bwd = Pass(), Pass()
         s, m, p = self.s, self.m, self.p
-        layers = stage_layers(self.c, pp_rank)
-        kinds: dict[bool, tuple[Pass, Pass]] = {}  # blocks differ only by dense / MoE
+        layers, recomputing = stage_layers(self.c, pp_rank), recomputed_layers(self.c, pp_rank)
+        kinds: dict[tuple[bool, bool], tuple[Pass, Pass]] = {}  # blocks differ by dense / MoE, recomputed
         for i in layers:
-            kind = moe_layer_rule(m.moe, i)
+            kind = moe_layer_rule(m.moe, i), i in recomputing
             if kind not in kinds:
                 kinds[kind] = Pass(), Pass()
-                self.block(i, *kinds[kind])
+                self.block(i, *kinds[kind], recomputed=kind[1])
             for side, one in zip((fwd, bwd), kinds[kind]):
                 for name, seconds in one.parts.items():
                     side.add(name, seconds)
