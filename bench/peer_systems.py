@@ -64,6 +64,7 @@ class Spec:
     # Tessera's own recompute_modules in place of `recompute` (each system its own choice); None: `recompute`
     tessera_modules: tuple[str, ...] | None = None
     tessera_recompute_layers: int = 0  # Tessera's train.recompute_num_layers (0: every block)
+    tessera_split_masters: bool = False  # Tessera's parallel.split_master_weights
     recompute_forced: bool = False  # `recompute` was asked for, not the workload's default: every system runs it
     tessera_fp8_recipe: str = "blockwise"  # Tessera's train.fp8_recipe (model.dense_backend is in `model`)
     tessera_cuda_graphs: bool = False  # Tessera's train.cuda_graphs (with compile)
@@ -237,6 +238,7 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
     t.compile, t.precision = spec.compile, spec.precision
     t.cuda_graphs = spec.compile and spec.tessera_cuda_graphs
     t.fused_loss = spec.tessera_fused_loss
+    config.parallel.split_master_weights = spec.tessera_split_masters
     if spec.tessera_modules is None:
         t.recompute = spec.recompute
     else:
@@ -263,7 +265,8 @@ def tessera(spec: Spec, feed: Feed, weights) -> Built:
                  f"Trainer.step+record, precision {spec.precision}"
                  f"{' (' + spec.tessera_fp8_recipe + ')' if spec.precision == 'fp8' else ''}, "
                  f"dense backend {spec.model.dense_backend}, {recompute}, compile {spec.compile}"
-                 f"{', CUDA graphs' if t.cuda_graphs else ''}{', fused loss' if t.fused_loss else ''}")
+                 f"{', CUDA graphs' if t.cuda_graphs else ''}{', fused loss' if t.fused_loss else ''}"
+                 f"{', split masters' if config.parallel.split_master_weights else ''}")
 
 
 def _tessera_counts(spec: Spec) -> tuple[int, int, int]:

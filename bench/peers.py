@@ -310,6 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tessera-recompute-layers", type=int, default=0, metavar="N",
                         help="with --tessera-recompute: recompute in the first N blocks only "
                              "(train.recompute_num_layers; 0: every block)")
+    parser.add_argument("--tessera-split-masters", action="store_true",
+                        help="Tessera's parallel.split_master_weights: fp32 masters as the bf16 weights plus "
+                             "their low halves (2 bytes per parameter less, exact)")
     parser.add_argument("--tessera-backend", choices=["torch", "te"], default="torch",
                         help="Tessera's model.dense_backend (te: Transformer Engine's linears)")
     parser.add_argument("--tessera-fp8-recipe", choices=FP8_RECIPES, default="blockwise",
@@ -334,6 +337,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bench.peers: --tessera-recompute-layers {args.tessera_recompute_layers} needs --tessera-recompute "
               "with modules to recompute, and N >= 0", file=sys.stderr)
         raise SystemExit(2)
+    if args.tessera_split_masters and args.tiny:
+        print("bench.peers: --tessera-split-masters needs bf16 parameters; --tiny runs fp32", file=sys.stderr)
+        raise SystemExit(2)
     chosen = [s for s in args.systems.split(",") if s]
     profiled = tuple(s for s in args.profile.split(",") if s)
     bad = [s for s in chosen + list(profiled) if s not in SYSTEMS]
@@ -352,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
                                     tessera_fp8_recipe=args.tessera_fp8_recipe,
                                     tessera_cuda_graphs=args.tessera_cuda_graphs,
                                     tessera_fused_loss=args.tessera_fused_loss,
+                                    tessera_split_masters=args.tessera_split_masters,
                                     model=replace(w.spec.model, dense_backend=args.tessera_backend)))
         names = list(chosen or w.systems)
         record = run_workload(w, names, args.rounds, args.warmup, args.sequential, profiled)

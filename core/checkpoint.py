@@ -383,13 +383,15 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     for bname, buf in model.named_buffers():
         if f"buffer.{bname}" in saved:
             state[f"buffer.{bname}"] = buf
-    aliased = []  # fp32 masters that are views of the params: load into a temporary, copy after
+    aliased = []  # fp32 masters that are views of the params, or split: load into a temporary, copy after
     if optimizer is not None:
         for slot, kind, tensor in _slot_entries(optimizer):
             key = f"optim.{slot.name}.{kind}"
             _require(saved, key, path)
             target = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            if target is not tensor:
+            if kind == "master" and slot.master_low is not None:  # split: `tensor` is a joined copy
+                aliased.append((slot, target))
+            elif target is not tensor:
                 aliased.append((tensor, target))
             state[key] = _as_global(target, slot.param, mesh, meshes, slot.shard_dim, with_dp=True)
     rng = _rng_key(mesh)
@@ -402,7 +404,7 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     if optimizer is not None:
         with torch.no_grad():
             for tensor, loaded in aliased:
-                tensor.copy_(loaded)
+                tensor.write_master(loaded) if isinstance(tensor, ParamSlot) else tensor.copy_(loaded)
             optimizer.dp.gather_params()  # params = masters on every rank, whatever was saved
         optimizer.step_count = meta["optimizer_step"] or 0
     if scheduler is not None and meta["scheduler"] is not None:

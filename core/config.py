@@ -165,6 +165,8 @@ class ParallelConfig:
     """With tp > 1: norms and residuals hold 1/tp of the tokens on each rank."""
     distributed_optimizer: bool = True
     """ZeRO-1: the optimizer state sharded over the data-parallel ranks."""
+    split_master_weights: bool = False
+    """bf16 params: keep each fp32 master as the bf16 weight plus its low 16 bits (exact; 2 bytes per parameter less)."""
     bucket_mb: float = 25.0
     """MiB of gradients per bucket reduced while the backward still runs."""
     gradient_accumulation_fusion: bool = True

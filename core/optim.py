@@ -63,32 +63,39 @@ class AdamW:
         if self.fused and self._triton_step(clip):
             self.dp.gather_params(targets_written=True)
             return
+        masters = [s.master for s in self.dp.slots]  # split masters: fp32 copies, written back below
         if self.fused:
-            self._fused_step(clip)
+            self._fused_step(masters, clip)
         else:
             if clip is not None:
                 torch._foreach_mul_(self.dp.local_grads(), clip)
-            self._foreach_step()
+            self._foreach_step(masters)
+        if self.dp.split_masters:
+            for slot, master in zip(self.dp.slots, masters):
+                slot.write_master(master)
         self.dp.gather_params()
 
     def _triton_step(self, clip: torch.Tensor | None) -> bool:
         """The update and the cast of the new weights into the params (or the all-gather's send
         buffer) in one launch (core.kernels.adamw); False where it cannot run here."""
-        slots = self.dp.slots
-        masters = [s.master for s in slots]
+        slots, split = self.dp.slots, self.dp.split_masters
+        masters = [s.master_high() for s in slots] if split else [s.master for s in slots]
+        lows = [s.master_low for s in slots] if split else None
         grads = [s.shard_grad for s in slots]
-        if not multi_tensor_adamw_supported(masters + grads + self.exp_avg + self.exp_avg_sq, []):
+        fp32 = grads + self.exp_avg + self.exp_avg_sq + ([] if split else masters)
+        if not multi_tensor_adamw_supported(fp32, []) or (
+                split and not all(t.is_contiguous() for t in masters + lows)):
             return False
         targets = self.dp.weight_targets()  # asked only here: under ZeRO it allocates the send buffers
-        if not multi_tensor_adamw_supported(masters, targets):
+        if not multi_tensor_adamw_supported(grads, targets):
             return False
         decays = [self.weight_decay if decayed else 0.0 for decayed in self._decayed]
         multi_tensor_adamw(self._tables, masters, grads, self.exp_avg, self.exp_avg_sq, targets, decays,
                            lr=self.lr, betas=self.betas, eps=self.eps, step=self.step_count,
-                           grad_scale=None if clip is None else clip.reshape(1).to(torch.float32))
+                           grad_scale=None if clip is None else clip.reshape(1).to(torch.float32), lows=lows)
         return True
 
-    def _fused_step(self, clip: torch.Tensor | None = None) -> None:
+    def _fused_step(self, masters: list[torch.Tensor], clip: torch.Tensor | None = None) -> None:
         """torch's fused AdamW kernel: one pass over master, grad and moments. The foreach
         form below makes ~8 passes over fp32 state, which on a 1B model costs more than a
         quarter of the step (memory bound). A pending clip factor rides in as the kernel's
@@ -100,18 +107,18 @@ class AdamW:
         slots = self.dp.slots
         beta1, beta2 = self.betas
         for group, wd in zip(self._groups, (self.weight_decay, 0.0)):
-            group = [i for i in group if slots[i].master.numel()]  # empty ZeRO chunks
+            group = [i for i in group if masters[i].numel()]  # empty ZeRO chunks
             if not group:
                 continue
             torch._fused_adamw_(
-                [slots[i].master for i in group], [slots[i].shard_grad for i in group],
+                [masters[i] for i in group], [slots[i].shard_grad for i in group],
                 [self.exp_avg[i] for i in group], [self.exp_avg_sq[i] for i in group], [],
                 [self._step_tensor] * len(group),
                 lr=self.lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False,
                 grad_scale=inverse_clip,
             )
 
-    def _foreach_step(self) -> None:
+    def _foreach_step(self, masters: list[torch.Tensor]) -> None:
         beta1, beta2 = self.betas
         bias1 = 1 - beta1**self.step_count
         bias2_sqrt = math.sqrt(1 - beta2**self.step_count)
@@ -119,7 +126,7 @@ class AdamW:
         for group, wd in zip(self._groups, (self.weight_decay, 0.0)):
             if not group:
                 continue
-            params = [slots[i].master for i in group]
+            params = [masters[i] for i in group]
             grads = [slots[i].shard_grad for i in group]
             m = [self.exp_avg[i] for i in group]
             v = [self.exp_avg_sq[i] for i in group]
@@ -140,7 +147,8 @@ class AdamW:
         """Bytes this rank holds for optimizer state: both moments, plus fp32 masters where they
         are not the params themselves."""
         moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
-        masters = sum(s.master.numel() * 4 for s in self.dp.slots if not s.master_is_param)
+        masters = sum(s.master_low.numel() * 2 if s.master_low is not None else s.master.numel() * 4
+                      for s in self.dp.slots if not s.master_is_param)
         return moments + masters
 
 

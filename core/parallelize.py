@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from core import fp8, fp8_torchao, te_backend
-from core.config import Config, grad_accum_steps, recompute_set, torchao_fp8
+from core.config import Config, ConfigError, grad_accum_steps, recompute_set, torchao_fp8
 from core.fp8_cache import WEIGHT_CACHE
 from core.mesh import ParallelMesh
 from core.optim import build_optimizer, clip_grad_norm_
@@ -146,8 +146,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     if precision == "bf16" and p.gradient_accumulation_fusion:
         fuse_weight_grads(chunks)
+    if p.split_master_weights and param_dtype != torch.bfloat16:
+        raise ConfigError(f"parallel.split_master_weights keeps fp32 masters as bf16 weights plus their low halves: "
+                          f"it needs train.precision bf16 or fp8, not {precision}")
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
-                             param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion)
+                             param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion,
+                             split_masters=p.split_master_weights)
     if precision == "fp8":
         _cache_fp8_weights(model, dp, config)
     optimizer, scheduler = build_optimizer(dp, t)

@@ -31,6 +31,7 @@ from torch import nn
 
 from core import placement
 from core.config import ConfigError
+from core.kernels.adamw import split_master
 from core.mesh import ParallelMesh
 
 INDEX_NAME = "weights.safetensors.index.json"
@@ -145,9 +146,10 @@ def load_weights(path: str | os.PathLike, model: nn.Module, dp, mesh: ParallelMe
                 raise ConfigError(f"{where}: tensor '{source}' has shape {list(have)} but the model's is {list(full)}")
             value = view[region].to(torch.float32)
         slot = slots.get(id(param))
-        param.data.copy_(value)
+        split = slot is not None and slot.master_low is not None
+        param.data.copy_(split_master(value)[0] if split else value)  # split: the master's rounding, every rank alike
         if slot is not None and not slot.master_is_param:
-            slot.master.copy_(slot.chunk(value, slot.group_rank))
+            slot.write_master(slot.chunk(value, slot.group_rank))
         count += 1
     if dp is not None:
         for callback in dp.on_new_weights:

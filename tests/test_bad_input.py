@@ -143,6 +143,11 @@ def test_the_moe_top_k_above_the_experts(tmp_path, dataset):
     assert not (tmp_path / "run").exists()
 
 
+def test_split_masters_without_bf16_params(tmp_path, dataset):
+    proc = train(tmp_path, dataset, "parallel.split_master_weights=true", "train.precision=fp32")
+    assert_one_line(proc, "parallel.split_master_weights", "bf16 or fp8", "fp32")
+
+
 def test_missing_config_file(tmp_path):
     proc = run("core.cli", "--config", tmp_path / "nope.toml")
     assert_one_line(proc, "config file", "nope.toml", "does not exist")

@@ -86,13 +86,14 @@ def reference_run(steps: int, clip: float | None, start_params=None):
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def make_trainer(mesh, *, zero=True, bucket_mb=0.01, param_dtype=torch.float32, device="cpu"):
+def make_trainer(mesh, *, zero=True, bucket_mb=0.01, param_dtype=torch.float32, device="cpu", split=False):
     model = build_model(ModelConfig(**CFG), seed=7).to(device)
     if mesh.tp > 1:
         from core.parallel.tensor import apply_tp
 
         apply_tp(model, mesh, sequence_parallel=True)
-    dp = apply_data_parallel(model, mesh, bucket_mb=bucket_mb, distributed_optimizer=zero, param_dtype=param_dtype)
+    dp = apply_data_parallel(model, mesh, bucket_mb=bucket_mb, distributed_optimizer=zero, param_dtype=param_dtype,
+                             split_masters=split)
     opt = AdamW(dp, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["wd"])
     sched = WarmupCosine(opt, HYPER["lr"], HYPER["min_lr"], HYPER["warmup"], HYPER["max_steps"])
     return model, dp, opt, sched
@@ -514,18 +515,70 @@ def check_one_pass_adamw():
         assert first[name]["losses"] == pytest.approx(first[f"{name}_torch"]["losses"], rel=1e-4)
 
 
+def _split_master_worker(rank, world, ckpt_dir):
+    from core.checkpoint import load_checkpoint, save_checkpoint
+
+    mesh = ParallelMesh.build(dp=world)
+    out = {}
+    for name, zero, split, one_pass in (("zero", True, False, True), ("zero_split", True, True, True),
+                                        ("plain_split", False, True, True), ("zero_torch", True, False, False),
+                                        ("zero_split_torch", True, True, False)):
+        model, dp, opt, sched = make_trainer(mesh, zero=zero, param_dtype=torch.bfloat16, split=split)
+        opt.fused = True
+        if not one_pass:
+            opt._triton_step = lambda clip: False
+        losses, _ = train_steps(model, dp, opt, sched, mesh, 1, accum=2, clip=0.3, defer_clip=True)
+        first = dict(masters=[s.master.numpy().copy() for s in dp.slots], params=full_params(model))
+        more, _ = train_steps(model, dp, opt, sched, mesh, 2, accum=2, clip=0.3, start=1, defer_clip=True)
+        out[name] = dict(losses=losses + more, first=first, state_bytes=opt.state_bytes(),
+                         ran_triton=opt._tables._key is not None)
+        if name == "zero_split":  # a checkpoint of split masters resumes split and unsplit, exactly
+            save_checkpoint(ckpt_dir, 3, model, opt, sched, mesh, {})
+            masters = [s.master for s in dp.slots]
+            for fresh_split in (True, False):
+                _, fresh_dp, fresh_opt, fresh_sched = make_trainer(mesh, param_dtype=torch.bfloat16, split=fresh_split)
+                load_checkpoint(f"{ckpt_dir}/step_000003", fresh_dp.model, fresh_opt, fresh_sched, mesh)
+                out[f"reload_{fresh_split}"] = all(torch.equal(a.view(torch.int32), b.master.view(torch.int32))
+                                                   for a, b in zip(masters, fresh_dp.slots))
+        dp.remove()
+    return out
+
+
+def check_split_masters(ckpt_dir):
+    """Split masters (bf16 weight + int16 low half) through the one-pass AdamW and through
+    torch's fused kernel: after one step the masters are bit-equal to fp32 masters' (the same
+    arithmetic on the same values), the bf16 weights within one rounding step (ties round away
+    from zero); state 2 bytes per parameter less; a checkpoint resumes split or not exactly."""
+    results = run_distributed(_split_master_worker, 2, ckpt_dir)
+    for rank, r in enumerate(results):
+        assert [r[k]["ran_triton"] for k in ("zero", "zero_split", "plain_split", "zero_torch", "zero_split_torch")] == [
+            True, True, True, False, False]
+        for name, same_as in (("zero_split", "zero"), ("zero_split_torch", "zero_torch")):
+            for a, b in zip(r[name]["first"]["masters"], r[same_as]["first"]["masters"]):
+                assert a.tobytes() == b.tobytes(), (rank, name)
+        for key, want in r["zero"]["first"]["params"].items():
+            torch.testing.assert_close(torch.from_numpy(r["zero_split"]["first"]["params"][key]),
+                                       torch.from_numpy(want), rtol=8e-3, atol=0)
+        assert r["zero"]["state_bytes"] - r["zero_split"]["state_bytes"] == sum(a.size for a in r["zero"]["first"]["masters"]) * 2
+        assert r["reload_True"] and r["reload_False"], rank
+        for name in ("zero_split", "plain_split", "zero_split_torch"):
+            assert r[name]["losses"] == pytest.approx(r["zero"]["losses"], rel=1e-4), name
+    print("split masters: bit-equal after one step; losses", results[0]["zero_split"]["losses"], "vs", results[0]["zero"]["losses"])
+
+
 @pytest.mark.slow
-def test_one_pass_adamw_matches_single_process_and_torch_fused():
-    """check_one_pass_adamw under Triton's interpreter on CPU, in a fresh interpreter: Triton
+def test_one_pass_adamw_matches_single_process_and_torch_fused(tmp_path):
+    """check_one_pass_adamw and check_split_masters under Triton's interpreter on CPU, in a fresh interpreter: Triton
     picks the interpreter when it is imported, and the ranks of this process's spawn server
     imported it without."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", "from tests.test_data_parallel import check_one_pass_adamw as c; c()"],
+    run = subprocess.run([sys.executable, "-c", "from tests.test_data_parallel import check_one_pass_adamw as c, "
+                          f"check_split_masters as s; c(); s({str(tmp_path)!r})"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     print(run.stdout[-3000:])
     assert run.returncode == 0, run.stderr[-5000:]
-    assert "bf16_plain, rank 1: max |master - torch fused|" in run.stdout
+    assert "bf16_plain, rank 1: max |master - torch fused|" in run.stdout and "split masters: bit-equal" in run.stdout
 
 
 def test_param_without_grad_this_step_reduces_as_zero():

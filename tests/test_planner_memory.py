@@ -62,7 +62,8 @@ def _measured(config) -> dict:
         "grads": sum(b.grad_buffer.numel() * 4 for b in dp.buckets),
         "grad_shards": sum(b.shard_buffer.numel() * 4 for b in dp.buckets if b.sharded),
         "moments": sum(t.numel() * t.element_size() for t in optimizer.exp_avg + optimizer.exp_avg_sq),
-        "masters": sum(s.master.numel() * 4 for s in dp.slots if not s.master_is_param),
+        "masters": sum(s.master_low.numel() * 2 if s.master_low is not None else s.master.numel() * 4
+                       for s in dp.slots if not s.master_is_param),
     }
 
 
@@ -123,9 +124,10 @@ def test_state_bytes_exact_on_four_ranks():
 
 
 @pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-split"])
 def test_state_bytes_exact_on_one_process(name, precision):
-    config = validate(_config(name, precision, ["parallel.ep=1"]), 1)
+    split = ["parallel.split_master_weights=true"] if precision == "bf16-split" else []
+    config = validate(_config(name, precision.removesuffix("-split"), ["parallel.ep=1", *split]), 1)
     assert _measured(config) == _predicted(config, 0)
 
 

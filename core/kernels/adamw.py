@@ -33,9 +33,9 @@ _OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 if triton is not None:
 
     @triton.jit
-    def _adamw_kernel(block_tensor, block_index, masters, grads, exp_avgs, exp_avg_sqs, outs, numels, decays,
-                      scale, lr, beta1, beta2, eps, step_size, bias2_sqrt,
-                      HAS_SCALE: tl.constexpr, OUT_KIND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    def _adamw_kernel(block_tensor, block_index, masters, grads, exp_avgs, exp_avg_sqs, outs, lows, numels, decays,
+                      scale, lr, beta1, beta2, eps, step_size, bias2_sqrt, HAS_SCALE: tl.constexpr,
+                      OUT_KIND: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.load(block_tensor + pid)
         start = tl.load(block_index + pid).to(tl.int64) * BLOCK
@@ -53,16 +53,34 @@ if triton is not None:
         g = tl.load(grad_ptr + offs, mask=mask)
         if HAS_SCALE:
             g = g * tl.load(scale)
-        p = tl.load(master_ptr + offs, mask=mask)
+        if SPLIT:  # the master is the bf16 weight (its upper 16 bits) plus the low 16 bits apart
+            low_ptr = tl.load(lows + t).to(tl.pointer_type(tl.int16))
+            high_ptr = tl.load(masters + t).to(tl.pointer_type(tl.int16))
+            if ALIGNED:
+                low_ptr = tl.multiple_of(low_ptr, 16)
+                high_ptr = tl.multiple_of(high_ptr, 16)
+            high = tl.load(high_ptr + offs, mask=mask).to(tl.int32)
+            bits = (high << 16) + tl.load(low_ptr + offs, mask=mask).to(tl.int32)
+            p = bits.to(tl.float32, bitcast=True)
+        else:
+            p = tl.load(master_ptr + offs, mask=mask)
         m = tl.load(m_ptr + offs, mask=mask)
         v = tl.load(v_ptr + offs, mask=mask)
         p = p - lr * tl.load(decays + t) * p
         m = beta1 * m + (1.0 - beta1) * g
         v = beta2 * v + (1.0 - beta2) * g * g
         p = p - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
-        tl.store(master_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
+        if SPLIT:
+            # Upper half rounded (half away from zero on the magnitude), the remainder exact in
+            # [-0x8000, 0x7fff]: high * 2**16 + low is the fp32 master, bit for bit.
+            bits = p.to(tl.int32, bitcast=True)
+            high = (bits + 0x8000) >> 16
+            tl.store(high_ptr + offs, high.to(tl.int16), mask=mask)
+            tl.store(low_ptr + offs, (bits - (high << 16)).to(tl.int16), mask=mask)
+        else:
+            tl.store(master_ptr + offs, p, mask=mask)
         out_addr = tl.load(outs + t)
         if out_addr != 0:
             if OUT_KIND == 0:
@@ -73,7 +91,10 @@ if triton is not None:
                 out_ptr = out_addr.to(tl.pointer_type(tl.float32))
             if ALIGNED:
                 out_ptr = tl.multiple_of(out_ptr, 16)
-            tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
+            if SPLIT:
+                tl.store(out_addr.to(tl.pointer_type(tl.int16)) + offs, high.to(tl.int16), mask=mask)
+            else:
+                tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def multi_tensor_adamw_supported(tensors: list[Tensor], outs: list[Tensor | None]) -> bool:
@@ -82,7 +103,7 @@ def multi_tensor_adamw_supported(tensors: list[Tensor], outs: list[Tensor | None
     if not tensors or not triton_enabled(tensors[0]):
         return False
     dtypes = {o.dtype for o in outs if o is not None}
-    return (all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    return (all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors if t is not None)
             and len(dtypes) <= 1 and dtypes <= set(_OUT_KINDS)
             and all(o.is_contiguous() for o in outs if o is not None))
 
@@ -96,37 +117,57 @@ class AdamWTables:
         self.out_kind = 0
         self.aligned = False
 
-    def get(self, masters, grads, exp_avgs, exp_avg_sqs, outs, decays) -> tuple[Tensor, ...]:
+    def get(self, masters, grads, exp_avgs, exp_avg_sqs, outs, lows, decays) -> tuple[Tensor, ...]:
         key = tuple((m.data_ptr(), g.data_ptr(), a.data_ptr(), s.data_ptr(), o.data_ptr() if o is not None else 0,
-                     m.numel(), d) for m, g, a, s, o, d in zip(masters, grads, exp_avgs, exp_avg_sqs, outs, decays))
+                     low.data_ptr() if low is not None else 0, m.numel(), d)
+                    for m, g, a, s, o, low, d in zip(masters, grads, exp_avgs, exp_avg_sqs, outs, lows, decays))
         if key != self._key:
             self._key, self._tables = key, self._build(key, masters[0].device)
             self.out_kind = next((_OUT_KINDS[o.dtype] for o in outs if o is not None), 0)
-            self.aligned = all(address % 16 == 0 for entry in key for address in entry[:5])
+            self.aligned = all(address % 16 == 0 for entry in key for address in entry[:6])
         return self._tables
 
     @staticmethod
     def _build(key: tuple, device: torch.device) -> tuple[Tensor, ...]:
-        columns = [torch.tensor(column) for column in zip(*key)]  # masters..outs, numels, decays
-        blocks = (columns[5] + _BLOCK - 1) // _BLOCK
+        columns = [torch.tensor(column) for column in zip(*key)]  # masters..lows, numels, decays
+        blocks = (columns[6] + _BLOCK - 1) // _BLOCK
         block_tensor = torch.repeat_interleave(torch.arange(len(key)), blocks)
         first_block = torch.cumsum(blocks, 0) - blocks
         block_index = torch.arange(int(blocks.sum())) - first_block[block_tensor]
-        host = [block_tensor.int(), block_index.int(), *columns[:6], columns[6].float()]
+        host = [block_tensor.int(), block_index.int(), *columns[:7], columns[7].float()]
         return tuple(h.to(device) for h in host)
 
 
 def multi_tensor_adamw(tables: AdamWTables, masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                        exp_avg_sqs: list[Tensor], outs: list[Tensor | None], decays: list[float], *, lr: float,
-                       betas: tuple[float, float], eps: float, step: int, grad_scale: Tensor | None) -> None:
+                       betas: tuple[float, float], eps: float, step: int, grad_scale: Tensor | None,
+                       lows: list[Tensor] | None = None) -> None:
     """One AdamW step of every master in place (and its moments), the new weight also cast into
     `outs[i]` where given; `grad_scale` (a one-element fp32 tensor) multiplies every gradient.
-    Needs `multi_tensor_adamw_supported`."""
-    block_tensor, *rest = tables.get(masters, grads, exp_avgs, exp_avg_sqs, outs, decays)
+    With `lows` the masters are split (`split_master`): masters[i] is the bf16 weight and lows[i]
+    its int16 low half, both updated. Needs `multi_tensor_adamw_supported`."""
+    block_tensor, *rest = tables.get(masters, grads, exp_avgs, exp_avg_sqs, outs, lows or [None] * len(masters),
+                                     decays)
     if not block_tensor.numel():
         return
     beta1, beta2 = betas
     bias1, bias2 = 1 - beta1**step, 1 - beta2**step
     _launch(_adamw_kernel, (block_tensor.numel(),), block_tensor, *rest,
             grad_scale if grad_scale is not None else block_tensor, lr, beta1, beta2, eps, lr / bias1, bias2**0.5,
-            HAS_SCALE=grad_scale is not None, OUT_KIND=tables.out_kind, ALIGNED=tables.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
+            HAS_SCALE=grad_scale is not None, OUT_KIND=tables.out_kind, SPLIT=lows is not None, ALIGNED=tables.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
+
+
+def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
+    """(bf16 weight, int16 low half) holding fp32 `master` exactly: the weight is its upper 16
+    bits rounded half away from zero (round-to-nearest but for exact ties), the low half the
+    signed remainder. `join_master` inverts it bit for bit."""
+    bits = master.float().contiguous().view(torch.int32)
+    high = (bits + 0x8000) >> 16
+    low = (bits - (high << 16)).to(torch.int16)
+    return high.to(torch.int16).view(torch.bfloat16), low
+
+
+def join_master(high: Tensor, low: Tensor) -> Tensor:
+    """The fp32 master of a (bf16 weight, int16 low half) pair."""
+    bits = (high.contiguous().view(torch.int16).to(torch.int32) << 16) + low.to(torch.int32)
+    return bits.view(torch.float32)

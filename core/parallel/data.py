@@ -27,7 +27,10 @@ this step frees), and copies of a weight tied across pipeline stages tagged `pp_
 
 Precision: params may be cast to `param_dtype` (bf16 on GPU); fp32 master weights are kept per
 local chunk (`slot.master`). With fp32 params the master IS the param's own chunk (a view), so
-nothing is duplicated.
+nothing is duplicated. With `split_masters` (bf16) the master is the bf16 weight itself (its
+upper 16 bits, rounded half away from zero) plus an int16 low half (`slot.master_low`): exact,
+2 bytes per parameter where a separate fp32 copy takes 4; `slot.master` joins a copy,
+`slot.write_master` splits one back.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core import placement
+from core.kernels.adamw import join_master, split_master
 from core.kernels.fused import accumulate_fp32_
 from core.mesh import ParallelMesh
 
@@ -97,8 +101,34 @@ class ParamSlot:
         self.region_offsets: list[int] = []  # into each rank's region of the packed layout
         self.main_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None  # the grad the optimizer reads (reduced)
-        self.master: torch.Tensor | None = None  # fp32 weights of this rank's chunk
+        self._master: torch.Tensor | None = None  # fp32 weights of this rank's chunk
+        self.master_low: torch.Tensor | None = None  # split masters: the fp32 master's low 16 bits
         self.master_is_param = False
+
+    @property
+    def master(self) -> torch.Tensor:
+        """This rank's fp32 master chunk: the tensor itself, or with split masters a new tensor
+        joined from the bf16 weight and the low half (read-only: write with `write_master`)."""
+        if self.master_low is None:
+            return self._master
+        return join_master(self.chunk(self.param.data, self.group_rank), self.master_low)
+
+    @master.setter
+    def master(self, value: torch.Tensor | None) -> None:
+        self._master = value
+
+    def master_high(self) -> torch.Tensor:
+        """With split masters: this rank's chunk of the bf16 weight, the master's upper half."""
+        return self.chunk(self.param.data, self.group_rank)
+
+    def write_master(self, value: torch.Tensor) -> None:
+        """Set this rank's master chunk to fp32 `value` (split: its bf16 weight chunk too)."""
+        if self.master_low is None:
+            self._master.copy_(value)
+            return
+        high, low = split_master(value)
+        self.master_high().copy_(high)
+        self.master_low.copy_(low)
 
     def chunk(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s chunk of a param-shaped tensor (a view)."""
@@ -180,7 +210,8 @@ class Bucket:
 
     def pack_masters(self, send: torch.Tensor) -> None:
         """This rank's master chunks, cast to the param dtype, into one send buffer."""
-        pairs = [(self._region_view(send, s, self.rank, 0), s.master) for s in self.slots if s.bounds[self.rank][1]]
+        pairs = [(self._region_view(send, s, self.rank, 0), s.master_high() if s.master_low is not None else s.master)
+                 for s in self.slots if s.bounds[self.rank][1]]
         if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [m for _, m in pairs])
 
@@ -233,7 +264,12 @@ class DataParallel:
         param_dtype: torch.dtype = torch.float32,
         grad_reduce: str = "sum",
         gradient_accumulation_fusion: bool = True,
+        split_masters: bool = False,
     ):
+        if split_masters and param_dtype != torch.bfloat16:
+            raise ValueError(f"split_masters keeps the fp32 master as the bf16 weight plus its low half: it needs "
+                             f"param_dtype=torch.bfloat16, got {param_dtype}")
+        self.split_masters = split_masters
         if grad_reduce not in GRAD_REDUCE_OPS:
             raise ValueError(f"grad_reduce={grad_reduce!r} must be one of {', '.join(GRAD_REDUCE_OPS)}")
         if not bucket_mb > 0:
@@ -291,6 +327,9 @@ class DataParallel:
             with torch.no_grad():
                 if self.param_dtype == torch.float32 and param.dtype == torch.float32:
                     slot.master, slot.master_is_param = slot.chunk(param.data, rank), True
+                elif self.split_masters:  # the bf16 weight is the master's rounded upper half
+                    slot.master_low = split_master(slot.chunk(param.data, rank))[1].clone()
+                    param.data = split_master(param.data)[0]
                 else:
                     slot.master = slot.chunk(param.data, rank).float().clone()
                     param.data = param.data.to(self.param_dtype)
@@ -465,8 +504,9 @@ class DataParallel:
         writing all of them, call `gather_params(targets_written=True)`."""
         targets: dict[int, torch.Tensor] = {}
         for bucket in self.buckets:
-            if not bucket.sharded:
-                targets.update((id(s), s.param.data) for s in bucket.slots if not s.master_is_param)
+            if not bucket.sharded:  # (split masters: the kernel writes the weight as the master's upper half)
+                targets.update((id(s), s.param.data) for s in bucket.slots
+                               if not s.master_is_param and s.master_low is None)
                 continue
             if bucket.send is None:  # kept: the optimizer's tables stay valid while addresses do
                 bucket.send = torch.empty(bucket.region, dtype=bucket.param_dtype, device=self.device)
@@ -481,7 +521,7 @@ class DataParallel:
         in_flight = []
         for bucket in self.buckets:
             if not bucket.sharded:
-                pairs = [(s.param.data, s.master) for s in bucket.slots if not s.master_is_param]
+                pairs = [(s.param.data, s.master) for s in bucket.slots if not s.master_is_param and s.master_low is None]
                 if pairs and not targets_written:
                     torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
                 continue
@@ -522,13 +562,17 @@ def apply_data_parallel(
     param_dtype: torch.dtype = torch.float32,
     grad_reduce: str = "sum",
     gradient_accumulation_fusion: bool = True,
+    split_masters: bool = False,
 ) -> DataParallel:
     """Attach bucketed, overlapped gradient reduction (and the ZeRO-1 layout when
     `distributed_optimizer`) to a plain model; returns the handle the optimizer uses.
     `gradient_accumulation_fusion`: ops that can (the experts' grouped GEMM) write weight
     gradients straight into the fp32 main grads through `param.main_grad_sink`; params tagged
-    `accumulates_main_grad` (Transformer Engine's linears) get `param.main_grad` to add into."""
+    `accumulates_main_grad` (Transformer Engine's linears) get `param.main_grad` to add into.
+    `split_masters` (bf16 params): each fp32 master is kept as the bf16 weight (its upper 16
+    bits, rounded) plus an int16 low half, exact, 2 bytes per parameter instead of 4."""
     return DataParallel(
         model, mesh, bucket_mb=bucket_mb, shard_optimizer=distributed_optimizer,
         param_dtype=param_dtype, grad_reduce=grad_reduce, gradient_accumulation_fusion=gradient_accumulation_fusion,
+        split_masters=split_masters,
     )

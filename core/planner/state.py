@@ -87,7 +87,7 @@ def layout_key(config: Config) -> tuple:
     """What the parameter layout depends on (the planner asks for the same layouts many times)."""
     p = config.parallel
     return (repr(config.model), p.tp, p.ep, p.etp, p.pp, p.pp_virtual_stages, p.pp_first_stage_layers,
-            p.pp_last_stage_layers, p.dp, p.cp, p.distributed_optimizer, config.train.precision)
+            p.pp_last_stage_layers, p.dp, p.cp, p.distributed_optimizer, p.split_master_weights, config.train.precision)
 
 
 _CACHE: dict[tuple, object] = {}
@@ -212,6 +212,6 @@ def _state_bytes(config: Config, rank: int) -> StateBytes:
             gather += size * region * width
             send += region * width
         moments += chunk * 8
-        if width != 4:
-            masters += chunk * 4
+        if width != 4:  # split masters keep only the low halves beside the bf16 weights
+            masters += chunk * (2 if p.split_master_weights else 4)
     return StateBytes(params, grads, shards, masters, moments, numel_all, chunk_all, packed, gather, send)
