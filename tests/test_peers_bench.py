@@ -80,20 +80,18 @@ def test_bad_recompute_module_is_one_line_and_exit_2():
     assert len(lines) == 1 and lines[0].startswith("bench.peers: --tessera-recompute: unknown module 'ffn' (known: ")
 
 
-def test_recompute_layers_without_modules_is_one_line_and_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "bench.peers", "--tiny", "--tessera-recompute-layers", "3"],
-                          capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("args, line", [
+    (["--tessera-recompute-layers", "3"],
+     "bench.peers: --tessera-recompute-layers 3 needs --tessera-recompute with modules to recompute, and N >= 0"),
+    (["--tessera-split-masters"], "bench.peers: --tessera-split-masters needs bf16 parameters; --tiny runs fp32"),
+    (["--systems", "tessera,nemo"],
+     "bench.peers: unknown system 'nemo' (known: tessera, megatron, torchtitan, torchao-rowwise, torchao-tensorwise, hf)"),
+])
+def test_bad_option_is_one_line_and_exit_2(args, line):
+    proc = subprocess.run([sys.executable, "-m", "bench.peers", "--tiny", *args], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["bench.peers: --tessera-recompute-layers 3 needs --tessera-recompute "
-                                                "with modules to recompute, and N >= 0"]
-
-
-def test_bad_system_name_is_one_line_and_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "bench.peers", "--tiny", "--systems", "tessera,nemo"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["bench.peers: unknown system 'nemo' (known: tessera, megatron, "
-                                                "torchtitan, torchao-rowwise, torchao-tensorwise, hf)"]
+    assert proc.stderr.strip().splitlines() == [line]
 
 
 def test_megatron_model_holding_the_mapped_weights_is_tesseras_model(monkeypatch):
