@@ -6,12 +6,16 @@ rides in the update: each element's new master is also stored as bf16 where a de
 given. Per element the pass reads master, grad and both moments (16 bytes) and writes them back
 with the bf16 copy (14 bytes), where the two passes move 34.
 
-One launch covers every tensor: a block table maps each program to (tensor, first element), and
+One launch covers every tensor: a block table maps each program to (tensor, block of it), and
 per-tensor tables hold the addresses, sizes and weight decays. The tables are built on the host
 once per distinct set of tensors (`AdamWTables`), so a step costs one small launch.
 
 The arithmetic is torch's AdamW (decoupled decay, bias-corrected moments), in fp32; a pending
 clip factor multiplies the gradient on load.
+
+Split masters (`split_master`, `parallel.split_master_weights`): the fp32 master is held as the
+bf16 weight (its upper 16 bits, rounded) plus an int16 low half; the kernel joins the two,
+updates, and splits again in the same pass (reads 16 bytes per element, writes 12).
 """
 
 from __future__ import annotations
