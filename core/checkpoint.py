@@ -390,9 +390,9 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
             _require(saved, key, path)
             target = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
             if kind == "master" and slot.master_low is not None:  # split: `tensor` is a joined copy
-                aliased.append((slot, target))
+                aliased.append((slot.write_master, target))
             elif target is not tensor:
-                aliased.append((tensor, target))
+                aliased.append((tensor.copy_, target))
             state[key] = _as_global(target, slot.param, mesh, meshes, slot.shard_dim, with_dp=True)
     rng = _rng_key(mesh)
     for kind in ("cpu", "cuda"):
@@ -403,8 +403,8 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     meta = pickle.loads(state["meta"])
     if optimizer is not None:
         with torch.no_grad():
-            for tensor, loaded in aliased:
-                tensor.write_master(loaded) if isinstance(tensor, ParamSlot) else tensor.copy_(loaded)
+            for write, loaded in aliased:
+                write(loaded)
             optimizer.dp.gather_params()  # params = masters on every rank, whatever was saved
         optimizer.step_count = meta["optimizer_step"] or 0
     if scheduler is not None and meta["scheduler"] is not None:

@@ -45,7 +45,8 @@ if triton is not None:
         start = tl.load(block_index + pid).to(tl.int64) * BLOCK
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         mask = offs < tl.load(numels + t)
-        master_ptr = tl.load(masters + t).to(tl.pointer_type(tl.float32))
+        master_addr = tl.load(masters + t)
+        master_ptr = master_addr.to(tl.pointer_type(tl.float32))
         grad_ptr = tl.load(grads + t).to(tl.pointer_type(tl.float32))
         m_ptr = tl.load(exp_avgs + t).to(tl.pointer_type(tl.float32))
         v_ptr = tl.load(exp_avg_sqs + t).to(tl.pointer_type(tl.float32))
@@ -59,7 +60,7 @@ if triton is not None:
             g = g * tl.load(scale)
         if SPLIT:  # the master is the bf16 weight (its upper 16 bits) plus the low 16 bits apart
             low_ptr = tl.load(lows + t).to(tl.pointer_type(tl.int16))
-            high_ptr = tl.load(masters + t).to(tl.pointer_type(tl.int16))
+            high_ptr = master_addr.to(tl.pointer_type(tl.int16))
             if ALIGNED:
                 low_ptr = tl.multiple_of(low_ptr, 16)
                 high_ptr = tl.multiple_of(high_ptr, 16)
@@ -95,10 +96,11 @@ if triton is not None:
                 out_ptr = out_addr.to(tl.pointer_type(tl.float32))
             if ALIGNED:
                 out_ptr = tl.multiple_of(out_ptr, 16)
-            if SPLIT:
-                tl.store(out_addr.to(tl.pointer_type(tl.int16)) + offs, high.to(tl.int16), mask=mask)
+            if SPLIT:  # the new weight is the upper half, not a rounding of p of its own
+                weight = high.to(tl.int16).to(tl.bfloat16, bitcast=True)
             else:
-                tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
+                weight = p.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + offs, weight, mask=mask)
 
 
 def multi_tensor_adamw_supported(tensors: list[Tensor], outs: list[Tensor | None]) -> bool:
@@ -107,7 +109,7 @@ def multi_tensor_adamw_supported(tensors: list[Tensor], outs: list[Tensor | None
     if not tensors or not triton_enabled(tensors[0]):
         return False
     dtypes = {o.dtype for o in outs if o is not None}
-    return (all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors if t is not None)
+    return (all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
             and len(dtypes) <= 1 and dtypes <= set(_OUT_KINDS)
             and all(o.is_contiguous() for o in outs if o is not None))
 

@@ -328,8 +328,9 @@ class DataParallel:
                 if self.param_dtype == torch.float32 and param.dtype == torch.float32:
                     slot.master, slot.master_is_param = slot.chunk(param.data, rank), True
                 elif self.split_masters:  # the bf16 weight is the master's rounded upper half
-                    slot.master_low = split_master(slot.chunk(param.data, rank))[1].clone()
-                    param.data = split_master(param.data)[0]
+                    high, low = split_master(param.data)
+                    slot.master_low = slot.chunk(low, rank).clone()
+                    param.data = high
                 else:
                     slot.master = slot.chunk(param.data, rank).float().clone()
                     param.data = param.data.to(self.param_dtype)

@@ -319,12 +319,12 @@ def estimate_memory(config: Config, rank: int | None = None, allocator: Allocato
     b = PARAM_BYTES[t.precision]
     s = shapes(config)
     layers, recomputing = stage_layers(config, c["pp"]), recomputed_layers(config, c["pp"])
-    offload = set(t.offload_modules)
+    chosen, offload = recompute_set(t), set(t.offload_modules)
     per_micro, offloaded, per_layer, rebuilt, brought_back = 0, 0, {}, 0, 0
     kinds: dict[tuple[bool, bool], tuple[LayerActivations, int]] = {}  # blocks differ by dense / MoE, recomputed
     for i in layers:
         kind = moe_layer_rule(m.moe, i), i in recomputing
-        recompute = recompute_set(t) if kind[1] else set()
+        recompute = chosen if kind[1] else set()
         if kind not in kinds:
             act = block_activations(config, i, recompute, offload)
             kinds[kind] = act, block_activations(config, i, set(), set()).device if recompute else act.device

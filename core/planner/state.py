@@ -54,20 +54,23 @@ def coordinates(config: Config, rank: int) -> dict[str, int]:
     return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_cp": i, "edp": i // p.ep, "ep": i % p.ep}
 
 
-def stage_layers(config: Config, pp_rank: int) -> list[int]:
-    """The global layer indices pipeline rank `pp_rank` holds (all its virtual stages)."""
+def _chunk_layers(config: Config, pp_rank: int) -> list[range]:
+    """The global layer indices of each model chunk (virtual stage) pipeline rank `pp_rank` holds."""
     p, m = config.parallel, config.model
     ranges = partition_layers(m.num_layers, p.pp * p.pp_virtual_stages, p.pp_first_stage_layers, p.pp_last_stage_layers)
-    return [i for c in range(p.pp_virtual_stages) for i in ranges[c * p.pp + pp_rank]]
+    return [ranges[c * p.pp + pp_rank] for c in range(p.pp_virtual_stages)]
+
+
+def stage_layers(config: Config, pp_rank: int) -> list[int]:
+    """The global layer indices pipeline rank `pp_rank` holds (all its virtual stages)."""
+    return [i for chunk in _chunk_layers(config, pp_rank) for i in chunk]
 
 
 def recomputed_layers(config: Config, pp_rank: int) -> set[int]:
     """Of `stage_layers`, those whose blocks recompute (`train.recompute_num_layers`: the first
     N of each chunk; all where it is 0)."""
-    p, m, n = config.parallel, config.model, config.train.recompute_num_layers
-    ranges = partition_layers(m.num_layers, p.pp * p.pp_virtual_stages, p.pp_first_stage_layers, p.pp_last_stage_layers)
-    return {i for c in range(p.pp_virtual_stages) for i in (ranges[c * p.pp + pp_rank][:n] if n else
-                                                           ranges[c * p.pp + pp_rank])}
+    n = config.train.recompute_num_layers
+    return {i for chunk in _chunk_layers(config, pp_rank) for i in (chunk[:n] if n else chunk)}
 
 
 def _linear(name: str, out_f: int, in_f: int, tp: int, split: str | None, bias: bool) -> list[ParamSpec]:
