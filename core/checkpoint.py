@@ -344,7 +344,11 @@ def _complete_steps(root: Path) -> list[tuple[int, Path]]:
 def _prune(root: Path, keep: int, current: str) -> None:
     for _, path in _complete_steps(root)[:-keep]:
         if path.name != current:
-            shutil.rmtree(path, ignore_errors=True)
+            # Renamed first: a process stopped mid-delete leaves a `.tmp` folder (swept at the
+            # next save), never a `step_N` missing its files.
+            doomed = root / (path.name + ".pruned.tmp")
+            os.rename(path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def step_of(path) -> int:
