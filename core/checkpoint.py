@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core import placement
+from core.lifecycle import stop_deferred
 from core.mesh import ParallelMesh
 from core.parallel.data import ParamSlot
 from core.watchdog import stall_point
@@ -187,7 +188,13 @@ def _state_to_save(step: int, model: nn.Module, optimizer, scheduler, mesh: Para
 
 def _publish(root: Path, name: str, keep: int) -> None:
     """Rank 0, once every rank's part and DCP's `.metadata` are written: `step_N.tmp` becomes
-    `step_N`, `latest` names it, older ones beyond `keep` go."""
+    `step_N`, `latest` names it, older ones beyond `keep` go. A stop signal waits for the end,
+    so no step folder is left half renamed or half deleted."""
+    with stop_deferred():
+        _publish_now(root, name, keep)
+
+
+def _publish_now(root: Path, name: str, keep: int) -> None:
     final, tmp = root / name, root / (name + ".tmp")
     if final.exists():  # re-saving a step: keep the old copy until the new one is in place
         old = root / (name + ".old")

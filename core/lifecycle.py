@@ -12,6 +12,7 @@ whose peer died, and Python handlers run only between bytecodes) ends the proces
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import signal
@@ -39,6 +40,8 @@ class Interrupted(BaseException):
 
 class _State:
     signum: int | None = None
+    deferring = 0  # depth of `stop_deferred` blocks on the main thread
+    deferred = False  # a stop arrived inside one and is still to be raised
 
 
 def interrupted_by() -> int | None:
@@ -50,7 +53,24 @@ def _raise_interrupted(signum, frame) -> None:
     if _State.signum is not None:
         return  # one stop is enough: a second signal must not break the cleanup of the first
     _State.signum = signum
+    if _State.deferring:
+        _State.deferred = True
+        return
     raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def stop_deferred():
+    """A stretch that must not be cut in half (publishing a checkpoint: renames, `latest`,
+    pruning): a stop signal arriving inside it raises `Interrupted` when the stretch ends."""
+    _State.deferring += 1
+    try:
+        yield
+    finally:
+        _State.deferring -= 1
+    if _State.deferring == 0 and _State.deferred:
+        _State.deferred = False
+        raise Interrupted(_State.signum)
 
 
 def install_stop_handlers(stuck_grace: float = STUCK_STOP_GRACE_S) -> None:

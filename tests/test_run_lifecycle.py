@@ -177,6 +177,37 @@ def test_stop_signal_leaves_no_process_and_resume_continues_the_trajectory(tmp_p
     resume_and_check(run_dir, reference)
 
 
+PUBLISH_STOPPED_MID_PRUNE = """
+import os, shutil, signal, sys
+from pathlib import Path
+from core import checkpoint
+from core.lifecycle import Interrupted, install_stop_handlers
+
+delete = shutil.rmtree
+def stop_then_delete(path, **kwargs):  # the stop arrives while an old step is being deleted
+    os.kill(os.getpid(), signal.SIGINT)
+    delete(path, **kwargs)
+checkpoint.shutil.rmtree = stop_then_delete
+install_stop_handlers()
+try:
+    checkpoint._publish(Path(sys.argv[1]), "step_000003", keep=2)
+except Interrupted as stop:
+    print("interrupted", stop.signum)
+"""
+
+
+def test_a_stop_during_publish_raises_only_once_the_checkpoint_is_published_and_pruned(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name in ("step_000001", "step_000002", "step_000003.tmp"):
+        (root / name).mkdir(parents=True)
+        (root / name / ".metadata").write_bytes(b"m")
+        (root / name / "__0_0.distcp").write_bytes(b"x" * 1000)
+    proc = run([sys.executable, "-c", PUBLISH_STOPPED_MID_PRUNE, str(root)], timeout=60)
+    assert proc.stdout.split() == ["interrupted", str(int(signal.SIGINT))], proc.stderr[-2000:]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert (root / "latest").read_text().strip() == "step_000003"
+
+
 def test_killed_launcher_takes_its_workers_along_and_the_stale_lock_is_taken_over(tmp_path, dataset, reference):
     run_dir, tag = tmp_path / "run", uuid.uuid4().hex
     proc = start(train_cmd(run_dir, dataset), tag)
