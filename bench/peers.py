@@ -37,6 +37,8 @@ workload (bench.harness.emit).
 
     python -m bench.peers --tiny                       # every workload, tiny shapes, CPU, fp32
     python -m bench.peers --workload dense --rounds 5 --warmup 2
+    python -m bench.peers --workload dense --systems tessera,torchtitan --tessera-recompute mlp,norms \
+        --tessera-recompute-layers 14 --tessera-split-masters --tessera-fused-loss   # at TorchTitan's memory
 
 On a GPU host without the peers (torch 2.11, transformers present; TorchTitan 0.3 needs a newer
 torch, so 0.2.2), download the wheels here once, from the repository root, into an .whl/ that

@@ -595,3 +595,37 @@ def test_param_without_grad_this_step_reduces_as_zero():
     dp.finish_grad_sync()
     assert dp.slots[0].shard_grad.tolist() == [3.0] * 3
     assert dp.slots[1].shard_grad.tolist() == [0.0] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_pass_adamw_on_gpu_fp32_and_split_masters_against_torch_fused():
+    """The compiled kernel (not the interpreter): three steps on tensors of awkward sizes, fp32
+    masters against torch's fused AdamW (1e-6), split masters bit-equal to the fp32 ones, the
+    bf16 weights of both within one rounding step of the masters."""
+    from core.kernels.adamw import AdamWTables, join_master, multi_tensor_adamw, split_master
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [1, 1000, 4097, 3 * 1024 * 1024 + 5]
+    start = [torch.randn(n, device="cuda", generator=gen) * 0.02 for n in sizes]
+    grads = [[torch.randn(n, device="cuda", generator=gen) * 1e-3 for n in sizes] for _ in range(3)]
+    decays, hyper = [0.1, 0.0, 0.1, 0.1], dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    zeros = lambda: [torch.zeros_like(m) for m in start]  # noqa: E731
+    fp32, fp32_moments, outs = [m.clone() for m in start], (zeros(), zeros()), [m.bfloat16() for m in start]
+    halves = [split_master(m) for m in start]
+    highs, lows, split_moments = [h for h, _ in halves], [low for _, low in halves], (zeros(), zeros())
+    ref = [torch.nn.Parameter(m.clone()) for m in start]
+    torch_opt = torch.optim.AdamW([{"params": [p], "weight_decay": d} for p, d in zip(ref, decays)], fused=True, **hyper)
+    tables, split_tables = AdamWTables(), AdamWTables()
+    for step, g in enumerate(grads, 1):
+        multi_tensor_adamw(tables, fp32, g, *fp32_moments, outs, decays, step=step, grad_scale=None, **hyper)
+        multi_tensor_adamw(split_tables, highs, g, *split_moments, [None] * len(sizes), decays, step=step,
+                           grad_scale=None, lows=lows, **hyper)
+        for p, grad in zip(ref, g):
+            p.grad = grad.clone()
+        torch_opt.step()
+    for master, high, low, out, want in zip(fp32, highs, lows, outs, ref):
+        torch.testing.assert_close(master, want.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(join_master(high, low).view(torch.int32), master.view(torch.int32))
+        torch.testing.assert_close(out.float(), master, rtol=8e-3, atol=0)
+        torch.testing.assert_close(high.float(), master, rtol=8e-3, atol=0)
