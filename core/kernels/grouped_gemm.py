@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from core.kernels.fused import accumulate_fp32_
-from core.kernels.library import KernelLibrary, kernel_library, report_once
+from core.kernels.library import KernelLibrary, custom_op, kernel_library, report_once
 
 OP_FWD, OP_FWD_BT, OP_WGRAD, OP_WGRAD_F32 = 0, 1, 2, 3  # TESSERA_GG_* in csrc/include/tessera_codes.h
 CONFIG_ENV, RASTER_ENV, SWIZZLE_ENV = "TESSERA_GG_CONFIG", "TESSERA_GG_RASTER", "TESSERA_GG_SWIZZLE"
@@ -334,10 +334,12 @@ def _wgrad_into_impl(out: Tensor, x: Tensor, dy: Tensor, offsets: Tensor, accumu
 
 
 # ---------------------------------------------------------------------------------------
-# Custom ops, fake implementations, autograd.
+# Custom ops, fake implementations, autograd. In plain eager mode (the MoE layer's routed
+# experts run outside the compiled graphs) the bodies are called directly: the dispatcher round
+# trip of a Python custom op is host time on every expert GEMM of every layer and micro-batch.
 # ---------------------------------------------------------------------------------------
 
-@torch.library.custom_op("tessera::grouped_mm", mutates_args=())
+@custom_op("grouped_mm", differentiable=True)
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """x [N, K] grouped by rows, w [G, K, M], offsets int32 [G] cumulative ends -> [N, M]."""
     return _mm_impl(x, w, offsets)
@@ -349,7 +351,7 @@ def _(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[-1])
 
 
-@torch.library.custom_op("tessera::grouped_mm_wgrad", mutates_args=())
+@custom_op("grouped_mm_wgrad")
 def grouped_mm_wgrad(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
     """x [N, K], dy [N, M], offsets int32 [G] -> [G, K, M] with entry g = x_g^T dy_g."""
     return _wgrad_impl(x, dy, offsets)
@@ -361,7 +363,7 @@ def _(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
     return x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1])
 
 
-@torch.library.custom_op("tessera::grouped_mm_wgrad_into_", mutates_args=("out",))
+@custom_op("grouped_mm_wgrad_into_", mutates_args=("out",))
 def grouped_mm_wgrad_into_(out: Tensor, x: Tensor, dy: Tensor, offsets: Tensor, accumulate: bool) -> None:
     """out [G, K, M] fp32 = (or, with accumulate, +=) x_g^T dy_g per group: the experts' weight
     gradient written straight into an fp32 main-grad buffer (gradient-accumulation fusion; on the

@@ -184,7 +184,7 @@ def _kernel_library(index: int) -> KernelLibrary | None:
 
 def plain_eager(args: tuple, differentiable: bool = False) -> bool:
     """True when a custom op's body may be called directly: eager mode (no dynamo, no
-    dispatch or function modes) on plain tensors and, for an op with autograd, no gradient
+    dispatch or function modes) on plain tensors with data and, for an op with autograd, no gradient
     to record. The dispatcher round trip of a Python custom op costs 10-20 us per call, which
     adds up over the ~10 small ops of every FP8 linear."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or \
@@ -193,19 +193,19 @@ def plain_eager(args: tuple, differentiable: bool = False) -> bool:
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return all(type(t) in _PLAIN for t in tensors)
+    return all(type(t) in _PLAIN and not t.is_meta for t in tensors)  # meta: shapes from the fake impl
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def custom_op(name: str, differentiable: bool = False):
+def custom_op(name: str, differentiable: bool = False, mutates_args: tuple[str, ...] = ()):
     """Decorator: register fn as the custom op tessera::name (what torch.compile and autograd
     see) and return a caller that runs fn directly when `plain_eager` allows. The caller
     carries the op as `.op` and its `register_fake` / `register_autograd`."""
 
     def wrap(fn):
-        op = torch.library.custom_op(f"tessera::{name}", fn, mutates_args=())
+        op = torch.library.custom_op(f"tessera::{name}", fn, mutates_args=mutates_args)
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
