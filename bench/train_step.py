@@ -145,10 +145,16 @@ def tessera_side(cfg: ModelConfig, batch: StepInputs, args):
     copies of the batch instead of the data service's micro-batches."""
     trainer = Trainer(tessera_config(cfg, args, batch.tokens.device))
     micro = [batch] * args.accum
+    waiting = []  # with --back-to-back: the last step, recorded once the next one is queued
 
     def step():
         start = time.perf_counter()
-        return trainer.record(trainer.step(micro), start)
+        result = trainer.step(micro)
+        if args.back_to_back == 1:
+            return trainer.record(result, start)
+        record = trainer.record(*waiting) if waiting else None
+        waiting[:] = [result, start]
+        return record
 
     return step, trainer.model, trainer.flops_per_token
 
@@ -210,7 +216,7 @@ def run_sides(cfg: ModelConfig, batch: StepInputs, args, names: list[str]) -> tu
     if args.sequential:
         for name in names:
             side = build_side(name, cfg, batch, args)
-            times[name] = compare({name: side.step}, rounds=args.steps, iters=1, warmup=0)[name]
+            times[name] = compare({name: side.step}, rounds=args.steps, iters=args.back_to_back, warmup=0)[name]
             if args.profile and name == "tessera" and cuda:
                 print_profile(side.step, trace=args.trace)
             results[name] = side_figures(side, times[name], tokens, name, args)
@@ -220,7 +226,8 @@ def run_sides(cfg: ModelConfig, batch: StepInputs, args, names: list[str]) -> tu
     else:
         try:
             sides = {name: build_side(name, cfg, batch, args) for name in names}
-            times = compare({name: side.step for name, side in sides.items()}, rounds=args.steps, iters=1, warmup=0)
+            times = compare({name: side.step for name, side in sides.items()}, rounds=args.steps,
+                            iters=args.back_to_back, warmup=0)
         except torch.cuda.OutOfMemoryError as err:
             raise SystemExit(f"bench.train_step: the two sides do not fit on the GPU together; rerun with "
                              f"--sequential ({str(err).splitlines()[0]})") from None
@@ -238,6 +245,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed rounds: one optimizer step of each side per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each side first (at least 1)")
+    parser.add_argument("--back-to-back", type=int, default=1, metavar="K",
+                        help="optimizer steps per timed round, queued one after the other as Trainer.run queues them "
+                             "(each step's record read once the next is queued); the step time is the round's / K")
     parser.add_argument("--layers", type=int, default=None, help="default 20 dense, 4 with --moe")
     parser.add_argument("--moe", action="store_true",
                         help="the DeepSeek-like fine-grained MoE (64 experts of 1408, top-8, 2 shared); MFU on active parameters")
@@ -266,8 +276,8 @@ def main() -> None:
                         help="with --precision fp8: quantise the weights in every micro-batch (train.fp8_weight_cache off)")
     parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
     args = parser.parse_args()
-    if args.steps < 1 or args.warmup < 1 or args.accum < 1:
-        parser.error("--steps, --warmup and --accum must be >= 1 (the warm-up compiles, allocates the optimizer "
+    if args.steps < 1 or args.warmup < 1 or args.accum < 1 or args.back_to_back < 1:
+        parser.error("--steps, --warmup, --accum and --back-to-back must be >= 1 (the warm-up compiles, allocates the optimizer "
                      "state and gives the peak memory)")
     torch.backends.cuda.matmul.allow_tf32 = True
     args.layers = args.layers or (4 if args.moe else 20)

@@ -89,6 +89,26 @@ class ParallelMesh:
                 self._cache[name] = self.mesh.get_group(name)
         return self._cache[name]
 
+    def host_group(self, name: str) -> dist.ProcessGroup | None:
+        """A gloo group over the same ranks as `group(name)` ("dp_cp" or "world"), for reducing
+        host values (label counts, metrics) without queueing anything on a GPU stream. A
+        collective on first use: every rank must ask for the same names in the same order."""
+        if not self.distributed:
+            return None
+        key = ("host", name)
+        if key not in self._cache:
+            if dist.get_backend() == "gloo":
+                self._cache[key] = self.group(name) if name != "world" else dist.group.WORLD
+            elif name == "world":
+                self._cache[key] = dist.new_group(backend="gloo")
+            elif name == "dp_cp":
+                ranks = self.mesh.mesh  # [pp, dp, cp, tp]
+                groups = [ranks[p, :, :, t].flatten().tolist() for p in range(ranks.shape[0]) for t in range(ranks.shape[3])]
+                self._cache[key], _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+            else:
+                raise ValueError(f"host_group: {name!r} is not one of 'dp_cp', 'world'")
+        return self._cache[key]
+
     def submesh(self, *names: str) -> DeviceMesh:
         """A DeviceMesh over some dimensions; several names are flattened into one."""
         if len(names) == 1:

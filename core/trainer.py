@@ -9,11 +9,13 @@ equals the single-process loss on the same rows whatever the layout.
     trainer.open_data(resume=False)      # the data service (or none: feed `step` yourself)
     micro = trainer.next_micro_batches() # this rank's micro-batches of one step
     result = trainer.step(micro)         # forward/backward, clip, optimizer; no host sync
-    record = trainer.record(result, t0)  # the metrics line (syncs)
+    record = trainer.record(result, t0)  # the metrics line (waits for this step's end)
     record.update(trainer.evaluate())    # validation loss on the held-out rows ([eval])
     trainer.save()
 
-`run()` is that loop with logging and checkpoints; the benchmarks and tests call `step`.
+`run()` is that loop with logging and checkpoints; it reads a step's record only once the next
+step is queued, so the device never idles while the host reads metrics and launches the next
+step's first kernels. The benchmarks and tests call `step`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from core.parallelize import parallelize
 from core.pretrained import load_weights
 from core.watchdog import Watchdog
 from moe.comm import EXCHANGE_TIMER
-from moe.layer import moe_metrics, set_moe_loss_scale, set_moe_sequences
+from moe.layer import set_moe_loss_scale, set_moe_sequences, summarize_moe_stats, take_moe_stats
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,10 @@ class StepResult:
     metrics: dict = field(default_factory=dict)  # the pipeline schedule's figures
     data_wait: float = 0.0  # this rank's seconds blocked on data
     busy_marks: tuple = ()  # (start, end) of this rank's forward/backward: host times, or CUDA events
+    step: int = 0
+    host_values: torch.Tensor | None = None  # [loss_sum, grad_norm], copied to the host without waiting
+    moe_stats: tuple | None = None  # moe.layer.take_moe_stats at the step's end
+    done: object = None  # the step's end: a CUDA event, or the host clock
 
 
 class Trainer:
@@ -91,6 +97,13 @@ class Trainer:
         self.tp_group = self.mesh.group("tp") if p.tp > 1 else None
         self.reduce_size = self.mesh.size("dp_cp")
         self.reduce_group = self.mesh.group("dp_cp") if self.reduce_size > 1 else None
+        # Label counts and metrics are host values: reduced over gloo, they queue nothing
+        # behind the GPU's work, so reading them never waits for a step still running.
+        self.host_reduce_group = self.mesh.host_group("dp_cp") if self.reduce_size > 1 else None
+        self.host_world = self.mesh.host_group("world") if self.world > 1 else None
+        # On a GPU `run` reads a step's record once the next step is queued; on the CPU a step
+        # has finished when `step` returns, so there is nothing to overlap and each is read at once.
+        self.lagged_records = self.device.type == "cuda"
         self.flops_per_token = flops_per_token(active_params, embedding_params, config.model.num_layers,
                                                config.model.num_heads * config.model.attention_head_dim, t.seq_len)
         self.peak_flops = PEAK_FLOPS.get(self.precision) if self.device.type == "cuda" else None
@@ -155,8 +168,10 @@ class Trainer:
         self.scheduler.step()
         self.grads.zero_grad()
         self.step_count += 1
+        values = torch.stack([loss_sum.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
+        moe = take_moe_stats(self.model) if self.config.model.moe.num_experts else None
         return StepResult(loss_sum, grad_norm, lr, global_labels, global_tokens, wait_sum, metrics, data_wait,
-                          busy_marks)
+                          busy_marks, self.step_count, values.to("cpu", non_blocking=True), moe, self._mark())
 
     def _mark(self):
         """A point of this rank's step on the clock that sees its work: a CUDA event on the GPU
@@ -209,18 +224,21 @@ class Trainer:
                                        forward_context=lambda: self.autocast)
         return result.loss_sum, result.metrics()
 
-    def record(self, result: StepResult, step_start: float) -> dict:
-        """The step's metrics line; reads the loss back (a host sync)."""
+    def record(self, result: StepResult, step_start: float, previous: StepResult | None = None) -> dict:
+        """The step's metrics line. Waits for this step's end only (a later step may already be
+        queued). Its time runs from the end of `previous` (the step before, when nothing ran
+        between them) or else from `step_start` (its data wait, then its own device time)."""
         self.watchdog.enter("metrics all-reduce")
-        loss = self._sum_over_data_ranks([float(result.loss_sum)])[0] / max(result.global_labels, 1.0)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - step_start
+        if isinstance(result.done, torch.cuda.Event):
+            result.done.synchronize()
+        loss_sum, grad_norm = result.host_values.tolist()
+        loss = self._sum_over_data_ranks([loss_sum])[0] / max(result.global_labels, 1.0)
+        elapsed = self._elapsed(result, step_start, previous)
         peak = self.peak_flops
         record = {
-            "step": self.step_count,
+            "step": result.step,
             "loss": loss,
-            "grad_norm": float(result.grad_norm),
+            "grad_norm": grad_norm,
             "lr": result.lr,
             "tokens_per_s": result.global_tokens / elapsed,
             "step_s": elapsed,
@@ -230,9 +248,18 @@ class Trainer:
         }
         record.update(self._busy_over_ranks(result))
         record.update(result.metrics)
-        if self.config.model.moe.num_experts:
-            record.update(moe_metrics(self.model))
+        if result.moe_stats is not None:
+            record.update(summarize_moe_stats(result.moe_stats))
         return record
+
+    @staticmethod
+    def _elapsed(result: StepResult, step_start: float, previous: StepResult | None) -> float:
+        done, cuda = result.done, isinstance(result.done, torch.cuda.Event)
+        if previous is not None:
+            return previous.done.elapsed_time(done) / 1e3 if cuda else done - previous.done
+        if cuda:
+            return result.data_wait + result.busy_marks[0].elapsed_time(done) / 1e3
+        return done - step_start
 
     def _busy_over_ranks(self, result: StepResult) -> dict:
         """Stragglers: each rank's own time in the step before it waits for its data-parallel
@@ -244,20 +271,20 @@ class Trainer:
         start, end = result.busy_marks
         busy = result.data_wait + (end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3)
         times = [busy]
-        if dist.is_initialized() and self.world > 1:
-            vector = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        if self.host_world is not None:
+            vector = torch.zeros(self.world, dtype=torch.float64)
             vector[self.rank] = busy
-            dist.all_reduce(vector)
+            dist.all_reduce(vector, group=self.host_world)
             times = vector.tolist()
         slowest = max(range(len(times)), key=times.__getitem__)
         return {"busy_s_min": min(times), "busy_s_median": statistics.median(times), "busy_s_max": times[slowest],
                 "slowest_rank": slowest}
 
     def _sum_over_data_ranks(self, values: list[float]) -> list[float]:
-        if self.reduce_group is None:
+        if self.host_reduce_group is None:
             return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.reduce_group)
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.host_reduce_group)
         return t.tolist()
 
     # -- evaluation ------------------------------------------------------------------------
@@ -378,6 +405,11 @@ class Trainer:
                                start_step=self.step_count)
         last_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         self.watchdog.start()
+        # With `lagged_records` a step's record is read once the next step is queued (or right
+        # after its checkpoint, so a run stopped after a save has the record of the step it
+        # resumes from). A run that dies mid-step then lacks the record of the step before.
+        pending = None  # (result, step_start, previous, extras) of the last step, not yet recorded
+        previous = None  # the step before the current one, when nothing ran between them
         try:
             while self.step_count < last_step:
                 step_start = time.perf_counter()
@@ -385,19 +417,28 @@ class Trainer:
                 self.watchdog.enter("data wait")
                 micro = self.next_micro_batches()
                 data_wait = time.perf_counter() - step_start  # blocked on the data client (+ the copy in)
-                record = self.record(self.step(micro, data_wait), step_start)
+                result = self.step(micro, data_wait)
+                if pending is not None:
+                    self._log(writer, *pending)
+                extras: dict = {}
+                pending, previous = (result, step_start, previous, extras), result
                 if self._eval_due(last_step):
-                    record.update(self.evaluate())
+                    extras.update(self.evaluate())
+                    previous = None  # the evaluation is not the next step's time
                 if self.checkpointer is not None:
                     self.watchdog.enter("checkpoint publish")
-                    record.update(self.checkpointer.poll())  # save_s of a background save just published
-                if self._checkpoint_due(last_step):
+                    extras.update(self.checkpointer.poll())  # save_s of a background save just published
+                saving = self._checkpoint_due(last_step)
+                if saving:
                     # Saved before the record is written: its cost to the step is on the step's line.
                     self.save()
-                    record.update(self.save_timings)
-                self.watchdog.enter("metrics write")
-                writer.log(record, show=self.step_count % t.log_interval == 0 or self.step_count == t.max_steps
-                           or "val_loss" in record)
+                    extras.update(self.save_timings)
+                    previous = None
+                if saving or not self.lagged_records:
+                    self._log(writer, *pending)
+                    pending = None
+            if pending is not None:
+                self._log(writer, *pending)
             if self.checkpointer is not None:
                 self.watchdog.enter("checkpoint save")
                 self.checkpointer.wait()  # the last save is complete and `latest` before the run ends
@@ -408,6 +449,14 @@ class Trainer:
         if plot is not None:
             print(f"loss plot: {plot}", flush=True)
         return writer.history
+
+    def _log(self, writer: MetricsWriter, result: StepResult, step_start: float, previous: StepResult | None,
+             extras: dict) -> None:
+        record = self.record(result, step_start, previous)
+        record.update(extras)
+        self.watchdog.enter("metrics write")
+        interval, step = self.config.train.log_interval, record["step"]
+        writer.log(record, show=step % interval == 0 or step == self.config.train.max_steps or "val_loss" in record)
 
     def close(self) -> None:
         if self.stream is not None:

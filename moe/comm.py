@@ -40,15 +40,24 @@ class ExchangeTimer:
         self._host_seconds += time.perf_counter() - began
         return out
 
-    def pop_seconds(self) -> float:
-        """Seconds since the last call (waits for the recorded collectives to finish)."""
-        total = self._host_seconds
-        for start, end in self._events:
+    def take(self) -> tuple[float, list]:
+        """What was recorded since the last call, to be read later by `seconds` (no sync)."""
+        taken = (self._host_seconds, self._events)
+        self._events, self._host_seconds = [], 0.0
+        return taken
+
+    @staticmethod
+    def seconds(taken: tuple[float, list]) -> float:
+        """The seconds of a `take` (waits for its collectives to finish)."""
+        total, events = taken
+        for start, end in events:
             end.synchronize()
             total += start.elapsed_time(end) / 1e3
-        self._events.clear()
-        self._host_seconds = 0.0
         return total
+
+    def pop_seconds(self) -> float:
+        """Seconds since the last call (waits for the recorded collectives to finish)."""
+        return self.seconds(self.take())
 
 
 EXCHANGE_TIMER = ExchangeTimer()

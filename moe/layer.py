@@ -252,9 +252,15 @@ class MoELayer(nn.Module):
         for name, value in parts.items():
             s[name] = s.get(name, torch.zeros((), device=counts.device)) + value.detach().float()
 
-    def pop_stats(self) -> dict:
-        """This rank's statistics since the last call (see `moe_metrics`); resets them."""
+    def take_stats(self) -> dict:
+        """This rank's raw statistics since the last call, copied towards the host without
+        waiting (`summarize_stats` reads them); resets them."""
         s, self._stats = self._stats, {}
+        return {name: value.to("cpu", non_blocking=True) for name, value in s.items()}
+
+    @staticmethod
+    def summarize_stats(s: dict) -> dict:
+        """The metrics of a `take_stats` (see `moe_metrics`), once its copies have landed."""
         if not s:
             return {}
         forwards = float(s["forwards"])
@@ -269,7 +275,6 @@ class MoELayer(nn.Module):
             if name in s:
                 out[name] = float(s[name]) / forwards
         return out
-
 
 # --------------------------------------------------------------- model-level API
 def moe_layers(model: nn.Module) -> list[MoELayer]:
@@ -311,20 +316,38 @@ def moe_metrics(model: nn.Module) -> dict:
       moe/all_to_all_s                seconds in the token all-to-alls of all layers (when the
                                       loop has turned moe.comm.EXCHANGE_TIMER on: expert parallelism)
     """
-    metrics, worst, term = {}, 0.0, 0.0
+    taken = take_moe_stats(model)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()  # the copies `take_moe_stats` started
+    return summarize_moe_stats(taken)
+
+
+def take_moe_stats(model: nn.Module) -> tuple:
+    """Every MoE layer's raw statistics (and the all-to-all timer's events) since the last call,
+    on their way to the host without a sync: a training loop takes them at the end of a step
+    and summarises them once that step is done, while the next one already runs."""
     layers = moe_layers(model)
-    for layer in layers:
-        stats = layer.pop_stats()
+    taken = [(layer.layer_id, layer.moe, layer.take_stats()) for layer in layers]
+    exchange = EXCHANGE_TIMER.take() if EXCHANGE_TIMER.enabled and layers else None
+    return taken, exchange
+
+
+def summarize_moe_stats(taken: tuple) -> dict:
+    """`moe_metrics` of a `take_moe_stats`, after its step has finished on the device."""
+    layers, exchange = taken
+    metrics, worst, term = {}, 0.0, 0.0
+    for layer_id, moe, raw in layers:
+        stats = MoELayer.summarize_stats(raw)
         for name, value in stats.items():
-            metrics[f"moe/layer{layer.layer_id}/{name}"] = value
+            metrics[f"moe/layer{layer_id}/{name}"] = value
         if stats:
             worst = max(worst, stats["max_mean_load"])
-            term += layer.moe.aux_loss_coeff * stats.get("aux_loss", 0.0) + layer.moe.z_loss_coeff * stats.get("z_loss", 0.0)
+            term += moe.aux_loss_coeff * stats.get("aux_loss", 0.0) + moe.z_loss_coeff * stats.get("z_loss", 0.0)
     if metrics:
         metrics["moe/max_mean_load"] = worst
         metrics["moe/aux_loss_term"] = term
-    if EXCHANGE_TIMER.enabled and layers:  # a pipeline stage without MoE layers has none to time
-        metrics["moe/all_to_all_s"] = EXCHANGE_TIMER.pop_seconds()
+    if exchange is not None:  # a pipeline stage without MoE layers has none to time
+        metrics["moe/all_to_all_s"] = EXCHANGE_TIMER.seconds(exchange)
     return metrics
 
 

@@ -145,6 +145,11 @@ def moe_reference(tmp_path_factory, train_dataset) -> dict[int, float]:
     run_train(run_dir, train_dataset, 1, "parallel.ep=1", config=MOE_CONFIG)
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert "moe/all_to_all_s" not in first  # no expert parallelism, no exchange to time
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        # A record is read after the next step is queued: its loads are still its own step's
+        # (8 rows of 64 tokens, top-2), not the next step's or none.
+        loads = [v for k, v in record.items() if k.endswith("/tokens_per_expert")]
+        assert loads and all(sum(load) == 8 * 64 * 2 for load in loads), record
     return losses(run_dir)
 
 
@@ -166,3 +171,34 @@ def test_moe_layouts_match_single_process(tmp_path, dataset, moe_reference, name
             assert "moe/all_to_all_s" not in record
         else:
             assert 0 < record["moe/all_to_all_s"] < record["step_s"], record
+
+
+@pytest.mark.slow
+def test_records_read_after_the_next_step_is_queued_equal_records_read_at_once(tmp_path, dataset):
+    """`run` on a GPU reads a step's record once the next step is queued; forced on the CPU it
+    writes the records of reading each step at once: same steps, losses, norms, MoE loads,
+    evaluations and checkpoint timings, in order."""
+    from core.config import load_config, validate
+    from core.trainer import Trainer
+
+    records = {}
+    for lagged in (False, True):
+        run_dir = tmp_path / f"lagged-{lagged}"
+        config = load_config(MOE_CONFIG, [*SMALL, "train.max_steps=5", "parallel.ep=1", "train.device=cpu",
+                                          f"data.dataset={dataset}", f"train.run_dir={run_dir}", "eval.interval=2",
+                                          "eval.steps=1", f"eval.dataset={dataset}", "checkpoint.interval=3"])
+        validate(config, 1)
+        trainer = Trainer(config)
+        trainer.lagged_records = lagged
+        trainer.run()
+        records[lagged] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    plain, lagged = records[False], records[True]
+    assert [r["step"] for r in lagged] == [1, 2, 3, 4, 5]
+    def measured(key: str) -> bool:  # times and memory: not the same in two runs
+        return key.endswith("_s") or key.startswith("busy_s") or key in ("tokens_per_s", "mfu", "mem_gb")
+
+    for a, b in zip(plain, lagged):
+        assert {k: v for k, v in a.items() if not measured(k)} == {k: v for k, v in b.items() if not measured(k)}
+        assert b["step_s"] > 0 and b["tokens_per_s"] > 0 and "moe/max_mean_load" in b
+    assert [("val_loss" in r, "save_blocking_s" in r) for r in lagged] == [
+        (False, False), (True, False), (False, True), (True, False), (True, True)]
