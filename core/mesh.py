@@ -102,12 +102,15 @@ class ParallelMesh:
             elif name == "world":
                 self._cache[key] = dist.new_group(backend="gloo")
             elif name == "dp_cp":
-                ranks = self.mesh.mesh  # [pp, dp, cp, tp]
-                groups = [ranks[p, :, :, t].flatten().tolist() for p in range(ranks.shape[0]) for t in range(ranks.shape[3])]
-                self._cache[key], _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+                self._cache[key], _ = dist.new_subgroups_by_enumeration(self.dp_cp_rank_lists(), backend="gloo")
             else:
                 raise ValueError(f"host_group: {name!r} is not one of 'dp_cp', 'world'")
         return self._cache[key]
+
+    def dp_cp_rank_lists(self) -> list[list[int]]:
+        """The ranks of every "dp_cp" group (one per pipeline stage and tensor-parallel rank)."""
+        ranks = self.mesh.mesh  # [pp, dp, cp, tp]
+        return [ranks[p, :, :, t].flatten().tolist() for p in range(ranks.shape[0]) for t in range(ranks.shape[3])]
 
     def submesh(self, *names: str) -> DeviceMesh:
         """A DeviceMesh over some dimensions; several names are flattened into one."""

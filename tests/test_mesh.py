@@ -17,6 +17,11 @@ def _groups(rank, world):
         dist.all_gather(members, torch.tensor([rank]), group=group)
         out[name] = sorted(int(m) for m in members)
     out["coords"] = (mesh.coordinate("dp"), mesh.coordinate("tp"), mesh.coordinate("ep"))
+    # What host_group("dp_cp") builds under NCCL: gloo groups over the same ranks.
+    group, _ = dist.new_subgroups_by_enumeration(mesh.dp_cp_rank_lists(), backend="gloo")
+    members = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(members, torch.tensor([rank]), group=group)
+    out["host_dp_cp"] = sorted(int(m) for m in members)
     return out
 
 
@@ -26,7 +31,7 @@ def test_mesh_groups_follow_the_layout():
     # tp fastest: ranks (0,1) and (2,3) are tensor-parallel peers; dp pairs (0,2), (1,3).
     assert [r["tp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["dp"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-    assert [r["dp_cp"] for r in results] == [r["dp"] for r in results]
+    assert [r["dp_cp"] for r in results] == [r["dp"] for r in results] == [r["host_dp_cp"] for r in results]
     # ep=2 folded onto dp=2: experts split over the data-parallel pair, edp size 1.
     assert [r["ep"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [r["edp"] for r in results] == [[0], [1], [2], [3]]
