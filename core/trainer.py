@@ -35,6 +35,7 @@ import torch.distributed as dist
 from core.checkpoint import AsyncCheckpointer, latest_checkpoint, load_checkpoint, save_checkpoint
 from core.config import Config, grad_accum_steps, resolve_layout
 from core.data import StepInputs, open_stream, resolve_address, to_inputs
+from core.lifecycle import stop_deferred
 from core.dynamic_cp import DynamicCP
 from core.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh, init_distributed
@@ -429,13 +430,17 @@ class Trainer:
                     self.watchdog.enter("checkpoint publish")
                     extras.update(self.checkpointer.poll())  # save_s of a background save just published
                 saving = self._checkpoint_due(last_step)
-                if saving:
-                    # Saved before the record is written: its cost to the step is on the step's line.
-                    self.save()
-                    extras.update(self.save_timings)
-                    previous = None
                 if saving or not self.lagged_records:
-                    self._log(writer, *pending)
+                    # Read before the save, written after it (its cost is on the step's line), and
+                    # a stop once the save is done waits for the line: a step whose checkpoint
+                    # exists always has its record.
+                    record = self.record(*pending[:3])
+                    if saving:
+                        self.save()
+                        previous = None
+                    with stop_deferred():
+                        extras.update(self.save_timings if saving else {})
+                        self._write(writer, record, extras)
                     pending = None
             if pending is not None:
                 self._log(writer, *pending)
@@ -452,7 +457,9 @@ class Trainer:
 
     def _log(self, writer: MetricsWriter, result: StepResult, step_start: float, previous: StepResult | None,
              extras: dict) -> None:
-        record = self.record(result, step_start, previous)
+        self._write(writer, self.record(result, step_start, previous), extras)
+
+    def _write(self, writer: MetricsWriter, record: dict, extras: dict) -> None:
         record.update(extras)
         self.watchdog.enter("metrics write")
         interval, step = self.config.train.log_interval, record["step"]
