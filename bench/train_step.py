@@ -137,6 +137,8 @@ def tessera_config(cfg: ModelConfig, args, device: torch.device) -> Config:
     t.micro_batch_size = args.batch
     t.global_batch_size = args.batch * args.accum  # one rank: accum micro-batches per step
     config.parallel.gradient_accumulation_fusion = not args.no_wgrad_fusion
+    t.fused_loss = getattr(args, "fused_loss", False)
+    config.parallel.split_master_weights = getattr(args, "split_masters", False)
     return config
 
 
@@ -274,6 +276,11 @@ def main() -> None:
                         help="Tessera without gradient-accumulation fusion (expert wgrad in bf16, then an fp32 pass)")
     parser.add_argument("--no-fp8-weight-cache", action="store_true",
                         help="with --precision fp8: quantise the weights in every micro-batch (train.fp8_weight_cache off)")
+    parser.add_argument("--fused-loss", action="store_true",
+                        help="Tessera's train.fused_loss: the output head and the loss over token chunks, the head's "
+                             "gradient straight into its fp32 main grad")
+    parser.add_argument("--split-masters", action="store_true",
+                        help="Tessera's parallel.split_master_weights: fp32 masters as the bf16 weights plus a 16-bit low half")
     parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 1 or args.accum < 1 or args.back_to_back < 1:
