@@ -27,7 +27,7 @@ from core.parallel.context import apply_cp
 from core.parallel.data import DataParallel, apply_data_parallel
 from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_data_parallel
 from core.parallel.recompute import apply_recompute, compile_inside_checkpoint
-from core.parallel.wgrad import fuse_weight_grads
+from core.parallel.wgrad import fuse_embedding_grad, fuse_weight_grads
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear, apply_tp
 from moe.experts import GroupedExperts
 from moe.layer import moe_layers, update_expert_bias
@@ -146,6 +146,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     if precision == "bf16" and p.gradient_accumulation_fusion:
         fuse_weight_grads(chunks)
+    if p.gradient_accumulation_fusion:
+        fuse_embedding_grad(chunks)
     if p.split_master_weights and param_dtype != torch.bfloat16:
         raise ConfigError(f"parallel.split_master_weights keeps fp32 masters as bf16 weights plus their low halves: "
                           f"it needs train.precision bf16 or fp8, not {precision}")
@@ -212,8 +214,8 @@ def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = T
                 if ok:
                     module.matmul = fp8.fp8_linear
             elif isinstance(module, GroupedExperts):
-                shape = list(module.w1.shape)
-                ok = fp8.fits_blocks(*shape[1:])
+                shape = [module.num_experts, module.dim, module.hidden]
+                ok = fp8.fits_blocks(module.dim, module.hidden)
                 if ok:
                     module.mm = grouped
             else:
