@@ -17,8 +17,7 @@ The token embedding (`fuse_embedding_grad`): autograd's backward writes a dense 
 bf16 gradient (a zero fill and a scatter) that data parallelism then adds into the fp32 main
 grad, a pass over every row of the table per micro-batch (0.7 ms at vocab 102400 and dim 2048
 on an H100) for the few thousand rows the micro-batch used. Here the backward adds the used
-rows into the main grad itself: `index_put_` with accumulation sorts the token ids and sums
-each row's gradients in order (deterministic, on CUDA too), in fp32.
+rows into the main grad itself, in fp32 and in a fixed order (`core.kernels.embedding`).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core.kernels.embedding import add_embedding_grad_
 from core.layers import FeedForward
 
 
@@ -87,26 +87,33 @@ def _forward_into_main_grad(self: nn.Linear, x: Tensor) -> Tensor:
     return linear_into_main_grad(x, self.weight, self.weight.main_grad)
 
 
+def _fuse(linear: nn.Module) -> None:
+    if type(linear) is nn.Linear and linear.bias is None:
+        linear.weight.accumulates_main_grad = True
+        linear.weight.main_grad_added_in_graph = True
+        linear.forward = _forward_into_main_grad.__get__(linear)
+
+
 def fuse_weight_grads(chunks: list[nn.Module]) -> None:
-    """Route the plain bias-free linears of every block's attention and feed-forward modules
-    through the fused weight gradient, and tag their weights for data parallelism (call after
-    `apply_recompute` and before `apply_data_parallel`, which gives them `main_grad`)."""
+    """Route the plain bias-free linears of every block's attention and feed-forward modules,
+    and an untied output head, through the fused weight gradient, and tag their weights for
+    data parallelism (call after `apply_recompute` and before `apply_data_parallel`, which gives
+    them `main_grad`)."""
     for chunk in chunks:
         for block in chunk.layers.values():
             parents = [block.attention] + [m for m in block.feed_forward.modules() if isinstance(m, FeedForward)]
             for parent in parents:
                 for linear in parent.children():
-                    if type(linear) is nn.Linear and linear.bias is None:
-                        linear.weight.accumulates_main_grad = True
-                        linear.weight.main_grad_added_in_graph = True
-                        linear.forward = _forward_into_main_grad.__get__(linear)
+                    _fuse(linear)
+        head = getattr(chunk, "output", None)
+        if head is not None and not getattr(getattr(chunk, "cfg", None), "tie_embeddings", False):
+            _fuse(head)
 
 
 def _add_embedding_grad(main_grad: Tensor, tokens: Tensor, grad_out: Tensor, accumulate: bool) -> None:
     if not accumulate:  # the step's first micro-batch: rows it did not use must read zero
         main_grad.zero_()
-    rows = grad_out.reshape(-1, grad_out.shape[-1]).to(main_grad.dtype)
-    main_grad.index_put_((tokens.reshape(-1),), rows, accumulate=True)
+    add_embedding_grad_(main_grad, tokens, grad_out)
 
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):
