@@ -3,16 +3,14 @@ MLP, and (EP mode) the expert-parallel dispatch+combine against a plain all-to-a
 
 Layer mode (one GPU; `--tiny` runs small shapes on CPU as a smoke test):
 
-    python -m bench.moe_layer [--shapes mixtral,fine64,fine128] [--iters 10] [--compile] [--gemm13] [--tiny]
+    python -m bench.moe_layer [--shapes mixtral,fine64,fine128] [--iters 10] [--compile] [--tiny]
 
 For each shape (E experts, top-k, R routed rows = tokens x k, dim -> expert hidden) it times
 forward+backward of, in --iters interleaved rounds (bench.harness):
   layer   MoELayer (router, permute, grouped GEMMs through moe.experts.grouped_mm, combine)
-  gemm    the three grouped GEMMs alone on pre-grouped rows (where the layer's time goes)
-  gemm13  (--gemm13) the same with gate and up fused into one [E, dim, 2F] weight (two grouped
-          GEMMs forward, one wider): what fusing the experts' w1 and w3 would buy; on an H100 it
-          bought nothing (gemm/gemm13 0.94-1.01 on the three shapes)
-  gemmT   the three GEMMs through torch._grouped_mm and its autograd (CUDA bf16 only): the
+  gemm    the experts alone on pre-grouped rows (where the layer's time goes): the gate and up
+          GEMM (one, on the fused [E, dim, 2F] weight), SwiGLU and the down GEMM
+  gemmT   the same GEMMs through torch._grouped_mm and its autograd (CUDA bf16 only): the
           per-shape choice between Tessera's CUTLASS kernels and PyTorch's
   loop    the same layer with a per-expert Python loop of matmuls instead of grouped_mm
   dense   a SwiGLU MLP of hidden k x F on the R/k tokens: equal active FLOPs
@@ -56,7 +54,7 @@ from core.layers import FeedForward
 from core.mesh import ParallelMesh, init_distributed
 from core.parallel.data import MainGradSink
 from moe.dispatcher import build_dispatcher
-from moe.experts import GroupedExperts, _native_reason, grouped_mm_loop, offsets_from_counts
+from moe.experts import GroupedExperts, _native_reason, grouped_mm_loop
 from moe.layer import MoELayer
 from moe.router import Routing
 from moe.parallel import apply_ep
@@ -79,21 +77,6 @@ def make_layer(e: int, k: int, dim: int, hidden: int, device, dtype) -> MoELayer
                       moe=MoEConfig(num_experts=e, top_k=k, ffn_dim=hidden, aux_loss_coeff=0.01))
     torch.manual_seed(0)
     return MoELayer(cfg, layer_id=0).to(device=device, dtype=dtype)
-
-
-class FusedGateUp(torch.nn.Module):
-    """GroupedExperts' math with w1 and w3 in one [E, dim, 2F] weight (a copy of the layer's):
-    one grouped GEMM for both, then SwiGLU on its halves, then w2."""
-
-    def __init__(self, experts: GroupedExperts):
-        super().__init__()
-        self.w13 = torch.nn.Parameter(torch.cat([experts.w1.detach(), experts.w3.detach()], dim=2))
-        self.w2, self.act, self.mm = experts.w2, experts.act, experts.mm
-
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        offsets = offsets_from_counts(tokens_per_expert)
-        gate, up = self.mm(x, self.w13, offsets).chunk(2, dim=-1)
-        return self.mm(self.act(gate, up), self.w2, offsets)
 
 
 def torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -129,7 +112,7 @@ def accumulating(fn, experts: GroupedExperts | None, others: list[torch.nn.Param
     """fn run as a later micro-batch of an accumulating step: the experts' weight gradients go
     through their MainGradSink (added by the grouped GEMM's epilogue on the CUTLASS path), the
     other params' are added into fp32 main grads by one accumulate pass each, as the trainer does."""
-    expert_params = (experts.w1, experts.w3, experts.w2) if experts is not None else ()
+    expert_params = (experts.w13, experts.w2) if experts is not None else ()
     sinks = {p: MainGradSink(_MainGrad(p)) for p in expert_params}
     mains = {p: _MainGrad(p) for p in others}
 
@@ -167,7 +150,7 @@ def _with_fresh_grads(fn, tensors):
 
 
 def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = False, routing: str = "router",
-                compiled: bool = False, gemm13: bool = False) -> None:
+                compiled: bool = False) -> None:
     e, k, routed, dim, hidden = shape
     tokens = routed // k
     layer = make_layer(e, k, dim, hidden, device, dtype)
@@ -206,12 +189,7 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
         layer.experts(rows, counts).backward(rows_grad)
 
     steps = {"layer": layer_step, "gemm": gemm_step}
-    fused_params = []
-    if gemm13:  # opt-in: its weight is 2/3 of the experts' again
-        fused = FusedGateUp(layer.experts)
-        fused_params = list(fused.parameters())
-        steps["gemm13"] = lambda: fused(rows, counts).backward(rows_grad)
-    if _native_reason(rows, layer.experts.w1) is None:
+    if _native_reason(rows, layer.experts.w13[:, :, 0]) is None:  # the gate's [E, dim, F]: both GEMMs' sizes
         def gemm_torch_step():
             layer.experts.mm = torch_grouped_mm
             layer.experts(rows, counts).backward(rows_grad)
@@ -222,7 +200,7 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     # bf16 read-modify-write of every weight gradient (aten::add_, 26% of the E=128 layer's GPU
     # time in a profile), a pass the trainer never makes. Its later micro-batches add into fp32
     # main grads instead: the +acc rows.
-    grads_of = [*layer.parameters(), *fused_params, *dense.parameters(), x, rows]
+    grads_of = [*layer.parameters(), *dense.parameters(), x, rows]
     steps = {what: _with_fresh_grads(fn, grads_of) for what, fn in steps.items()}
     dense_acc = copy.deepcopy(dense)
     run_dense_acc = torch.compile(dense_acc) if compiled else dense_acc
@@ -232,7 +210,7 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     times = compare(steps, rounds=iters, iters=1, warmup=2, device=device)
     layer.experts.mm = grouped
 
-    flops = 18 * routed * dim * hidden  # 3 GEMMs x (fwd + 2 bwd) x 2 flops per MAC
+    flops = 18 * routed * dim * hidden  # gate, up, down x (fwd + 2 bwd) x 2 flops per MAC
     loads = (counts.float().max() / counts.float().mean()).item()
     how = f"{dtype}, {device.type}" + (", compiled" if compiled else "")
     print(f"{name}: E={e} top-{k} routed={routed} {dim}->{hidden} ({how}; {routing} routing, max/mean load {loads:.2f})")
@@ -241,8 +219,6 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
               "(expert-GEMM FLOPs)")
     ratios = {f"{what}/layer": ratio(times[what], times["layer"]) for what in ("loop", "dense", "gemm")}
     ratios["dense/layer (acc)"] = ratio(times["dense+acc"], times["layer+acc"])
-    if "gemm13" in times:
-        ratios["gemm/gemm13"] = ratio(times["gemm"], times["gemm13"])
     if "gemmT" in times:
         ratios["gemmT/gemm"] = ratio(times["gemmT"], times["gemm"])
     print("  ratios: " + "  ".join(f"{what} {r['median']:.2f}" for what, r in ratios.items()))
@@ -332,7 +308,6 @@ def main() -> None:
                         help="EP mode: dispatchers to time in the same run (alltoall, allgather)")
     parser.add_argument("--routing", choices=["router", "balanced"], default="router",
                         help="layer mode: the router's own choice, or an exactly balanced one (R/E rows per expert)")
-    parser.add_argument("--gemm13", action="store_true", help="layer mode: also time gate and up fused (gemm13)")
     parser.add_argument("--compile", action="store_true",
                         help="layer mode: torch.compile the layer and the dense MLP, as the trainer's compiled blocks")
     parser.add_argument("--profile", action="store_true",
@@ -354,7 +329,7 @@ def main() -> None:
             bench_ep(n, table[n], args.iters, device, dtype, args.profile and device.type == "cuda",
                      tuple(args.dispatchers.split(",")))
         else:
-            bench_layer(n, table[n], args.iters, device, dtype, args.profile, args.routing, args.compile, args.gemm13)
+            bench_layer(n, table[n], args.iters, device, dtype, args.profile, args.routing, args.compile)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.ep:

@@ -183,7 +183,8 @@ def hf_llama_weights(spec: Spec, weights: dict[str, torch.Tensor]) -> dict[str, 
 def hf_glm4_moe_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The reference weights of the DeepSeek-like MoE under Glm4Moe names: Llama's names for the
     attention, norms and dense layers; the router and its bias; routed experts fused as
-    gate_up_proj [E, 2I, H] and down_proj [E, H, I] (Tessera keeps [E, in, out]); shared experts."""
+    gate_up_proj [E, 2I, H] and down_proj [E, H, I] (Tessera keeps [E, in, out]: gate_up_proj is
+    w13 [E, H, 2, I] transposed, gate rows first); shared experts."""
     out, rest = {}, {}
     for key, value in weights.items():
         layer, _, name = key.partition(".feed_forward.")
@@ -192,15 +193,14 @@ def hf_glm4_moe_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             out[prefix + "gate.weight"] = value
         elif name == "router.expert_bias":
             out[prefix + "gate.e_score_correction_bias"] = value
-        elif name == "experts.w1":
-            out[prefix + "experts.gate_up_proj"] = torch.cat(
-                [value.transpose(1, 2), weights[key.replace("w1", "w3")].transpose(1, 2)], dim=1)
+        elif name == "experts.w13":
+            out[prefix + "experts.gate_up_proj"] = value.flatten(2).transpose(1, 2)
         elif name == "experts.w2":
             out[prefix + "experts.down_proj"] = value.transpose(1, 2)
         elif name.startswith("shared_experts."):
             proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[name.split(".")[1]]
             out[prefix + f"shared_experts.{proj}.weight"] = value
-        elif name != "experts.w3":
+        else:
             rest[key] = value
     shapes = {k: tuple(v.shape) for k, v in rest.items()}
     out.update({link.hf[0]: rest[link.name] for link in tensor_map("llama", shapes)})

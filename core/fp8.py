@@ -23,7 +23,9 @@ attention and the loss are untouched (bf16 / fp32). docs/fp8.md says why for eac
 Routed experts: forward, dgrad and wgrad are one grouped blockwise GEMM each (no host sync).
 The weight gradient groups along K (tokens): each expert's tokens start a fresh 128-token scale
 block (core/kernels/fp8_wgrad.py). `expert_wgrad="fp8"` (default) runs it, "bf16" the bf16
-grouped wgrad kernel instead (`TESSERA_FP8_EXPERT_WGRAD` sets the default).
+grouped wgrad kernel instead (`TESSERA_FP8_EXPERT_WGRAD` sets the default). Gate and up run as
+one GEMM on w13's [E, dim, 2 x hidden] view; the hidden size being a multiple of 128, no weight
+block or gradient tile straddles the two.
 
 Shapes whose features are not multiples of 128 keep their bf16 GEMMs, listed once in the log.
 Without the kernel library (CPU, no sm_90) the quantisers and GEMMs run their exact PyTorch
@@ -42,7 +44,7 @@ from torch import Tensor, nn
 from core.kernels import fp8 as kfp8
 from core.kernels import fp8_wgrad as kwgrad
 from core.kernels import grouped_mm_wgrad
-from core.kernels.grouped_gemm import grouped_mm_wgrad_into_
+from core.kernels.grouped_gemm import grouped_mm_wgrad_into_, main_grad_sink
 from core.kernels.library import custom_op, kernel_library, report_once
 from core.fp8_cache import WEIGHT_CACHE
 
@@ -251,8 +253,9 @@ def _(x, dy, offsets, dtype):
 def _save_grouped(ctx, inputs, output) -> None:
     x, w, offsets, ctx.expert_wgrad = inputs
     ctx.save_for_backward(x, w, offsets)
-    # Data parallelism's fp32 main grad of the expert weight, when the wgrad may write it itself.
-    ctx.sink = getattr(w, "main_grad_sink", None)
+    # Data parallelism's fp32 main grad of the expert weight (w13 comes as a view), when the
+    # wgrad may write it itself.
+    ctx.sink = main_grad_sink(w)
 
 
 def _grouped_backward(ctx, dy: Tensor):

@@ -7,10 +7,12 @@ H100). The cache keeps each layout's (q, scale) until the weights change.
 
 Validity, without trusting object identity (compiled graphs may hand the ops aliases of a
 parameter): `track(params)` registers the trainer's parameters; a tensor is cached only when it
-has the data pointer, shape, strides and dtype of a live tracked parameter (then it is that
-parameter's storage, viewed the same way), and an entry is used only while that parameter's
-version counter is unchanged. Writes through `.data` do not bump the counter, so the owner of
-the weight update (data parallelism's `gather_params`) calls `clear()` after each one.
+has the data pointer and dtype of a live tracked parameter and either its shape and strides or,
+both contiguous, its number of elements (then it is that parameter's storage, viewed the same
+way or reshaped whole, as the experts' w13 [E, dim, 2, hidden] runs as [E, dim, 2 x hidden];
+entries are per shape), and an entry is used only while that parameter's version counter is
+unchanged. Writes through `.data` do not bump the counter, so the owner of the weight update
+(data parallelism's `gather_params`) calls `clear()` after each one.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class Fp8WeightCache:
     def __init__(self) -> None:
         self._params: list[weakref.ref] = []
         self._by_ptr: dict[int, weakref.ref] = {}
-        self._entries: dict[tuple[int, bool], tuple[int, tuple[Tensor, Tensor]]] = {}
+        self._entries: dict[tuple[int, tuple[int, ...], bool], tuple[int, tuple[Tensor, Tensor]]] = {}
         self.stats = {"hits": 0, "misses": 0}
 
     @property
@@ -49,17 +51,18 @@ class Fp8WeightCache:
     def _owner(self, w: Tensor) -> Tensor | None:
         ref = self._by_ptr.get(w.data_ptr())
         param = ref() if ref is not None else None
-        if param is None or param.data_ptr() != w.data_ptr() or param.dtype != w.dtype \
-                or param.shape != w.shape or param.stride() != w.stride():
+        if param is None or param.data_ptr() != w.data_ptr() or param.dtype != w.dtype:
             return None
-        return param
+        same_view = param.shape == w.shape and param.stride() == w.stride()
+        reshaped = param.is_contiguous() and w.is_contiguous() and param.numel() == w.numel()
+        return param if same_view or reshaped else None
 
     def quantize(self, w: Tensor, transpose: bool, quantiser: Quantiser) -> tuple[Tensor, Tensor]:
         """quantiser(w, transpose), from the cache when w is a tracked parameter not written since."""
         param = self._owner(w) if self._by_ptr and not torch.compiler.is_compiling() else None
         if param is None:
             return quantiser(w, transpose)
-        key = (w.data_ptr(), transpose)
+        key = (w.data_ptr(), tuple(w.shape), transpose)
         entry = self._entries.get(key)
         if entry is not None and entry[0] == param._version:
             self.stats["hits"] += 1

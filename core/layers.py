@@ -158,14 +158,28 @@ class Attention(nn.Module):
 
 class SwiGLU(nn.Module):
     """silu(a) * b: a module of its own so recomputation or offload can take the product alone.
-    Run eagerly on a GPU (the routed experts always are) it is one Triton pass each way
-    (core.kernels.fused.swiglu); compiled, inductor fuses the plain ops itself."""
+    Run eagerly on a GPU it is one Triton pass each way (core.kernels.fused.swiglu); compiled,
+    inductor fuses the plain ops itself."""
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling() and fused.triton_enabled(a) and a.shape == b.shape \
                 and a.dtype == b.dtype:
             return fused.swiglu(a, b)
         return F.silu(a) * b
+
+
+class FusedSwiGLU(SwiGLU):
+    """silu(gate) * up on one [rows, 2 x hidden] input, gate in the first half of each row and up
+    in the second: the routed experts' gate and up GEMM output (moe.experts.GroupedExperts). Eager
+    on a GPU it is one Triton pass each way whose backward writes ONE [rows, 2 x hidden] gradient
+    (core.kernels.fused.swiglu_fused), so the GEMM's backward needs no add of two input gradients.
+    A SwiGLU, so recomputation and offload of `swiglu` take it too."""
+
+    def forward(self, h13: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and fused.triton_enabled(h13):
+            return fused.swiglu_fused(h13)
+        gate, up = h13.chunk(2, dim=-1)  # chunk's backward is one cat: the gradient stays one tensor
+        return F.silu(gate) * up
 
 
 class FeedForward(nn.Module):

@@ -306,14 +306,16 @@ def _plan_import(link: Link, source: TensorFiles, want: tuple[int, ...]) -> Plan
     dtype = source.dtype(link.hf[0])
     if link.experts:
         one = source.shape(link.hf[0])
-        have = (len(link.hf), one[1], one[0]) if len(one) == 2 else None
+        have = link.expert_shape(*one) if len(one) == 2 else None
         if any(source.shape(k) != one for k in link.hf):
             raise ConversionError(f"the experts of '{link.name}' do not all have the shape {list(one)}")
 
-        def make() -> torch.Tensor:  # filled expert by expert: one expert's copy besides the result
+        def make() -> torch.Tensor:  # filled matrix by matrix: one matrix's copy besides the result
             out = torch.empty(have, dtype=dtype)
-            for e, key in enumerate(link.hf):
-                out[e].copy_(source.read(key).t())
+            stacked = out.view(have[0], have[1], link.parts, have[-1])
+            for e, keys in enumerate(link.expert_keys()):
+                for part, key in enumerate(keys):
+                    stacked[e, :, part].copy_(source.read(key).t())
             return out
     else:
         have = source.shape(link.hf[0])
@@ -483,7 +485,7 @@ def _out_dtype(dtype: str, info: dict, available: dict) -> torch.dtype:
 
 
 def _plan_export(links: list[Link], source: TesseraWeights, available: dict, dtype: torch.dtype) -> list[Planned]:
-    """Every Hugging Face key, in Tessera tensor order; an expert tensor is read once for its E keys."""
+    """Every Hugging Face key, in Tessera tensor order; an expert tensor is read once for all its keys."""
     cache: dict[str, torch.Tensor] = {}
 
     def tensor(name: str) -> torch.Tensor:
@@ -496,9 +498,12 @@ def _plan_export(links: list[Link], source: TesseraWeights, available: dict, dty
     for link in links:
         shape = available[link.name][0]
         if link.experts:
-            for e, key in enumerate(link.hf):
-                planned.append(Planned(key, (shape[2], shape[1]), dtype,
-                                       lambda name=link.name, e=e: tensor(name)[e].t().contiguous()))
+            stacked = (shape[0], shape[1], link.parts, shape[-1])  # [E, in, parts, out]
+            for e, keys in enumerate(link.expert_keys()):
+                for part, key in enumerate(keys):
+                    planned.append(Planned(key, (shape[-1], shape[1]), dtype,
+                                           lambda name=link.name, view=stacked, e=e, part=part:
+                                           tensor(name).view(view)[e, :, part].t().contiguous()))
         else:
             planned.append(Planned(link.hf[0], shape, dtype, lambda name=link.name: tensor(name)))
     return planned

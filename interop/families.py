@@ -16,7 +16,9 @@ Tensors: `tensor_map(family, names)` pairs every Tessera parameter name with the
 key(s) it comes from. A `Link` is either a copy (same layout: `nn.Linear` weights are
 [out, in] on both sides) or the experts of one MoE layer: Tessera stacks them as
 [E, in, out] (`moe.experts.GroupedExperts`), Hugging Face checkpoints hold one [out, in]
-matrix per expert, so expert e is the transpose of slice e.
+matrix per expert, so expert e is the transpose of slice e. The gate and up projections are
+one Tessera tensor, w13 [E, in, 2, out]: its link has two keys per expert (`parts`), gate_proj
+the transpose of w13[e, :, 0] and up_proj of w13[e, :, 1].
 """
 
 from __future__ import annotations
@@ -277,8 +279,21 @@ class Link:
     """One Tessera tensor and the Hugging Face key(s) it is made of."""
 
     name: str  # Tessera parameter name
-    hf: tuple[str, ...]  # one key (a copy), or one per expert (stacked and transposed)
+    hf: tuple[str, ...]  # one key (a copy), or `parts` per expert, expert by expert (stacked and transposed)
     experts: bool = False
+    parts: int = 1  # keys per expert: several are stacked along Tessera's dim 2 (w13: gate, up)
+
+    def expert_keys(self) -> list[tuple[str, ...]]:
+        """Each expert's keys, in the order they stack."""
+        return [self.hf[i:i + self.parts] for i in range(0, len(self.hf), self.parts)]
+
+    def expert_shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
+        """The stacked tensor's shape for Hugging Face matrices of [out, in]: [E, in, out], or
+        [E, in, parts, out] with several keys per expert."""
+        experts = len(self.hf) // self.parts
+        if self.parts == 1:
+            return experts, in_features, out_features
+        return experts, in_features, self.parts, out_features
 
 
 _BLOCK = [  # Tessera suffix inside layers.{i}. -> Hugging Face suffix inside model.layers.{i}.
@@ -291,13 +306,13 @@ _BLOCK = [  # Tessera suffix inside layers.{i}. -> Hugging Face suffix inside mo
     (r"feed_forward\.w3\.weight", "mlp.up_proj.weight"),
     (r"feed_forward\.w2\.weight", "mlp.down_proj.weight"),
 ]
-_MOE = {  # family -> (router key, {Tessera expert tensor: per-expert key pattern})
+_MOE = {  # family -> (router key, {Tessera expert tensor: its per-expert key patterns, in stacking order})
     "mixtral": ("block_sparse_moe.gate.weight",
-                {"w1": "block_sparse_moe.experts.{e}.w1.weight", "w3": "block_sparse_moe.experts.{e}.w3.weight",
-                 "w2": "block_sparse_moe.experts.{e}.w2.weight"}),
+                {"w13": ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+                 "w2": ("block_sparse_moe.experts.{e}.w2.weight",)}),
     "qwen3_moe": ("mlp.gate.weight",
-                  {"w1": "mlp.experts.{e}.gate_proj.weight", "w3": "mlp.experts.{e}.up_proj.weight",
-                   "w2": "mlp.experts.{e}.down_proj.weight"}),
+                  {"w13": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+                   "w2": ("mlp.experts.{e}.down_proj.weight",)}),
 }
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -321,10 +336,11 @@ def tensor_map(family: str, shapes: dict[str, tuple[int, ...]]) -> list[Link]:
         if moe is not None and rest == "feed_forward.router.weight":
             links.append(Link(name, (prefix + moe[0],)))
             continue
-        expert = re.fullmatch(r"feed_forward\.experts\.(w[123])", rest)
+        expert = re.fullmatch(r"feed_forward\.experts\.(w13|w2)", rest)
         if moe is not None and expert:
-            pattern = moe[1][expert.group(1)]
-            links.append(Link(name, tuple(prefix + pattern.format(e=e) for e in range(shape[0])), experts=True))
+            patterns = moe[1][expert.group(1)]
+            keys = tuple(prefix + pattern.format(e=e) for e in range(shape[0]) for pattern in patterns)
+            links.append(Link(name, keys, experts=True, parts=len(patterns)))
             continue
         for tessera, hf in _BLOCK:
             if re.fullmatch(tessera, rest):

@@ -10,7 +10,16 @@ CUTLASS kernels in csrc/ can replace it in one place:
 - CPU: an exact per-group loop over experts (not tokens), one matmul per expert; it reads the
   offsets on the host. The fallback is logged once.
 
-Weights are stored [E, in, out] so every GEMM is x @ w[e] without a transpose.
+Weights are stored [E, in, out] so every GEMM is x @ w[e] without a transpose: `w13`
+[E, dim, 2, hidden] holds each expert's gate (w13[e, :, 0]) and up (w13[e, :, 1]) projections,
+run as ONE GEMM on its contiguous view [E, dim, 2 x hidden] (gate columns first), and `w2`
+[E, hidden, dim] the down projection. The fused gate/up GEMM reads the rows once, and its
+backward is one data-gradient GEMM (the SwiGLU's backward hands it one [rows, 2 x hidden]
+gradient) where separate gate and up GEMMs needed two and an add of their results (the add
+alone: 6.2 ms of a 533 ms training step on an H100). The 2 is a dim of its own so that expert
+tensor parallelism splits the hidden size as a plain slice of the last dim (each rank keeps
+matching gate and up columns). State dicts from before, with separate `w1` (gate) and `w3`
+(up), load into w13.
 """
 
 from __future__ import annotations
@@ -21,9 +30,9 @@ import torch
 from torch import nn
 
 from core import placement
-from core.layers import SwiGLU
+from core.layers import FusedSwiGLU
 from core.kernels import grouped_mm as kernels_grouped_mm
-from core.kernels.grouped_gemm import grouped_mm_wgrad_into_
+from core.kernels.grouped_gemm import grouped_mm_wgrad_into_, main_grad_sink
 
 log = logging.getLogger(__name__)
 _reported: set[str] = set()
@@ -72,16 +81,18 @@ def _product(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.T
 
 
 class _GroupedMMIntoMainGrad(torch.autograd.Function):
-    """grouped_mm(x, param, offsets) whose weight gradient the backward writes into the param's
-    fp32 main grad through `param.main_grad_sink` (gradient-accumulation fusion, set up by
-    core.parallel.data): on the CUTLASS path the wgrad GEMM's epilogue adds to the main grad, so
-    no bf16 gradient is written and read back and the separate fp32 accumulation pass is gone."""
+    """grouped_mm(x, weight, offsets) whose weight gradient the backward writes into the fp32 main
+    grad of the weight's parameter through `sink` (its `main_grad_sink`, gradient-accumulation
+    fusion set up by core.parallel.data; seen in the weight's shape when the weight is a view of
+    the parameter, as w13's is): on the CUTLASS path the wgrad GEMM's epilogue adds to the main
+    grad, so no bf16 gradient is written and read back and the separate fp32 accumulation pass
+    is gone."""
 
     @staticmethod
-    def forward(ctx, x, param, offsets, dtype):
-        w = param.to(dtype)  # the cast stays inside: its gradient never goes through autograd
+    def forward(ctx, x, weight, offsets, dtype, sink):
+        w = weight.to(dtype)  # the cast stays inside: its gradient never goes through autograd
         ctx.save_for_backward(x, w, offsets)
-        ctx.sink = param.main_grad_sink
+        ctx.sink = sink
         return _product(x, w, offsets)
 
     @staticmethod
@@ -90,7 +101,7 @@ class _GroupedMMIntoMainGrad(torch.autograd.Function):
         grad = grad.contiguous()
         dx = _product(grad, w.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
         ctx.sink.write(lambda main_grad, accumulate: grouped_mm_wgrad_into_(main_grad, x, grad, offsets, accumulate))
-        return dx, ctx.sink.stand_in(), None, None
+        return dx, ctx.sink.stand_in(), None, None, None
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -100,14 +111,16 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     Under autocast both operands are cast to the autocast dtype first, as torch.matmul's are:
     custom ops are invisible to autocast, and fp32 master weights there sent every expert
     GEMM to the fp32 per-group loop (measured on an H100, 2026-11-23). A parameter with a
-    `main_grad_sink` (data parallelism with gradient_accumulation_fusion) gets its gradient
-    written into its fp32 main grad by the backward itself."""
+    `main_grad_sink` (data parallelism with gradient_accumulation_fusion), or a view of all of
+    one (w13 as [E, dim, 2 x hidden]), gets its gradient written into its fp32 main grad by the
+    backward itself."""
     dtype = w.dtype
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x = x.to(dtype)
-    if getattr(w, "main_grad_sink", None) is not None and w.requires_grad and torch.is_grad_enabled():
-        return _GroupedMMIntoMainGrad.apply(x, w, offsets, dtype)
+    sink = main_grad_sink(w)
+    if sink is not None and w.requires_grad and torch.is_grad_enabled():
+        return _GroupedMMIntoMainGrad.apply(x, w, offsets, dtype, sink)
     return _product(x, w.to(dtype), offsets)
 
 
@@ -117,7 +130,8 @@ def offsets_from_counts(tokens_per_expert: torch.Tensor) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts: w2_e(silu(x w1_e) * (x w3_e)) for the rows routed to expert e.
+    """E SwiGLU experts: (silu(x gate_e) * (x up_e)) w2_e for the rows routed to expert e, with
+    gate_e, up_e = w13[e, :, 0], w13[e, :, 1] (module docstring).
 
     Parameters carry `expert_parallel = True`: their gradients are reduced over the
     expert-data-parallel group ("edp"), not "dp_cp". `moe.parallel.apply_ep` keeps only this
@@ -126,20 +140,26 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, hidden: int, mm=grouped_mm):
         super().__init__()
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
-        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w13 = nn.Parameter(torch.empty(num_experts, dim, 2, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        for param in (self.w1, self.w3, self.w2):
+        for param in (self.w13, self.w2):
             nn.init.normal_(param, 0.0, 0.02)
             placement.tag_expert(param)
         self.mm = mm  # the bench swaps in grouped_mm_loop as its baseline
-        self.act = SwiGLU()
+        self.act = FusedSwiGLU()
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim] grouped by expert; tokens_per_expert [E_local] sums to N."""
         offsets = offsets_from_counts(tokens_per_expert)
-        h = self.act(self.mm(x, self.w1, offsets), self.mm(x, self.w3, offsets))
+        h = self.act(self.mm(x, self.w13.flatten(2), offsets))
         return self.mm(h, self.w2, offsets)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A state dict from before gate and up were one weight: w1 (gate) and w3 (up) [E, dim, hidden].
+        gate, up = prefix + "w1", prefix + "w3"
+        if gate in state_dict and up in state_dict and prefix + "w13" not in state_dict:
+            state_dict[prefix + "w13"] = torch.stack((state_dict.pop(gate), state_dict.pop(up)), dim=2)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}"

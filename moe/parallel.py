@@ -51,7 +51,7 @@ def _shard_layer(layer: MoELayer, name: str, ep: int, ep_rank: int, tp: int, tp_
     experts = layer.experts
     if experts.num_experts % ep:
         raise ValueError(f"{name}: parallel.ep={ep} must divide num_experts={experts.num_experts}")
-    for pname, tp_dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+    for pname, tp_dim in (("w13", 3), ("w2", 1)):  # the hidden size: w13 [E, dim, 2, hidden], w2 [E, hidden, dim]
         full = getattr(experts, pname)
         placement.tag_expert(full, 0, full.shape)
         param = _slice(full, 0, ep_rank, ep, f"{name}.experts.{pname}") if ep > 1 else full

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHECKS = r'''
 import os, torch
-from core.kernels.fused import accumulate_fp32_, gather_sum, gather_weighted_sum, inverse_of, swiglu, triton_enabled
+from core.kernels.fused import accumulate_fp32_, gather_sum, gather_weighted_sum, inverse_of, swiglu, swiglu_fused, \
+    triton_enabled
 
 torch.manual_seed(0)
 device, dtype = os.environ["CHECK_DEVICE"], getattr(torch, os.environ["CHECK_DTYPE"])
@@ -78,6 +79,29 @@ out.backward(grad)
 want.backward(grad.double())
 torch.testing.assert_close(a.grad.double(), a64.grad, **tol)
 torch.testing.assert_close(b.grad.double(), b64.grad, **tol)
+
+# swiglu_fused: gate and up as the halves of each row of h13 [rows, 2H], against float64 and
+# against the PyTorch path of core.layers.FusedSwiGLU (Triton off): hidden sizes of two column
+# blocks, a multiple of 8 (the 16-byte loads) and one that is not (masked)
+from core.layers import FusedSwiGLU
+for rows, hidden in ((5, 1096), (3, 1365)):
+    h13 = (4 * torch.randn(rows, 2 * hidden)).to(dtype).requires_grad_()
+    out = swiglu_fused(h13)
+    h64 = h13.detach().double().requires_grad_()
+    want = torch.nn.functional.silu(h64[:, :hidden]) * h64[:, hidden:]
+    assert out.dtype == dtype and out.shape == (rows, hidden)
+    torch.testing.assert_close(out.double(), want, **tol)
+    grad = torch.randn(rows, hidden).to(dtype)
+    out.backward(grad)
+    want.backward(grad.double())
+    assert h13.grad.shape == h13.shape and h13.grad.is_contiguous()  # one gradient, gate part first
+    torch.testing.assert_close(h13.grad.double(), h64.grad, **tol)
+    os.environ["TESSERA_TRITON"] = "0"
+    plain = h13.detach().clone().requires_grad_()
+    torch.testing.assert_close(FusedSwiGLU()(plain), out, **tol)
+    FusedSwiGLU()(plain).backward(grad)
+    torch.testing.assert_close(plain.grad, h13.grad, **tol)
+    os.environ["TESSERA_TRITON"] = "1"
 
 # core.layers.SwiGLU: the kernel when eager, the plain ops when traced (one graph, no break)
 from core.layers import FeedForward

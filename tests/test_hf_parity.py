@@ -168,8 +168,8 @@ def tessera_state(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     Linear weights are [out, in] on both sides and rotary uses the same two halves of each
     head, so attention needs no permutation. Experts: transformers holds `gate_up_proj`
-    [E, 2I, D] (gate rows first) and `down_proj` [E, D, I]; Tessera holds w1, w3 [E, D, I]
-    and w2 [E, I, D], so each is a slice transposed per expert."""
+    [E, 2I, D] (gate rows first) and `down_proj` [E, D, I]; Tessera holds w13 [E, D, 2, I]
+    (gate at [:, :, 0], up at [:, :, 1]) and w2 [E, I, D], so each is the transpose per expert."""
     out = {}
     for key, value in hf_state.items():
         parts = key.split(".")
@@ -190,8 +190,7 @@ def tessera_state(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 out[prefix + "feed_forward.router.weight"] = value
             elif rest[:2] == ["mlp", "experts"] and rest[2] == "gate_up_proj":
                 hidden = value.shape[1] // 2
-                out[prefix + "feed_forward.experts.w1"] = value[:, :hidden].transpose(1, 2).contiguous()
-                out[prefix + "feed_forward.experts.w3"] = value[:, hidden:].transpose(1, 2).contiguous()
+                out[prefix + "feed_forward.experts.w13"] = value.transpose(1, 2).unflatten(2, (2, hidden)).contiguous()
             elif rest[:2] == ["mlp", "experts"] and rest[2] == "down_proj":
                 out[prefix + "feed_forward.experts.w2"] = value.transpose(1, 2).contiguous()
             elif rest[0] == "mlp" and rest[1] in _MLP:

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.moe_layer import BalancedRouter, FusedGateUp, accumulating, make_layer as make_bench_layer
+from bench.moe_layer import BalancedRouter, accumulating, make_layer as make_bench_layer
 from core.config import ModelConfig, MoEConfig
 from core.layers import AttentionMeta
 from core.model import build_model
 from moe.dispatcher import AllGatherDispatcher, sort_by_expert
-from moe.experts import grouped_mm, grouped_mm_loop
+from moe.experts import GroupedExperts, grouped_mm, grouped_mm_loop
 from moe.layer import MoELayer, moe_metrics, set_moe_loss_scale, set_moe_sequences, update_expert_bias
 from moe.router import (
     capacity_keep,
@@ -59,12 +59,17 @@ def _layer(**moe) -> MoELayer:
     return layer
 
 
+def every_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """[T, E, D]: every expert (gate, up [E, D, H], down [E, H, D]) on every token, by einsum."""
+    h = F.silu(torch.einsum("td,edh->teh", x, gate)) * torch.einsum("td,edh->teh", x, up)
+    return torch.einsum("teh,ehd->ted", h, down)
+
+
 def dense_reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     """Every expert on every token, then the router's weighted choice (plus shared experts)."""
     r = layer.router(x)
     e = layer.experts
-    h = F.silu(torch.einsum("td,edh->teh", x, e.w1)) * torch.einsum("td,edh->teh", x, e.w3)
-    all_out = torch.einsum("teh,ehd->ted", h, e.w2)  # [T, E, D]
+    all_out = every_expert(x, e.w13[:, :, 0], e.w13[:, :, 1], e.w2)  # [T, E, D]
     chosen = all_out.gather(1, r.indices.unsqueeze(-1).expand(-1, -1, x.shape[1]))
     y = (chosen * r.weights.to(x.dtype).unsqueeze(-1)).sum(1)
     return y + layer.shared_experts(x) if layer.shared_experts is not None else y
@@ -91,6 +96,70 @@ def test_grouped_mm_loop_zero_fills_rows_past_last_group():
     x, w = torch.ones(5, 2), torch.ones(2, 2, 3)
     out = grouped_mm_loop(x, w, torch.tensor([1, 3], dtype=torch.int32))
     assert out.shape == (5, 3) and out[3:].abs().sum() == 0 and out[:3].eq(2).all()
+
+
+# ------------------------------------------------------------------ the experts
+def _separate_weights(e: int = 5, d: int = 12, h: int = 8, seed: int = 7):
+    """Gate and up [E, D, H] and down [E, H, D] as separate float64 leaves (the old layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(0.3 * torch.randn(*shape, generator=gen, dtype=torch.float64)).requires_grad_()
+            for shape in ((e, d, h), (e, d, h), (e, h, d))]
+
+
+def _per_group_reference(x, counts, gate, up, down):
+    """Rows of group g through expert g (every_expert, then each row's own expert picked)."""
+    expert_of_row = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    all_out = every_expert(x, gate, up, down)
+    return all_out[torch.arange(x.shape[0]), expert_of_row]
+
+
+@pytest.mark.parametrize("mm", [grouped_mm, grouped_mm_loop])
+def test_grouped_experts_equal_separate_gate_and_up_weights_forward_and_backward(mm):
+    # w13[:, :, 0] is the gate and w13[:, :, 1] the up projection, run as one GEMM on the
+    # [E, D, 2H] view; the reference multiplies the three separate weights by einsum.
+    gate, up, down = _separate_weights()
+    experts = GroupedExperts(5, 12, 8, mm=mm).double()
+    with torch.no_grad():
+        experts.w13.copy_(torch.stack((gate, up), dim=2))
+        experts.w2.copy_(down)
+    counts = torch.tensor([4, 0, 7, 1, 3])  # an empty expert: no gradient for it
+    x = torch.randn(int(counts.sum()), 12, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = experts(x, counts)
+    want = _per_group_reference(x_ref, counts, gate, up, down)
+    torch.testing.assert_close(y, want, **TIGHT)
+    g = torch.randn_like(y)
+    y.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(x.grad, x_ref.grad, **TIGHT)
+    torch.testing.assert_close(experts.w13.grad[:, :, 0], gate.grad, **TIGHT)
+    torch.testing.assert_close(experts.w13.grad[:, :, 1], up.grad, **TIGHT)
+    torch.testing.assert_close(experts.w2.grad, down.grad, **TIGHT)
+    assert experts.w13.grad[1].abs().sum() == 0 and experts.w13.grad[0].abs().sum() > 0
+
+
+def test_grouped_experts_load_a_state_dict_with_separate_w1_and_w3():
+    # Checkpoints written before gate and up were one weight: w1 (gate), w3 (up) [E, D, H].
+    gate, up, down = _separate_weights()
+    old = {"w1": gate.detach(), "w3": up.detach(), "w2": down.detach()}
+    experts = GroupedExperts(5, 12, 8).double()
+    missing, unexpected = experts.load_state_dict(old)
+    assert not missing and not unexpected and sorted(old) == ["w1", "w2", "w3"]  # the caller's dict untouched
+    assert list(experts.state_dict()) == ["w13", "w2"]
+    torch.testing.assert_close(experts.w13[:, :, 0], gate.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(experts.w13[:, :, 1], up.detach(), rtol=0, atol=0)
+    counts = torch.tensor([2, 3, 0, 5, 1])
+    x = torch.randn(11, 12, dtype=torch.float64)
+    torch.testing.assert_close(experts(x, counts), _per_group_reference(x, counts, gate, up, down).detach(), **TIGHT)
+    # Inside a model, under its prefix: the whole MoE layer's output is unchanged.
+    layer = _layer()
+    x = torch.randn(9, 24, dtype=torch.float64)
+    state = layer.state_dict()
+    w13 = state.pop("experts.w13")
+    state["experts.w1"], state["experts.w3"] = w13[:, :, 0].clone(), w13[:, :, 1].clone()
+    fresh = MoELayer(_cfg(), layer_id=1).double()
+    fresh.load_state_dict(state)
+    torch.testing.assert_close(fresh(x), layer(x), rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------ routers
@@ -242,8 +311,10 @@ def test_aux_loss_gradient_is_coeff_over_num_losses():
     aux = load_balancing_loss(r.probs, r.tokens_per_expert, 2)
     (dense_reference(layer, x).sum() + (coeff * aux + zc * z_loss(r.logits)) / n).backward()
     # The router computes in fp32 by design; the two objectives add the same fp32 terms in
-    # another order, hence fp32 tolerance here.
-    torch.testing.assert_close(got, layer.router.weight.grad, rtol=1e-5, atol=1e-7)
+    # another order, hence fp32 tolerance here, on the gradient's scale: a small entry can be
+    # the difference of large terms (5e-7 of the largest entry at worst over 60 inputs).
+    want = layer.router.weight.grad
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * want.abs().max().item())
     with pytest.raises(ValueError, match="num_losses must be > 0"):
         set_moe_loss_scale(torch.nn.ModuleList([layer]), 0)
 
@@ -399,7 +470,7 @@ def test_mfu_counts_the_active_parameters_of_moe_layers():
     assert total == sum(p.numel() for p in model.parameters())
     assert embedding == 64 * 24
     experts = model.layers["1"].feed_forward.experts
-    per_expert = 3 * 24 * 16  # w1, w3: dim x ffn; w2: ffn x dim
+    per_expert = 3 * 24 * 16  # w13: dim x 2 x ffn; w2: ffn x dim
     assert sum(p.numel() for p in experts.parameters()) == 8 * per_expert
     assert active == total - (8 - 2) * per_expert  # a token visits top_k = 2 of the 8
     dense = build_model(ModelConfig(vocab_size=64, dim=24, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=32), 0)
@@ -476,7 +547,7 @@ def test_gradient_accumulation_fusion_gives_the_unfused_main_grads(param_dtype):
     # Three micro-batches (two under no_sync), bf16 params under autocast as on a GPU: the main
     # grads equal the unfused path's (bf16 weight gradient, then the hook's fp32 pass).
     main_grads, fused_counts = _main_grads_fused_and_not(param_dtype, "cpu")
-    assert fused_counts == {False: 0, True: 3 * 3}  # w1, w3, w2 in each of 3 micro-batches
+    assert fused_counts == {False: 0, True: 2 * 3}  # w13 (through its [E, dim, 2F] view), w2 in each of 3 micro-batches
     tol = dict(rtol=1e-6, atol=1e-6) if param_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
     for name, want in main_grads[False].items():
         assert want.abs().max() > 0, name
@@ -490,7 +561,7 @@ def test_gradient_accumulation_fusion_on_the_gpu_matches_the_unfused_main_grads(
     # to the fp32 main grad: it skips the bf16 rounding of each micro-batch's gradient, so the
     # two agree to bf16 precision, not bit for bit.
     main_grads, fused_counts = _main_grads_fused_and_not(torch.bfloat16, "cuda", rows=4096)
-    assert fused_counts == {False: 0, True: 3 * 3}
+    assert fused_counts == {False: 0, True: 2 * 3}
     for name, want in main_grads[False].items():
         got = main_grads[True][name]
         assert want.abs().max() > 0 and torch.isfinite(got).all(), name
@@ -533,22 +604,6 @@ def test_layer_bench_balanced_routing_gives_every_expert_the_same_rows():
     assert y.shape == x.shape and torch.isfinite(y).all()
 
 
-def test_layer_bench_fused_gate_up_computes_the_experts_math():
-    # bench/moe_layer.py's gemm13 row times the experts with w1 and w3 in one [E, dim, 2F]
-    # weight: the same outputs and input gradients as GroupedExperts (fp32, exact products).
-    layer = make_bench_layer(8, 2, 16, 24, torch.device("cpu"), torch.float32)
-    layer.experts.mm = grouped_mm_loop
-    fused = FusedGateUp(layer.experts)
-    counts = torch.tensor([3, 0, 5, 2, 4, 1, 0, 5])
-    x = torch.randn(int(counts.sum()), 16, requires_grad=True)
-    want = layer.experts(x, counts)
-    (gx_want,) = torch.autograd.grad(want.square().sum(), x)
-    got = fused(x, counts)
-    (gx_got,) = torch.autograd.grad(got.square().sum(), x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gx_got, gx_want, rtol=1e-5, atol=1e-6)
-
-
 def test_layer_bench_accumulating_rows_add_every_weight_gradient_into_fp32_main_grads():
     # bench/moe_layer.py's layer+acc / dense+acc rows: each run adds the weight gradients into
     # fp32 main grads (experts through their MainGradSink, others by a hook) and leaves no .grad.
@@ -556,12 +611,12 @@ def test_layer_bench_accumulating_rows_add_every_weight_gradient_into_fp32_main_
     dense = torch.nn.Linear(16, 16, bias=False)
     x = torch.randn(12, 16)
     (layer(x).sum() + dense(x).sum()).backward()
-    want = {"w1": layer.experts.w1.grad.clone(), "dense": dense.weight.grad.clone()}
-    layer.experts.w1.grad = dense.weight.grad = None
+    want = {"w13": layer.experts.w13.grad.clone(), "dense": dense.weight.grad.clone()}
+    layer.experts.w13.grad = dense.weight.grad = None
     step = accumulating(lambda: (layer(x).sum() + dense(x).sum()).backward(), layer.experts, [dense.weight])
     step()
     step()
     sinks, mains = step.sinks, step.mains
-    torch.testing.assert_close(sinks[layer.experts.w1].slot.main_grad, 2 * want["w1"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sinks[layer.experts.w13].slot.main_grad, 2 * want["w13"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(mains[dense.weight].main_grad, 2 * want["dense"], rtol=1e-5, atol=1e-6)
-    assert dense.weight.grad is None and getattr(layer.experts.w1, "main_grad_sink", None) is None
+    assert dense.weight.grad is None and getattr(layer.experts.w13, "main_grad_sink", None) is None

@@ -13,7 +13,11 @@
 - `swiglu(a, b)`: silu(a) * b, forward in one pass and backward in one (reads a, b and the
   output's gradient, writes both input gradients), saving only a and b. Eager PyTorch runs it as
   silu, mul, and in the backward two muls and silu_backward, each a pass over [rows, hidden]
-  (1.7 ms of a 17.6 ms fine-grained E=64 MoE layer on an H100); the experts run it eagerly.
+  (1.7 ms of a 17.6 ms fine-grained E=64 MoE layer on an H100).
+- `swiglu_fused(h13)`: the same on the routed experts' fused gate/up GEMM output [rows, 2H] (gate
+  in the first H columns of each row, up in the last H): forward writes [rows, H], backward ONE
+  [rows, 2H] gradient (gate part first), so the GEMM's backward is one dgrad GEMM of K = 2H with no
+  add of two input gradients, and one wgrad GEMM. The experts run it eagerly.
 
 Triton is used when it imports and the tensors are on CUDA (`TESSERA_TRITON=0` turns it off).
 `accumulate_fp32_` falls back to PyTorch itself; for the combine the callers (moe.dispatcher)
@@ -73,6 +77,35 @@ if triton is not None:
         silu = x * sig
         tl.store(grad_b + offs, (g * silu).to(grad_b.dtype.element_ty), mask=mask)
         tl.store(grad_a + offs, (g * y * (sig + silu * (1.0 - sig))).to(grad_a.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_fused_kernel(h13, out, hidden_vecs, VEC: tl.constexpr, BLOCK: tl.constexpr):
+        # One row's column block: gate = h13[row, :H], up = h13[row, H:], out [rows, H]. H is
+        # passed as hidden_vecs * VEC so the compiler knows every row and half starts on a
+        # VEC-element boundary and issues 16-byte loads (VEC = 8 for bf16).
+        hidden = hidden_vecs * VEC
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        gate_ptr = h13 + row * 2 * hidden + cols
+        x = tl.load(gate_ptr, mask=mask).to(tl.float32)
+        y = tl.load(gate_ptr + hidden, mask=mask).to(tl.float32)
+        tl.store(out + row * hidden + cols, (x * tl.sigmoid(x) * y).to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_fused_backward_kernel(h13, grad, grad13, hidden_vecs, VEC: tl.constexpr, BLOCK: tl.constexpr):
+        hidden = hidden_vecs * VEC
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        pair = row * 2 * hidden + cols
+        x = tl.load(h13 + pair, mask=mask).to(tl.float32)
+        y = tl.load(h13 + pair + hidden, mask=mask).to(tl.float32)
+        g = tl.load(grad + row * hidden + cols, mask=mask).to(tl.float32)
+        sig = tl.sigmoid(x)
+        silu = x * sig
+        tl.store(grad13 + pair, (g * y * (sig + silu * (1.0 - sig))).to(grad13.dtype.element_ty), mask=mask)
+        tl.store(grad13 + pair + hidden, (g * silu).to(grad13.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _gather_sum_kernel(rows, inverse, weights, out, dim, K: tl.constexpr, WEIGHTED: tl.constexpr,
@@ -170,6 +203,45 @@ def swiglu(a: Tensor, b: Tensor) -> Tensor:
         raise ValueError(f"swiglu needs a and b of one shape and dtype, got {list(a.shape)} {a.dtype} and "
                          f"{list(b.shape)} {b.dtype}")
     return _SwiGLU.apply(a, b)
+
+
+def _row_vectors(hidden: int) -> int:
+    """VEC of the fused SwiGLU kernels: 8 elements (16 bytes of bf16) when the hidden size allows."""
+    return 8 if hidden % 8 == 0 else 1
+
+
+class _SwiGLUFused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h13):
+        h13 = h13.contiguous()
+        ctx.save_for_backward(h13)
+        rows, hidden = h13.shape[0], h13.shape[1] // 2
+        out = h13.new_empty(rows, hidden)
+        if out.numel():
+            vec = _row_vectors(hidden)
+            _launch(_swiglu_fused_kernel, (rows, triton.cdiv(hidden, _ROW_BLOCK)), h13, out, hidden // vec,
+                    VEC=vec, BLOCK=_ROW_BLOCK, num_warps=4)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h13,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        rows, hidden = grad.shape
+        grad13 = torch.empty_like(h13)  # one tensor: the GEMM's backward takes it whole
+        if grad.numel():
+            vec = _row_vectors(hidden)
+            _launch(_swiglu_fused_backward_kernel, (rows, triton.cdiv(hidden, _ROW_BLOCK)), h13, grad, grad13,
+                    hidden // vec, VEC=vec, BLOCK=_ROW_BLOCK, num_warps=4)
+        return grad13
+
+
+def swiglu_fused(h13: Tensor) -> Tensor:
+    """silu(gate) * up for h13 [rows, 2H] holding gate in columns [0, H) and up in [H, 2H), in
+    h13's dtype, fp32 inside (Triton; see the module doc). Needs `triton_enabled(h13)`."""
+    if h13.dim() != 2 or h13.shape[1] % 2:
+        raise ValueError(f"swiglu_fused needs h13 [rows, 2 x hidden], got {list(h13.shape)}")
+    return _SwiGLUFused.apply(h13)
 
 
 def inverse_of(order: Tensor, slots: int) -> Tensor:

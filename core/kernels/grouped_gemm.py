@@ -5,6 +5,8 @@
   group ends on x's device -> [N, M]; rows of group g times w[g], rows past offsets[-1] zero.
 - `tessera::grouped_mm_wgrad(x, dy, offsets)`: [G, K, M] with entry g = x_g^T dy_g (zero for
   empty groups), the weight gradient.
+- `main_grad_sink(w)`: where a weight gradient may be written straight into the fp32 main grad
+  (gradient-accumulation fusion), also for a weight passed as a reshaped view of its parameter.
 
 Autograd: d x = grouped_mm(dy, w^T) and d w = grouped_mm_wgrad(x, dy), both with the same
 offsets. On an sm_90 GPU with libtessera_kernels.so built (csrc/), bf16 operands run the CUTLASS
@@ -392,3 +394,36 @@ def _backward(ctx, grad: Tensor):
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------
+# The main-grad sink a grouped GEMM's weight gradient goes to (gradient-accumulation fusion).
+# ---------------------------------------------------------------------------------------
+
+class _ViewedSink:
+    """A parameter's `main_grad_sink` seen through a view of the whole parameter in another
+    shape: the fill gets the main grad, and the backward its stand-in, in the view's shape."""
+
+    def __init__(self, sink, shape: torch.Size):
+        self.sink, self.shape = sink, shape
+
+    def write(self, fill) -> None:
+        self.sink.write(lambda main_grad, accumulate: fill(main_grad.view(self.shape), accumulate))
+
+    def stand_in(self) -> Tensor:
+        return self.sink.stand_in().view(self.shape)
+
+
+def main_grad_sink(w: Tensor):
+    """The sink (core.parallel.data.MainGradSink) that takes the weight gradient of `w`: w's own
+    when w is the parameter, the parameter's seen in w's shape when w views all of a contiguous
+    parameter (the experts' w13 [E, dim, 2, hidden] passed as [E, dim, 2 x hidden]), else None."""
+    sink = getattr(w, "main_grad_sink", None)
+    if sink is not None:
+        return sink
+    base = w._base
+    if base is None or not (base.is_contiguous() and w.is_contiguous()) or base.numel() != w.numel() \
+            or base.data_ptr() != w.data_ptr():
+        return None
+    sink = getattr(base, "main_grad_sink", None)
+    return _ViewedSink(sink, w.shape) if sink is not None else None

@@ -135,9 +135,8 @@ def _local_params(config: Config, pp_rank: int) -> list[ParamSpec]:
             moe = m.moe
             e, hidden = moe.num_experts // ep, (moe.ffn_dim or m.ffn_dim) // etp
             specs.append(ParamSpec(f + "router.weight", (moe.num_experts, d), None))
-            w13_dim, w2_dim = (2, 1) if etp > 1 else (None, None)
-            specs += [ParamSpec(f + "experts.w1", (e, d, hidden), w13_dim, True),
-                      ParamSpec(f + "experts.w3", (e, d, hidden), w13_dim, True),
+            w13_dim, w2_dim = (3, 1) if etp > 1 else (None, None)  # expert TP splits the hidden size
+            specs += [ParamSpec(f + "experts.w13", (e, d, 2, hidden), w13_dim, True),
                       ParamSpec(f + "experts.w2", (e, hidden, d), w2_dim, True)]
             if moe.num_shared_experts:
                 shared = (moe.shared_ffn_dim or moe.num_shared_experts * (moe.ffn_dim or m.ffn_dim))

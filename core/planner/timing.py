@@ -219,7 +219,7 @@ class _Model:
         bwd.add("moe_permute", 2 * permute)
         local = s.experts // p.ep
         experts = 0.0
-        for n, k in ((s.expert_hidden, d), (s.expert_hidden, d), (d, s.expert_hidden)):
+        for n, k in ((2 * s.expert_hidden, d), (d, s.expert_hidden)):  # gate and up in one GEMM (w13), down
             one = self.cal.grouped_gemm_s(R, local, n, k, self.gemm_dtype)
             experts += one
             fwd.add("experts", one)
