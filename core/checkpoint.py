@@ -15,6 +15,11 @@ What is saved (one flat DCP state dict, keys by parameter name, so any layout ca
   coordinate existed in the saved layout (same layout: everything; dp 2 -> 4: dp ranks 0-1), and
   keeps its current generators otherwise; `load_checkpoint` logs how many ranks were restored.
 
+Older layouts: the routed experts' gate and up used to be two tensors, `experts.w1` and
+`experts.w3` [E, dim, hidden]; the model now holds them as `experts.w13` [E, dim, 2, hidden]. A
+checkpoint with the two loads into the one (its weights, masters and Adam moments, each half
+resharded like any tensor), so a run resumes across that change.
+
 Atomicity: ranks write `DIR/step_000010.tmp/`; after a barrier rank 0 renames it to
 `DIR/step_000010/`, rewrites `DIR/latest` by temp file + os.replace, and prunes to the `keep`
 newest. A save killed at any point leaves `latest` and the previous checkpoint untouched.
@@ -115,6 +120,63 @@ def _as_global(local: torch.Tensor, param: torch.Tensor, mesh: ParallelMesh, mes
     shape = _global_shape(param, mesh)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, device_mesh, _placements(param, zero_dim, with_dp), run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+# A tensor the model holds whole, and the suffixes older checkpoints hold its slices under (the
+# slices index the fused tensor's dim 2).
+_FUSED = {".experts.w13": (".experts.w1", ".experts.w3")}
+_FUSED_DIM = 2
+
+
+def _older_parts(key: str, saved) -> list[str] | None:
+    """The keys a checkpoint from before a fusion holds `key`'s slices under, when it lacks `key`."""
+    if key in saved:
+        return None
+    for fused, parts in _FUSED.items():
+        if fused in key:
+            keys = [key.replace(fused, part) for part in parts]
+            if all(k in saved for k in keys):
+                return keys
+    return None
+
+
+def _without_fused_dim(shape) -> tuple[int, ...]:
+    return tuple(n for d, n in enumerate(shape) if d != _FUSED_DIM)
+
+
+def _slice_tags(param: torch.Tensor) -> torch.Tensor:
+    """A meta tensor shaped like one slice of `param` along _FUSED_DIM, carrying its placement
+    tags with that dim taken out: the layout the slice was saved with."""
+    without = _without_fused_dim
+    carrier = torch.empty(without(param.shape), device="meta")
+    if placement.has_tp_tags(param):
+        tp_dim = placement.tp_shard_dim(param)
+        placement.tag_tp(carrier, None if tp_dim is None else tp_dim - (tp_dim > _FUSED_DIM),
+                         without(placement.tp_full_shape(param)))
+    if placement.is_expert(param):
+        full = placement.ep_full_shape(param)
+        placement.tag_expert(carrier, placement.ep_shard_dim(param), None if full is None else without(full))
+    return carrier
+
+
+def _load_slices(state: dict, keys: list[str], target: torch.Tensor, param: torch.Tensor, mesh: ParallelMesh,
+                 meshes: dict, zero_dim: int | None, with_dp: bool):
+    """Register one buffer per older key in `state`; returns what copies them into `target` after the load."""
+    if zero_dim == _FUSED_DIM:
+        raise ValueError(f"cannot load {keys}: the optimizer shards the fused dim {_FUSED_DIM}")
+    carrier = _slice_tags(param)
+    dim = None if zero_dim is None else zero_dim - (zero_dim > _FUSED_DIM)
+    buffers = []
+    for key in keys:
+        buffer = torch.empty(_without_fused_dim(target.shape), dtype=target.dtype, device=target.device)
+        state[key] = _as_global(buffer, carrier, mesh, meshes, dim, with_dp)
+        buffers.append(buffer)
+
+    def join() -> None:
+        for i, buffer in enumerate(buffers):
+            target.select(_FUSED_DIM, i).copy_(buffer)
+
+    return join
 
 
 def _rng_key(mesh: ParallelMesh) -> str:
@@ -388,9 +450,15 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     saved = _dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
     meshes = _meshes(mesh)
     state: dict = {"meta": b""}
+    joins = []  # older checkpoints' slices of a fused tensor: copied in after the load
     for pname, param in model.named_parameters():
-        _require(saved, f"model.{pname}", path)
-        state[f"model.{pname}"] = _as_global(param.data, param, mesh, meshes, None, with_dp=False)
+        key = f"model.{pname}"
+        parts = _older_parts(key, saved)
+        if parts is not None:
+            joins.append(_load_slices(state, parts, param.data, param, mesh, meshes, None, with_dp=False))
+            continue
+        _require(saved, key, path)
+        state[key] = _as_global(param.data, param, mesh, meshes, None, with_dp=False)
     for bname, buf in model.named_buffers():
         if f"buffer.{bname}" in saved:
             state[f"buffer.{bname}"] = buf
@@ -398,13 +466,18 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     if optimizer is not None:
         for slot, kind, tensor in _slot_entries(optimizer):
             key = f"optim.{slot.name}.{kind}"
-            _require(saved, key, path)
+            parts = _older_parts(key, saved)
+            if parts is None:
+                _require(saved, key, path)
             target = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
             if kind == "master" and slot.master_low is not None:  # split: `tensor` is a joined copy
                 aliased.append((slot.write_master, target))
             elif target is not tensor:
                 aliased.append((tensor.copy_, target))
-            state[key] = _as_global(target, slot.param, mesh, meshes, slot.shard_dim, with_dp=True)
+            if parts is not None:
+                joins.append(_load_slices(state, parts, target, slot.param, mesh, meshes, slot.shard_dim, with_dp=True))
+            else:
+                state[key] = _as_global(target, slot.param, mesh, meshes, slot.shard_dim, with_dp=True)
     rng = _rng_key(mesh)
     for kind in ("cpu", "cuda"):
         if f"{rng}.{kind}" in saved and (kind == "cpu" or torch.cuda.is_available()):
@@ -412,6 +485,9 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     _dcp().load(state, checkpoint_id=str(path))
 
     meta = pickle.loads(state["meta"])
+    with torch.no_grad():
+        for join in joins:
+            join()
     if optimizer is not None:
         with torch.no_grad():
             for write, loaded in aliased:

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from core import placement
 from core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from core.config import ModelConfig, MoEConfig
 from core.mesh import ParallelMesh
@@ -27,6 +28,7 @@ from core.layers import AttentionMeta
 from core.model import build_model
 from core.optim import AdamW, clip_grad_norm_
 from core.parallel.data import apply_data_parallel
+from moe.experts import GroupedExperts
 from tests.distributed import context, free_port, run_distributed
 from tests.test_data_parallel import ToyTP, make_trainer, reference_run, toy_reference, toy_train, train_steps
 
@@ -306,3 +308,65 @@ def test_expert_parallel_checkpoint_reshards_across_ep(saved):
     for r in (result["moe"] for result in saved[3]):
         for ep in ("ep4", "ep1"):
             torch.testing.assert_close(torch.tensor(r[ep]), torch.tensor(r["ep2"]), rtol=RTOL, atol=0)
+
+
+# ------------------------------------------------------------------ older layouts
+class _TwoWeightExperts(torch.nn.Module):
+    """Routed experts as checkpoints held them before gate and up were one weight: w1 (gate) and
+    w3 (up) [E, dim, hidden], w2 [E, hidden, dim]; expert params like GroupedExperts'."""
+
+    def __init__(self, experts: int, dim: int, hidden: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.w1 = torch.nn.Parameter(torch.randn(experts, dim, hidden, generator=g))
+        self.w3 = torch.nn.Parameter(torch.randn(experts, dim, hidden, generator=g))
+        self.w2 = torch.nn.Parameter(torch.randn(experts, hidden, dim, generator=g))
+        for param in self.parameters():
+            placement.tag_expert(param)
+
+
+def _holder(experts):
+    holder = torch.nn.Module()
+    holder.experts = experts  # parameter names as in a model: experts.w1, experts.w13, ...
+    return holder
+
+
+def _older_experts_worker(rank, world, root):
+    # dp=2: the experts' Adam state in ZeRO chunks over edp (dim 1, the model dim: 5 rows -> 3 + 2).
+    mesh = ParallelMesh.build(dp=2)
+    old = _holder(_TwoWeightExperts(4, 5, 6))
+    dp = apply_data_parallel(old, mesh)
+    opt = AdamW(dp, lr=0.01, weight_decay=0.1)
+    for step in range(2):
+        loss = sum(((rank + 1 + step) * p).sin().sum() for p in old.parameters())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(root, 2, old, opt, None, mesh, {"k": 2})
+    new = _holder(GroupedExperts(4, 5, 6))
+    new_dp = apply_data_parallel(new, mesh)
+    new_opt = AdamW(new_dp, lr=0.01, weight_decay=0.1)
+    _scramble(new)
+    assert load_checkpoint(f"{root}/step_000002", new, new_opt, None, mesh) == (2, {"k": 2})
+    w13, w2 = new.experts.w13, new.experts.w2
+    out = {"weights": [torch.equal(w13[:, :, 0], old.experts.w1), torch.equal(w13[:, :, 1], old.experts.w3),
+                       torch.equal(w2, old.experts.w2)]}
+    states = {}
+    for optimizer, dparallel in ((opt, dp), (new_opt, new_dp)):
+        for i, slot in enumerate(dparallel.slots):
+            states[slot.name] = {"master": slot.master, "exp_avg": optimizer.exp_avg[i], "exp_avg_sq": optimizer.exp_avg_sq[i]}
+    fused = states["experts.w13"]
+    out["states"] = [torch.equal(fused[kind].select(2, part), states[name][kind]) and fused[kind].numel() > 0
+                     for kind in ("master", "exp_avg", "exp_avg_sq")
+                     for part, name in enumerate(("experts.w1", "experts.w3"))]
+    out["w2_states"] = all(torch.equal(states["experts.w2"][k], v) for k, v in states["experts.w2"].items())
+    return out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_with_separate_gate_and_up_experts_loads_into_the_fused_weight(tmp_path):
+    """Saved by a model whose experts held gate and up as w1 and w3 (dp=2, ZeRO-1 over the
+    experts' data-parallel group), loaded into today's GroupedExperts: w13 holds them as its two
+    halves, and so do its fp32 master and both Adam moments on every rank."""
+    for result in run_distributed(_older_experts_worker, 2, str(tmp_path)):
+        assert all(result["weights"]) and all(result["states"]) and result["w2_states"], result
