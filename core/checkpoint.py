@@ -122,36 +122,68 @@ def _as_global(local: torch.Tensor, param: torch.Tensor, mesh: ParallelMesh, mes
     return DTensor.from_local(local, device_mesh, _placements(param, zero_dim, with_dp), run_check=False, shape=torch.Size(shape), stride=stride)
 
 
-# A tensor the model holds whole, and the suffixes older checkpoints hold its slices under (the
-# slices index the fused tensor's dim 2).
-_FUSED = {".experts.w13": (".experts.w1", ".experts.w3")}
-_FUSED_DIM = 2
+# A tensor the model holds whole, and the names older checkpoints (and conversions) hold its
+# slices under: the slices index the fused tensor's dim FUSED_DIM.
+FUSED_TENSORS = {"experts.w13": ("experts.w1", "experts.w3")}
+FUSED_DIM = 2
 
 
-def _older_parts(key: str, saved) -> list[str] | None:
-    """The keys a checkpoint from before a fusion holds `key`'s slices under, when it lacks `key`."""
+def _component(name: str) -> re.Pattern:
+    """`name` as whole dotted components of a key (experts.w1 matches in a.experts.w1.master, not in a.experts.w13)."""
+    return re.compile(r"(?<![^.])" + re.escape(name) + r"(?![^.])")
+
+
+def older_parts(key: str, saved) -> list[str] | None:
+    """The keys a checkpoint from before a fusion holds `key`'s slices under, when `saved` (any
+    container of keys) lacks `key` and holds all of those."""
     if key in saved:
         return None
-    for fused, parts in _FUSED.items():
-        if fused in key:
-            keys = [key.replace(fused, part) for part in parts]
+    for fused, parts in FUSED_TENSORS.items():
+        pattern = _component(fused)
+        if pattern.search(key):
+            keys = [pattern.sub(part, key) for part in parts]
             if all(k in saved for k in keys):
                 return keys
     return None
 
 
-def _without_fused_dim(shape) -> tuple[int, ...]:
-    return tuple(n for d, n in enumerate(shape) if d != _FUSED_DIM)
+def fused_name(key: str) -> str | None:
+    """The fused tensor's key when `key` names its first slice in the older layout, else None."""
+    for fused, parts in FUSED_TENSORS.items():
+        pattern = _component(parts[0])
+        if pattern.search(key):
+            return pattern.sub(fused, key)
+    return None
+
+
+def older_slices(names) -> dict[str, list[str]]:
+    """{fused tensor: its slices' names} for every fused tensor that `names` holds apart."""
+    out = {}
+    for name in names:
+        whole = fused_name(name)
+        keys = older_parts(whole, names) if whole else None
+        if keys:
+            out[whole] = keys
+    return out
+
+
+def fused_shape(slice_shape, count: int) -> tuple[int, ...]:
+    return tuple(slice_shape[:FUSED_DIM]) + (count,) + tuple(slice_shape[FUSED_DIM:])
+
+
+def without_fused_dim(items) -> tuple:
+    """A shape (or a region's slices) of the fused tensor without its dim FUSED_DIM: one slice's."""
+    return tuple(x for d, x in enumerate(items) if d != FUSED_DIM)
 
 
 def _slice_tags(param: torch.Tensor) -> torch.Tensor:
-    """A meta tensor shaped like one slice of `param` along _FUSED_DIM, carrying its placement
+    """A meta tensor shaped like one slice of `param` along FUSED_DIM, carrying its placement
     tags with that dim taken out: the layout the slice was saved with."""
-    without = _without_fused_dim
+    without = without_fused_dim
     carrier = torch.empty(without(param.shape), device="meta")
     if placement.has_tp_tags(param):
         tp_dim = placement.tp_shard_dim(param)
-        placement.tag_tp(carrier, None if tp_dim is None else tp_dim - (tp_dim > _FUSED_DIM),
+        placement.tag_tp(carrier, None if tp_dim is None else tp_dim - (tp_dim > FUSED_DIM),
                          without(placement.tp_full_shape(param)))
     if placement.is_expert(param):
         full = placement.ep_full_shape(param)
@@ -162,19 +194,19 @@ def _slice_tags(param: torch.Tensor) -> torch.Tensor:
 def _load_slices(state: dict, keys: list[str], target: torch.Tensor, param: torch.Tensor, mesh: ParallelMesh,
                  meshes: dict, zero_dim: int | None, with_dp: bool):
     """Register one buffer per older key in `state`; returns what copies them into `target` after the load."""
-    if zero_dim == _FUSED_DIM:
-        raise ValueError(f"cannot load {keys}: the optimizer shards the fused dim {_FUSED_DIM}")
+    if zero_dim == FUSED_DIM:
+        raise ValueError(f"cannot load {keys}: the optimizer shards the fused dim {FUSED_DIM}")
     carrier = _slice_tags(param)
-    dim = None if zero_dim is None else zero_dim - (zero_dim > _FUSED_DIM)
+    dim = None if zero_dim is None else zero_dim - (zero_dim > FUSED_DIM)
     buffers = []
     for key in keys:
-        buffer = torch.empty(_without_fused_dim(target.shape), dtype=target.dtype, device=target.device)
+        buffer = torch.empty(without_fused_dim(target.shape), dtype=target.dtype, device=target.device)
         state[key] = _as_global(buffer, carrier, mesh, meshes, dim, with_dp)
         buffers.append(buffer)
 
     def join() -> None:
         for i, buffer in enumerate(buffers):
-            target.select(_FUSED_DIM, i).copy_(buffer)
+            target.select(FUSED_DIM, i).copy_(buffer)
 
     return join
 
@@ -453,7 +485,7 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     joins = []  # older checkpoints' slices of a fused tensor: copied in after the load
     for pname, param in model.named_parameters():
         key = f"model.{pname}"
-        parts = _older_parts(key, saved)
+        parts = older_parts(key, saved)
         if parts is not None:
             joins.append(_load_slices(state, parts, param.data, param, mesh, meshes, None, with_dp=False))
             continue
@@ -466,7 +498,7 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     if optimizer is not None:
         for slot, kind, tensor in _slot_entries(optimizer):
             key = f"optim.{slot.name}.{kind}"
-            parts = _older_parts(key, saved)
+            parts = older_parts(key, saved)
             if parts is None:
                 _require(saved, key, path)
             target = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)

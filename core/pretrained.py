@@ -30,6 +30,7 @@ from safetensors import safe_open
 from torch import nn
 
 from core import placement
+from core.checkpoint import FUSED_DIM, fused_shape, older_parts, older_slices, without_fused_dim
 from core.config import ConfigError
 from core.kernels.adamw import split_master
 from core.mesh import ParallelMesh
@@ -88,9 +89,37 @@ def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(param.shape) for name, param in model.named_parameters()}
 
 
+def _with_fused(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Shapes with the slices of a fused tensor that an older conversion wrote apart (the experts'
+    w1 and w3) replaced by the fused tensor's shape."""
+    out = dict(shapes)
+    for whole, keys in older_slices(shapes).items():
+        out[whole] = fused_shape(shapes[keys[0]], len(keys))
+        for key in keys:
+            del out[key]
+    return out
+
+
+def _read_region(files: dict[str, Path], name: str, full: tuple[int, ...], region: tuple[slice, ...], where: str):
+    """The region of tensor `name` as fp32; a fused tensor an older conversion wrote as slices is
+    read slice by slice."""
+    parts = older_parts(name, files)
+    if parts is not None:
+        picked = range(len(parts))[region[FUSED_DIM]]
+        return torch.stack([_read_region(files, parts[i], without_fused_dim(full), without_fused_dim(region), where)
+                            for i in picked], dim=FUSED_DIM)
+    # One open per tensor: the mapped pages read leave with it (resident size ~ one slice).
+    with safe_open(str(files[name]), framework="pt") as handle:
+        view = handle.get_slice(name)
+        have = tuple(view.get_shape())
+        if have != full:
+            raise ConfigError(f"{where}: tensor '{name}' has shape {list(have)} but the model's is {list(full)}")
+        return view[region].to(torch.float32)
+
+
 def check_weights(path: str | os.PathLike, expected: dict[str, tuple[int, ...]]) -> None:
     """The files hold exactly the tensors `expected` names, with those shapes; ConfigError otherwise."""
-    shapes = header_shapes(weight_map(path))
+    shapes = _with_fused(header_shapes(weight_map(path)))
     where = f"checkpoint.init_from={str(path)!r}"
     for name, shape in expected.items():
         have = shapes.get(name)
@@ -136,15 +165,9 @@ def load_weights(path: str | os.PathLike, model: nn.Module, dp, mesh: ParallelMe
     for name, param in model.named_parameters():
         source = name if name in files else TIED.get(name, name)
         full, region = local_region(param, mesh)
-        if source not in files:
+        if source not in files and older_parts(source, files) is None:
             raise ConfigError(f"{where} has no tensor '{name}' (the model needs shape {list(full)})")
-        # One open per tensor: the mapped pages read leave with it (resident size ~ one slice).
-        with safe_open(str(files[source]), framework="pt") as handle:
-            view = handle.get_slice(source)
-            have = tuple(view.get_shape())
-            if have != full:
-                raise ConfigError(f"{where}: tensor '{source}' has shape {list(have)} but the model's is {list(full)}")
-            value = view[region].to(torch.float32)
+        value = _read_region(files, source, full, region, where)
         slot = slots.get(id(param))
         split = slot is not None and slot.master_low is not None
         param.data.copy_(split_master(value)[0] if split else value)  # split: the master's rounding, every rank alike

@@ -41,7 +41,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
-from core.checkpoint import latest_checkpoint
+from core.checkpoint import FUSED_DIM, fused_shape, latest_checkpoint, older_slices
 from core.config import Config, ConfigError, ModelConfig, load_config, validate
 from core.model import build_model
 from core.pretrained import INDEX_NAME, SINGLE_NAME, expected_shapes, weight_map
@@ -364,6 +364,12 @@ class CheckpointWeights(TesseraWeights):
         metadata = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
         self._names = {key[len("model."):]: (tuple(entry.size), entry.properties.dtype)
                        for key, entry in metadata.items() if key.startswith("model.") and hasattr(entry, "size")}
+        # A checkpoint from before a fused tensor (the experts' w13) holds its slices: read as one.
+        self._slices = older_slices(self._names)
+        for whole, keys in self._slices.items():
+            shape, dtype = self._names[keys[0]]
+            self._names[whole] = (fused_shape(shape, len(keys)), dtype)
+        self._parts = {key: self._names.pop(key) for keys in self._slices.values() for key in keys}
 
     def meta(self) -> dict:
         state = {"meta": b""}
@@ -379,7 +385,12 @@ class CheckpointWeights(TesseraWeights):
         return dict(self._names)
 
     def read(self, name: str) -> torch.Tensor:
-        shape, dtype = self._names[name]
+        if name in self._slices:
+            return torch.stack([self._read(key) for key in self._slices[name]], dim=FUSED_DIM)
+        return self._read(name)
+
+    def _read(self, name: str) -> torch.Tensor:
+        shape, dtype = self._names[name] if name in self._names else self._parts[name]
         state = {f"model.{name}": torch.empty(shape, dtype=dtype)}
         self._load(state)
         return state[f"model.{name}"]

@@ -370,3 +370,29 @@ def test_a_checkpoint_with_separate_gate_and_up_experts_loads_into_the_fused_wei
     halves, and so do its fp32 master and both Adam moments on every rank."""
     for result in run_distributed(_older_experts_worker, 2, str(tmp_path)):
         assert all(result["weights"]) and all(result["states"]) and result["w2_states"], result
+
+
+def test_older_separate_gate_and_up_read_as_the_fused_weight_by_conversion_and_init(tmp_path):
+    """The same older layout outside the trainer's resume: `tessera-convert to-hf` reads a trainer
+    checkpoint through CheckpointWeights, and `checkpoint.init_from` a from-hf folder through
+    core.pretrained; both present w1 and w3 as w13 and read it as their stack."""
+    from safetensors.torch import save_file
+
+    from core.pretrained import SINGLE_NAME, check_weights, load_weights
+    from interop.convert import CheckpointWeights
+
+    old = _holder(_TwoWeightExperts(4, 5, 6))
+    want = torch.stack((old.experts.w1.detach(), old.experts.w3.detach()), dim=2)
+    path = save_checkpoint(tmp_path / "ckpt", 1, old, None, None, ParallelMesh.build(), {})
+    weights = CheckpointWeights(path)
+    assert weights.names()["experts.w13"] == ((4, 5, 2, 6), torch.float32)
+    assert not {"experts.w1", "experts.w3"} & set(weights.names())
+    assert torch.equal(weights.read("experts.w13"), want) and torch.equal(weights.read("experts.w2"), old.experts.w2)
+
+    folder = tmp_path / "import"
+    folder.mkdir()
+    save_file({name: p.detach() for name, p in old.named_parameters()}, str(folder / SINGLE_NAME))
+    new = _holder(GroupedExperts(4, 5, 6))
+    check_weights(folder, {name: tuple(p.shape) for name, p in new.named_parameters()})
+    assert load_weights(folder, new, None, ParallelMesh.build()) == 2
+    assert torch.equal(new.experts.w13, want) and torch.equal(new.experts.w2, old.experts.w2)
