@@ -331,10 +331,19 @@ def _holder(experts):
     return holder
 
 
-def _older_experts_worker(rank, world, root):
-    # dp=2: the experts' Adam state in ZeRO chunks over edp (dim 1, the model dim: 5 rows -> 3 + 2).
-    mesh = ParallelMesh.build(dp=2)
-    old = _holder(_TwoWeightExperts(4, 5, 6))
+def _split_experts(holder, ep: int, rank: int):
+    """Keep this rank's experts of every expert param, tagged as moe.parallel.apply_ep tags them."""
+    if ep > 1:
+        for name, full in list(holder.experts.named_parameters()):
+            placement.tag_expert(full, 0, full.shape)
+            part = torch.nn.Parameter(full.detach().chunk(ep, 0)[rank].clone())
+            setattr(holder.experts, name, placement.copy_expert_tags(full, part))
+    return holder
+
+
+def _older_experts_case(rank, root, dp_size, ep):
+    mesh = ParallelMesh.build(dp=dp_size, ep=ep)
+    old = _split_experts(_holder(_TwoWeightExperts(4, 5, 6)), ep, rank)
     dp = apply_data_parallel(old, mesh)
     opt = AdamW(dp, lr=0.01, weight_decay=0.1)
     for step in range(2):
@@ -343,7 +352,7 @@ def _older_experts_worker(rank, world, root):
         opt.step()
         opt.zero_grad()
     save_checkpoint(root, 2, old, opt, None, mesh, {"k": 2})
-    new = _holder(GroupedExperts(4, 5, 6))
+    new = _split_experts(_holder(GroupedExperts(4, 5, 6)), ep, rank)
     new_dp = apply_data_parallel(new, mesh)
     new_opt = AdamW(new_dp, lr=0.01, weight_decay=0.1)
     _scramble(new)
@@ -360,16 +369,25 @@ def _older_experts_worker(rank, world, root):
                      for kind in ("master", "exp_avg", "exp_avg_sq")
                      for part, name in enumerate(("experts.w1", "experts.w3"))]
     out["w2_states"] = all(torch.equal(states["experts.w2"][k], v) for k, v in states["experts.w2"].items())
+    dp.remove()
+    new_dp.remove()
     return out
+
+
+def _older_experts_worker(rank, world, root):
+    # dp=2: the experts' Adam state in ZeRO chunks over edp (dim 1, the model dim: 5 rows -> 3 + 2);
+    # ep=2: each rank two of the four experts, their halves placed on the expert-parallel mesh.
+    return {f"dp2_ep{ep}": _older_experts_case(rank, f"{root}/ep{ep}", 2, ep) for ep in (1, 2)}
 
 
 @pytest.mark.slow
 def test_a_checkpoint_with_separate_gate_and_up_experts_loads_into_the_fused_weight(tmp_path):
-    """Saved by a model whose experts held gate and up as w1 and w3 (dp=2, ZeRO-1 over the
-    experts' data-parallel group), loaded into today's GroupedExperts: w13 holds them as its two
-    halves, and so do its fp32 master and both Adam moments on every rank."""
-    for result in run_distributed(_older_experts_worker, 2, str(tmp_path)):
-        assert all(result["weights"]) and all(result["states"]) and result["w2_states"], result
+    """Saved by a model whose experts held gate and up as w1 and w3 (dp=2 with ZeRO-1 over the
+    experts' data-parallel group, and ep=2), loaded into today's GroupedExperts at the same layout:
+    w13 holds them as its two halves, and so do its fp32 master and both Adam moments on every rank."""
+    for by_layout in run_distributed(_older_experts_worker, 2, str(tmp_path)):
+        for layout, result in by_layout.items():
+            assert all(result["weights"]) and all(result["states"]) and result["w2_states"], (layout, result)
 
 
 def test_older_separate_gate_and_up_read_as_the_fused_weight_by_conversion_and_init(tmp_path):
