@@ -15,9 +15,8 @@ What is saved (one flat DCP state dict, keys by parameter name, so any layout ca
   coordinate existed in the saved layout (same layout: everything; dp 2 -> 4: dp ranks 0-1), and
   keeps its current generators otherwise; `load_checkpoint` logs how many ranks were restored.
 
-Older layouts: the routed experts' gate and up used to be two tensors, `experts.w1` and
-`experts.w3` [E, dim, hidden]; the model now holds them as `experts.w13` [E, dim, 2, hidden]. A
-checkpoint with the two loads into the one (its weights, masters and Adam moments, each half
+Older layouts (`core.layouts`): a checkpoint holding the experts' gate and up apart (`experts.w1`,
+`experts.w3`) loads into today's `experts.w13` (its weights, masters and Adam moments, each half
 resharded like any tensor), so a run resumes across that change.
 
 Atomicity: ranks write `DIR/step_000010.tmp/`; after a barrier rank 0 renames it to
@@ -45,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core import placement
+from core.layouts import FUSED_DIM, older_parts, without_fused_dim
 from core.lifecycle import stop_deferred
 from core.mesh import ParallelMesh
 from core.parallel.data import ParamSlot
@@ -122,72 +122,17 @@ def _as_global(local: torch.Tensor, param: torch.Tensor, mesh: ParallelMesh, mes
     return DTensor.from_local(local, device_mesh, _placements(param, zero_dim, with_dp), run_check=False, shape=torch.Size(shape), stride=stride)
 
 
-# A tensor the model holds whole, and the names older checkpoints (and conversions) hold its
-# slices under: the slices index the fused tensor's dim FUSED_DIM.
-FUSED_TENSORS = {"experts.w13": ("experts.w1", "experts.w3")}
-FUSED_DIM = 2
-
-
-def _component(name: str) -> re.Pattern:
-    """`name` as whole dotted components of a key (experts.w1 matches in a.experts.w1.master, not in a.experts.w13)."""
-    return re.compile(r"(?<![^.])" + re.escape(name) + r"(?![^.])")
-
-
-def older_parts(key: str, saved) -> list[str] | None:
-    """The keys a checkpoint from before a fusion holds `key`'s slices under, when `saved` (any
-    container of keys) lacks `key` and holds all of those."""
-    if key in saved:
-        return None
-    for fused, parts in FUSED_TENSORS.items():
-        pattern = _component(fused)
-        if pattern.search(key):
-            keys = [pattern.sub(part, key) for part in parts]
-            if all(k in saved for k in keys):
-                return keys
-    return None
-
-
-def fused_name(key: str) -> str | None:
-    """The fused tensor's key when `key` names its first slice in the older layout, else None."""
-    for fused, parts in FUSED_TENSORS.items():
-        pattern = _component(parts[0])
-        if pattern.search(key):
-            return pattern.sub(fused, key)
-    return None
-
-
-def older_slices(names) -> dict[str, list[str]]:
-    """{fused tensor: its slices' names} for every fused tensor that `names` holds apart."""
-    out = {}
-    for name in names:
-        whole = fused_name(name)
-        keys = older_parts(whole, names) if whole else None
-        if keys:
-            out[whole] = keys
-    return out
-
-
-def fused_shape(slice_shape, count: int) -> tuple[int, ...]:
-    return tuple(slice_shape[:FUSED_DIM]) + (count,) + tuple(slice_shape[FUSED_DIM:])
-
-
-def without_fused_dim(items) -> tuple:
-    """A shape (or a region's slices) of the fused tensor without its dim FUSED_DIM: one slice's."""
-    return tuple(x for d, x in enumerate(items) if d != FUSED_DIM)
-
-
 def _slice_tags(param: torch.Tensor) -> torch.Tensor:
     """A meta tensor shaped like one slice of `param` along FUSED_DIM, carrying its placement
     tags with that dim taken out: the layout the slice was saved with."""
-    without = without_fused_dim
-    carrier = torch.empty(without(param.shape), device="meta")
+    carrier = torch.empty(without_fused_dim(param.shape), device="meta")
     if placement.has_tp_tags(param):
         tp_dim = placement.tp_shard_dim(param)
         placement.tag_tp(carrier, None if tp_dim is None else tp_dim - (tp_dim > FUSED_DIM),
-                         without(placement.tp_full_shape(param)))
+                         without_fused_dim(placement.tp_full_shape(param)))
     if placement.is_expert(param):
         full = placement.ep_full_shape(param)
-        placement.tag_expert(carrier, placement.ep_shard_dim(param), None if full is None else without(full))
+        placement.tag_expert(carrier, placement.ep_shard_dim(param), None if full is None else without_fused_dim(full))
     return carrier
 
 

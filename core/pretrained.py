@@ -30,9 +30,9 @@ from safetensors import safe_open
 from torch import nn
 
 from core import placement
-from core.checkpoint import FUSED_DIM, fused_shape, older_parts, older_slices, without_fused_dim
 from core.config import ConfigError
 from core.kernels.adamw import split_master
+from core.layouts import FUSED_DIM, fused_shape, older_parts, older_slices, without_fused_dim
 from core.mesh import ParallelMesh
 
 INDEX_NAME = "weights.safetensors.index.json"

@@ -41,8 +41,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
-from core.checkpoint import FUSED_DIM, fused_shape, latest_checkpoint, older_slices
+from core.checkpoint import latest_checkpoint
 from core.config import Config, ConfigError, ModelConfig, load_config, validate
+from core.layouts import FUSED_DIM, fused_shape, older_slices
 from core.model import build_model
 from core.pretrained import INDEX_NAME, SINGLE_NAME, expected_shapes, weight_map
 from core.rundir import CONFIG_NAME, config_dict

@@ -94,6 +94,11 @@ def _fuse(linear: nn.Module) -> None:
         linear.forward = _forward_into_main_grad.__get__(linear)
 
 
+def _tied(chunk: nn.Module) -> bool:
+    """The chunk's output head shares the embedding's weight."""
+    return getattr(getattr(chunk, "cfg", None), "tie_embeddings", False)
+
+
 def fuse_weight_grads(chunks: list[nn.Module]) -> None:
     """Route the plain bias-free linears of every block's attention and feed-forward modules,
     and an untied output head, through the fused weight gradient, and tag their weights for
@@ -106,7 +111,7 @@ def fuse_weight_grads(chunks: list[nn.Module]) -> None:
                 for linear in parent.children():
                     _fuse(linear)
         head = getattr(chunk, "output", None)
-        if head is not None and not getattr(getattr(chunk, "cfg", None), "tie_embeddings", False):
+        if head is not None and not _tied(chunk):
             _fuse(head)
 
 
@@ -148,7 +153,7 @@ def fuse_embedding_grad(chunks: list[nn.Module]) -> None:
     gradient-accumulation fusion) it is the plain embedding."""
     for chunk in chunks:
         table = getattr(chunk, "tok_embeddings", None)
-        if type(table) is not nn.Embedding or getattr(getattr(chunk, "cfg", None), "tie_embeddings", False):
+        if type(table) is not nn.Embedding or _tied(chunk):
             continue
         if table.padding_idx is not None or table.max_norm is not None or table.scale_grad_by_freq or table.sparse:
             continue
