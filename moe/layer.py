@@ -170,8 +170,8 @@ class MoELayer(nn.Module):
         if aux_on:
             if moe.aux_loss_per_sequence:
                 cu = self._boundaries(total).to(device)
-            else:
-                cu = torch.tensor([0, total], device=device)
+            else:  # [0, total] made on the device: torch.tensor(..., device=cuda) syncs the host
+                cu = torch.arange(2, device=device) * total
             nseq = cu.numel() - 1
             counts, prob_sums = balancing_stats(routing.probs, routing.indices, sequence_ids(cu, token_offset, n), nseq)
             sums += [counts.reshape(-1), prob_sums.detach().reshape(-1)]

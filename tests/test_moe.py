@@ -440,6 +440,28 @@ def test_layer_bf16_on_gpu_matches_fp32_dense_reference():
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_layer_forward_and_backward_make_no_host_sync(per_sequence):
+    # A host sync in a layer drains the GPU's queue, which then idles while the host issues the
+    # next kernels: a sync per MoE layer and micro-batch. Dropless on one rank needs none.
+    layer = _layer(num_shared_experts=1, top_k=2, router="sigmoid", n_groups=4, topk_groups=2, aux_loss_coeff=1e-2,
+                   z_loss_coeff=1e-3, aux_loss_per_sequence=per_sequence).to("cuda", torch.bfloat16)
+    x = torch.randn(256, 24, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    if per_sequence:  # boundaries already on the device, their total known on the host
+        set_moe_sequences(layer, torch.tensor([0, 100, 256], device="cuda", dtype=torch.int32), 256)
+    layer.train()
+    layer(x).float().square().mean().backward()  # first call: lazy initialisation may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x).float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+
+
 def test_full_recompute_same_grads_and_no_double_counting():
     # Reference: the same model without recomputation. The recomputed forward inside
     # backward must not count its tokens into the metrics or the bias loads again.
