@@ -107,6 +107,28 @@ def test_autograd_matches_reference_gradients():
     assert wa.grad[1].abs().sum() == 0  # the empty group's weight gets an exact zero gradient
 
 
+def test_eager_calls_run_the_registered_autograd_without_the_op_dispatcher():
+    # In eager mode with gradients the op's registered autograd runs as an autograd.Function;
+    # the custom op itself (what compiled graphs call) must give the same values and gradients.
+    x, w = _operands(33, 16, 24, 4, dtype=torch.float64, seed=4)
+    offsets = torch.tensor([5, 5, 20, 30], dtype=torch.int32)
+    dy = torch.randn(33, 24, dtype=torch.float64)
+    grads = []
+    for call in (grouped_mm, grouped_mm.op):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = call(xa, wa, offsets)
+        grads.append((out, type(out.grad_fn).__name__))
+        out.backward(dy)
+        grads[-1] += (xa.grad, wa.grad)
+    (eager, eager_node, *eager_grads), (op, op_node, *op_grads) = grads
+    assert eager_node.startswith("Eager_grouped_mm") and not op_node.startswith("Eager_")
+    torch.testing.assert_close(eager, op, rtol=0, atol=0)
+    for got, want in zip(eager_grads, op_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.no_grad():  # nothing to record: the body runs directly
+        assert grouped_mm(x.requires_grad_(), w, offsets).grad_fn is None
+
+
 def test_gradcheck_in_double():
     x, w = _operands(9, 4, 3, 3, dtype=torch.float64, seed=5)
     offsets = torch.tensor([2, 2, 9], dtype=torch.int32)
