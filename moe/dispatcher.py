@@ -45,18 +45,20 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def sort_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor | None, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor | None, num_experts: int,
+                   counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, counts): assignment ids (into expert_ids.flatten()) sorted by expert, and the
     number per expert [num_experts]. With `keep`, assignments where it is False are left
-    out (a host sync learns how many remain); without, ids must be < num_experts."""
+    out (a host sync learns how many remain); without, ids must be < num_experts, and `counts`,
+    when the caller has them (the router's), are returned as they are."""
     flat = expert_ids.reshape(-1)
-    filtered = keep is not None
-    if filtered:
-        flat = flat.masked_fill(~keep.reshape(-1), num_experts)
+    if keep is None:
+        order = torch.argsort(flat, stable=True)
+        return order, counts if counts is not None else expert_counts(flat, num_experts)
+    flat = flat.masked_fill(~keep.reshape(-1), num_experts)
     order = torch.argsort(flat, stable=True)
-    counts = expert_counts(flat.clamp_max(num_experts), num_experts + 1)
-    if filtered:  # the dropped sort last; cut them off
-        order = order[: int(counts[:num_experts].sum())]
+    counts = expert_counts(flat, num_experts + 1)
+    order = order[: int(counts[:num_experts].sum())]  # the dropped sort last; cut them off
     return order, counts[:num_experts]
 
 
@@ -214,7 +216,8 @@ class AllToAllDispatcher(_Dispatcher):
     def dispatch_preprocess(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, DispatchHandle]:
         """Local: sort the assignments by global expert and gather their token rows."""
         t, k = routing.indices.shape
-        order, counts = sort_by_expert(routing.indices, routing.keep, self.num_experts)
+        kept = routing.tokens_per_expert if routing.keep is None else None  # dropless: the router's counts
+        order, counts = sort_by_expert(routing.indices, routing.keep, self.num_experts, kept)
         return permute(x, order, k), DispatchHandle(routing.weights, t, k, order=order, counts=counts, rows=t)
 
     def dispatch_exchange(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

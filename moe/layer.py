@@ -98,7 +98,7 @@ class MoELayer(nn.Module):
         self.overlap_shared = True
         self._side_stream = None
         self.register_buffer("_bias_load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
-        self._stats: dict[str, torch.Tensor] = {}
+        self._stats: dict[str, torch.Tensor | int] = {}
 
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,32 +166,44 @@ class MoELayer(nn.Module):
         split = self.tp_mode == "split"
         total = n * self.tp_size if split else n
         device = routing.probs.device
-        sums = []
+        aux = z_sum = None
         if aux_on:
             if moe.aux_loss_per_sequence:
                 cu = self._boundaries(total).to(device)
-            else:  # [0, total] made on the device: torch.tensor(..., device=cuda) syncs the host
-                cu = torch.arange(2, device=device) * total
-            nseq = cu.numel() - 1
-            counts, prob_sums = balancing_stats(routing.probs, routing.indices, sequence_ids(cu, token_offset, n), nseq)
-            sums += [counts.reshape(-1), prob_sums.detach().reshape(-1)]
+                nseq = cu.numel() - 1
+                counts, prob_sums = balancing_stats(routing.probs, routing.indices, sequence_ids(cu, token_offset, n), nseq)
+                lengths = cu[1:] - cu[:-1]
+            else:  # one sequence: the router's counts and a column sum
+                nseq = 1
+                counts = routing.tokens_per_expert.to(routing.probs.dtype).view(1, -1)
+                prob_sums = routing.probs.sum(0, keepdim=True)
+                lengths = torch.full((1,), total, device=device)  # not torch.tensor: a host copy syncs
         if z_on:
             z_sum = torch.logsumexp(routing.logits, dim=-1).square().sum()
-            sums.append(z_sum.detach().view(1))
-        full = torch.cat(sums)
-        if split:
-            full = all_reduce(full, self.tp_group)
+        if split:  # the whole micro-batch's counts (and, for the metrics, sums) in one all-reduce
+            sums = ([counts.reshape(-1), prob_sums.detach().reshape(-1)] if aux_on else []) + \
+                ([z_sum.detach().view(1)] if z_on else [])
+            full = all_reduce(torch.cat(sums), self.tp_group)
+            e = self.moe.num_experts
+            if aux_on:
+                counts = full[: nseq * e].view(nseq, e)
+                aux = balancing_loss_from_stats(counts, prob_sums, lengths, moe.top_k)
+                parts["aux_loss"] = balancing_loss_from_stats(counts, full[nseq * e: 2 * nseq * e].view(nseq, e),
+                                                              lengths, moe.top_k)
+            if z_on:
+                parts["z_loss"] = full[-1] / total
+        else:  # the metrics are the loss terms' own values
+            if aux_on:
+                aux = balancing_loss_from_stats(counts, prob_sums, lengths, moe.top_k)
+                parts["aux_loss"] = aux.detach()
+            if z_on:
+                parts["z_loss"] = z_sum.detach() / total
         loss = None
         if aux_on:
-            e = self.moe.num_experts
-            counts_full = full[: nseq * e].view(nseq, e)
-            lengths = cu[1:] - cu[:-1]
-            loss = moe.aux_loss_coeff * balancing_loss_from_stats(counts_full, prob_sums, lengths, moe.top_k)
-            parts["aux_loss"] = balancing_loss_from_stats(counts_full, full[nseq * e: 2 * nseq * e].view(nseq, e), lengths, moe.top_k)
+            loss = moe.aux_loss_coeff * aux
         if z_on:
             term = moe.z_loss_coeff * z_sum / total
             loss = term if loss is None else loss + term
-            parts["z_loss"] = full[-1] / total
         return loss, parts
 
     def _boundaries(self, total: int) -> torch.Tensor:
@@ -241,22 +253,23 @@ class MoELayer(nn.Module):
         counts = routing.tokens_per_expert
         self._bias_load += counts
         s = self._stats
-        if not s:
-            s.update(tokens_per_expert=torch.zeros_like(counts), forwards=torch.zeros((), device=counts.device),
-                     assignments=torch.zeros((), device=counts.device), dropped=torch.zeros((), device=counts.device))
+        if not s:  # the counters the host knows stay host ints: no kernel launch per forward for them
+            s.update(tokens_per_expert=torch.zeros_like(counts), forwards=0, assignments=0)
         s["tokens_per_expert"] += counts
         s["forwards"] += 1
         s["assignments"] += routing.indices.numel()
         if routing.keep is not None:
-            s["dropped"] += (~routing.keep).sum()
+            s["dropped"] = s.get("dropped", 0) + (~routing.keep).sum()
         for name, value in parts.items():
-            s[name] = s.get(name, torch.zeros((), device=counts.device)) + value.detach().float()
+            value = value.detach().float()
+            s[name] = s[name] + value if name in s else value
 
     def take_stats(self) -> dict:
         """This rank's raw statistics since the last call, copied towards the host without
         waiting (`summarize_stats` reads them); resets them."""
         s, self._stats = self._stats, {}
-        return {name: value.to("cpu", non_blocking=True) for name, value in s.items()}
+        return {name: value.to("cpu", non_blocking=True) if isinstance(value, torch.Tensor) else value
+                for name, value in s.items()}
 
     @staticmethod
     def summarize_stats(s: dict) -> dict:
@@ -269,7 +282,7 @@ class MoELayer(nn.Module):
         out = {
             "tokens_per_expert": counts,
             "max_mean_load": (max(counts) / mean) if mean > 0 else 0.0,
-            "dropped_frac": float(s["dropped"]) / max(float(s["assignments"]), 1.0),
+            "dropped_frac": float(s.get("dropped", 0)) / max(float(s["assignments"]), 1.0),
         }
         for name in ("aux_loss", "z_loss"):
             if name in s:

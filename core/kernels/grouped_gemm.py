@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from core.kernels.fused import accumulate_fp32_
-from core.kernels.library import KernelLibrary, custom_op, kernel_library, report_once
+from core.kernels.library import KernelLibrary, current_raw_stream, custom_op, kernel_library, report_once
 
 OP_FWD, OP_FWD_BT, OP_WGRAD, OP_WGRAD_F32 = 0, 1, 2, 3  # TESSERA_GG_* in csrc/include/tessera_codes.h
 CONFIG_ENV, RASTER_ENV, SWIZZLE_ENV = "TESSERA_GG_CONFIG", "TESSERA_GG_RASTER", "TESSERA_GG_SWIZZLE"
@@ -224,7 +224,7 @@ def _launch_context(lib: KernelLibrary, op: int, a: Tensor, groups: int, rows: i
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     ws_bytes = lib.gg_bf16_workspace_bytes(op, config, groups, device)
     workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=a.device)
-    return config, device, workspace, ws_bytes, torch.cuda.current_stream(a.device).cuda_stream
+    return config, device, workspace, ws_bytes, current_raw_stream(device)
 
 
 def run_grouped(lib: KernelLibrary, op: int, a: Tensor, b: Tensor, out: Tensor, offsets: Tensor,
