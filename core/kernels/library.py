@@ -232,8 +232,8 @@ def custom_op(name: str, differentiable: bool = False, mutates_args: tuple[str, 
 def _eager_autograd(name: str, fn, backward, setup_context):
     """A custom op's registered autograd as an autograd.Function for eager calls: the same
     forward, context and backward, without the Python custom op's autograd and dispatch round
-    trip (about 0.2 ms of host time a call under cProfile on an H100 host, where the GPU kernel
-    of a small expert GEMM takes less). Compiled graphs keep the custom op: dynamo traced an
+    trip, which took ~0.6 ms of each ~0.8 ms expert GEMM call in a cProfile of the MoE layer's
+    forward (docs/performance-notes.md). Compiled graphs keep the custom op: dynamo traced an
     autograd.Function around these opaque kernels wrongly (docs/fp8.md)."""
 
     def forward(ctx, *args):
