@@ -4,6 +4,7 @@ MLP, and (EP mode) the expert-parallel dispatch+combine against a plain all-to-a
 Layer mode (one GPU; `--tiny` runs small shapes on CPU as a smoke test):
 
     python -m bench.moe_layer [--shapes mixtral,fine64,fine128] [--iters 10] [--compile] [--tiny]
+                              [--back-to-back K] [--profile [--trace FILE]]
 
 For each shape (E experts, top-k, R routed rows = tokens x k, dim -> expert hidden) it times
 forward+backward of, in --iters interleaved rounds (bench.harness):
@@ -24,6 +25,13 @@ loop/layer (speed-up from grouping) and dense/layer (1.0: MoE costs what its FLO
 expert, each token's k experts distinct, the router still computed): against the default
 `router` (a freshly initialised router's load, max/mean printed) it separates the cost of
 imbalance from the kernels' own.
+
+Each timed round runs one call of a candidate after an idle GPU: the host's work before the
+first kernels and wherever it falls behind the GPU shows as time (a step's first micro-batch).
+`--back-to-back K` times K calls per round instead, the host queueing each call while the GPU
+still runs the one before, as it does over an accumulating step's later micro-batches; the
+times printed are per call. `--profile --trace FILE` also writes the profiled rounds' Chrome trace
+(`python -m bench.gpu_idle FILE`: where the GPU waited for the host).
 
 EP mode (torchrun, one process per GPU, ep = world size; NCCL, or gloo on CPU with --tiny):
 
@@ -150,7 +158,7 @@ def _with_fresh_grads(fn, tensors):
 
 
 def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = False, routing: str = "router",
-                compiled: bool = False) -> None:
+                compiled: bool = False, back_to_back: int = 1, trace: str | None = None) -> None:
     e, k, routed, dim, hidden = shape
     tokens = routed // k
     layer = make_layer(e, k, dim, hidden, device, dtype)
@@ -177,6 +185,8 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
                 torch.cuda.synchronize()
         key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+        if trace:
+            prof.export_chrome_trace(trace)
     # The GEMMs alone, on rows already grouped like the layer's routing.
     counts = layer.router(x.detach()).tokens_per_expert
     rows = torch.randn(routed, dim, device=device, dtype=dtype, requires_grad=True)
@@ -207,12 +217,13 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     steps["layer+acc"] = _with_fresh_grads(accumulating(layer_step, layer.experts, []), grads_of)
     steps["dense+acc"] = _with_fresh_grads(
         accumulating(lambda: run_dense_acc(x).backward(grad), None, list(dense_acc.parameters())), [x])
-    times = compare(steps, rounds=iters, iters=1, warmup=2, device=device)
+    times = compare(steps, rounds=iters, iters=back_to_back, warmup=2, device=device)
     layer.experts.mm = grouped
 
     flops = 18 * routed * dim * hidden  # gate, up, down x (fwd + 2 bwd) x 2 flops per MAC
     loads = (counts.float().max() / counts.float().mean()).item()
-    how = f"{dtype}, {device.type}" + (", compiled" if compiled else "")
+    how = f"{dtype}, {device.type}" + (", compiled" if compiled else "") + \
+        (f", {back_to_back} calls back to back per round" if back_to_back > 1 else "")
     print(f"{name}: E={e} top-{k} routed={routed} {dim}->{hidden} ({how}; {routing} routing, max/mean load {loads:.2f})")
     for what, t in times.items():
         print(f"  {what:9s} {t.ms:9.2f} ms [{t.min_ms:.2f} - {t.max_ms:.2f}]  {flops / t.ms / 1e9:8.1f} TFLOP/s "
@@ -224,6 +235,7 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     print("  ratios: " + "  ".join(f"{what} {r['median']:.2f}" for what, r in ratios.items()))
     emit("moe_layer", {"mode": "layer", "shape": name, "experts": e, "top_k": k, "routed": routed, "dim": dim,
                        "hidden": hidden, "dtype": str(dtype), "routing": routing, "compiled": compiled,
+                       "back_to_back": back_to_back,
                        "max_mean_load": loads,
                        "timings": {what: t.summary() for what, t in times.items()},
                        "tflops": {what: flops / t.ms / 1e9 for what, t in times.items()}, "ratios": ratios}, device)
@@ -312,12 +324,20 @@ def main() -> None:
                         help="layer mode: torch.compile the layer and the dense MLP, as the trainer's compiled blocks")
     parser.add_argument("--profile", action="store_true",
                         help="print a profiler table of 3 steps (EP mode: of 3 dispatch+combine rounds, GPU only)")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="layer mode with --profile and one shape: write the profiled steps' Chrome trace to FILE")
+    parser.add_argument("--back-to-back", type=int, default=1, metavar="K",
+                        help="layer mode: calls per timed round, queued one after another (default 1)")
     args = parser.parse_args()
     table = TINY if args.tiny else SHAPES
     names = args.shapes.split(",")
     for n in names:
         if n not in table:
             parser.error(f"--shapes: unknown shape {n!r}; choose from {', '.join(table)}")
+    if args.back_to_back < 1:
+        parser.error(f"--back-to-back must be >= 1 calls per round, got {args.back_to_back}")
+    if args.trace and not (args.profile and not args.ep and len(names) == 1):
+        parser.error("--trace needs --profile, layer mode and one shape (--shapes NAME)")
     cuda = torch.cuda.is_available() and not args.tiny
     if args.ep:
         _, _, device = init_distributed("nccl" if cuda else "gloo")
@@ -329,7 +349,8 @@ def main() -> None:
             bench_ep(n, table[n], args.iters, device, dtype, args.profile and device.type == "cuda",
                      tuple(args.dispatchers.split(",")))
         else:
-            bench_layer(n, table[n], args.iters, device, dtype, args.profile, args.routing, args.compile)
+            bench_layer(n, table[n], args.iters, device, dtype, args.profile, args.routing, args.compile,
+                        args.back_to_back, args.trace)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.ep:
