@@ -124,9 +124,12 @@ class MoELayer(nn.Module):
     @eager_only
     def _route(self, x: torch.Tensor, routing: Routing, token_offset: int):
         """(the routed experts' combined output, the auxiliary loss term to attach or None)."""
-        loss, parts = self._aux_loss(routing, token_offset, x.shape[0])
         expert_in, tokens_per_expert = self.dispatcher.dispatch(x, routing)
-        y = self.dispatcher.combine(self.experts(expert_in, tokens_per_expert))
+        expert_out = self.experts(expert_in, tokens_per_expert)
+        # The balancing loss's small kernels after the expert GEMMs are queued: the host issues
+        # them while the GPU runs the GEMMs, where issued first the GPU idled through them.
+        loss, parts = self._aux_loss(routing, token_offset, x.shape[0])
+        y = self.dispatcher.combine(expert_out)
         if self.training and not _in_recompute():
             self._record(routing, parts)
         return y, loss
