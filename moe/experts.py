@@ -30,12 +30,14 @@ import torch
 from torch import nn
 
 from core import placement
+from core.layouts import FUSED_DIM, FUSED_TENSORS
 from core.layers import FusedSwiGLU
 from core.kernels import grouped_mm as kernels_grouped_mm
 from core.kernels.grouped_gemm import grouped_mm_wgrad_into_, main_grad_sink
 
 log = logging.getLogger(__name__)
 _reported: set[str] = set()
+_OLDER_W13 = tuple(key.rpartition(".")[2] for key in FUSED_TENSORS["experts.w13"])  # this module's names: w1, w3
 
 
 def _report_once(reason: str) -> None:
@@ -155,10 +157,10 @@ class GroupedExperts(nn.Module):
         return self.mm(h, self.w2, offsets)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A state dict from before gate and up were one weight: w1 (gate) and w3 (up) [E, dim, hidden].
-        gate, up = prefix + "w1", prefix + "w3"
-        if gate in state_dict and up in state_dict and prefix + "w13" not in state_dict:
-            state_dict[prefix + "w13"] = torch.stack((state_dict.pop(gate), state_dict.pop(up)), dim=2)
+        # A state dict from before gate and up were one weight (core.layouts): w1 and w3 [E, dim, hidden].
+        keys = [prefix + name for name in _OLDER_W13]
+        if all(k in state_dict for k in keys) and prefix + "w13" not in state_dict:
+            state_dict[prefix + "w13"] = torch.stack([state_dict.pop(k) for k in keys], dim=FUSED_DIM)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:

@@ -169,7 +169,6 @@ class MoELayer(nn.Module):
         split = self.tp_mode == "split"
         total = n * self.tp_size if split else n
         device = routing.probs.device
-        aux = z_sum = None
         if aux_on:
             if moe.aux_loss_per_sequence:
                 cu = self._boundaries(total).to(device)
@@ -190,21 +189,17 @@ class MoELayer(nn.Module):
             e = self.moe.num_experts
             if aux_on:
                 counts = full[: nseq * e].view(nseq, e)
-                aux = balancing_loss_from_stats(counts, prob_sums, lengths, moe.top_k)
                 parts["aux_loss"] = balancing_loss_from_stats(counts, full[nseq * e: 2 * nseq * e].view(nseq, e),
                                                               lengths, moe.top_k)
             if z_on:
                 parts["z_loss"] = full[-1] / total
-        else:  # the metrics are the loss terms' own values
-            if aux_on:
-                aux = balancing_loss_from_stats(counts, prob_sums, lengths, moe.top_k)
-                parts["aux_loss"] = aux.detach()
-            if z_on:
-                parts["z_loss"] = z_sum.detach() / total
         loss = None
         if aux_on:
+            aux = balancing_loss_from_stats(counts, prob_sums, lengths, moe.top_k)
+            parts.setdefault("aux_loss", aux.detach())  # off TP the metric is the term's own value
             loss = moe.aux_loss_coeff * aux
         if z_on:
+            parts.setdefault("z_loss", z_sum.detach() / total)
             term = moe.z_loss_coeff * z_sum / total
             loss = term if loss is None else loss + term
         return loss, parts
