@@ -55,7 +55,7 @@ def measure(name: str, cfg, args) -> dict:
     batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, device)
     side_args = copy.copy(args)
     side_args.dense_backend, side_args.precision, side_args.fp8_recipe = VARIANTS[name]
-    side_args.no_fp8_weight_cache, side_args.no_wgrad_fusion = False, False
+    side_args.no_fp8_weight_cache, side_args.no_wgrad_fusion, side_args.back_to_back = False, False, 1
     side = build_side("tessera", cfg, batch, side_args)
     timing = compare({name: side.step}, rounds=args.steps, iters=1, warmup=0)[name]
     return side_figures(side, timing, args.batch * args.seq * args.accum, "tessera", side_args)
