@@ -49,8 +49,8 @@ def sort_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor | None, num_expe
                    counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, counts): assignment ids (into expert_ids.flatten()) sorted by expert, and the
     number per expert [num_experts]. With `keep`, assignments where it is False are left
-    out (a host sync learns how many remain); without, ids must be < num_experts, and `counts`,
-    when the caller has them (the router's), are returned as they are."""
+    out (a host sync learns how many remain) and the rest counted; without, ids must be
+    < num_experts, and `counts`, when the caller has them (the router's), are returned as they are."""
     flat = expert_ids.reshape(-1)
     if keep is None:
         order = torch.argsort(flat, stable=True)
@@ -216,8 +216,7 @@ class AllToAllDispatcher(_Dispatcher):
     def dispatch_preprocess(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, DispatchHandle]:
         """Local: sort the assignments by global expert and gather their token rows."""
         t, k = routing.indices.shape
-        kept = routing.tokens_per_expert if routing.keep is None else None  # dropless: the router's counts
-        order, counts = sort_by_expert(routing.indices, routing.keep, self.num_experts, kept)
+        order, counts = sort_by_expert(routing.indices, routing.keep, self.num_experts, routing.tokens_per_expert)
         return permute(x, order, k), DispatchHandle(routing.weights, t, k, order=order, counts=counts, rows=t)
 
     def dispatch_exchange(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -244,7 +244,7 @@ def _eager_autograd(name: str, fn, backward, setup_context):
 
     return type(f"Eager_{name}", (torch.autograd.Function,), {
         "forward": staticmethod(forward),
-        "backward": staticmethod(lambda ctx, *grads: backward(ctx, *grads)),
+        "backward": staticmethod(backward),
     })
 
 
