@@ -1,7 +1,12 @@
 """Routers: which experts each token uses, with what combine weight, and the balancing losses.
 
 Scores are always computed in fp32 (the router's logits decide discrete choices: bf16
-rounding flips near-ties and makes runs irreproducible across layouts).
+rounding flips near-ties and makes runs irreproducible across layouts). With bf16 tokens and a
+bf16 gate on a GPU (`router_logits`) the logits come from one tensor-core GEMM with fp32
+output: the products of bf16 numbers are exact in fp32, so this is the fp32 GEMM of the
+upcast operands up to the order of the fp32 sums, without the upcast copy of x or the
+CUDA-core fp32 GEMM. Its backward splits the fp32 logit gradient into a bf16 high part and a
+bf16 remainder (16 significant bits together) and runs each gradient GEMM once over both.
 
 Scoring (`MoEConfig.router`):
 - "softmax": p = softmax(logits); the top-k of p are chosen; with `normalize_topk` the k
@@ -43,6 +48,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import MoEConfig, check_moe
+
+
+class _Bf16Logits(torch.autograd.Function):
+    """x [T, dim] @ weight[E, dim]^T in fp32 from bf16 operands (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        high = grad.to(torch.bfloat16)
+        parts = torch.cat((high, (grad - high.float()).to(torch.bfloat16)), dim=1)  # [T, 2E]
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(parts, torch.cat((weight, weight)), out_dtype=torch.float32).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            both = torch.mm(parts.t(), x, out_dtype=torch.float32)  # [2E, dim]
+            e = weight.shape[0]
+            grad_w = (both[:e] + both[e:]).to(weight.dtype)
+        return grad_x, grad_w
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [T, E] of x [T, dim] under the gate weight [E, dim]."""
+    if x.is_cuda and x.dim() == 2 and x.dtype == weight.dtype == torch.bfloat16:
+        return _Bf16Logits.apply(x, weight)
+    return F.linear(x.float(), weight.float())
 
 
 @dataclass
@@ -179,7 +214,7 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits(x, self.weight)
         bias = self.expert_bias if self.moe.bias_update_rate > 0 else None
         indices, weights, probs = route(logits, self.moe, bias)
         counts = expert_counts(indices, self.num_experts)

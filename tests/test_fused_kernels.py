@@ -42,8 +42,8 @@ def reference(rows, order, weights, t, k):
     slots[order] = rows.double()
     return (slots.view(t, k, -1) * weights.double().unsqueeze(-1)).sum(1)
 
-# combine: 2 column blocks (dim > 1024), with and without dropped assignments
-for t, k, dim, drop in ((37, 3, 1500, False), (20, 2, 700, True)):
+# combine: several column blocks, k not a power of two, with and without dropped assignments
+for t, k, dim, drop in ((37, 3, 1500, False), (20, 2, 700, True), (9, 8, 300, True)):
     order = torch.randperm(t * k)
     if drop:
         order = order[: t * k - 7]
@@ -60,6 +60,10 @@ for t, k, dim, drop in ((37, 3, 1500, False), (20, 2, 700, True)):
     want.backward(grad.double())
     torch.testing.assert_close(rows.grad.double(), rows64.grad, **tol)
     torch.testing.assert_close(weights.grad.double(), w64.grad, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-3)
+    # the rows' gradient alone (weights without one)
+    rows.grad = None
+    gather_weighted_sum(rows, order, weights.detach(), t).backward(grad)
+    torch.testing.assert_close(rows.grad.double(), rows64.grad, **tol)
     # the plain sum (permute's backward)
     inverse = inverse_of(order, t * k).view(t, k)
     got = gather_sum(rows.detach(), inverse, None)

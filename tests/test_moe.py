@@ -426,6 +426,32 @@ def test_grouped_mm_native_bf16_matches_float64():
 
 @pytest.mark.gpu
 @needs_gpu
+def test_bf16_router_logits_and_gradients_match_float64():
+    from moe.router import router_logits
+
+    torch.manual_seed(0)
+    x = torch.randn(1000, 2048, device="cuda").to(torch.bfloat16).requires_grad_()
+    w = (0.02 * torch.randn(64, 2048, device="cuda")).to(torch.bfloat16).requires_grad_()
+    logits = router_logits(x, w)
+    assert logits.dtype == torch.float32
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = xd @ wd.t()
+    # Exact products, fp32 sums over 2048 terms: within 2^-24 * 2048 of sum |x||w| per logit.
+    bound = (xd.abs() @ wd.abs().t()) * 2048 * 2.0 ** -24
+    assert ((logits.double() - ref).abs() <= bound).all()
+    g = torch.randn_like(logits) * 1e-3
+    logits.backward(g)
+    ref.backward(g.double())
+    # The gradient GEMMs see g to 16 significant bits (2^-16 of each |g| term, fp32 sums on top);
+    # the results are rounded to bf16 (2^-9 relative).
+    gd = g.double().abs()
+    for got, want, spread in ((x.grad, xd.grad, gd @ wd.detach().abs()), (w.grad, wd.grad, gd.t() @ xd.detach().abs())):
+        err = (got.double() - want).abs()
+        assert (err <= 2.0 ** -8 * want.abs() + 2.0 ** -15 * spread).all()
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_layer_bf16_on_gpu_matches_fp32_dense_reference():
     # Same bf16 weights and inputs; reference in fp32 on the GPU. The router reads both in
     # fp32, so routing is identical; differences are bf16 rounding of the expert path.

@@ -124,30 +124,32 @@ if triton is not None:
         tl.store(out + t * dim + offs, acc.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _scale_rows_kernel(grad, order, weights, grad_rows, dim, K: tl.constexpr, BLOCK: tl.constexpr):
-        # grad_rows[i] = weights[slot] * grad[slot // K] with slot = order[i]
-        i = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < dim
-        slot = tl.load(order + i)
-        w = tl.load(weights + slot).to(tl.float32)
-        g = tl.load(grad + (slot // K) * dim + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(grad_rows + i * dim + offs, (w * g).to(grad_rows.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _row_dots_kernel(grad, rows, inverse, grad_weights, dim, K: tl.constexpr, BLOCK: tl.constexpr):
-        # grad_weights[t, j] = <rows[inverse[t, j]], grad[t]> in fp32 (0 for missing rows)
+    def _combine_backward_kernel(grad, rows, inverse, weights, grad_rows, grad_weights, dim, K: tl.constexpr,
+                                 KP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, WEIGHTS: tl.constexpr):
+        # One token per program, its output gradient read once for all of its k assignments:
+        # grad_rows[r] = weights[t, j] * grad[t] and grad_weights[t, j] = <rows[r], grad[t]> (fp32),
+        # r = inverse[t, j]; a missing row (-1) gets nothing and a zero weight gradient.
         t = tl.program_id(0).to(tl.int64)
-        for j in tl.static_range(K):
-            r = tl.load(inverse + t * K + j)
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(0, dim, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                mask = offs < dim
-                g = tl.load(grad + t * dim + offs, mask=mask, other=0.0).to(tl.float32)
-                v = tl.load(rows + tl.maximum(r, 0) * dim + offs, mask=mask, other=0.0).to(tl.float32)
-                acc += tl.where(r >= 0, g * v, 0.0)
-            tl.store(grad_weights + t * K + j, tl.sum(acc, axis=0))
+        j = tl.arange(0, KP)
+        valid = j < K
+        r = tl.load(inverse + t * K + j, mask=valid, other=-1)
+        present = r >= 0
+        row_start = tl.maximum(r, 0) * dim
+        w = tl.load(weights + t * K + j, mask=valid, other=0.0).to(tl.float32)
+        acc = tl.zeros([KP, BLOCK], dtype=tl.float32)
+        for start in range(0, dim, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < dim
+            g = tl.load(grad + t * dim + offs, mask=mask, other=0.0).to(tl.float32)
+            where = row_start[:, None] + offs[None, :]
+            both = present[:, None] & mask[None, :]
+            if ROWS:
+                tl.store(grad_rows + where, (w[:, None] * g[None, :]).to(grad_rows.dtype.element_ty), mask=both)
+            if WEIGHTS:
+                v = tl.load(rows + where, mask=both, other=0.0).to(tl.float32)
+                acc += v * g[None, :]
+        if WEIGHTS:
+            tl.store(grad_weights + t * K + j, tl.sum(acc, axis=1), mask=valid)
 
 
 def _launch(kernel, grid, *args, **meta) -> None:
@@ -267,26 +269,25 @@ class _GatherWeightedSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, inverse, order, weights):
         rows = rows.contiguous()
-        ctx.save_for_backward(rows, inverse, order, weights)
+        ctx.save_for_backward(rows, inverse, weights)
         return gather_sum(rows, inverse, weights)
 
     @staticmethod
     def backward(ctx, grad):
-        rows, inverse, order, weights = ctx.saved_tensors
+        rows, inverse, weights = ctx.saved_tensors
         grad = grad.contiguous()
         t, k = inverse.shape
         dim = rows.shape[1]
-        grad_rows = grad_weights = None
-        if ctx.needs_input_grad[0]:
-            grad_rows = torch.empty_like(rows)
-            if rows.shape[0] and dim:
-                _launch(_scale_rows_kernel, (rows.shape[0], triton.cdiv(dim, _ROW_BLOCK)),
-                        grad, order, weights, grad_rows, dim, K=k, BLOCK=_ROW_BLOCK, num_warps=4)
-        if ctx.needs_input_grad[3]:
-            grad_weights = torch.empty(t, k, dtype=torch.float32, device=grad.device)
-            if t:
-                _launch(_row_dots_kernel, (t,), grad, rows, inverse, grad_weights, dim, K=k, BLOCK=_ROW_BLOCK,
-                        num_warps=4)
+        want_rows, want_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        grad_rows = torch.empty_like(rows) if want_rows else None
+        grad_weights = torch.empty(t, k, dtype=torch.float32, device=grad.device) if want_weights else None
+        if t and (want_rows or want_weights):
+            kp = triton.next_power_of_2(k)
+            # Both gradients in one pass over the tokens: each token's gradient row read once.
+            _launch(_combine_backward_kernel, (t,), grad, rows, inverse, weights,
+                    grad_rows if want_rows else rows, grad_weights if want_weights else weights, dim, K=k, KP=kp,
+                    BLOCK=max(128, min(1024, 2048 // kp)), ROWS=want_rows, WEIGHTS=want_weights, num_warps=4)
+        if want_weights:
             grad_weights = grad_weights.to(weights.dtype)
         return grad_rows, None, None, grad_weights
 
