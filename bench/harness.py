@@ -12,6 +12,10 @@ smoke paths); a candidate's figure is the median over rounds, with its spread (`
 - `graph`: the `iters` calls are captured once into a CUDA graph and the graph is replayed: no
   host time between the calls. Only for graph-safe work: nothing that reads back to the host,
   synchronises, or allocates differently from call to call.
+- `host_ahead`: each round's calls are queued behind a sleeping GPU kernel (~50 ms per call), so
+  the host has issued them all before the first starts: the figure is the GPU's time for the
+  work alone, without the waits for a host that is behind (an accumulating step's later
+  micro-batches, whose host work runs under the previous ones). Not with `flush_l2`.
 - `group`: for work spread over ranks. Each measurement starts after a barrier, and every rank
   keeps the slowest rank's figure (the slowest rank sets a collective's pace).
 
@@ -100,8 +104,11 @@ def resolve_device(device: torch.device | str | None = None) -> torch.device:
     return torch.device(device)
 
 
+_AHEAD_CYCLES = 100_000_000  # GPU clock cycles of sleep per call queued: ~50 ms at 2 GHz
+
+
 def time_call(fn: Callable[[], object], iters: int = 1, device: torch.device | str | None = None,
-              flush_l2: bool = False) -> float:
+              flush_l2: bool = False, host_ahead: bool = False) -> float:
     """Mean milliseconds per call of `iters` calls of fn: the one clock of this module.
 
     On a GPU, CUDA events around the calls (around each call with flush_l2), then a wait for
@@ -113,8 +120,12 @@ def time_call(fn: Callable[[], object], iters: int = 1, device: torch.device | s
         for _ in range(iters):
             fn()
         return (time.perf_counter() - start) * 1e3 / iters
+    if host_ahead and flush_l2:
+        raise ValueError("host_ahead times the calls back to back; flush_l2 times each alone")
     if not flush_l2:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if host_ahead:
+            torch.cuda._sleep(_AHEAD_CYCLES * iters)
         start.record()
         for _ in range(iters):
             fn()
@@ -154,13 +165,13 @@ def _capture(fn: Callable[[], object], iters: int) -> Callable[[], None]:
 
 def compare(candidates: dict[str, Callable[[], object]], rounds: int = 5, iters: int | None = None,
             warmup: int = 1, round_ms: float = 100.0, device: torch.device | str | None = None,
-            graph: bool = False, flush_l2: bool = False, group=None) -> dict[str, Timing]:
+            graph: bool = False, flush_l2: bool = False, group=None, host_ahead: bool = False) -> dict[str, Timing]:
     """Time the candidates in `rounds` interleaved rounds; returns a Timing per candidate.
 
     warmup: untimed calls of each candidate first (compilation, allocator, autotuning).
     iters: calls per round; None picks, per candidate, as many as fill about round_ms (one
     call of a slow candidate, enough calls of a fast kernel to average out launch jitter).
-    graph, flush_l2, group: see the module's docstring (graph replays are never flushed)."""
+    graph, flush_l2, group, host_ahead: see the module's docstring (graph replays are never flushed)."""
     device = resolve_device(device)
     if graph and device.type != "cuda":
         raise ValueError("graph replay needs a CUDA device")
@@ -188,7 +199,7 @@ def compare(candidates: dict[str, Callable[[], object]], rounds: int = 5, iters:
             if graph:
                 ms = time_call(runners[name], 1, device) / counts[name]
             else:
-                ms = time_call(runners[name], counts[name], device, flush_l2)
+                ms = time_call(runners[name], counts[name], device, flush_l2, host_ahead and device.type == "cuda")
             samples[name].append(_slowest(ms, group, device))
     return {n: Timing(samples[n], counts[n]) for n in names}
 

@@ -4,7 +4,7 @@ MLP, and (EP mode) the expert-parallel dispatch+combine against a plain all-to-a
 Layer mode (one GPU; `--tiny` runs small shapes on CPU as a smoke test):
 
     python -m bench.moe_layer [--shapes mixtral,fine64,fine128] [--iters 10] [--compile] [--tiny]
-                              [--back-to-back K] [--profile [--trace FILE]]
+                              [--back-to-back K] [--host-ahead] [--profile [--trace FILE]]
 
 For each shape (E experts, top-k, R routed rows = tokens x k, dim -> expert hidden) it times
 forward+backward of, in --iters interleaved rounds (bench.harness):
@@ -30,7 +30,10 @@ Each timed round runs one call of a candidate after an idle GPU: the host's work
 first kernels and wherever it falls behind the GPU shows as time (a step's first micro-batch).
 `--back-to-back K` times K calls per round instead, the host queueing each call while the GPU
 still runs the one before, as it does over an accumulating step's later micro-batches; the
-times printed are per call. `--profile --trace FILE` also writes the profiled rounds' Chrome trace
+times printed are per call. `--host-ahead` queues each round behind a sleeping GPU kernel, so the
+host has issued every call before the GPU starts: the GPU's own time for the layer and for the
+dense MLP, which is what a step's later micro-batches pay when the host keeps ahead (the default
+also counts the GPU's waits for the host). `--profile --trace FILE` also writes the profiled rounds' Chrome trace
 (`python -m bench.gpu_idle FILE`: where the GPU waited for the host).
 
 EP mode (torchrun, one process per GPU, ep = world size; NCCL, or gloo on CPU with --tiny):
@@ -158,7 +161,8 @@ def _with_fresh_grads(fn, tensors):
 
 
 def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = False, routing: str = "router",
-                compiled: bool = False, back_to_back: int = 1, trace: str | None = None) -> None:
+                compiled: bool = False, back_to_back: int = 1, trace: str | None = None,
+                host_ahead: bool = False) -> None:
     e, k, routed, dim, hidden = shape
     tokens = routed // k
     layer = make_layer(e, k, dim, hidden, device, dtype)
@@ -217,13 +221,14 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     steps["layer+acc"] = _with_fresh_grads(accumulating(layer_step, layer.experts, []), grads_of)
     steps["dense+acc"] = _with_fresh_grads(
         accumulating(lambda: run_dense_acc(x).backward(grad), None, list(dense_acc.parameters())), [x])
-    times = compare(steps, rounds=iters, iters=back_to_back, warmup=2, device=device)
+    times = compare(steps, rounds=iters, iters=back_to_back, warmup=2, device=device, host_ahead=host_ahead)
     layer.experts.mm = grouped
 
     flops = 18 * routed * dim * hidden  # gate, up, down x (fwd + 2 bwd) x 2 flops per MAC
     loads = (counts.float().max() / counts.float().mean()).item()
     how = f"{dtype}, {device.type}" + (", compiled" if compiled else "") + \
-        (f", {back_to_back} calls back to back per round" if back_to_back > 1 else "")
+        (f", {back_to_back} calls back to back per round" if back_to_back > 1 else "") + \
+        (", host ahead" if host_ahead else "")
     print(f"{name}: E={e} top-{k} routed={routed} {dim}->{hidden} ({how}; {routing} routing, max/mean load {loads:.2f})")
     for what, t in times.items():
         print(f"  {what:9s} {t.ms:9.2f} ms [{t.min_ms:.2f} - {t.max_ms:.2f}]  {flops / t.ms / 1e9:8.1f} TFLOP/s "
@@ -235,7 +240,7 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
     print("  ratios: " + "  ".join(f"{what} {r['median']:.2f}" for what, r in ratios.items()))
     emit("moe_layer", {"mode": "layer", "shape": name, "experts": e, "top_k": k, "routed": routed, "dim": dim,
                        "hidden": hidden, "dtype": str(dtype), "routing": routing, "compiled": compiled,
-                       "back_to_back": back_to_back,
+                       "back_to_back": back_to_back, "host_ahead": host_ahead,
                        "max_mean_load": loads,
                        "timings": {what: t.summary() for what, t in times.items()},
                        "tflops": {what: flops / t.ms / 1e9 for what, t in times.items()}, "ratios": ratios}, device)
@@ -328,6 +333,8 @@ def main() -> None:
                         help="layer mode with --profile and one shape: write the profiled steps' Chrome trace to FILE")
     parser.add_argument("--back-to-back", type=int, default=1, metavar="K",
                         help="layer mode: calls per timed round, queued one after another (default 1)")
+    parser.add_argument("--host-ahead", action="store_true",
+                        help="layer mode: queue each round behind a sleeping GPU kernel (the GPU's time alone)")
     args = parser.parse_args()
     table = TINY if args.tiny else SHAPES
     names = args.shapes.split(",")
@@ -336,6 +343,8 @@ def main() -> None:
             parser.error(f"--shapes: unknown shape {n!r}; choose from {', '.join(table)}")
     if args.back_to_back < 1:
         parser.error(f"--back-to-back must be >= 1 calls per round, got {args.back_to_back}")
+    if args.host_ahead and args.ep:
+        parser.error("--host-ahead is for layer mode (EP rounds are timed after a barrier)")
     if args.trace and not (args.profile and not args.ep and len(names) == 1):
         parser.error("--trace needs --profile, layer mode and one shape (--shapes NAME)")
     cuda = torch.cuda.is_available() and not args.tiny
@@ -350,7 +359,7 @@ def main() -> None:
                      tuple(args.dispatchers.split(",")))
         else:
             bench_layer(n, table[n], args.iters, device, dtype, args.profile, args.routing, args.compile,
-                        args.back_to_back, args.trace)
+                        args.back_to_back, args.trace, args.host_ahead)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.ep:

@@ -1,5 +1,5 @@
 """bench.moe_layer: its CPU smoke mode (--tiny) runs every candidate of the layer comparison and
-writes one JSON record per shape; --back-to-back and --trace reach the record and the trace file;
+writes one JSON record per shape; --back-to-back, --host-ahead and --trace reach the record and the trace file;
 bad arguments exit 2 with one line naming the fix."""
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_tiny_layer_comparison_back_to_back_with_a_trace(tmp_path):
     trace = tmp_path / "layer.json"
-    proc = _run("--shapes", "fine64", "--iters", "1", "--back-to-back", "2", "--profile", "--trace", str(trace))
+    proc = _run("--shapes", "fine64", "--iters", "1", "--back-to-back", "2", "--host-ahead", "--profile", "--trace",
+                str(trace))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench": "moe_layer"')]
     assert len(records) == 1
     record = records[0]
-    assert record["shape"] == "fine64" and record["back_to_back"] == 2
+    assert record["shape"] == "fine64" and record["back_to_back"] == 2 and record["host_ahead"] is True
     assert set(record["timings"]) == {"layer", "gemm", "loop", "dense", "layer+acc", "dense+acc"}
     assert all(t["iters"] == 2 and t["ms"] > 0 for t in record["timings"].values())
     events = json.loads(trace.read_text())["traceEvents"]
@@ -35,6 +36,7 @@ def test_tiny_layer_comparison_back_to_back_with_a_trace(tmp_path):
 
 def test_bad_arguments_exit_2_with_one_line():
     for args, words in ((["--back-to-back", "0"], "--back-to-back must be >= 1"),
-                        (["--trace", "x.json"], "--trace needs --profile")):
+                        (["--trace", "x.json"], "--trace needs --profile"),
+                        (["--ep", "--host-ahead"], "--host-ahead is for layer mode")):
         proc = _run(*args)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
