@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from core.kernels.fused import gather_sum, gather_weighted_sum, inverse_of, triton_enabled
+from core.kernels.fused import gather_sum, gather_weighted_sum, inverse_of, permute_rows, triton_enabled
 from core.parallel.comm import all_gather_dim0, all_gather_tokens, reduce_scatter_tokens
 from moe.comm import all_to_all, exchange_counts
 from moe.router import Routing, expert_counts
@@ -93,15 +93,18 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, order, k):
-        ctx.save_for_backward(order)
         ctx.k, ctx.tokens = k, x.shape[0]
+        if triton_enabled(x):  # each token read once, written to its k rows (core.kernels.fused)
+            inverse = inverse_of(order, ctx.tokens * k).view(ctx.tokens, k)
+            ctx.save_for_backward(order, inverse)
+            return permute_rows(x, inverse, order.numel())
+        ctx.save_for_backward(order, None)
         return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
 
     @staticmethod
     def backward(ctx, grad):
-        (order,) = ctx.saved_tensors
-        if triton_enabled(grad):  # gather and sum in one pass (core.kernels.fused)
-            inverse = inverse_of(order, ctx.tokens * ctx.k).view(ctx.tokens, ctx.k)
+        order, inverse = ctx.saved_tensors
+        if inverse is not None and triton_enabled(grad):  # gather and sum in one pass
             return gather_sum(grad.contiguous(), inverse, None), None, None
         full = _scatter_rows(grad, order, ctx.tokens * ctx.k)
         return full.view(ctx.tokens, ctx.k, -1).sum(1), None, None

@@ -65,7 +65,7 @@ class _Bf16Logits(torch.autograd.Function):
         parts = torch.cat((high, (grad - high.float()).to(torch.bfloat16)), dim=1)  # [T, 2E]
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(parts, torch.cat((weight, weight)), out_dtype=torch.float32).to(x.dtype)
+            grad_x = torch.mm(parts, torch.cat((weight, weight)))  # fp32 sums, rounded once to bf16
         if ctx.needs_input_grad[1]:
             both = torch.mm(parts.t(), x, out_dtype=torch.float32)  # [2E, dim]
             e = weight.shape[0]

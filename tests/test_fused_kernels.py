@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHECKS = r'''
 import os, torch
-from core.kernels.fused import accumulate_fp32_, gather_sum, gather_weighted_sum, inverse_of, swiglu, swiglu_fused, \
-    triton_enabled
+from core.kernels.fused import accumulate_fp32_, gather_sum, gather_weighted_sum, inverse_of, permute_rows, swiglu, \
+    swiglu_fused, triton_enabled
 
 torch.manual_seed(0)
 device, dtype = os.environ["CHECK_DEVICE"], getattr(torch, os.environ["CHECK_DTYPE"])
@@ -68,6 +68,8 @@ for t, k, dim, drop in ((37, 3, 1500, False), (20, 2, 700, True), (9, 8, 300, Tr
     inverse = inverse_of(order, t * k).view(t, k)
     got = gather_sum(rows.detach(), inverse, None)
     torch.testing.assert_close(got.double(), reference(rows.detach(), order, torch.ones(t, k), t, k), **tol)
+    # the permutation itself: row i is the token of assignment order[i] (exact copies)
+    assert torch.equal(permute_rows(rows.detach()[:t], inverse, order.numel()), rows.detach()[:t][order // k])
 
 # swiglu: silu(a) * b and both input gradients against float64, over a size that is not a
 # multiple of the block, with inputs wide enough to reach silu's tails

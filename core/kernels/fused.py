@@ -7,8 +7,10 @@
   of assignment t*k + j; row i belongs to assignment order[i], missing ones count as zero),
   accumulated in fp32. The MoE combine: without
   fusion it is a gather of every routed row into [T, k, dim] and a batched GEMV over k, whose
-  cuBLAS kernel ran at ~1 TB/s. Autograd included. `gather_sum(rows, inverse, None)` is the
-  plain sum (the backward of the token permutation).
+  cuBLAS kernel ran at ~1 TB/s. Autograd included; its backward writes both gradients in one
+  pass per token. `gather_sum(rows, inverse, None)` is the plain sum (the backward of the token
+  permutation), `permute_rows(x, inverse, n)` the permutation itself (each token read once and
+  written to its k rows, where a gather by row reads it k times).
 
 - `swiglu(a, b)`: silu(a) * b, forward in one pass and backward in one (reads a, b and the
   output's gradient, writes both input gradients), saving only a and b. Eager PyTorch runs it as
@@ -122,6 +124,19 @@ if triton is not None:
                 v *= tl.load(weights + t * K + j).to(tl.float32)
             acc += v
         tl.store(out + t * dim + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _permute_rows_kernel(x, inverse, rows, dim, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+        # rows[inverse[t, j]] = x[t] for each of token t's k assignments that has a row (>= 0):
+        # the token's row read once for all of its copies.
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < dim
+        j = tl.arange(0, KP)
+        r = tl.load(inverse + t * K + j, mask=j < K, other=-1)
+        v = tl.load(x + t * dim + offs, mask=mask)
+        where = tl.maximum(r, 0)[:, None] * dim + offs[None, :]
+        tl.store(rows + where, tl.broadcast_to(v[None, :], (KP, BLOCK)), mask=(r >= 0)[:, None] & mask[None, :])
 
     @triton.jit
     def _combine_backward_kernel(grad, rows, inverse, weights, grad_rows, grad_weights, dim, K: tl.constexpr,
@@ -251,6 +266,20 @@ def inverse_of(order: Tensor, slots: int) -> Tensor:
     inverse = torch.full((slots,), -1, dtype=torch.int64, device=order.device)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return inverse
+
+
+def permute_rows(x: Tensor, inverse: Tensor, num_rows: int) -> Tensor:
+    """[num_rows, dim] with rows[inverse[t, j]] = x[t] (inverse [T, k], -1 for no row): the MoE
+    dispatch's copy of each token to its k assignments' rows, each token's row read once."""
+    t, k = inverse.shape
+    dim = x.shape[1]
+    rows = x.new_empty(num_rows, dim)
+    if t and dim and num_rows:
+        kp = triton.next_power_of_2(k)
+        block = max(128, min(_ROW_BLOCK, 4096 // kp))
+        _launch(_permute_rows_kernel, (t, triton.cdiv(dim, block)), x.contiguous(), inverse, rows, dim, K=k, KP=kp,
+                BLOCK=block, num_warps=4)
+    return rows
 
 
 def gather_sum(rows: Tensor, inverse: Tensor, weights: Tensor | None) -> Tensor:
