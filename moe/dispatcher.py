@@ -45,6 +45,16 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def _narrow_keys(ids: torch.Tensor, bound: int) -> torch.Tensor:
+    """ids (all < bound) in the narrowest integer type that holds them: a radix sort makes one
+    pass per key byte, so int64 expert ids cost eight passes where one byte needs one."""
+    if bound <= 256:
+        return ids.to(torch.uint8)
+    if bound <= 32768:
+        return ids.to(torch.int16)
+    return ids
+
+
 def sort_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor | None, num_experts: int,
                    counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, counts): assignment ids (into expert_ids.flatten()) sorted by expert, and the
@@ -53,10 +63,10 @@ def sort_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor | None, num_expe
     < num_experts, and `counts`, when the caller has them (the router's), are returned as they are."""
     flat = expert_ids.reshape(-1)
     if keep is None:
-        order = torch.argsort(flat, stable=True)
+        order = torch.argsort(_narrow_keys(flat, num_experts), stable=True)
         return order, counts if counts is not None else expert_counts(flat, num_experts)
     flat = flat.masked_fill(~keep.reshape(-1), num_experts)
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(_narrow_keys(flat, num_experts + 1), stable=True)
     counts = expert_counts(flat, num_experts + 1)
     order = order[: int(counts[:num_experts].sum())]  # the dropped sort last; cut them off
     return order, counts[:num_experts]

@@ -289,6 +289,22 @@ def test_capacity_drops_are_excluded_and_reported():
     assert math.isclose(stats["moe/layer1/dropped_frac"], 2 * float((~r.keep).sum()) / (2 * 80))  # 2 forwards
 
 
+@pytest.mark.parametrize("num_experts", [8, 255, 256, 300, 40000])
+def test_sort_by_expert_is_the_stable_sort_of_the_ids(num_experts):
+    # The sort runs on the narrowest key type that holds the ids (uint8 up to 256 values):
+    # the same order as the stable sort of the int64 ids, with and without dropped assignments.
+    torch.manual_seed(num_experts)
+    ids = torch.randint(0, num_experts, (513, 6))
+    order, counts = sort_by_expert(ids, None, num_experts)
+    assert torch.equal(order, torch.argsort(ids.reshape(-1), stable=True))
+    assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=num_experts))
+    keep = torch.rand(513, 6) > 0.3
+    order, counts = sort_by_expert(ids, keep, num_experts)
+    marked = ids.reshape(-1).masked_fill(~keep.reshape(-1), num_experts)
+    assert torch.equal(order, torch.argsort(marked, stable=True)[: int(keep.sum())])
+    assert torch.equal(counts, torch.bincount(ids[keep], minlength=num_experts))
+
+
 def test_allgather_dispatcher_single_rank_equals_alltoall():
     layer = _layer(top_k=3)
     x = torch.randn(19, 24, dtype=torch.float64)
