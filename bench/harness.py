@@ -199,7 +199,7 @@ def compare(candidates: dict[str, Callable[[], object]], rounds: int = 5, iters:
             if graph:
                 ms = time_call(runners[name], 1, device) / counts[name]
             else:
-                ms = time_call(runners[name], counts[name], device, flush_l2, host_ahead and device.type == "cuda")
+                ms = time_call(runners[name], counts[name], device, flush_l2, host_ahead)
             samples[name].append(_slowest(ms, group, device))
     return {n: Timing(samples[n], counts[n]) for n in names}
 

@@ -102,27 +102,34 @@ class _Permute(torch.autograd.Function):
     reduction over k, not atomics: deterministic, and accumulated in fp32 even for bf16."""
 
     @staticmethod
-    def forward(ctx, x, order, k):
+    def forward(ctx, x, order, k, inverse):
         ctx.k, ctx.tokens = k, x.shape[0]
-        if triton_enabled(x):  # each token read once, written to its k rows (core.kernels.fused)
-            inverse = inverse_of(order, ctx.tokens * k).view(ctx.tokens, k)
-            ctx.save_for_backward(order, inverse)
+        ctx.save_for_backward(order, inverse)
+        if inverse is not None:  # each token read once, written to its k rows (core.kernels.fused)
             return permute_rows(x, inverse, order.numel())
-        ctx.save_for_backward(order, None)
         return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
 
     @staticmethod
     def backward(ctx, grad):
         order, inverse = ctx.saved_tensors
-        if inverse is not None and triton_enabled(grad):  # gather and sum in one pass
-            return gather_sum(grad.contiguous(), inverse, None), None, None
+        if inverse is not None:  # gather and sum in one pass
+            return gather_sum(grad.contiguous(), inverse, None), None, None, None
         full = _scatter_rows(grad, order, ctx.tokens * ctx.k)
-        return full.view(ctx.tokens, ctx.k, -1).sum(1), None, None
+        return full.view(ctx.tokens, ctx.k, -1).sum(1), None, None, None
 
 
-def permute(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    """The token row of every assignment in `order` (assignment id = token * k + choice)."""
-    return _Permute.apply(x, order, k)
+def assignment_inverse(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor | None:
+    """[tokens of x, k]: the row of each assignment in `order` (-1: none), for the Triton permute
+    and combine; None where they do not run (both then take their PyTorch paths)."""
+    if not triton_enabled(x):
+        return None
+    return inverse_of(order, x.shape[0] * k).view(x.shape[0], k)
+
+
+def permute(x: torch.Tensor, order: torch.Tensor, k: int, inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """The token row of every assignment in `order` (assignment id = token * k + choice);
+    `inverse` from `assignment_inverse`."""
+    return _Permute.apply(x, order, k, inverse)
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -146,16 +153,20 @@ class _WeightedSum(torch.autograd.Function):
         return grad_weights, grad_slots
 
 
-def weighted_unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def weighted_unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int,
+                       inverse: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * rows[assignment (t, k)] -> [num_tokens, dim]; missing (dropped)
     assignments count as zero. rows are in `order`'s order.
 
     The weighting and the sum over k in one pass with fp32 accumulation (`_WeightedSum`).
     For bf16 rows the fp32 weights are rounded to bf16 first. On CUDA with Triton the gather,
-    weighting and sum are one kernel, with the fp32 weights (core.kernels.fused)."""
-    if triton_enabled(rows):
-        return gather_weighted_sum(rows, order, weights, num_tokens)
+    weighting and sum are one kernel, with the fp32 weights (core.kernels.fused), reading the
+    dispatch's `inverse` (`assignment_inverse`) when given."""
     k = weights.shape[1]
+    if triton_enabled(rows):
+        if inverse is None:
+            inverse = inverse_of(order, num_tokens * k).view(num_tokens, k)
+        return gather_weighted_sum(rows, inverse, weights)
     slots = _scatter_rows(rows, order, num_tokens * k).view(num_tokens, k, -1)
     return _WeightedSum.apply(weights.to(rows.dtype), slots)
 
@@ -170,6 +181,7 @@ class DispatchHandle:
     tokens: int  # this rank's tokens
     k: int
     order: torch.Tensor | None = None  # assignment ids (token * k + choice) of the rows, in dispatch order
+    inverse: torch.Tensor | None = None  # [tokens, k]: each assignment's row in `order` (Triton paths only)
     indices: torch.Tensor | None = None  # all-gather: [rows of tokens, k] expert ids, dropped -> E
     counts: torch.Tensor | None = None  # rows per expert (all experts: all-to-all; local: all-gather)
     rows: int = 0  # tokens the combine's weighted sum covers (all-gather: the gathered tokens)
@@ -230,7 +242,9 @@ class AllToAllDispatcher(_Dispatcher):
         """Local: sort the assignments by global expert and gather their token rows."""
         t, k = routing.indices.shape
         order, counts = sort_by_expert(routing.indices, routing.keep, self.num_experts, routing.tokens_per_expert)
-        return permute(x, order, k), DispatchHandle(routing.weights, t, k, order=order, counts=counts, rows=t)
+        inverse = assignment_inverse(x, order, k)
+        return permute(x, order, k, inverse), DispatchHandle(routing.weights, t, k, order=order, inverse=inverse,
+                                                             counts=counts, rows=t)
 
     def dispatch_exchange(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Communicating: the per-expert counts (one small all-to-all, then the split sizes on
@@ -270,7 +284,7 @@ class AllToAllDispatcher(_Dispatcher):
 
     def combine_postprocess(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Local: weigh each token's k rows and sum them."""
-        return weighted_unpermute(rows, handle.order, handle.weights, handle.tokens)
+        return weighted_unpermute(rows, handle.order, handle.weights, handle.tokens, handle.inverse)
 
 
 class AllGatherDispatcher(_Dispatcher):
@@ -308,11 +322,12 @@ class AllGatherDispatcher(_Dispatcher):
         mine = (local >= 0) & (local < self.num_local)
         order, counts = sort_by_expert(local.clamp(0, self.num_local), mine, self.num_local)
         handle.order, handle.counts = order, counts
-        return permute(x, order, handle.k), counts
+        handle.inverse = assignment_inverse(x, order, handle.k)
+        return permute(x, order, handle.k, handle.inverse), counts
 
     def combine_preprocess(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Local: this rank's partial sum for every gathered token."""
-        return weighted_unpermute(expert_out, handle.order, handle.weights, handle.rows)
+        return weighted_unpermute(expert_out, handle.order, handle.weights, handle.rows, handle.inverse)
 
     def combine_exchange(self, partial: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Communicating: sum the partials over the EP group, each rank keeping its tokens' share."""

@@ -49,7 +49,8 @@ for t, k, dim, drop in ((37, 3, 1500, False), (20, 2, 700, True), (9, 8, 300, Tr
         order = order[: t * k - 7]
     rows = torch.randn(order.numel(), dim).to(dtype).requires_grad_()
     weights = torch.rand(t, k, requires_grad=True)
-    out = gather_weighted_sum(rows, order, weights, t)
+    inverse = inverse_of(order, t * k).view(t, k)
+    out = gather_weighted_sum(rows, inverse, weights)
     rows64 = rows.detach().double().requires_grad_()
     w64 = weights.detach().double().requires_grad_()
     want = reference(rows64, order, w64, t, k)
@@ -62,10 +63,9 @@ for t, k, dim, drop in ((37, 3, 1500, False), (20, 2, 700, True), (9, 8, 300, Tr
     torch.testing.assert_close(weights.grad.double(), w64.grad, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-3)
     # the rows' gradient alone (weights without one)
     rows.grad = None
-    gather_weighted_sum(rows, order, weights.detach(), t).backward(grad)
+    gather_weighted_sum(rows, inverse, weights.detach()).backward(grad)
     torch.testing.assert_close(rows.grad.double(), rows64.grad, **tol)
     # the plain sum (permute's backward)
-    inverse = inverse_of(order, t * k).view(t, k)
     got = gather_sum(rows.detach(), inverse, None)
     torch.testing.assert_close(got.double(), reference(rows.detach(), order, torch.ones(t, k), t, k), **tol)
     # the permutation itself: row i is the token of assignment order[i] (exact copies)

@@ -3,9 +3,8 @@
 - `accumulate_fp32_(dst, src, copy)`: dst (fp32) += src (bf16/fp16), or dst = src. PyTorch's
   mixed-dtype `add_` takes a non-vectorised kernel (2.4 TB/s on an H100, where a plain copy
   reaches 3.0); the fp32 main grads of a 2.2B-parameter MoE spent 66 ms of a 640 ms step in it.
-- `gather_weighted_sum(rows, order, weights, num_tokens)`: out[t] = sum_j weights[t, j] * (the row
-  of assignment t*k + j; row i belongs to assignment order[i], missing ones count as zero),
-  accumulated in fp32. The MoE combine: without
+- `gather_weighted_sum(rows, inverse, weights)`: out[t] = sum_j weights[t, j] * rows[inverse[t, j]]
+  (`inverse_of` the assignments' order; missing rows, -1, count as zero), accumulated in fp32. The MoE combine: without
   fusion it is a gather of every routed row into [T, k, dim] and a batched GEMV over k, whose
   cuBLAS kernel ran at ~1 TB/s. Autograd included; its backward writes both gradients in one
   pass per token. `gather_sum(rows, inverse, None)` is the plain sum (the backward of the token
@@ -296,7 +295,7 @@ def gather_sum(rows: Tensor, inverse: Tensor, weights: Tensor | None) -> Tensor:
 
 class _GatherWeightedSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, inverse, order, weights):
+    def forward(ctx, rows, inverse, weights):
         rows = rows.contiguous()
         ctx.save_for_backward(rows, inverse, weights)
         return gather_sum(rows, inverse, weights)
@@ -307,7 +306,7 @@ class _GatherWeightedSum(torch.autograd.Function):
         grad = grad.contiguous()
         t, k = inverse.shape
         dim = rows.shape[1]
-        want_rows, want_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        want_rows, want_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         grad_rows = torch.empty_like(rows) if want_rows else None
         grad_weights = torch.empty(t, k, dtype=torch.float32, device=grad.device) if want_weights else None
         if t and (want_rows or want_weights):
@@ -315,16 +314,14 @@ class _GatherWeightedSum(torch.autograd.Function):
             # Both gradients in one pass over the tokens: each token's gradient row read once.
             _launch(_combine_backward_kernel, (t,), grad, rows, inverse, weights,
                     grad_rows if want_rows else rows, grad_weights if want_weights else weights, dim, K=k, KP=kp,
-                    BLOCK=max(128, min(1024, 2048 // kp)), ROWS=want_rows, WEIGHTS=want_weights, num_warps=4)
+                    BLOCK=max(128, min(_ROW_BLOCK, 2048 // kp)), ROWS=want_rows, WEIGHTS=want_weights, num_warps=4)
         if want_weights:
             grad_weights = grad_weights.to(weights.dtype)
-        return grad_rows, None, None, grad_weights
+        return grad_rows, None, grad_weights
 
 
-def gather_weighted_sum(rows: Tensor, order: Tensor, weights: Tensor, num_tokens: int) -> Tensor:
-    """[num_tokens, dim]: sum over j of weights[t, j] * (the row of assignment t*k + j), where
-    row i of `rows` belongs to assignment order[i]; assignments without a row count as zero.
-    fp32 accumulation, the result in rows' dtype. Needs `triton_enabled(rows)`."""
-    k = weights.shape[1]
-    inverse = inverse_of(order, num_tokens * k).view(num_tokens, k)
-    return _GatherWeightedSum.apply(rows, inverse, order, weights.contiguous())
+def gather_weighted_sum(rows: Tensor, inverse: Tensor, weights: Tensor) -> Tensor:
+    """[T, dim]: sum over j of weights[t, j] * rows[inverse[t, j]] (inverse [T, k] from `inverse_of`
+    the assignments' order; -1, a missing row, counts as zero). fp32 accumulation, the result in
+    rows' dtype; autograd for rows and weights. Needs `triton_enabled(rows)`."""
+    return _GatherWeightedSum.apply(rows, inverse, weights.contiguous())
