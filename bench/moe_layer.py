@@ -262,7 +262,7 @@ def bench_ep(name: str, shape, iters: int, device, dtype, profile: bool = False,
         built = {kind: build_dispatcher(kind, e, group) for kind in dispatchers}
         for kind, d in built.items():
             # Round trip with identity experts: every token must come back as x * sum of its weights.
-            rows, _ = d.dispatch(x, routing)
+            rows, _, _ = d.dispatch(x, routing)
             back = d.combine(rows)
             expected = (x.float() * routing.weights.sum(-1, keepdim=True)).to(dtype)
             torch.testing.assert_close(back, expected, rtol=2e-2, atol=2e-2)
@@ -272,7 +272,7 @@ def bench_ep(name: str, shape, iters: int, device, dtype, profile: bool = False,
         out = torch.empty_like(even)
 
         def dispatch_combine(d):
-            rows, _ = d.dispatch(x, routing)
+            rows, _, _ = d.dispatch(x, routing)
             d.combine(rows)
 
         def plain():

@@ -173,13 +173,43 @@ class FusedSwiGLU(SwiGLU):
     in the second: the routed experts' gate and up GEMM output (moe.experts.GroupedExperts). Eager
     on a GPU it is one Triton pass each way whose backward writes ONE [rows, 2 x hidden] gradient
     (core.kernels.fused.swiglu_fused), so the GEMM's backward needs no add of two input gradients.
-    A SwiGLU, so recomputation and offload of `swiglu` take it too."""
+    A SwiGLU, so recomputation and offload of `swiglu` take it too.
 
-    def forward(self, h13: torch.Tensor) -> torch.Tensor:
+    `row_weights` [rows] (optional): each row's product times its routing weight, in fp32 before
+    the one rounding to h13's dtype (the MoE layer's weights applied before the down projection)."""
+
+    def forward(self, h13: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
         if not torch.compiler.is_compiling() and fused.triton_enabled(h13):
-            return fused.swiglu_fused(h13)
+            return fused.swiglu_fused(h13, row_weights)
         gate, up = h13.chunk(2, dim=-1)  # chunk's backward is one cat: the gradient stays one tensor
-        return F.silu(gate) * up
+        if row_weights is None:
+            return F.silu(gate) * up
+        return _WeightedSwiGLU.apply(h13, row_weights)
+
+
+class _WeightedSwiGLU(torch.autograd.Function):
+    """silu(gate) * up * w per row in PyTorch ops (CPU, or Triton off), computed as the Triton
+    kernel does (at least fp32, one rounding) and saving what it saves: h13 and the weights."""
+
+    @staticmethod
+    def forward(ctx, h13, weights):
+        ctx.save_for_backward(h13, weights)
+        wide = torch.promote_types(h13.dtype, torch.float32)
+        gate, up = h13.to(wide).chunk(2, dim=-1)
+        return (F.silu(gate) * up * weights.to(wide).unsqueeze(-1)).to(h13.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h13, weights = ctx.saved_tensors
+        wide = torch.promote_types(h13.dtype, torch.float32)
+        gate, up = h13.to(wide).chunk(2, dim=-1)
+        grad = grad.to(wide)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_weights = (grad * silu * up).sum(-1).to(weights.dtype)
+        grad = grad * weights.to(wide).unsqueeze(-1)
+        grad13 = torch.cat([grad * up * sig * (1 + gate * (1 - sig)), grad * silu], dim=-1)
+        return grad13.to(h13.dtype), grad_weights
 
 
 class FeedForward(nn.Module):

@@ -17,7 +17,8 @@ another's computation.
      argsort by local expert makes each expert's rows contiguous for the grouped GEMM;
   and the reverse for combine: ungroup, all-to-all back, unpermute into [T, k, dim] and
   weigh-and-sum over k in one batched product (no atomics: deterministic; the backward of
-  the permute sums the k row gradients with a reduction too).
+  the permute sums the k row gradients with a reduction too). On one rank with
+  `weigh_in_experts` the experts apply the weights and the combine only sums (`_Dispatcher`).
 
 `AllGatherDispatcher` (small EP, e.g. within a node): all-gather every rank's tokens and
 routing, compute the local experts' share of every token, and reduce-scatter the partial
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from core.kernels.fused import gather_sum, gather_weighted_sum, inverse_of, permute_rows, triton_enabled
+from core.kernels.fused import gather_sum, gather_weighted_sum, inverse_of, permute_rows, triton_enabled, unpermute_sum
 from core.parallel.comm import all_gather_dim0, all_gather_tokens, reduce_scatter_tokens
 from moe.comm import all_to_all, exchange_counts
 from moe.router import Routing, expert_counts
@@ -171,6 +172,40 @@ def weighted_unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.T
     return _WeightedSum.apply(weights.to(rows.dtype), slots)
 
 
+def unpermute(rows: torch.Tensor, order: torch.Tensor, num_tokens: int, k: int,
+              inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_k rows[assignment (t, k)] -> [num_tokens, dim]: the combine when the routing weights
+    were applied in the experts. Missing (dropped) assignments count as zero; fp32 accumulation."""
+    if triton_enabled(rows):
+        if inverse is None:
+            inverse = inverse_of(order, num_tokens * k).view(num_tokens, k)
+        return unpermute_sum(rows, inverse)
+    return _scatter_rows(rows, order, num_tokens * k).view(num_tokens, k, -1).sum(1)
+
+
+class _RowWeights(torch.autograd.Function):
+    """weights.flatten()[order]; the backward gathers through the inverse permutation (-1: a
+    dropped assignment, gradient zero) instead of an index_put into zeros, which sorts."""
+
+    @staticmethod
+    def forward(ctx, weights, order, inverse):
+        ctx.save_for_backward(inverse)
+        return weights.reshape(-1).index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        picked = grad.index_select(0, inverse.clamp(min=0).reshape(-1)).view(inverse.shape)
+        return torch.where(inverse >= 0, picked, 0.0), None, None
+
+
+def row_weights(weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor | None) -> torch.Tensor:
+    """[rows]: the routing weight of each dispatched row (rows in `order`'s order)."""
+    if inverse is None:
+        return weights.reshape(-1)[order]
+    return _RowWeights.apply(weights, order, inverse)
+
+
 @dataclass
 class DispatchHandle:
     """What one dispatch leaves for its combine. Each phase takes the handle (and fills in what
@@ -182,6 +217,7 @@ class DispatchHandle:
     k: int
     order: torch.Tensor | None = None  # assignment ids (token * k + choice) of the rows, in dispatch order
     inverse: torch.Tensor | None = None  # [tokens, k]: each assignment's row in `order` (Triton paths only)
+    row_weights: torch.Tensor | None = None  # [rows]: routing weights for the experts to apply (then the combine does not)
     indices: torch.Tensor | None = None  # all-gather: [rows of tokens, k] expert ids, dropped -> E
     counts: torch.Tensor | None = None  # rows per expert (all experts: all-to-all; local: all-gather)
     rows: int = 0  # tokens the combine's weighted sum covers (all-gather: the gathered tokens)
@@ -206,24 +242,33 @@ class _Dispatcher:
         combine_exchange(rows, handle) -> rows
         combine_postprocess(rows, handle) -> [tokens, dim]
 
-    `dispatch` and `combine` run them in order for one micro-batch (the handle kept in between)."""
+    `dispatch` and `combine` run them in order for one micro-batch (the handle kept in between).
 
-    def __init__(self, num_experts: int, group=None):
+    weigh_in_experts: where the expert rows stay on this rank's side of the exchange (one rank,
+    or the all-gather dispatcher), dispatch_postprocess also gives each row its routing weight
+    (`handle.row_weights`) for the experts to apply before their (linear) down projection, and
+    the combine only sums. The combine's backward then copies each token's gradient to its rows,
+    where weighing in the combine also reads every expert output row for the weights' gradient.
+    The all-to-all dispatcher over several ranks keeps weighing in the combine."""
+
+    def __init__(self, num_experts: int, group=None, weigh_in_experts: bool = False):
         self.num_experts = num_experts
         self.group = group
+        self.weigh_in_experts = weigh_in_experts
         self.ep, self.ep_rank = _group_info(group)
         if num_experts % self.ep:
             raise ValueError(f"ep={self.ep} must divide num_experts={num_experts}")
         self.num_local = num_experts // self.ep
         self._state: DispatchHandle | None = None
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (rows grouped by local expert [N, dim], tokens per local expert [E_local])."""
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """-> (rows grouped by local expert [N, dim], tokens per local expert [E_local], the rows'
+        routing weights [N] for the experts to apply, or None when the combine applies them)."""
         rows, handle = self.dispatch_preprocess(x, routing)
         rows = self.dispatch_exchange(rows, handle)
         expert_in, counts = self.dispatch_postprocess(rows, handle)
         self._state = handle
-        return expert_in, counts
+        return expert_in, counts, handle.row_weights
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """Expert outputs in dispatch's row order -> weighted sum per token [T, dim]."""
@@ -260,6 +305,8 @@ class AllToAllDispatcher(_Dispatcher):
     def dispatch_postprocess(self, rows: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
         """Local: rows arrive ordered (source rank, local expert); make each expert's contiguous."""
         if self.ep == 1:
+            if self.weigh_in_experts:
+                handle.row_weights = row_weights(handle.weights, handle.order, handle.inverse)
             return rows, handle.counts
         recv = handle.received_counts
         local_ids = torch.arange(self.num_local, device=rows.device).repeat(self.ep)
@@ -283,7 +330,9 @@ class AllToAllDispatcher(_Dispatcher):
         return all_to_all(rows, handle.in_splits, handle.out_splits, self.group)
 
     def combine_postprocess(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Local: weigh each token's k rows and sum them."""
+        """Local: weigh each token's k rows (unless the experts did) and sum them."""
+        if handle.row_weights is not None:
+            return unpermute(rows, handle.order, handle.tokens, handle.k, handle.inverse)
         return weighted_unpermute(rows, handle.order, handle.weights, handle.tokens, handle.inverse)
 
 
@@ -323,10 +372,14 @@ class AllGatherDispatcher(_Dispatcher):
         order, counts = sort_by_expert(local.clamp(0, self.num_local), mine, self.num_local)
         handle.order, handle.counts = order, counts
         handle.inverse = assignment_inverse(x, order, handle.k)
+        if self.weigh_in_experts:
+            handle.row_weights = row_weights(handle.weights, order, handle.inverse)
         return permute(x, order, handle.k, handle.inverse), counts
 
     def combine_preprocess(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Local: this rank's partial sum for every gathered token."""
+        if handle.row_weights is not None:
+            return unpermute(expert_out, handle.order, handle.rows, handle.k, handle.inverse)
         return weighted_unpermute(expert_out, handle.order, handle.weights, handle.rows, handle.inverse)
 
     def combine_exchange(self, partial: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -339,10 +392,11 @@ class AllGatherDispatcher(_Dispatcher):
         return rows[: handle.tokens]  # the padding rows, if any
 
 
-def build_dispatcher(kind: str, num_experts: int, group=None):
-    """"alltoall" or "allgather" over `group` (None: this rank holds every expert)."""
+def build_dispatcher(kind: str, num_experts: int, group=None, weigh_in_experts: bool = False):
+    """"alltoall" or "allgather" over `group` (None: this rank holds every expert);
+    weigh_in_experts: see `_Dispatcher`."""
     if kind == "alltoall":
-        return AllToAllDispatcher(num_experts, group)
+        return AllToAllDispatcher(num_experts, group, weigh_in_experts)
     if kind == "allgather":
-        return AllGatherDispatcher(num_experts, group)
+        return AllGatherDispatcher(num_experts, group, weigh_in_experts)
     raise ValueError(f"dispatcher={kind!r} must be 'alltoall' or 'allgather'")

@@ -150,10 +150,13 @@ class GroupedExperts(nn.Module):
         self.mm = mm  # the bench swaps in grouped_mm_loop as its baseline
         self.act = FusedSwiGLU()
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] grouped by expert; tokens_per_expert [E_local] sums to N."""
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                row_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, dim] grouped by expert; tokens_per_expert [E_local] sums to N; row_weights [N]
+        (optional): each row's routing weight, applied to its SwiGLU product before w2 (the same
+        as weighting the output: w2 is linear)."""
         offsets = offsets_from_counts(tokens_per_expert)
-        h = self.act(self.mm(x, self.w13.flatten(2), offsets))
+        h = self.act(self.mm(x, self.w13.flatten(2), offsets), row_weights)
         return self.mm(h, self.w2, offsets)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -87,7 +87,7 @@ class MoELayer(nn.Module):
         self.shared_experts = None
         if moe.num_shared_experts > 0:
             self.shared_experts = FeedForward(cfg.dim, moe.shared_ffn_dim or moe.num_shared_experts * hidden)
-        self.dispatcher = build_dispatcher(moe.dispatcher, moe.num_experts)
+        self.dispatcher = build_dispatcher(moe.dispatcher, moe.num_experts, weigh_in_experts=True)
         # Tensor parallelism (set by moe.parallel.apply_ep): "none", "split" (each TP rank
         # routes its own token shard, experts replicated) or "sharded" (TP ranks share
         # the tokens, expert hidden sizes split).
@@ -124,8 +124,8 @@ class MoELayer(nn.Module):
     @eager_only
     def _route(self, x: torch.Tensor, routing: Routing, token_offset: int):
         """(the routed experts' combined output, the auxiliary loss term to attach or None)."""
-        expert_in, tokens_per_expert = self.dispatcher.dispatch(x, routing)
-        expert_out = self.experts(expert_in, tokens_per_expert)
+        expert_in, tokens_per_expert, row_weights = self.dispatcher.dispatch(x, routing)
+        expert_out = self.experts(expert_in, tokens_per_expert, row_weights)
         # The balancing loss's small kernels after the expert GEMMs are queued: the host issues
         # them while the GPU runs the GEMMs, where issued first the GPU idled through them.
         loss, parts = self._aux_loss(routing, token_offset, x.shape[0])

@@ -109,6 +109,46 @@ for rows, hidden in ((5, 1096), (3, 1365)):
     torch.testing.assert_close(plain.grad, h13.grad, **tol)
     os.environ["TESSERA_TRITON"] = "1"
 
+# swiglu_fused with a routing weight per row: the product and the gradients of h13 and of the
+# weights against float64; hidden sizes of one and of two column blocks of the per-row backward
+for rows, hidden in ((6, 1096), (4, 2600)):
+    h13 = (4 * torch.randn(rows, 2 * hidden)).to(dtype).requires_grad_()
+    w = torch.rand(rows, requires_grad=True)
+    out = swiglu_fused(h13, w)
+    h64, w64 = h13.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = torch.nn.functional.silu(h64[:, :hidden]) * h64[:, hidden:] * w64.unsqueeze(1)
+    assert out.dtype == dtype and out.shape == (rows, hidden)
+    torch.testing.assert_close(out.double(), want, **tol)
+    grad = torch.randn(rows, hidden).to(dtype)
+    out.backward(grad)
+    want.backward(grad.double())
+    torch.testing.assert_close(h13.grad.double(), h64.grad, **tol)
+    assert w.grad.dtype == w.dtype
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-3)
+    os.environ["TESSERA_TRITON"] = "0"
+    plain, wp = h13.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    FusedSwiGLU()(plain, wp).backward(grad)
+    torch.testing.assert_close(FusedSwiGLU()(plain, wp), out, **tol)
+    torch.testing.assert_close(plain.grad, h13.grad, **tol)
+    torch.testing.assert_close(wp.grad, w.grad, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-3)
+    os.environ["TESSERA_TRITON"] = "1"
+
+# unpermute_sum (the combine when the experts applied the weights): the sum and its backward,
+# each token's gradient copied to its rows (none to a dropped assignment's)
+from core.kernels.fused import unpermute_sum
+for t, k, dim, drop in ((37, 3, 1500, False), (9, 8, 300, True)):
+    order = torch.randperm(t * k)[: t * k - (5 if drop else 0)]
+    rows = torch.randn(order.numel(), dim).to(dtype).requires_grad_()
+    inverse = inverse_of(order, t * k).view(t, k)
+    out = unpermute_sum(rows, inverse)
+    rows64 = rows.detach().double().requires_grad_()
+    want = reference(rows64, order, torch.ones(t, k), t, k)
+    torch.testing.assert_close(out.double(), want, **tol)
+    grad = torch.randn(t, dim).to(dtype)
+    out.backward(grad)
+    want.backward(grad.double())
+    assert torch.equal(rows.grad.double(), rows64.grad)  # exact copies
+
 # core.layers.SwiGLU: the kernel when eager, the plain ops when traced (one graph, no break)
 from core.layers import FeedForward
 ff = FeedForward(48, 64).to(dtype)
@@ -131,6 +171,15 @@ for enabled in ("1", "0"):
     (layer(xi) ** 2).sum().backward()
     results.append([xi.grad] + [p.grad for p in layer.parameters()])
 for a, b in zip(*results):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+# and the routing weights applied in the experts (the layer's way) against in the combine
+os.environ["TESSERA_TRITON"] = "1"
+torch.manual_seed(1)
+layer = MoELayer(cfg, layer_id=0)
+layer.dispatcher.weigh_in_experts = False
+xi = x.clone().requires_grad_()
+(layer(xi) ** 2).sum().backward()
+for a, b in zip(results[0], [xi.grad] + [p.grad for p in layer.parameters()]):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 # A Triton that cannot compile here: the error names the kernel and the way out.

@@ -18,7 +18,7 @@ from bench.moe_layer import BalancedRouter, accumulating, make_layer as make_ben
 from core.config import ModelConfig, MoEConfig
 from core.layers import AttentionMeta
 from core.model import build_model
-from moe.dispatcher import AllGatherDispatcher, sort_by_expert
+from moe.dispatcher import AllGatherDispatcher, build_dispatcher, sort_by_expert
 from moe.experts import GroupedExperts, grouped_mm, grouped_mm_loop
 from moe.layer import MoELayer, moe_metrics, set_moe_loss_scale, set_moe_sequences, update_expert_bias
 from moe.router import (
@@ -311,6 +311,26 @@ def test_allgather_dispatcher_single_rank_equals_alltoall():
     y = layer(x)
     layer.dispatcher = AllGatherDispatcher(8)
     torch.testing.assert_close(layer(x), y, **TIGHT)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_routing_weights_in_the_experts_equal_weights_in_the_combine(dispatcher):
+    # The layer applies each row's routing weight before the experts' down projection (linear,
+    # so the same output); against the weighted combine, with dropped assignments: the output,
+    # the input's and every parameter's gradient (the router's through the weights).
+    grads = []
+    for inside in (True, False):
+        torch.manual_seed(3)
+        layer = _layer(capacity_factor=0.75, top_k=3)
+        layer.dispatcher = build_dispatcher(dispatcher, 8, weigh_in_experts=inside)
+        x = torch.randn(29, 24, dtype=torch.float64, requires_grad=True)
+        out = layer(x)
+        (out * torch.linspace(-1, 1, 24, dtype=torch.float64)).sum().backward()
+        assert layer.router.weight.grad.abs().sum() > 0
+        grads.append([out, x.grad] + [p.grad for p in layer.parameters()])
+    assert not bool(layer.router(x.detach()).keep.all())  # some assignments were dropped
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, **TIGHT)
 
 
 def test_aux_loss_gradient_is_coeff_over_num_losses():

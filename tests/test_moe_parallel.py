@@ -206,7 +206,7 @@ def _phases_worker(rank, world):
 
         alone = []
         for x, r in zip(xs, routings):
-            rows, counts = d.dispatch(x, r)
+            rows, counts, _ = d.dispatch(x, r)
             alone.append(d.combine(experts(rows, counts)))
         staged = [d.dispatch_preprocess(x, r) for x, r in zip(xs, routings)]
         exchanged = [d.dispatch_exchange(rows, h) for rows, h in staged]

@@ -9,7 +9,8 @@
   cuBLAS kernel ran at ~1 TB/s. Autograd included; its backward writes both gradients in one
   pass per token. `gather_sum(rows, inverse, None)` is the plain sum (the backward of the token
   permutation), `permute_rows(x, inverse, n)` the permutation itself (each token read once and
-  written to its k rows, where a gather by row reads it k times).
+  written to its k rows, where a gather by row reads it k times). `unpermute_sum(rows, inverse)`
+  is the unweighted combine with autograd (its backward is `permute_rows` of the gradient).
 
 - `swiglu(a, b)`: silu(a) * b, forward in one pass and backward in one (reads a, b and the
   output's gradient, writes both input gradients), saving only a and b. Eager PyTorch runs it as
@@ -19,6 +20,10 @@
   in the first H columns of each row, up in the last H): forward writes [rows, H], backward ONE
   [rows, 2H] gradient (gate part first), so the GEMM's backward is one dgrad GEMM of K = 2H with no
   add of two input gradients, and one wgrad GEMM. The experts run it eagerly.
+  `swiglu_fused(h13, weights)` also scales each row by its routing weight: the weight moves from
+  the combine to before the (linear) down projection, so the combine's backward needs no pass
+  over the expert outputs for the weights' gradient; it comes from the SwiGLU's backward, which
+  reads the row's inputs anyway (one program per row, a fixed-order dot product).
 
 Triton is used when it imports and the tensors are on CUDA (`TESSERA_TRITON=0` turns it off).
 `accumulate_fp32_` falls back to PyTorch itself; for the combine the callers (moe.dispatcher)
@@ -80,10 +85,12 @@ if triton is not None:
         tl.store(grad_a + offs, (g * y * (sig + silu * (1.0 - sig))).to(grad_a.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_fused_kernel(h13, out, hidden_vecs, VEC: tl.constexpr, BLOCK: tl.constexpr):
-        # One row's column block: gate = h13[row, :H], up = h13[row, H:], out [rows, H]. H is
-        # passed as hidden_vecs * VEC so the compiler knows every row and half starts on a
-        # VEC-element boundary and issues 16-byte loads (VEC = 8 for bf16).
+    def _swiglu_fused_kernel(h13, weights, out, hidden_vecs, VEC: tl.constexpr, BLOCK: tl.constexpr,
+                             WEIGHTED: tl.constexpr):
+        # One row's column block: gate = h13[row, :H], up = h13[row, H:], out [rows, H], times
+        # the row's weight when WEIGHTED. H is passed as hidden_vecs * VEC so the compiler knows
+        # every row and half starts on a VEC-element boundary and issues 16-byte loads (VEC = 8
+        # for bf16).
         hidden = hidden_vecs * VEC
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -91,7 +98,10 @@ if triton is not None:
         gate_ptr = h13 + row * 2 * hidden + cols
         x = tl.load(gate_ptr, mask=mask).to(tl.float32)
         y = tl.load(gate_ptr + hidden, mask=mask).to(tl.float32)
-        tl.store(out + row * hidden + cols, (x * tl.sigmoid(x) * y).to(out.dtype.element_ty), mask=mask)
+        value = x * tl.sigmoid(x) * y
+        if WEIGHTED:
+            value *= tl.load(weights + row).to(tl.float32)
+        tl.store(out + row * hidden + cols, value.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _swiglu_fused_backward_kernel(h13, grad, grad13, hidden_vecs, VEC: tl.constexpr, BLOCK: tl.constexpr):
@@ -107,6 +117,30 @@ if triton is not None:
         silu = x * sig
         tl.store(grad13 + pair, (g * y * (sig + silu * (1.0 - sig))).to(grad13.dtype.element_ty), mask=mask)
         tl.store(grad13 + pair + hidden, (g * silu).to(grad13.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_weighted_backward_kernel(h13, weights, grad, grad13, grad_weights, hidden_vecs, VEC: tl.constexpr,
+                                         BLOCK: tl.constexpr):
+        # One row per program, its columns in blocks: the weight's gradient is the row's dot
+        # product <grad, silu(gate) * up> (fp32), summed in one fixed order.
+        hidden = hidden_vecs * VEC
+        row = tl.program_id(0).to(tl.int64)
+        w = tl.load(weights + row).to(tl.float32)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < hidden
+            pair = row * 2 * hidden + cols
+            x = tl.load(h13 + pair, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(h13 + pair + hidden, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(grad + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(x)
+            silu = x * sig
+            acc += g * silu * y
+            g *= w
+            tl.store(grad13 + pair, (g * y * (sig + silu * (1.0 - sig))).to(grad13.dtype.element_ty), mask=mask)
+            tl.store(grad13 + pair + hidden, (g * silu).to(grad13.dtype.element_ty), mask=mask)
+        tl.store(grad_weights + row, tl.sum(acc))
 
     @triton.jit
     def _gather_sum_kernel(rows, inverse, weights, out, dim, K: tl.constexpr, WEIGHTED: tl.constexpr,
@@ -228,36 +262,53 @@ def _row_vectors(hidden: int) -> int:
 
 class _SwiGLUFused(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h13):
+    def forward(ctx, h13, weights):
         h13 = h13.contiguous()
-        ctx.save_for_backward(h13)
+        ctx.save_for_backward(h13, weights)
         rows, hidden = h13.shape[0], h13.shape[1] // 2
         out = h13.new_empty(rows, hidden)
         if out.numel():
             vec = _row_vectors(hidden)
-            _launch(_swiglu_fused_kernel, (rows, triton.cdiv(hidden, _ROW_BLOCK)), h13, out, hidden // vec,
-                    VEC=vec, BLOCK=_ROW_BLOCK, num_warps=4)
+            _launch(_swiglu_fused_kernel, (rows, triton.cdiv(hidden, _ROW_BLOCK)), h13,
+                    weights if weights is not None else h13, out, hidden // vec, VEC=vec, BLOCK=_ROW_BLOCK,
+                    WEIGHTED=weights is not None, num_warps=4)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        (h13,) = ctx.saved_tensors
+        h13, weights = ctx.saved_tensors
         grad = grad.contiguous()
         rows, hidden = grad.shape
         grad13 = torch.empty_like(h13)  # one tensor: the GEMM's backward takes it whole
+        grad_weights = None
+        if weights is not None:
+            grad_weights = torch.empty(rows, dtype=torch.float32, device=grad.device)
         if grad.numel():
             vec = _row_vectors(hidden)
-            _launch(_swiglu_fused_backward_kernel, (rows, triton.cdiv(hidden, _ROW_BLOCK)), h13, grad, grad13,
-                    hidden // vec, VEC=vec, BLOCK=_ROW_BLOCK, num_warps=4)
-        return grad13
+            if weights is None:
+                _launch(_swiglu_fused_backward_kernel, (rows, triton.cdiv(hidden, _ROW_BLOCK)), h13, grad, grad13,
+                        hidden // vec, VEC=vec, BLOCK=_ROW_BLOCK, num_warps=4)
+            else:
+                block = min(2 * _ROW_BLOCK, triton.next_power_of_2(hidden))
+                _launch(_swiglu_weighted_backward_kernel, (rows,), h13, weights, grad, grad13, grad_weights,
+                        hidden // vec, VEC=vec, BLOCK=block, num_warps=8 if block > _ROW_BLOCK else 4)
+        elif grad_weights is not None:
+            grad_weights.zero_()
+        if grad_weights is not None:
+            grad_weights = grad_weights.to(weights.dtype)
+        return grad13, grad_weights
 
 
-def swiglu_fused(h13: Tensor) -> Tensor:
-    """silu(gate) * up for h13 [rows, 2H] holding gate in columns [0, H) and up in [H, 2H), in
-    h13's dtype, fp32 inside (Triton; see the module doc). Needs `triton_enabled(h13)`."""
+def swiglu_fused(h13: Tensor, weights: Tensor | None = None) -> Tensor:
+    """silu(gate) * up for h13 [rows, 2H] holding gate in columns [0, H) and up in [H, 2H), times
+    weights[row] when given ([rows]: the MoE routing weight of each row, applied before the down
+    projection), in h13's dtype, fp32 inside (Triton; see the module doc). Needs
+    `triton_enabled(h13)`."""
     if h13.dim() != 2 or h13.shape[1] % 2:
         raise ValueError(f"swiglu_fused needs h13 [rows, 2 x hidden], got {list(h13.shape)}")
-    return _SwiGLUFused.apply(h13)
+    if weights is not None and tuple(weights.shape) != (h13.shape[0],):
+        raise ValueError(f"swiglu_fused needs one weight per row ({h13.shape[0]}), got {list(weights.shape)}")
+    return _SwiGLUFused.apply(h13, weights.contiguous() if weights is not None else None)
 
 
 def inverse_of(order: Tensor, slots: int) -> Tensor:
@@ -291,6 +342,29 @@ def gather_sum(rows: Tensor, inverse: Tensor, weights: Tensor | None) -> Tensor:
         _launch(_gather_sum_kernel, grid, rows, inverse, weights if weights is not None else inverse, out, dim, K=k,
                 WEIGHTED=weights is not None, BLOCK=_ROW_BLOCK, num_warps=4)
     return out
+
+
+class _GatherSum(torch.autograd.Function):
+    """gather_sum(rows, inverse, None) with autograd: its backward copies each token's gradient
+    to its k rows (permute_rows), reading the gradient once and no rows at all."""
+
+    @staticmethod
+    def forward(ctx, rows, inverse):
+        ctx.save_for_backward(inverse)
+        ctx.num_rows = rows.shape[0]
+        return gather_sum(rows.contiguous(), inverse, None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return permute_rows(grad.contiguous(), inverse, ctx.num_rows), None
+
+
+def unpermute_sum(rows: Tensor, inverse: Tensor) -> Tensor:
+    """[T, dim]: sum over j of rows[inverse[t, j]] (-1, a missing row, counts as zero): the MoE
+    combine when the routing weights were applied in the experts. fp32 accumulation, autograd
+    for rows. Needs `triton_enabled(rows)`."""
+    return _GatherSum.apply(rows, inverse)
 
 
 class _GatherWeightedSum(torch.autograd.Function):
