@@ -168,7 +168,8 @@ def test_softmax_topk_normalised_and_raw():
     logits = torch.randn(50, 8)
     idx, w, probs = route(logits, MoEConfig(num_experts=8, top_k=3, normalize_topk=True))
     torch.testing.assert_close(w.sum(-1), torch.ones(50))
-    assert torch.equal(idx, logits.topk(3).indices)
+    assert torch.equal(idx.sort(-1).values, logits.topk(3).indices.sort(-1).values)  # the same k, in no set order
+    torch.testing.assert_close(w, torch.softmax(logits, -1).gather(1, idx) / torch.softmax(logits, -1).gather(1, idx).sum(-1, keepdim=True))
     idx2, w2, _ = route(logits, MoEConfig(num_experts=8, top_k=3, normalize_topk=False))
     torch.testing.assert_close(w2, torch.softmax(logits, -1).gather(1, idx2))
     torch.testing.assert_close(probs.sum(-1), torch.ones(50))
@@ -303,6 +304,15 @@ def test_sort_by_expert_is_the_stable_sort_of_the_ids(num_experts):
     marked = ids.reshape(-1).masked_fill(~keep.reshape(-1), num_experts)
     assert torch.equal(order, torch.argsort(marked, stable=True)[: int(keep.sum())])
     assert torch.equal(counts, torch.bincount(ids[keep], minlength=num_experts))
+
+
+def test_expert_counts_compiled_equal_eager():
+    # Traced, the counts are a compare-and-sum; eagerly a scatter_add: the same counts.
+    ids = torch.randint(0, 37, (301, 6), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = 36  # one expert much fuller, one (id 35 or so) possibly empty
+    traced = torch.compile(expert_counts, backend="aot_eager", fullgraph=True)
+    want = torch.bincount(ids.reshape(-1), minlength=37)
+    assert torch.equal(traced(ids, 37), want) and torch.equal(expert_counts(ids, 37), want)
 
 
 def test_allgather_dispatcher_single_rank_equals_alltoall():
