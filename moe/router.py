@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import MoEConfig, check_moe
+from core.kernels.topk import topk_indices
 
 
 class _Bf16Logits(torch.autograd.Function):
@@ -122,7 +123,7 @@ def route(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None = None
         probs = scores / scores.sum(-1, keepdim=True)
     choice = scores if bias is None else scores + bias  # the bias steers selection only
     choice = limit_to_groups(choice, moe.n_groups, moe.topk_groups, k)
-    indices = choice.topk(k, dim=-1, sorted=False).indices  # no order among the k is needed: no sort after the select
+    indices = topk_indices(choice, k)  # in no set order: nothing after depends on one
     weights = scores.gather(1, indices)
     if moe.normalize_topk:  # with top_k = 1 too: weight 1 (Mixtral and Qwen3-MoE's norm_topk_prob do the same)
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)

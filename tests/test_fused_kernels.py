@@ -149,6 +149,20 @@ for t, k, dim, drop in ((37, 3, 1500, False), (9, 8, 300, True)):
     want.backward(grad.double())
     assert torch.equal(rows.grad.double(), rows64.grad)  # exact copies
 
+# topk_indices (the router's choice): the same k columns as torch.topk, row widths from 8 to 1000,
+# k up to the width; -inf entries (the group limit's) never chosen; one opaque op when traced
+from core.kernels.topk import topk_indices
+for rows, width, k in ((1000, 64, 8), (37, 8, 2), (5, 256, 8), (300, 1000, 6), (9, 16, 16)):
+    scores = torch.randn(rows, width)
+    got = topk_indices(scores, k)
+    assert got.dtype == torch.int64 and got.shape == (rows, k)
+    assert torch.equal(got.sort(-1).values, scores.topk(k).indices.sort(-1).values), (rows, width, k)
+scores[:, :8] = float("-inf")
+assert torch.equal(topk_indices(scores, 8).sort(-1).values, torch.arange(8, 16).expand(9, 8))
+traced = torch.compile(lambda s: topk_indices(s, 3), backend="aot_eager", fullgraph=True)
+scores = torch.randn(70, 64)
+assert torch.equal(traced(scores).sort(-1).values, scores.topk(3).indices.sort(-1).values)
+
 # core.layers.SwiGLU: the kernel when eager, the plain ops when traced (one graph, no break)
 from core.layers import FeedForward
 ff = FeedForward(48, 64).to(dtype)
