@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from core.kernels.fused import gather_sum, gather_weighted_sum, inverse_of, permute_rows, triton_enabled, unpermute_sum
+from core.kernels.fused import gather_weighted_sum, inverse_of, permute_rows, triton_enabled, unpermute_sum
 from core.parallel.comm import all_gather_dim0, all_gather_tokens, reduce_scatter_tokens
 from moe.comm import all_to_all, exchange_counts
 from moe.router import Routing, expert_counts
@@ -98,6 +98,18 @@ def _scatter_rows(rows: torch.Tensor, order: torch.Tensor, slots: int) -> torch.
     return rows.new_zeros(slots, rows.shape[1]).index_copy(0, order, rows)
 
 
+def unpermute(rows: torch.Tensor, order: torch.Tensor, num_tokens: int, k: int,
+              inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_k rows[assignment (t, k)] -> [num_tokens, dim]: the permute's backward, and the combine
+    when the routing weights were applied in the experts. Missing (dropped) assignments count as
+    zero; fp32 accumulation."""
+    if triton_enabled(rows):
+        if inverse is None:
+            inverse = inverse_of(order, num_tokens * k).view(num_tokens, k)
+        return unpermute_sum(rows, inverse)
+    return _scatter_rows(rows, order, num_tokens * k).view(num_tokens, k, -1).sum(1)
+
+
 class _Permute(torch.autograd.Function):
     """rows[i] = x[order[i] // k]. Backward sums each token's k row gradients with a
     reduction over k, not atomics: deterministic, and accumulated in fp32 even for bf16."""
@@ -113,10 +125,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         order, inverse = ctx.saved_tensors
-        if inverse is not None:  # gather and sum in one pass
-            return gather_sum(grad.contiguous(), inverse, None), None, None, None
-        full = _scatter_rows(grad, order, ctx.tokens * ctx.k)
-        return full.view(ctx.tokens, ctx.k, -1).sum(1), None, None, None
+        return unpermute(grad, order, ctx.tokens, ctx.k, inverse), None, None, None
 
 
 def assignment_inverse(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor | None:
@@ -170,17 +179,6 @@ def weighted_unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.T
         return gather_weighted_sum(rows, inverse, weights)
     slots = _scatter_rows(rows, order, num_tokens * k).view(num_tokens, k, -1)
     return _WeightedSum.apply(weights.to(rows.dtype), slots)
-
-
-def unpermute(rows: torch.Tensor, order: torch.Tensor, num_tokens: int, k: int,
-              inverse: torch.Tensor | None = None) -> torch.Tensor:
-    """sum_k rows[assignment (t, k)] -> [num_tokens, dim]: the combine when the routing weights
-    were applied in the experts. Missing (dropped) assignments count as zero; fp32 accumulation."""
-    if triton_enabled(rows):
-        if inverse is None:
-            inverse = inverse_of(order, num_tokens * k).view(num_tokens, k)
-        return unpermute_sum(rows, inverse)
-    return _scatter_rows(rows, order, num_tokens * k).view(num_tokens, k, -1).sum(1)
 
 
 class _RowWeights(torch.autograd.Function):
