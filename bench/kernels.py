@@ -32,7 +32,8 @@ from bench.gemm_common import DEFAULT_SHAPES, SHAPES, MoEShape, gemm_stats, rout
 from bench.harness import emit
 from core.kernels import library
 from core.kernels.fused import accumulate_fp32_
-from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, choose_config, run_grouped, run_wgrad_f32
+from core.kernels.grouped_gemm import (OP_FWD, OP_FWD_BT, OP_FWD_BT_T, OP_WGRAD, choose_config, run_grouped,
+                                      run_wgrad_f32)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_TAG = "@@results "
@@ -54,6 +55,9 @@ def bench_grouped_bf16(shape: MoEShape, routing: str, configs: str, lib, device,
         "fwd": (lambda: torch._grouped_mm(x, w, offs=offsets), (OP_FWD, x, w, (t, h)), lambda: x @ w[0]),
         "dgrad": (lambda: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offsets), (OP_FWD_BT, dy, w, (t, d)),
                   lambda: dy @ w[0].t()),
+        # The same product with the weight's rows as the tiles' M and the tokens as their N.
+        "dgrad_t": (lambda: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offsets), (OP_FWD_BT_T, dy, w, (t, d)),
+                    lambda: dy @ w[0].t()),
         "wgrad": (lambda: torch._grouped_mm(x.t(), dy, offs=offsets), (OP_WGRAD, x, dy, (e, d, h)),
                   lambda: x.t() @ dy),
     }

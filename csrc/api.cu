@@ -179,8 +179,10 @@ int tessera_gg_bf16_workspace(int op, int config, int num_groups, int device, si
 int tessera_gg_bf16(int op, int config, const void* a, const void* b, void* d, const int32_t* offsets,
                     int num_groups, int64_t rows, int64_t k, int64_t n, void* workspace, size_t workspace_bytes,
                     int device, void* stream, int raster, int swizzle) {
-  if (op < 0 || op >= TESSERA_GG_WGRAD_F32)  // wgrad_f32 takes tessera_gg_bf16_wgrad_f32 (fp32 d, accumulate)
-    return fail(TESSERA_ERR_INVALID, "grouped GEMM op %d is not one of 0 (fwd), 1 (fwd_bt), 2 (wgrad)", op);
+  // wgrad_f32 takes tessera_gg_bf16_wgrad_f32 (fp32 d, accumulate)
+  if (op < 0 || op >= TESSERA_GG_NUM_OPS || op == TESSERA_GG_WGRAD_F32)
+    return fail(TESSERA_ERR_INVALID, "grouped GEMM op %d is not one of 0 (fwd), 1 (fwd_bt), 2 (wgrad), 4 (fwd_bt_t)",
+                op);
   if (!offsets) return fail(TESSERA_ERR_INVALID, "offsets must be non-null");
   GroupedArgs args{op, a, b, d, offsets, num_groups, rows, k, n, workspace, workspace_bytes,
                    device, static_cast<cudaStream_t>(stream), raster, swizzle};

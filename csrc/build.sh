@@ -55,7 +55,7 @@ flags=(-gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-const
 
 # One line per object: "<object> <source> <extra flags...>".
 units=("api.o api.cu")
-for op in 0 1 2 3; do
+for op in 0 1 2 3 4; do
   for c in $gg_configs; do
     if (( c < gg_count )); then
       units+=("gg_bf16_op${op}_c${c}.o grouped_gemm_bf16.cu -DTESSERA_GG_OP=$op -DTESSERA_GG_CONFIG=$c")

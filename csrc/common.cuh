@@ -76,7 +76,7 @@ struct Variant {
 };
 
 constexpr int kMaxConfigs = 8;
-constexpr int kMaxOps = 4;
+constexpr int kMaxOps = 5;
 
 // Kernel families, each with its own ops and configurations (TESSERA_FAMILY_* in the header).
 enum Family { kFamilyGroupedBf16 = 0, kFamilyFp8Gemm = 1, kFamilyFp8Grouped = 2, kNumFamilies = 3 };

@@ -23,7 +23,7 @@
 #include "grouped_common.cuh"
 
 #ifndef TESSERA_GG_OP
-#error "compile with -DTESSERA_GG_OP=<0 fwd | 1 fwd_bt | 2 wgrad | 3 wgrad_f32>"
+#error "compile with -DTESSERA_GG_OP=<0 fwd | 1 fwd_bt | 2 wgrad | 3 wgrad_f32 | 4 fwd_bt_t>"
 #endif
 #ifndef TESSERA_GG_CONFIG
 #error "compile with -DTESSERA_GG_CONFIG=<index into Configs>"
@@ -138,8 +138,11 @@ static_assert(kOp >= 0 && kOp < TESSERA_GG_NUM_OPS, "TESSERA_GG_OP out of range"
 //   fwd_bt: same, B = b[g] stored n x k (K-major)
 //   wgrad:  M = k, N = n, K = rows of group; A = a_g^T (M-major), B = b_g (N-major)
 //   wgrad_f32: as wgrad, D fp32 and, when accumulating, C = D with beta = 1 (the main grad)
+//   fwd_bt_t: M = n, N = rows of group, K = k; A = b[g] (n x k, K-major), B = a_g^T (K-major),
+//           D = d_g^T, column-major: the same memory as fwd_bt's row-major d_g
 // ---------------------------------------------------------------------------------------
 constexpr bool kWgrad = kOp == TESSERA_GG_WGRAD || kOp == TESSERA_GG_WGRAD_F32;
+constexpr bool kTransposed = kOp == TESSERA_GG_FWD_BT_T;
 constexpr bool kFp32Out = kOp == TESSERA_GG_WGRAD_F32;
 using Element = cutlass::bfloat16_t;
 using Accumulator = float;
@@ -147,9 +150,9 @@ using ElementD = std::conditional_t<kFp32Out, float, Element>;
 // No C operand for bf16 outputs (void skips the C load); the fp32 output reads itself as C.
 using ElementC = std::conditional_t<kFp32Out, float, void>;
 using LayoutA = std::conditional_t<kWgrad, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-using LayoutB = std::conditional_t<kOp == TESSERA_GG_FWD_BT, cutlass::layout::ColumnMajor,
+using LayoutB = std::conditional_t<kOp == TESSERA_GG_FWD_BT || kTransposed, cutlass::layout::ColumnMajor,
                                    cutlass::layout::RowMajor>;
-using LayoutD = cutlass::layout::RowMajor;
+using LayoutD = std::conditional_t<kTransposed, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
 constexpr int kAlignment = 16 / sizeof(Element);  // TMA moves 16-byte rows
 constexpr int kAlignmentD = 16 / sizeof(ElementD);
 
@@ -256,6 +259,14 @@ __global__ void prepare_groups(GroupArrays g, const int32_t* __restrict__ offset
         if constexpr (kFp32Out) g.ptr_c[i] = d + i * k * n;
         g.stride_a[i] = leading_stride<StrideA>(k);
         g.stride_b[i] = leading_stride<StrideB>(n);
+      } else if constexpr (kTransposed) {
+        // An empty group has N = 0: no tiles.
+        g.shapes[i] = GroupShape{static_cast<int>(n), count, static_cast<int>(k)};
+        g.ptr_a[i] = b + i * k * n;
+        g.ptr_b[i] = a + start * k;
+        g.ptr_d[i] = d + start * n;
+        g.stride_a[i] = leading_stride<StrideA>(k);
+        g.stride_b[i] = leading_stride<StrideB>(k);
       } else {
         g.shapes[i] = GroupShape{count, static_cast<int>(n), static_cast<int>(k)};
         g.ptr_a[i] = a + start * k;

@@ -120,9 +120,9 @@ CASES = [  # rows, k, n, groups, empty groups, rows past the end
 
 
 def check_grouped_variants(failures: Failures, device: torch.device, quick: bool) -> None:
-    """Every built config x op (fwd, fwd with transposed weights, wgrad), outputs poisoned."""
+    """Every built config x op (fwd, fwd with transposed weights both ways, wgrad), outputs poisoned."""
     from core.kernels import library
-    from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_WGRAD, run_grouped, run_wgrad_f32
+    from core.kernels.grouped_gemm import OP_FWD, OP_FWD_BT, OP_FWD_BT_T, OP_WGRAD, run_grouped, run_wgrad_f32
 
     lib = library.kernel_library(device)
     gen = torch.Generator(device=device).manual_seed(1234)
@@ -142,6 +142,8 @@ def check_grouped_variants(failures: Failures, device: torch.device, quick: bool
             failures.check(f"fwd    {tag}", run_grouped(lib, OP_FWD, x, w, out, offsets, c), ref)
             out = torch.full((rows, k), float("nan"), dtype=torch.bfloat16, device=device)
             failures.check(f"fwd_bt {tag}", run_grouped(lib, OP_FWD_BT, dy, w, out, offsets, c), ref_bt)
+            out = torch.full((rows, k), float("nan"), dtype=torch.bfloat16, device=device)
+            failures.check(f"fwd_bt_t {tag}", run_grouped(lib, OP_FWD_BT_T, dy, w, out, offsets, c), ref_bt)
             out = torch.full((groups, k, n), float("nan"), dtype=torch.bfloat16, device=device)
             failures.check(f"wgrad  {tag}", run_grouped(lib, OP_WGRAD, x, dy, out, offsets, c), ref_w)
             # Into fp32: overwriting (empty groups zeroed), then adding to what is there.
@@ -173,6 +175,16 @@ def check_custom_op_autograd(failures: Failures, device: torch.device) -> None:
     failures.check("op forward", y, y64.detach())
     failures.check("op dgrad", x.grad, x64.grad)
     failures.check("op wgrad", w.grad, w64.grad)
+    # A data gradient that runs as its transpose (OP_FWD_BT_T): 1408 inputs, groups of ~1700 rows.
+    from core.kernels.grouped_gemm import transposed_pads_less
+    rows, k, n, groups = 5000, 1408, 256, 3
+    assert transposed_pads_less(rows, groups, k)
+    offsets = uneven_offsets(rows, groups, torch.Generator().manual_seed(8), empty=0, tail=5).to(device)
+    x = _bf16((rows, k), gen, device).requires_grad_()
+    w = _bf16((groups, k, n), gen, device, scale=k**-0.5)
+    dy = _bf16((rows, n), gen, device)
+    grouped_mm(x, w, offsets).backward(dy)
+    failures.check("op dgrad computed transposed", x.grad, reference_mm(dy.double(), w.double().transpose(1, 2), offsets))
 
 
 def check_cuda_graph(failures: Failures, device: torch.device) -> None:

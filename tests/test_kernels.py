@@ -209,6 +209,8 @@ def test_c_abi_rejects_bad_arguments_with_a_message():
     assert rc == 1 and "swizzle=3" in lib.error_message()
     rc = lib.gg_bf16(3, 0, fake, fake, fake, fake, 4, 64, 8, 16, fake, 1 << 20, 0, None, 0, 1)
     assert rc == 1 and "op 3" in lib.error_message()  # wgrad_f32 has its own entry point
+    rc = lib.gg_bf16(5, 0, fake, fake, fake, fake, 4, 64, 8, 16, fake, 1 << 20, 0, None, 0, 1)
+    assert rc == 1 and "op 5" in lib.error_message()
     rc = lib.gg_bf16_wgrad_f32(0, fake, fake, fake, fake, 4, 64, 8, 16, 2, fake, 1 << 20, 0, None, 0, 1)
     assert rc == 1 and "accumulate=2" in lib.error_message()
     rc = lib.gg_bf16_wgrad_f32(0, fake, fake, fake, fake, 4, 64, 8, 12, 1, fake, 1 << 20, 0, None, 0, 1)
@@ -223,8 +225,8 @@ def test_c_abi_rejects_bad_arguments_with_a_message():
 def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkeypatch):
     # No GPU needed: the choice reads only the built configurations' names.
     from core.kernels import fp8
-    from core.kernels.grouped_gemm import (CONFIG_ENV, DEFAULT_CONFIG, OP_FWD, OP_FWD_BT, OP_WGRAD, OP_WGRAD_F32,
-                                           SMALL_GROUP_CONFIG, N_CLUSTER_CONFIG, choose_config)
+    from core.kernels.grouped_gemm import (CONFIG_ENV, DEFAULT_CONFIG, OP_FWD, OP_FWD_BT, OP_FWD_BT_T, OP_WGRAD,
+                                           OP_WGRAD_F32, SMALL_GROUP_CONFIG, N_CLUSTER_CONFIG, choose_config)
 
     lib = library.KernelLibrary(LIB_PATH)
     names = lib.gg_bf16_config_names()
@@ -251,6 +253,8 @@ def test_default_configs_are_the_measured_best_and_the_env_var_forces_one(monkey
     small = names.index(SMALL_GROUP_CONFIG) if SMALL_GROUP_CONFIG in names else expected
     assert choose_config(lib, OP_FWD, 65536, 128, 7168, 2048) == small
     assert choose_config(lib, OP_FWD_BT, 65536, 128, 2048, 7168) == (small if dgrad is None else dgrad)
+    # The dgrad computed as its transpose: no cluster (it would pad n's or the rows' tiles).
+    assert choose_config(lib, OP_FWD_BT_T, 131072, 64, 2048, 1408) == small
     monkeypatch.setenv(CONFIG_ENV, str(built_gg[-1]))
     assert choose_config(lib, OP_FWD, 4096, 8, 512, 512) == built_gg[-1]
     monkeypatch.setenv(CONFIG_ENV, str(len(names)))
@@ -278,6 +282,17 @@ def test_fp8_grouped_prefers_the_2x1_cluster_for_an_odd_count_of_n_tiles():
             assert fp8._fp8_gg_preferred(entry, n) == fp8.GG_PREFERRED_CONFIG[entry]
         for n in (1408, 128, 1280 + 16):  # 11, 1, 11 (the last one partial) tiles
             assert fp8._fp8_gg_preferred(entry, n) == fp8.GG_ODD_N_TILES_CONFIG
+
+
+def test_dgrad_is_computed_transposed_only_where_that_pads_less():
+    # No library needed: the choice is arithmetic on the shapes.
+    from core.kernels.grouped_gemm import transposed_pads_less
+
+    assert transposed_pads_less(131072, 64, 1408)  # 2048-row groups, 1408 = 5.5 x 256 = 11 x 128
+    assert not transposed_pads_less(65536, 128, 1408)  # 512-row groups: the rows' 256 tiles pad more
+    for n in (2048, 4096, 7168, 14336):  # whole 256-wide tiles: nothing to gain
+        assert not transposed_pads_less(131072, 64, n)
+    assert not transposed_pads_less(0, 64, 1408)  # no rows: no division by zero, the usual op
 
 
 @pytest.mark.gpu

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "TESSERA_KERNELS_LIB"
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "csrc" / "build" / "libtessera_kernels.so"
-ABI_VERSION = 4  # must equal TESSERA_ABI_VERSION in csrc/include/tessera_codes.h
+ABI_VERSION = 5  # must equal TESSERA_ABI_VERSION in csrc/include/tessera_codes.h
 BUILD_HINT = ("build it with `bash csrc/build.sh` (needs nvcc >= 12.3 and `pip install nvidia-cutlass`) "
               "or set TESSERA_KERNELS_LIB")
 

@@ -4,7 +4,7 @@
 #ifndef TESSERA_CODES_H
 #define TESSERA_CODES_H
 
-#define TESSERA_ABI_VERSION 4
+#define TESSERA_ABI_VERSION 5
 
 enum {
   TESSERA_OK = 0,
@@ -19,6 +19,9 @@ enum {
  * non-decreasing) is the end row of group g; group g is rows [offsets[g-1], offsets[g]).
  *   GG_FWD:    a [rows, k] row-major, b [G, k, n]   -> d [rows, n], d_g = a_g @ b[g]
  *   GG_FWD_BT: a [rows, k] row-major, b [G, n, k]   -> d [rows, n], d_g = a_g @ b[g]^T
+ *   GG_FWD_BT_T: as GG_FWD_BT, computed as d_g^T = b[g] @ a_g^T: n is the tiles' M and the
+ *              group's rows their N, which pads nothing where n is a multiple of 128 but not of
+ *              256 (the data gradient of a down projection of 1408 inputs)
  *   GG_WGRAD:  a [rows, k], b [rows, n] row-major   -> d [G, k, n], d[g] = a_g^T @ b_g
  *   GG_WGRAD_F32: as GG_WGRAD into fp32 d, which it overwrites or adds to (d[g] += a_g^T @ b_g):
  *              the weight gradient written straight into an fp32 main-grad buffer
@@ -29,7 +32,8 @@ enum {
   TESSERA_GG_FWD_BT = 1,
   TESSERA_GG_WGRAD = 2,
   TESSERA_GG_WGRAD_F32 = 3,
-  TESSERA_GG_NUM_OPS = 4
+  TESSERA_GG_FWD_BT_T = 4,
+  TESSERA_GG_NUM_OPS = 5
 };
 
 /* Kernel families; each has configurations (tile, cluster, schedule) chosen at run time. */
