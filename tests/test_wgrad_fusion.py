@@ -6,8 +6,9 @@ the CPU both round the weight gradient to bf16 before the fp32 add, so the losse
 rounding (1e-6 relative) eager, and to the forward's bf16 rounding compiled (1e-4), gradient
 norms likewise; on a GPU the fused GEMM adds in fp32 without that rounding: losses within 1e-3
 relative over 6 steps. The token embedding's gradient is summed in fp32 when fused and in bf16 by
-autograd's dense backward otherwise (repeated tokens), so eager losses agree to 1e-5 and gradient
-norms to 1e-3.
+autograd's dense backward otherwise (repeated tokens), so eager losses agree to ~2e-5 (the CPU's
+bf16 kernels decide how much: 1.7e-5 at the third step on one Xeon, below 1e-5 on another) and
+gradient norms to 1e-3.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_fused_weight_gradients_train_like_the_hook(compile_):
     # Compiled, the fused linear is one aten op where inductor lowers the plain one itself: the
     # bf16 forward rounds differently (2e-5 at the first step). The losses barely see the
     # gradients over three warm-up steps; the gradient norm sees a weight's gradient left out.
-    assert got == pytest.approx(want, rel=1e-4 if compile_ else 1e-5), (got, want)
+    assert got == pytest.approx(want, rel=1e-4 if compile_ else 5e-5), (got, want)
     # The embedding's bf16-summed gradient moves the plain run's norm by ~1e-4; a weight's gradient
     # left out would move it by far more.
     assert got_norms == pytest.approx(want_norms, rel=1e-3), (got_norms, want_norms)
