@@ -534,6 +534,45 @@ def test_layer_forward_and_backward_make_no_host_sync(per_sequence):
     assert x.grad is not None and torch.isfinite(x.grad.float()).all()
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_layer_forward_and_backward_replay_from_a_cuda_graph(compiled):
+    # Dropless routing keeps every size on the device (the grouped GEMMs read their offsets
+    # there), so a whole forward and backward can be one CUDA graph: each replay must write the
+    # gradients the eager calls write, bit for bit (same kernels, same inputs).
+    layer = make_bench_layer(8, 2, 256, 128, "cuda", torch.bfloat16)
+    run = torch.compile(layer) if compiled else layer
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    tensors = [*layer.parameters(), x]
+
+    def step():
+        for t in tensors:
+            t.grad = None
+        run(x).backward(grad)
+
+    for _ in range(3):  # compilation and lazy initialisation outside the capture
+        step()
+    torch.cuda.synchronize()
+    want = [t.grad.clone() for t in tensors]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    got = [t.grad for t in tensors]
+    for t in got:
+        t.fill_(float("nan"))  # the replay must write every gradient
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, g, w in zip([n for n, _ in layer.named_parameters()] + ["x"], got, want):
+        assert torch.equal(g, w), name
+
+
 def test_full_recompute_same_grads_and_no_double_counting():
     # Reference: the same model without recomputation. The recomputed forward inside
     # backward must not count its tokens into the metrics or the bias loads again.
