@@ -17,8 +17,8 @@ another's computation.
      argsort by local expert makes each expert's rows contiguous for the grouped GEMM;
   and the reverse for combine: ungroup, all-to-all back, unpermute into [T, k, dim] and
   weigh-and-sum over k in one batched product (no atomics: deterministic; the backward of
-  the permute sums the k row gradients with a reduction too). On one rank with
-  `weigh_in_experts` the experts apply the weights and the combine only sums (`_Dispatcher`).
+  the permute sums the k row gradients with a reduction too). With `weigh_in_experts` the
+  weights travel with their rows, the experts apply them and the combine only sums (`_Dispatcher`).
 
 `AllGatherDispatcher` (small EP, e.g. within a node): all-gather every rank's tokens and
 routing, compute the local experts' share of every token, and reduce-scatter the partial
@@ -215,7 +215,7 @@ class DispatchHandle:
     k: int
     order: torch.Tensor | None = None  # assignment ids (token * k + choice) of the rows, in dispatch order
     inverse: torch.Tensor | None = None  # [tokens, k]: each assignment's row in `order` (Triton paths only)
-    row_weights: torch.Tensor | None = None  # [rows]: routing weights for the experts to apply (then the combine does not)
+    row_weights: torch.Tensor | None = None  # [rows]: routing weights for the experts to apply (then the combine does not), in the rows' order of the latest phase
     indices: torch.Tensor | None = None  # all-gather: [rows of tokens, k] expert ids, dropped -> E
     counts: torch.Tensor | None = None  # rows per expert (all experts: all-to-all; local: all-gather)
     rows: int = 0  # tokens the combine's weighted sum covers (all-gather: the gathered tokens)
@@ -242,12 +242,12 @@ class _Dispatcher:
 
     `dispatch` and `combine` run them in order for one micro-batch (the handle kept in between).
 
-    weigh_in_experts: where the expert rows stay on this rank's side of the exchange (one rank,
-    or the all-gather dispatcher), dispatch_postprocess also gives each row its routing weight
-    (`handle.row_weights`) for the experts to apply before their (linear) down projection, and
-    the combine only sums. The combine's backward then copies each token's gradient to its rows,
-    where weighing in the combine also reads every expert output row for the weights' gradient.
-    The all-to-all dispatcher over several ranks keeps weighing in the combine."""
+    weigh_in_experts: dispatch also gives each expert row its routing weight (`handle.row_weights`)
+    for the experts to apply before their (linear) down projection, and the combine only sums.
+    The combine's backward then copies each token's gradient to its rows, where weighing in the
+    combine also reads every expert output row for the weights' gradient, and keeps those rows
+    for it. The all-to-all dispatcher over several ranks sends the weights with their rows (one
+    more all-to-all of 4 bytes per row; its backward returns their gradients)."""
 
     def __init__(self, num_experts: int, group=None, weigh_in_experts: bool = False):
         self.num_experts = num_experts
@@ -286,25 +286,27 @@ class AllToAllDispatcher(_Dispatcher):
         t, k = routing.indices.shape
         order, counts = sort_by_expert(routing.indices, routing.keep, self.num_experts, routing.tokens_per_expert)
         inverse = assignment_inverse(x, order, k)
-        return permute(x, order, k, inverse), DispatchHandle(routing.weights, t, k, order=order, inverse=inverse,
-                                                             counts=counts, rows=t)
+        handle = DispatchHandle(routing.weights, t, k, order=order, inverse=inverse, counts=counts, rows=t)
+        if self.weigh_in_experts:
+            handle.row_weights = row_weights(routing.weights, order, inverse)
+        return permute(x, order, k, inverse), handle
 
     def dispatch_exchange(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Communicating: the per-expert counts (one small all-to-all, then the split sizes on
-        the host: the one host sync), then the rows with uneven splits."""
+        the host: the one host sync), then the rows with uneven splits (and their weights)."""
         if self.ep == 1:
             return rows
         send = handle.counts.view(self.ep, self.num_local)
         recv = exchange_counts(send, self.group)  # row i: what rank i sends to each of my experts
         sizes = torch.cat([send.sum(1), recv.sum(1)]).tolist()
         handle.in_splits, handle.out_splits, handle.received_counts = sizes[: self.ep], sizes[self.ep:], recv
+        if handle.row_weights is not None:
+            handle.row_weights = all_to_all(handle.row_weights, handle.out_splits, handle.in_splits, self.group)
         return all_to_all(rows, handle.out_splits, handle.in_splits, self.group)
 
     def dispatch_postprocess(self, rows: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
         """Local: rows arrive ordered (source rank, local expert); make each expert's contiguous."""
         if self.ep == 1:
-            if self.weigh_in_experts:
-                handle.row_weights = row_weights(handle.weights, handle.order, handle.inverse)
             return rows, handle.counts
         recv = handle.received_counts
         local_ids = torch.arange(self.num_local, device=rows.device).repeat(self.ep)
@@ -313,6 +315,8 @@ class AllToAllDispatcher(_Dispatcher):
         ungroup = torch.empty_like(regroup)
         ungroup[regroup] = torch.arange(regroup.numel(), device=regroup.device)
         handle.regroup, handle.ungroup = regroup, ungroup
+        if handle.row_weights is not None:
+            handle.row_weights = _Reorder.apply(handle.row_weights, ungroup, regroup)
         return _Reorder.apply(rows, ungroup, regroup), recv.sum(0)
 
     def combine_preprocess(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

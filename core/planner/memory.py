@@ -142,11 +142,9 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
             router = Tr * d * 4 + Tr * s.experts * 4 * 3 + Tr * moe.top_k * 16  # fp32 x, logits, scores, top-k
             dispatch = R * d * b + R * 16  # permuted rows + orders
             # The routing weights go into the experts' SwiGLU (which then keeps gate, up and the
-            # weights, and w2 the product) unless the all-to-all exchanges the rows between
-            # ranks; then the combine weighs, keeping the expert outputs for the weights' gradient.
-            weighed_in_experts = p.ep == 1 or moe.dispatcher != "alltoall"
-            combine = (0 if weighed_in_experts else R * d * b) + Tr * moe.top_k * 4
-            experts_glu = 3 if weighed_in_experts and "swiglu" not in recompute else glu
+            # weights, and w2 the product); the combine only sums and keeps no rows.
+            combine = Tr * moe.top_k * 4
+            experts_glu = 3 if "swiglu" not in recompute else glu
             shared = Tr * s.shared_hidden * b * (glu if "swiglu" in recompute else inside_glu) if s.shared_hidden else 0
             parts["mlp"] = norm_out + router + dispatch + combine + shared
             parts["moe_experts"] = 0 if "moe_experts" in recompute else R * s.expert_hidden * b * experts_glu
