@@ -204,6 +204,14 @@ def row_weights(weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tenso
     return _RowWeights.apply(weights, order, inverse)
 
 
+def _sum_rows(rows: torch.Tensor, handle: "DispatchHandle", tokens: int) -> torch.Tensor:
+    """[tokens, dim]: each token's k rows (in `handle.order`'s order) summed, weighted by the
+    routing weights unless the experts applied them (`handle.row_weights`)."""
+    if handle.row_weights is not None:
+        return unpermute(rows, handle.order, tokens, handle.k, handle.inverse)
+    return weighted_unpermute(rows, handle.order, handle.weights, tokens, handle.inverse)
+
+
 @dataclass
 class DispatchHandle:
     """What one dispatch leaves for its combine. Each phase takes the handle (and fills in what
@@ -333,9 +341,7 @@ class AllToAllDispatcher(_Dispatcher):
 
     def combine_postprocess(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Local: weigh each token's k rows (unless the experts did) and sum them."""
-        if handle.row_weights is not None:
-            return unpermute(rows, handle.order, handle.tokens, handle.k, handle.inverse)
-        return weighted_unpermute(rows, handle.order, handle.weights, handle.tokens, handle.inverse)
+        return _sum_rows(rows, handle, handle.tokens)
 
 
 class AllGatherDispatcher(_Dispatcher):
@@ -380,9 +386,7 @@ class AllGatherDispatcher(_Dispatcher):
 
     def combine_preprocess(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Local: this rank's partial sum for every gathered token."""
-        if handle.row_weights is not None:
-            return unpermute(expert_out, handle.order, handle.rows, handle.k, handle.inverse)
-        return weighted_unpermute(expert_out, handle.order, handle.weights, handle.rows, handle.inverse)
+        return _sum_rows(expert_out, handle, handle.rows)
 
     def combine_exchange(self, partial: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Communicating: sum the partials over the EP group, each rank keeping its tokens' share."""
