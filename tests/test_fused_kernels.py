@@ -163,6 +163,22 @@ traced = torch.compile(lambda s: topk_indices(s, 3), backend="aot_eager", fullgr
 scores = torch.randn(70, 64)
 assert torch.equal(traced(scores).sort(-1).values, scores.topk(3).indices.sort(-1).values)
 
+# group-limited routing (DeepSeek-V3's: 8 groups, a token's best 4, top-8; and 3 of 4 groups with
+# top-6) takes both its choices from the kernel: the experts and weights of torch.topk's choices
+from core.config import MoEConfig
+from moe.router import route
+for groups, best, k in ((8, 4, 8), (4, 3, 6)):
+    moe = MoEConfig(num_experts=64, top_k=k, router="sigmoid", n_groups=groups, topk_groups=best)
+    logits = torch.randn(300, 64)
+    bias = torch.randn(64) * 0.1
+    idx, w, _ = route(logits, moe, bias)
+    os.environ["TESSERA_TRITON"] = "0"
+    want_idx, want_w, _ = route(logits, moe, bias)
+    os.environ["TESSERA_TRITON"] = "1"
+    got, want = idx.sort(-1), want_idx.sort(-1)
+    assert torch.equal(got.values, want.values), (groups, best, k)
+    torch.testing.assert_close(w.gather(1, got.indices), want_w.gather(1, want.indices), rtol=1e-6, atol=0)
+
 # core.layers.SwiGLU: the kernel when eager, the plain ops when traced (one graph, no break)
 from core.layers import FeedForward
 ff = FeedForward(48, 64).to(dtype)
