@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from core.config import FUSED_CHUNK_ELEMENTS
+from core.kernels import cross_entropy as rows_ce
 from core.parallel.comm import group_rank, group_size
 from core.parallel.wgrad import matmul_into_
 
@@ -101,7 +102,8 @@ def cross_entropy_sum(
     Returns a scalar float tensor and an int64 scalar tensor; divide the sum by the global
     count, not this micro-batch's. Labels are range-checked only on CPU (a check on GPU would
     stall the stream); an out-of-range label on GPU counts with a zero target logit.
-    `compiled` (CUDA, no vocab sharding): the same sum through a torch.compile'd cross-entropy."""
+    Whole logits where Triton runs take `core.kernels.cross_entropy`; elsewhere `compiled` (CUDA,
+    no vocab sharding, Triton off) takes a torch.compile'd cross-entropy."""
     if logits.dim() != 2 or labels.dim() != 1 or logits.shape[0] != labels.shape[0]:
         raise ValueError(
             f"cross_entropy_sum expects logits [T, V] and labels [T]; got logits {tuple(logits.shape)} "
@@ -117,6 +119,8 @@ def cross_entropy_sum(
                 f"labels must be in [0, {vocab}) or {IGNORE_INDEX}; found {labels[bad][0].item()}"
             )
     count = (labels != IGNORE_INDEX).sum()
+    if group_size(tp_group) == 1 and rows_ce.fits(logits):  # one Triton pass each way (core.kernels.cross_entropy)
+        return rows_ce.cross_entropy_rows_sum(logits, labels, IGNORE_INDEX), count
     if compiled and logits.is_cuda and group_size(tp_group) == 1:
         # Whole logits on one GPU: inductor fuses the fp32 softmax into a couple of passes over
         # the bf16 logits, where the eager function above makes ~6 over fp32 copies.

@@ -179,6 +179,34 @@ for groups, best, k in ((8, 4, 8), (4, 3, 6)):
     assert torch.equal(got.values, want.values), (groups, best, k)
     torch.testing.assert_close(w.gather(1, got.indices), want_w.gather(1, want.indices), rtol=1e-6, atol=0)
 
+# the token cross-entropy (core.kernels.cross_entropy, and core.loss through it): the loss and the
+# logits' gradient against float64, over a vocabulary of one whole block and a partial one, with
+# ignored labels, an out-of-range label (a zero target logit), a row with -inf entries and an
+# upstream gradient other than 1
+from core.kernels.cross_entropy import cross_entropy_rows_sum, fits
+from core.loss import IGNORE_INDEX, cross_entropy_sum
+for vocab in (5000, 37):
+    logits = (torch.randn(12, vocab) * 3).to(dtype)
+    logits[3, : vocab // 2] = float("-inf")
+    labels = torch.randint(0, vocab, (12,))
+    labels[1], labels[4], labels[7] = IGNORE_INDEX, vocab + 5, -7
+    assert fits(logits)
+    x = logits.detach().requires_grad_()
+    loss = cross_entropy_rows_sum(x, labels, IGNORE_INDEX)
+    x64 = logits.double().requires_grad_()
+    valid = (labels >= 0) & (labels < vocab)
+    target = x64.gather(1, labels.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1) * valid
+    want = ((torch.logsumexp(x64, 1) - target) * (labels != IGNORE_INDEX)).sum()
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-4)
+    (loss * 0.37).backward()
+    (want * 0.37).backward()
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+    torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
+    assert not x.grad[1].any()  # ignored: no gradient
+    in_range = labels.masked_fill(~valid, IGNORE_INDEX)  # what core.loss accepts on the CPU
+    summed, count = cross_entropy_sum(logits, in_range)
+    assert torch.equal(summed, cross_entropy_rows_sum(logits, in_range, IGNORE_INDEX)) and count == 9
+
 # core.layers.SwiGLU: the kernel when eager, the plain ops when traced (one graph, no break)
 from core.layers import FeedForward
 ff = FeedForward(48, 64).to(dtype)
