@@ -41,7 +41,8 @@ EP mode (torchrun, one process per GPU, ep = world size; NCCL, or gloo on CPU wi
     torchrun --nproc-per-node 4 -m bench.moe_layer --ep [--shapes mixtral]
 
 Each rank routes its own R/k tokens with a real router; it times dispatch+combine (forward:
-permute, count exchange, exchange, grouping, and back) of each dispatcher (`--dispatchers`,
+permute, count exchange, exchange of the rows and their routing weights, grouping, and back, as
+MoELayer builds the dispatchers) of each dispatcher (`--dispatchers`,
 default alltoall) and, in the same run, two
 plain all-to-alls with even splits of the same per-rank bytes, interleaved, each measurement
 the slowest rank's. It prints the bus bandwidth of each (bytes x (ep-1)/ep / time, the
@@ -259,11 +260,13 @@ def bench_ep(name: str, shape, iters: int, device, dtype, profile: bool = False,
     x = torch.randn(tokens, dim, device=device, dtype=dtype)
     with torch.no_grad():
         routing = layer.router(x)
-        built = {kind: build_dispatcher(kind, e, group) for kind in dispatchers}
+        # As MoELayer builds them: the routing weights travel with the rows for the experts to apply.
+        built = {kind: build_dispatcher(kind, e, group, weigh_in_experts=True) for kind in dispatchers}
         for kind, d in built.items():
-            # Round trip with identity experts: every token must come back as x * sum of its weights.
-            rows, _, _ = d.dispatch(x, routing)
-            back = d.combine(rows)
+            # Round trip with identity experts that apply the rows' weights: every token must come
+            # back as x * sum of its weights.
+            rows, _, row_weights = d.dispatch(x, routing)
+            back = d.combine((rows.float() * row_weights.unsqueeze(1)).to(dtype))
             expected = (x.float() * routing.weights.sum(-1, keepdim=True)).to(dtype)
             torch.testing.assert_close(back, expected, rtol=2e-2, atol=2e-2)
         sent = torch.tensor(d_splits(routing, e, world), device=device, dtype=torch.float64)
@@ -304,7 +307,7 @@ def bench_ep(name: str, shape, iters: int, device, dtype, profile: bool = False,
                   f"ratio {ratio(times['plain'], t)['median']:.2f} of the plain all-to-all bandwidth at the same bytes")
         print(f"  plain all-to-all x2 {times['plain'].ms:6.2f} ms  bus {bus['plain']:7.1f} GB/s")
     emit("moe_layer", {"mode": "ep", "shape": name, "ep": world, "tokens_per_rank": tokens, "top_k": k, "dim": dim,
-                       "dtype": str(dtype), "bytes_per_rank": nbytes,
+                       "dtype": str(dtype), "bytes_per_rank": nbytes, "weigh_in_experts": True,
                        "timings": {kind: t.summary() for kind, t in times.items()}, "bus_GBps": bus,
                        "vs_plain": {kind: ratio(times["plain"], times[kind]) for kind in candidates}}, device)
 

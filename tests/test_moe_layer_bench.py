@@ -1,6 +1,8 @@
 """bench.moe_layer: its CPU smoke mode (--tiny) runs every candidate of the layer comparison and
 writes one JSON record per shape; --back-to-back, --host-ahead and --trace reach the record and the trace file;
-bad arguments exit 2 with one line naming the fix."""
+bad arguments exit 2 with one line naming the fix. Its EP mode runs over two gloo ranks with both
+dispatchers as the layer builds them (the routing weights travel with the rows) and checks each
+round trip itself."""
 
 from __future__ import annotations
 
@@ -40,3 +42,18 @@ def test_bad_arguments_exit_2_with_one_line():
                         (["--ep", "--host-ahead"], "--host-ahead is for layer mode")):
         proc = _run(*args)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_tiny_expert_parallel_dispatch_round_trips_over_two_ranks():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                           "bench.moe_layer", "--ep", "--tiny", "--shapes", "fine64", "--iters", "1",
+                           "--dispatchers", "alltoall,allgather"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench": "moe_layer"')]
+    assert len(records) == 1
+    record = records[0]
+    assert record["mode"] == "ep" and record["ep"] == 2 and record["weigh_in_experts"] is True
+    assert set(record["timings"]) == {"alltoall", "allgather", "plain"}
+    assert all(t["ms"] > 0 for t in record["timings"].values())
