@@ -4,9 +4,9 @@
 Forward: each program streams one row once, keeping a running maximum and a rescaled sum of
 exponentials per lane (the online softmax), and keeps only the row's log-sum-exp [T] for the
 backward. Backward: one pass writing (softmax - one_hot) * grad in the logits' dtype, the one-hot
-subtracted in fp32 first. torch.compile's cross-entropy over the bf16 logits of a 102400-word
-vocabulary read them at half the memory bandwidth in its forward (1.15 ms for 8192 tokens on an
-H100); this forward reads them once at the copy rate.
+subtracted in fp32 first. Over the bf16 logits of 8192 tokens and a 102400-word vocabulary on
+an H100, torch.compile's cross-entropy took 1.07 ms forward (1.6 TB/s of logits) and 2.32 ms both
+ways; these kernels 0.68 ms (2.5 TB/s) and 1.86 ms.
 
 Labels equal to `ignore_index` count zero and get a zero gradient; a label outside [0, V) counts
 with a zero target logit (no device assert, as the other paths of `core.loss`).
