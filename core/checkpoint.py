@@ -37,6 +37,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -168,8 +169,15 @@ def _slot_entries(optimizer) -> list[tuple[ParamSlot, str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------------- save
-def save_checkpoint(directory, step: int, model: nn.Module, optimizer, scheduler, mesh: ParallelMesh, extra: dict | None = None, keep: int = 2) -> Path:
-    """Collective: write a sharded checkpoint of step `step` atomically; returns its folder."""
+def save_checkpoint(directory, step: int, model: nn.Module, optimizer, scheduler, mesh: ParallelMesh, extra: dict | None = None, keep: int = 2,
+                    before_publish: Callable[[], None] | None = None) -> Path:
+    """Collective: write a sharded checkpoint of step `step` atomically; returns its folder.
+
+    `before_publish` runs on every rank once every rank's part is written and before rank 0
+    makes it `latest`, in one stretch with the publication that a stop signal does not cut
+    (the trainer writes the step's metrics record there: a process killed in between leaves
+    the record of a step whose checkpoint was never published, which a resume drops, never a
+    published step without its record)."""
     root, name, tmp = _begin_save(directory, step, keep)
     state = _state_to_save(step, model, optimizer, scheduler, mesh, extra)
     try:
@@ -181,8 +189,11 @@ def save_checkpoint(directory, step: int, model: nn.Module, optimizer, scheduler
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if _rank() == 0:
-        _publish(root, name, keep)
+    with stop_deferred():
+        if before_publish is not None:
+            before_publish()
+        if _rank() == 0:
+            _publish_now(root, name, keep)
     _barrier()
     return root / name
 

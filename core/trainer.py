@@ -26,6 +26,7 @@ import logging
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -368,7 +369,10 @@ class Trainer:
             log.info("initialised %d tensors from %s", count, source)
         return count
 
-    def save(self) -> Path:
+    def save(self, on_written: Callable[[dict], None] | None = None) -> Path:
+        """Save this step's checkpoint. `on_written(timings)` runs once the data are written and
+        before the checkpoint is published (a background save: as it starts; it is published by
+        a later poll or wait), with a stop signal deferred through it."""
         # Every data-parallel rank is at the same global row offset after a step, so rank 0's
         # token resumes all of them, on any dp size. The model config and the weights the run
         # started from travel with the checkpoint (`tessera-convert to-hf` reads them).
@@ -381,12 +385,20 @@ class Trainer:
             self.save_timings = self.checkpointer.save(self.ckpt_dir, self.step_count, self.model, self.optimizer,
                                                        self.scheduler, self.mesh, extra,
                                                        keep=self.config.checkpoint.keep)
+            if on_written is not None:
+                with stop_deferred():
+                    on_written(self.save_timings)
             return self.ckpt_dir / f"step_{self.step_count:06d}"
         started = time.perf_counter()
+
+        def written() -> None:
+            elapsed = time.perf_counter() - started
+            self.save_timings = {"save_blocking_s": elapsed, "save_s": elapsed}
+            if on_written is not None:
+                on_written(self.save_timings)
+
         path = save_checkpoint(self.ckpt_dir, self.step_count, self.model, self.optimizer, self.scheduler, self.mesh,
-                               extra, keep=self.config.checkpoint.keep)
-        elapsed = time.perf_counter() - started
-        self.save_timings = {"save_blocking_s": elapsed, "save_s": elapsed}
+                               extra, keep=self.config.checkpoint.keep, before_publish=written)
         if self.rank == 0:
             print(f"checkpoint: {path}", flush=True)
         return path
@@ -406,9 +418,9 @@ class Trainer:
                                start_step=self.step_count)
         last_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         self.watchdog.start()
-        # With `lagged_records` a step's record is read once the next step is queued (or right
-        # after its checkpoint, so a run stopped after a save has the record of the step it
-        # resumes from). A run that dies mid-step then lacks the record of the step before.
+        # With `lagged_records` a step's record is read once the next step is queued (or at its
+        # checkpoint, so a run stopped after a save has the record of the step it resumes from).
+        # A run that dies mid-step then lacks the record of the step before.
         pending = None  # (result, step_start, previous, extras) of the last step, not yet recorded
         previous = None  # the step before the current one, when nothing ran between them
         try:
@@ -431,16 +443,22 @@ class Trainer:
                     extras.update(self.checkpointer.poll())  # save_s of a background save just published
                 saving = self._checkpoint_due(last_step)
                 if saving or not self.lagged_records:
-                    # Read before the save, written after it (its cost is on the step's line), and
-                    # a stop once the save is done waits for the line: a step whose checkpoint
-                    # exists always has its record.
+                    # Read before the save, written once its data are (their cost on the step's
+                    # line) and before it is published, with a stop signal deferred through both:
+                    # a published checkpoint's step always has its record, and one killed in
+                    # between leaves a record past the newest checkpoint, which a resume drops.
                     record = self.record(*pending[:3])
-                    if saving:
-                        self.save()
-                        previous = None
-                    with stop_deferred():
-                        extras.update(self.save_timings if saving else {})
+
+                    def write(timings: dict, record=record, extras=extras) -> None:
+                        extras.update(timings)
                         self._write(writer, record, extras)
+
+                    if saving:
+                        self.save(on_written=write)
+                        previous = None
+                    else:
+                        with stop_deferred():
+                            write({})
                     pending = None
             if pending is not None:
                 self._log(writer, *pending)

@@ -22,6 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from core import checkpoint
+from core.config import load_config, validate
+from core.metrics import read_metrics
+from core.trainer import Trainer
 from dataservice.build import build_dataset, make_corpus
 from tests.test_bad_input import run as run_entry_point
 
@@ -206,6 +210,26 @@ def test_a_stop_during_publish_raises_only_once_the_checkpoint_is_published_and_
     assert proc.stdout.split() == ["interrupted", str(int(signal.SIGINT))], proc.stderr[-2000:]
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
     assert (root / "latest").read_text().strip() == "step_000003"
+
+
+def test_each_checkpoint_is_published_only_after_its_step_record_is_written(tmp_path, dataset, monkeypatch):
+    # A process killed between the two must never leave a published step without its record: a
+    # resume starts after that step and would not write it again (a record past the newest
+    # published checkpoint is dropped on resume instead).
+    sets = [item for item in SMALL if not item.startswith(("train.max_steps", "train.plot"))]
+    config = load_config(CONFIG, [*sets, "train.max_steps=3", "train.plot=false", "train.device=cpu",
+                                  f"data.dataset={dataset}", f"train.run_dir={tmp_path}"])
+    validate(config, 1)
+    published, publish_now = [], checkpoint._publish_now
+
+    def publish(root, name, keep):
+        published.append((name, [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]))
+        publish_now(root, name, keep)
+
+    monkeypatch.setattr(checkpoint, "_publish_now", publish)
+    Trainer(config).run()
+    assert published == [("step_000001", [1]), ("step_000002", [1, 2]), ("step_000003", [1, 2, 3])]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_killed_launcher_takes_its_workers_along_and_the_stale_lock_is_taken_over(tmp_path, dataset, reference):
