@@ -261,7 +261,7 @@ def bench_ep(name: str, shape, iters: int, device, dtype, profile: bool = False,
     with torch.no_grad():
         routing = layer.router(x)
         # As MoELayer builds them: the routing weights travel with the rows for the experts to apply.
-        built = {kind: build_dispatcher(kind, e, group, weigh_in_experts=True) for kind in dispatchers}
+        built = {kind: build_dispatcher(kind, e, group) for kind in dispatchers}
         for kind, d in built.items():
             # Round trip with identity experts that apply the rows' weights: every token must come
             # back as x * sum of its weights.

@@ -250,14 +250,15 @@ class _Dispatcher:
 
     `dispatch` and `combine` run them in order for one micro-batch (the handle kept in between).
 
-    weigh_in_experts: dispatch also gives each expert row its routing weight (`handle.row_weights`)
-    for the experts to apply before their (linear) down projection, and the combine only sums.
+    weigh_in_experts (the default, what MoELayer runs): dispatch also gives each expert row its
+    routing weight (`handle.row_weights`) for the experts to apply before their (linear) down
+    projection, and the combine only sums.
     The combine's backward then copies each token's gradient to its rows, where weighing in the
     combine also reads every expert output row for the weights' gradient, and keeps those rows
     for it. The all-to-all dispatcher over several ranks sends the weights with their rows (one
     more all-to-all of 4 bytes per row; its backward returns their gradients)."""
 
-    def __init__(self, num_experts: int, group=None, weigh_in_experts: bool = False):
+    def __init__(self, num_experts: int, group=None, weigh_in_experts: bool = True):
         self.num_experts = num_experts
         self.group = group
         self.weigh_in_experts = weigh_in_experts
@@ -398,9 +399,9 @@ class AllGatherDispatcher(_Dispatcher):
         return rows[: handle.tokens]  # the padding rows, if any
 
 
-def build_dispatcher(kind: str, num_experts: int, group=None, weigh_in_experts: bool = False):
+def build_dispatcher(kind: str, num_experts: int, group=None, weigh_in_experts: bool = True):
     """"alltoall" or "allgather" over `group` (None: this rank holds every expert);
-    weigh_in_experts: see `_Dispatcher`."""
+    weigh_in_experts (what MoELayer runs; False: the combine weighs): see `_Dispatcher`."""
     if kind == "alltoall":
         return AllToAllDispatcher(num_experts, group, weigh_in_experts)
     if kind == "allgather":

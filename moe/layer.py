@@ -87,7 +87,7 @@ class MoELayer(nn.Module):
         self.shared_experts = None
         if moe.num_shared_experts > 0:
             self.shared_experts = FeedForward(cfg.dim, moe.shared_ffn_dim or moe.num_shared_experts * hidden)
-        self.dispatcher = build_dispatcher(moe.dispatcher, moe.num_experts, weigh_in_experts=True)
+        self.dispatcher = build_dispatcher(moe.dispatcher, moe.num_experts)
         # Tensor parallelism (set by moe.parallel.apply_ep): "none", "split" (each TP rank
         # routes its own token shard, experts replicated) or "sharded" (TP ranks share
         # the tokens, expert hidden sizes split).

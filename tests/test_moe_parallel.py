@@ -198,7 +198,7 @@ def _phases_worker(rank, world):
     routings = [router(x) for x in xs]
     out = {}
     for kind in ("alltoall", "allgather"):
-        d = build_dispatcher(kind, e, group)
+        d = build_dispatcher(kind, e, group, weigh_in_experts=False)  # the combine weighs: experts below do not
         scale = 1.0 + torch.arange(d.num_local) + d.ep_rank * d.num_local
 
         def experts(rows, counts):
