@@ -206,6 +206,9 @@ for vocab in (5000, 37):
     in_range = labels.masked_fill(~valid, IGNORE_INDEX)  # what core.loss accepts on the CPU
     summed, count = cross_entropy_sum(logits, in_range)
     assert torch.equal(summed, cross_entropy_rows_sum(logits, in_range, IGNORE_INDEX)) and count == 9
+    wider = torch.cat((logits, torch.randn(12, 3).to(dtype)), 1)[:, :vocab]  # rows further apart than V
+    assert not wider.is_contiguous() and fits(wider)
+    assert torch.equal(cross_entropy_rows_sum(wider, in_range, IGNORE_INDEX), summed)
 
 # core.layers.SwiGLU: the kernel when eager, the plain ops when traced (one graph, no break)
 from core.layers import FeedForward
