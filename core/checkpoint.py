@@ -189,11 +189,11 @@ def save_checkpoint(directory, step: int, model: nn.Module, optimizer, scheduler
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    with stop_deferred():
+    with stop_deferred():  # _publish's own stretch nests inside it
         if before_publish is not None:
             before_publish()
         if _rank() == 0:
-            _publish_now(root, name, keep)
+            _publish(root, name, keep)
     _barrier()
     return root / name
 

@@ -449,7 +449,7 @@ class Trainer:
                     # between leaves a record past the newest checkpoint, which a resume drops.
                     record = self.record(*pending[:3])
 
-                    def write(timings: dict, record=record, extras=extras) -> None:
+                    def write(timings: dict) -> None:  # called before this iteration ends
                         extras.update(timings)
                         self._write(writer, record, extras)
 

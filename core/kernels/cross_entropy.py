@@ -75,7 +75,7 @@ if triton is not None:
 def fits(logits: Tensor) -> bool:
     """Whether `cross_entropy_rows_sum` runs these logits (Triton on their device, float rows
     with unit stride)."""
-    return (triton is not None and triton_enabled(logits) and logits.dim() == 2
+    return (triton_enabled(logits) and logits.dim() == 2
             and logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1)
 
 
