@@ -157,38 +157,101 @@ __device__ __forceinline__ int group_of_row(const int32_t* offsets, int groups, 
 
 // 16 threads per 128-column chunk, 8 values each; chunks run along rows so loads coalesce.
 __global__ void quantize_1x128_kernel(const uint4* __restrict__ x, uint2* __restrict__ q, float* scale,
-                                      int64_t rows, int64_t cols, const int32_t* __restrict__ offsets,
-                                      int groups) {
+                                      int64_t rows, int64_t cols) {
   const int64_t chunks_per_row = (cols + 127) / 128;
   const int64_t thread = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int64_t chunk = thread / 16;
   const int part = thread % 16;
-  const bool live_row = chunk < rows * chunks_per_row;  // whole 16-thread groups agree
-  const int64_t row = live_row ? chunk / chunks_per_row : 0;
-  const int64_t kb = live_row ? chunk % chunks_per_row : 0;
+  if (chunk >= rows * chunks_per_row) return;  // whole 16-thread groups agree (hence half-warp shuffles)
+  const int64_t row = chunk / chunks_per_row, kb = chunk % chunks_per_row;
   const int64_t col = kb * 128 + part * 8;
-  const bool live = live_row && col < cols;
-  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const bool live = col < cols;
   const int64_t vec = (row * cols + col) / 8;
+  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   if (live) unpack(x[vec], v);
   float m = amax8(v);
 #pragma unroll
-  for (int d = 8; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));  // within 16 lanes
+  for (int d = 8; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffu << (threadIdx.x & 16), m, d));
   if (live) q[vec] = quantize8(v, multiplier(m));
-  if (offsets == nullptr) {
-    if (live_row && part == 0) scale[kb * rows + row] = dequant_scale(m);
-    return;
+  if (part == 0) scale[kb * rows + row] = dequant_scale(m);
+}
+
+// The grouped layout: a row's scales go to its group's [cols/128][rows of group] block, so
+// every chunk needs its row's group. Searched per chunk, that search's loads and ballots held
+// the kernel at half the ungrouped one's bandwidth. Here each block covers kGroupedRows rows,
+// and each of its 16 slots (16 lanes each) walks the chunks slot, slot + 16, ... of that range
+// in order: its rows only grow, so it searches for its first row's group once and then steps
+// forward, reading one (broadcast) offset when a group ends. Four chunks' loads are in flight
+// per lane.
+constexpr int kGroupedRows = 32;
+constexpr int kGroupedBatch = 4;
+
+__global__ void __launch_bounds__(256) quantize_1x128_grouped_kernel(const uint4* __restrict__ x,
+                                                                     uint2* __restrict__ q, float* scale,
+                                                                     int64_t rows, int64_t cols,
+                                                                     const int32_t* __restrict__ offsets,
+                                                                     int groups) {
+  const unsigned chunks_per_row = static_cast<unsigned>((cols + 127) / 128);
+  const int64_t row0 = blockIdx.x * int64_t(kGroupedRows);
+  // This block's chunks, numbered from its first row's first: [0, count), 32-bit arithmetic.
+  const unsigned count = static_cast<unsigned>(min(rows - row0, int64_t(kGroupedRows))) * chunks_per_row;
+  const int slot = threadIdx.x / 16, part = threadIdx.x % 16;
+  const unsigned half = 0xffffu << (threadIdx.x & 16);  // this slot's lanes, for its shuffles
+  // The first g with offsets[g] > row (offsets non-decreasing, clamped to [0, rows]); rows past
+  // the last group form one more group after it. Every lane searches (the search's ballots).
+  int g = group_of_row(offsets, groups, rows, min(row0 + slot / chunks_per_row, rows - 1), part);
+  int64_t start = g ? clamped_end(offsets, g - 1, groups, rows) : 0;
+  int64_t end = clamped_end(offsets, g, groups, rows);
+  for (unsigned first = slot; first < count; first += 16 * kGroupedBatch) {
+    uint4 raw[kGroupedBatch];
+#pragma unroll
+    for (int i = 0; i < kGroupedBatch; ++i) {
+      const unsigned c = first + 16 * i;
+      const int64_t row = row0 + c / chunks_per_row, col = int64_t(c % chunks_per_row) * 128 + part * 8;
+      raw[i] = c < count && col < cols ? x[(row * cols + col) / 8] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kGroupedBatch; ++i) {
+      const unsigned c = first + 16 * i;
+      if (c >= count) break;  // the slot's 16 lanes agree
+      const int64_t row = row0 + c / chunks_per_row, kb = c % chunks_per_row;
+      const int64_t col = kb * 128 + part * 8;
+      while (row >= end) {  // the slot's lanes agree; past the last group, end = rows
+        ++g;
+        start = end;
+        end = clamped_end(offsets, g, groups, rows);
+      }
+      float v[8];
+      unpack(raw[i], v);
+      float m = amax8(v);
+#pragma unroll
+      for (int d = 8; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(half, m, d));
+      if (col < cols) q[(row * cols + col) / 8] = quantize8(v, multiplier(m));
+      if (part == 0) scale[start * chunks_per_row + kb * (end - start) + (row - start)] = dequant_scale(m);
+    }
   }
-  // The row's group: first g with offsets[g] > row (offsets non-decreasing, clamped to
-  // [0, rows]); rows past the last group form one more group after it.
-  const int g = group_of_row(offsets, groups, rows, row, part);
-  if (!live_row || part != 0) return;
-  const int64_t start = g ? clamped_end(offsets, g - 1, groups, rows) : 0;
-  const int64_t count = clamped_end(offsets, g, groups, rows) - start;
-  scale[start * chunks_per_row + kb * count + (row - start)] = dequant_scale(m);
 }
 
 // ---- 128x128 ----------------------------------------------------------------------------
+
+// The largest g in [0, groups) with block_starts[g] <= rb (block_starts non-decreasing from
+// 0, rb < block_starts[groups]; never an empty group), searched 32-ary by the lanes of a warp
+// together: two rounds of loads for up to 1024 groups, where a binary search's 6-10 dependent
+// loads held up every block's first load of x. All 32 lanes must call it.
+__device__ __forceinline__ int group_of_block(const int32_t* block_starts, int groups, int64_t rb) {
+  const int lane = threadIdx.x & 31;
+  int lo = 0, span = groups;  // candidates [lo, lo + span)
+  while (span > 1) {
+    const int step = (span + 31) / 32;
+    const int first = lo + lane * step;  // this lane's sub-range starts here
+    const bool at_or_below = first < lo + span && block_starts[first] <= rb;
+    const int take = __popc(__ballot_sync(0xffffffffu, at_or_below));  // a prefix of the lanes, >= 1
+    const int next = lo + (take - 1) * step;
+    span = min(step, lo + span - next);
+    lo = next;
+  }
+  return lo;
+}
 
 // One block of 256 threads per 128x128 tile of one [rows, cols] matrix, K-major output as
 // stored (K = cols); thread t covers columns (t % 16) * 8 .. +8 of rows t / 16 + 16 i, so a
@@ -256,11 +319,7 @@ __global__ void __launch_bounds__(256, 3) quantize_transposed_kernel(const uint4
   int64_t src = rb * 128, src_end = rows;
   if (block_starts != nullptr) {
     if (rb >= block_starts[groups]) return;  // the whole block agrees: no barrier is skipped
-    int lo = 0, hi = groups;  // largest g with block_starts[g] <= rb: never an empty group
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (block_starts[mid] <= rb) lo = mid; else hi = mid;
-    }
+    const int lo = group_of_block(block_starts, groups, rb);
     src = max(int64_t(row_starts[lo]), int64_t(0)) + 128 * (rb - block_starts[lo]);
     src_end = min(int64_t(row_starts[lo + 1]), rows);  // rows past it read as zeros
   }
@@ -379,11 +438,19 @@ int tessera_fp8_quantize_1x128(const void* x, void* q, float* scale, int64_t row
   if (offsets && num_groups <= 0) return fail(TESSERA_ERR_INVALID, "num_groups=%d must be > 0", num_groups);
   DeviceGuard guard(device);
   if (guard.status) return guard.status;
-  const int64_t threads = rows * ((cols + 127) / 128) * 16;
-  const int64_t blocks = (threads + 255) / 256;
-  if (blocks > INT32_MAX) return fail(TESSERA_ERR_INVALID, "tensor too large (%lld blocks)", (long long)blocks);
-  quantize_1x128_kernel<<<static_cast<unsigned>(blocks), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const uint4*>(x), static_cast<uint2*>(q), scale, rows, cols, offsets, num_groups);
+  auto s = static_cast<cudaStream_t>(stream);
+  if (offsets != nullptr) {
+    const int64_t blocks = (rows + kGroupedRows - 1) / kGroupedRows;
+    if (blocks > INT32_MAX) return fail(TESSERA_ERR_INVALID, "tensor too large (%lld blocks)", (long long)blocks);
+    quantize_1x128_grouped_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(
+        static_cast<const uint4*>(x), static_cast<uint2*>(q), scale, rows, cols, offsets, num_groups);
+  } else {
+    const int64_t threads = rows * ((cols + 127) / 128) * 16;
+    const int64_t blocks = (threads + 255) / 256;
+    if (blocks > INT32_MAX) return fail(TESSERA_ERR_INVALID, "tensor too large (%lld blocks)", (long long)blocks);
+    quantize_1x128_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(static_cast<const uint4*>(x),
+                                                                         static_cast<uint2*>(q), scale, rows, cols);
+  }
   TESSERA_CUDA_TRY(cudaGetLastError());
   return TESSERA_OK;
 }

@@ -123,7 +123,9 @@ def check_grouped_wgrad(failures: Failures, device: torch.device) -> None:
     gen = torch.Generator(device=device).manual_seed(23)
     cpu_gen = torch.Generator().manual_seed(23)
     for rows, d, h, experts, empty, tail in [(3000, 1024, 1408, 8, 3, 20), (4096, 2048, 512, 16, 2, 0),
-                                             (700, 256, 384, 3, 0, 0)]:
+                                             (700, 256, 384, 3, 0, 0),
+                                             # two and three rounds of the kernel's 32-ary block search
+                                             (6000, 256, 384, 100, 10, 0), (20000, 128, 128, 1100, 50, 0)]:
         x = (torch.randn(rows, d, generator=gen, device=device) * 2).to(torch.bfloat16)
         dy = torch.randn(rows, h, generator=gen, device=device).to(torch.bfloat16)
         offsets = uneven_offsets(rows, experts, cpu_gen, empty, tail).to(device)
