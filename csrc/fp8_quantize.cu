@@ -295,23 +295,30 @@ __global__ void __launch_bounds__(256, 3) quantize_128x128_kernel(const uint4* _
 // Quantise a 128x128 tile of x [rows, cols] and write it transposed (q [cols, rows], K = rows),
 // with one scale per tile (kPerColumn false: 128x128 blocks, scale [K/128][N/128] per matrix)
 // or one per column of x and 128 rows (kPerColumn true: 1x128 blocks of x^T, scale
-// [rows/128][cols]). Thread t owns rows (t % 16) * 8 .. +8 and columns (t / 16) * 8 .. +8:
-// a column's 8 quantised bytes are then contiguous in the transposed tile, and the 16 lanes
-// of a half-warp store 128 contiguous bytes of one shared-memory row (no bank conflicts); the
-// per-column amax is a reduction over those 16 lanes. rows % 16 == 0 (checked by the caller).
+// [rows/128][cols]). 128 threads a tile: thread t owns rows (t % 8) * 16 .. +16 and columns
+// (t / 8) * 8 .. +8, so a column's 16 quantised bytes are contiguous in the transposed tile and
+// 8 lanes store 128 contiguous bytes of one shared-memory row (no bank conflicts); the
+// per-column amax is a reduction over those 8 lanes. rows % 16 == 0 (checked by the caller).
 //
 // With a block map (MoE expert groups, the K-grouped wgrad's operands): output column block rb
 // of q [cols, out_ld] takes x rows [src, src + 128) of its group only: group g = the last with
 // block_starts[g] <= rb, src = row_starts[g] + 128 * (rb - block_starts[g]), rows at or past
 // row_starts[g + 1] read as zeros. So each group starts on a fresh 128-row block, as if
 // quantised on its own. Blocks at or past block_starts[groups] are left unwritten.
-// The tile stays in registers as raw bf16 (32 registers, not 64 as floats), which with the
-// launch bound lets 3 blocks share an SM (2 before, at 83-97 registers): more loads in flight.
+//
+// The tile stays in registers as raw bf16 (64 registers a thread). Its data takes as many
+// registers as with 256 threads of 8 rows (the layout before), but each thread's other state
+// is held by half as many threads, so 4-5 tiles share an SM instead of 3 and more loads are in
+// flight (docs/fp8.md). Held to 5 blocks per SM the per-column kernel spills and slows down;
+// the 128x128 one spills a few bytes and gains.
+constexpr int kTRows = 16;
+constexpr int kTRowGroups = 128 / kTRows;
+constexpr int kTThreads = 16 * kTRowGroups;
+
 template <bool kPerColumn>
-__global__ void __launch_bounds__(256, 3) quantize_transposed_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q, float* scale,
-                                           int64_t rows, int64_t cols, int64_t out_ld,
-                                           const int32_t* __restrict__ row_starts,
-                                           const int32_t* __restrict__ block_starts, int groups) {
+__global__ void __launch_bounds__(kTThreads, kPerColumn ? 4 : 5) quantize_transposed_kernel(
+    const uint4* __restrict__ x, uint8_t* __restrict__ q, float* scale, int64_t rows, int64_t cols, int64_t out_ld,
+    const int32_t* __restrict__ row_starts, const int32_t* __restrict__ block_starts, int groups) {
   __shared__ __align__(16) uint8_t tile[128][128 + 16];
   const int64_t batch = blockIdx.z;
   const int64_t rb = blockIdx.y, cb = blockIdx.x;
@@ -323,18 +330,18 @@ __global__ void __launch_bounds__(256, 3) quantize_transposed_kernel(const uint4
     src = max(int64_t(row_starts[lo]), int64_t(0)) + 128 * (rb - block_starts[lo]);
     src_end = min(int64_t(row_starts[lo + 1]), rows);  // rows past it read as zeros
   }
-  const int rgroup = threadIdx.x % 16, cpart = threadIdx.x / 16;
+  const int rgroup = threadIdx.x % kTRowGroups, cpart = threadIdx.x / kTRowGroups;
   const int64_t col = cb * 128 + cpart * 8;
-  uint4 raw[8];  // [row] x 8 columns of bf16
+  uint4 raw[kTRows];  // [row] x 8 columns of bf16
   auto value = [&](int i, int j) { return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&raw[i])[j]); };
   float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // per column
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int64_t row = src + rgroup * 8 + i;
+  for (int i = 0; i < kTRows; ++i) {
+    const int64_t row = src + rgroup * kTRows + i;
     raw[i] = row < src_end && col < cols ? x[(batch * matrix + row * cols + col) / 8] : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < kTRows; ++i) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(value(i, j)));
   }
@@ -343,7 +350,7 @@ __global__ void __launch_bounds__(256, 3) quantize_transposed_kernel(const uint4
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
-      for (int d = 1; d < 16; d <<= 1) m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], d));  // over rgroup
+      for (int d = 1; d < kTRowGroups; d <<= 1) m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], d));  // over rgroup
       mult[j] = multiplier(m[j]);
     }
     if (rgroup == 0) {
@@ -362,16 +369,23 @@ __global__ void __launch_bounds__(256, 3) quantize_transposed_kernel(const uint4
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    float column[8];
+    uint2 part[2];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) column[i] = value(i, j);
-    *reinterpret_cast<uint2*>(&tile[cpart * 8 + j][rgroup * 8]) = quantize8(column, mult[j]);
+    for (int h = 0; h < 2; ++h) {
+      float column[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) column[i] = value(8 * h + i, j);
+      part[h] = quantize8(column, mult[j]);
+    }
+    uint8_t* at = &tile[cpart * 8 + j][rgroup * kTRows];
+    // 16-byte stores: 8 lanes fill one 128-byte shared-memory row (no bank conflicts)
+    *reinterpret_cast<uint4*>(at) = make_uint4(part[0].x, part[0].y, part[1].x, part[1].y);
   }
   __syncthreads();
   // Output rows are input columns; each thread stores 16 bytes (out_ld % 16 == 0).
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int piece = threadIdx.x + 256 * i;  // 128 output rows x 8 pieces of 16 bytes
+  for (int i = 0; i < 1024 / kTThreads; ++i) {
+    const int piece = threadIdx.x + kTThreads * i;  // 128 output rows x 8 pieces of 16 bytes
     const int out_r = piece / 8, out_c = (piece % 8) * 16;
     const int64_t orow = cb * 128 + out_r, ocol = rb * 128 + out_c;
     if (orow < cols && ocol < out_ld)
@@ -464,7 +478,7 @@ int tessera_fp8_quantize_1x128_t(const void* x, void* q, float* scale, int64_t r
   DeviceGuard guard(device);
   if (guard.status) return guard.status;
   dim3 grid(static_cast<unsigned>((cols + 127) / 128), static_cast<unsigned>((rows + 127) / 128));
-  quantize_transposed_kernel<true><<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  quantize_transposed_kernel<true><<<grid, kTThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint4*>(x), static_cast<uint8_t*>(q), scale, rows, cols, rows, nullptr, nullptr, 0);
   TESSERA_CUDA_TRY(cudaGetLastError());
   return TESSERA_OK;
@@ -483,7 +497,7 @@ int tessera_fp8_quantize_128x128(const void* x, void* q, float* scale, int64_t b
             static_cast<unsigned>(batch));
   auto s = static_cast<cudaStream_t>(stream);
   if (transpose) {
-    quantize_transposed_kernel<false><<<grid, 256, 0, s>>>(static_cast<const uint4*>(x), static_cast<uint8_t*>(q),
+    quantize_transposed_kernel<false><<<grid, kTThreads, 0, s>>>(static_cast<const uint4*>(x), static_cast<uint8_t*>(q),
                                                            scale, rows, cols, rows, nullptr, nullptr, 0);
   } else {
     quantize_128x128_kernel<<<grid, 256, 0, s>>>(static_cast<const uint4*>(x), static_cast<uint8_t*>(q), scale,
@@ -509,10 +523,10 @@ int tessera_fp8_quantize_grouped_t(const void* x, void* q, float* scale, int64_t
   auto in = static_cast<const uint4*>(x);
   auto out = static_cast<uint8_t*>(q);
   if (per_column) {
-    quantize_transposed_kernel<true><<<grid, 256, 0, s>>>(in, out, scale, rows, cols, out_blocks * 128, row_starts,
+    quantize_transposed_kernel<true><<<grid, kTThreads, 0, s>>>(in, out, scale, rows, cols, out_blocks * 128, row_starts,
                                                           block_starts, num_groups);
   } else {
-    quantize_transposed_kernel<false><<<grid, 256, 0, s>>>(in, out, scale, rows, cols, out_blocks * 128, row_starts,
+    quantize_transposed_kernel<false><<<grid, kTThreads, 0, s>>>(in, out, scale, rows, cols, out_blocks * 128, row_starts,
                                                            block_starts, num_groups);
   }
   TESSERA_CUDA_TRY(cudaGetLastError());
