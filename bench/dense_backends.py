@@ -11,6 +11,9 @@ The variants (name: model.dense_backend, train.precision, train.fp8_recipe):
     te-tensorwise     te     fp8  tensorwise (TE's current scaling)
     te-delayed        te     fp8  delayed    (TE's delayed scaling)
 
+where te runs the norms in TE's fused modules (model.te_norm_fusion); "te-...-linears" (te-bf16-linears,
+te-tensorwise-linears, ...) is the same with one te.Linear per projection instead.
+
 each on the model and batch of bench.train_step (the dense ~1B Llama, or --moe the DeepSeek-like
 MoE, whose experts stay on Tessera's grouped kernels), built, warmed up and timed over --steps
 rounds in a process of its own, one after another: several ~1B trainers do not fit on one GPU
@@ -46,6 +49,7 @@ VARIANTS = {
     "te-tensorwise": ("te", "fp8", "tensorwise"),
     "te-delayed": ("te", "fp8", "delayed"),
 }
+VARIANTS.update({f"{name}-linears": how for name, how in VARIANTS.items() if how[0] == "te"})
 
 
 def measure(name: str, cfg, args) -> dict:
@@ -56,6 +60,7 @@ def measure(name: str, cfg, args) -> dict:
     side_args = copy.copy(args)
     side_args.dense_backend, side_args.precision, side_args.fp8_recipe = VARIANTS[name]
     side_args.no_fp8_weight_cache, side_args.no_wgrad_fusion, side_args.back_to_back = False, False, 1
+    side_args.te_norm_fusion = not name.endswith("-linears")
     side = build_side("tessera", cfg, batch, side_args)
     timing = compare({name: side.step}, rounds=args.steps, iters=1, warmup=0)[name]
     return side_figures(side, timing, args.batch * args.seq * args.accum, "tessera", side_args)

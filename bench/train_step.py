@@ -134,6 +134,7 @@ def tessera_config(cfg: ModelConfig, args, device: torch.device) -> Config:
     t.fp8_weight_cache = not args.no_fp8_weight_cache
     t.fp8_recipe = getattr(args, "fp8_recipe", "blockwise")
     config.model.dense_backend = getattr(args, "dense_backend", "torch")
+    config.model.te_norm_fusion = getattr(args, "te_norm_fusion", True)
     t.micro_batch_size = args.batch
     t.global_batch_size = args.batch * args.accum  # one rank: accum micro-batches per step
     config.parallel.gradient_accumulation_fusion = not args.no_wgrad_fusion

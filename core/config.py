@@ -142,6 +142,10 @@ class ModelConfig:
     """The mixture-of-experts layers ([model.moe])."""
     dense_backend: Literal["torch", "te"] = "torch"
     """GEMMs of the blocks' linear layers: torch (F.linear, or Tessera's FP8 kernels) or te (Transformer Engine, GPU only)."""
+    te_norm_fusion: bool = True
+    """With dense_backend te: each block's attention norm and q/k/v projections as one te.LayerNormLinear, a dense
+    block's FFN norm and SwiGLU FFN as one te.LayerNormMLP (where the linears are plain and bias-free: tp = 1);
+    false: one te.Linear per projection, the norms and SwiGLU in the block's own code."""
 
     @property
     def attention_head_dim(self) -> int:

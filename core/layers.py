@@ -144,11 +144,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.core_attention = CoreAttention()
+        # (q, k, v) of x in one call, where a backend joins the three projections (and the norm
+        # before them: core.te_fused.TeNormQKV); None: wq, wk and wv one by one
+        self.qkv_projection = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta) -> torch.Tensor:
-        q = self.wq(x).unflatten(-1, (-1, self.head_dim))
-        k = self.wk(x).unflatten(-1, (-1, self.head_dim))
-        v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        q, k, v = self.qkv_projection(x) if self.qkv_projection is not None else (self.wq(x), self.wk(x), self.wv(x))
+        q, k, v = q.unflatten(-1, (-1, self.head_dim)), k.unflatten(-1, (-1, self.head_dim)), v.unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -221,6 +223,9 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.act = SwiGLU()
+        self.fused = None  # the whole FFN (and the norm before it) in one call: core.te_fused.TeNormMLP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x)
         return self.w2(self.act(self.w1(x), self.w3(x)))

@@ -124,7 +124,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     if mesh.cp > 1:
         apply_cp(model, mesh)
     if config.model.dense_backend == "te":  # after TP/EP: it reads the local shards' shapes
-        te_backend.apply_te(model, t.fp8_recipe if precision == "fp8" else None, fuse_wgrad=p.gradient_accumulation_fusion)
+        te_backend.apply_te(model, t.fp8_recipe if precision == "fp8" else None, fuse_wgrad=p.gradient_accumulation_fusion,
+                            norm_fusion=config.model.te_norm_fusion)
     torchao = precision == "fp8" and torchao_fp8(config)
     if precision == "fp8":  # the experts' GEMMs, and with the torch backend the dense ones
         if torchao:

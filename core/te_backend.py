@@ -1,8 +1,10 @@
 """Transformer Engine as the GEMM backend of the blocks' linear layers (`model.dense_backend = "te"`).
 
-`apply_te(model, fp8_recipe, fuse_wgrad)` swaps each block's `nn.Linear` for a `TeLinear` and gives
-the tensor-parallel Column/RowParallelLinear a `TeMatmul`; their three GEMMs (forward, dgrad,
-wgrad) then run through `transformer_engine.pytorch.Linear`, in bf16 or with one of TE's FP8
+`apply_te(model, fp8_recipe, fuse_wgrad, norm_fusion)` joins each block's attention norm with
+q/k/v (`te.LayerNormLinear`) and a dense block's FFN norm with its FFN (`te.LayerNormMLP`) where
+the block allows (core.te_fused; `model.te_norm_fusion`), swaps the block's other `nn.Linear` for
+a `TeLinear` and gives the tensor-parallel Column/RowParallelLinear a `TeMatmul`; their GEMMs
+(forward, dgrad, wgrad) then run through Transformer Engine, in bf16 or with one of TE's FP8
 recipes. What stays Tessera's:
 
 - the parameters: TE's module is handed the very `nn.Parameter` the model registers under the
@@ -40,16 +42,16 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from core.eager import eager_only
+from core.layers import Attention, FeedForward, RMSNorm
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from core.te_fused import FP8_ALIGN, WEIGHTS, NormInNextLayer, TeCall, TeNormMLP, TeNormQKV
 
 log = logging.getLogger(__name__)
 
 FP8_RECIPES = ("blockwise", "tensorwise", "delayed")
-FP8_ALIGN = 16  # TE's FP8 GEMMs take both dims of an operand in multiples of 16
 
 
 def prefer_torch_cudnn() -> None:
@@ -121,21 +123,6 @@ def mark_accumulates_main_grad(param: nn.Parameter) -> None:
     param.accumulates_main_grad = True
 
 
-class _WeightVersion:
-    """Counts optimizer steps (data parallelism's `on_new_weights`): a linear's first call after
-    a new step is its first micro-batch, where TE quantises the weight and keeps it for the rest."""
-
-    def __init__(self):
-        self.version = 0
-        self.enabled = False
-
-    def bump(self) -> None:
-        self.version += 1
-
-
-WEIGHTS = _WeightVersion()
-
-
 class TeMatmul:
     """`F.linear`-like callable (x, weight, bias=None) whose GEMMs run in one `te.Linear`.
 
@@ -151,36 +138,15 @@ class TeMatmul:
         self.module = te.Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device="meta",
                                 fuse_wgrad_accumulation=fuse_wgrad)
         self.module.weight = weight
-        self.autocast = functools.partial(te.autocast, enabled=True, recipe=recipe)
-        self.fp8_enabled = te.quantization.FP8GlobalStateManager.is_fp8_enabled
-        self.seen = -1  # the weight version of the last call
+        self.call = TeCall(te, self.module, recipe)
         if fuse_wgrad:
             mark_accumulates_main_grad(weight)
-
-    def _first_microbatch(self) -> bool | None:
-        """TE's is_first_microbatch: None (quantise the weight on every call) unless caching."""
-        if self.recipe is None or not WEIGHTS.enabled:
-            return None
-        first, self.seen = self.seen != WEIGHTS.version, WEIGHTS.version
-        return first
 
     @eager_only
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.module.weight is not weight:  # e.g. a checkpoint load that assigned new parameters
             self.module.weight = weight
-        flat = x.reshape(-1, x.shape[-1])
-        pad = -flat.shape[0] % FP8_ALIGN if self.recipe is not None else 0
-        if pad:  # zero rows change neither an amax nor a product
-            flat = F.pad(flat, (0, 0, 0, pad))
-        first = self._first_microbatch()
-        if self.recipe is not None and not self.fp8_enabled():
-            with self.autocast():
-                y = self.module(flat, is_first_microbatch=first)
-        else:
-            y = self.module(flat, is_first_microbatch=first)
-        if pad:
-            y = y[: flat.shape[0] - pad]
-        y = y.view(*x.shape[:-1], weight.shape[0])
+        y = self.call(x)
         return y + bias if bias is not None else y
 
     def __repr__(self) -> str:
@@ -226,9 +192,40 @@ def _fits(recipe, *dims: int) -> bool:
     return recipe is None or all(d % FP8_ALIGN == 0 for d in dims)
 
 
-def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool) -> dict[str, str]:
+def _plain_linear(module) -> bool:
+    return type(module) is nn.Linear and module.bias is None
+
+
+def _fuse_norms(block: nn.Module, te, recipe, fuse_wgrad: bool) -> list[str]:
+    """Join the block's attention norm with q/k/v and, in a dense block, the FFN norm with the
+    FFN, where the layers are plain bias-free linears (tp = 1); returns the joined linears' names."""
+    joined = []
+    attn = getattr(block, "attention", None)
+    projections = [getattr(attn, n, None) for n in ("wq", "wk", "wv")]
+    if isinstance(attn, Attention) and isinstance(block.attention_norm, RMSNorm) \
+            and all(_plain_linear(m) for m in projections) \
+            and _fits(recipe, projections[0].in_features, *(m.out_features for m in projections)):
+        attn.qkv_projection = TeNormQKV(te, block.attention_norm, *projections, recipe, fuse_wgrad)
+        block.attention_norm = NormInNextLayer(block.attention_norm)
+        joined += ["attention.wq", "attention.wk", "attention.wv"]
+    ffn = getattr(block, "feed_forward", None)
+    if type(ffn) is FeedForward and isinstance(block.ffn_norm, RMSNorm) \
+            and all(_plain_linear(m) for m in (ffn.w1, ffn.w3, ffn.w2)) \
+            and _fits(recipe, ffn.w1.in_features, ffn.w1.out_features):
+        ffn.fused = TeNormMLP(te, block.ffn_norm, ffn.w1, ffn.w3, ffn.w2, recipe, fuse_wgrad)
+        block.ffn_norm = NormInNextLayer(block.ffn_norm)
+        joined += ["feed_forward.w1", "feed_forward.w3", "feed_forward.w2"]
+    if fuse_wgrad:
+        for name in joined:
+            mark_accumulates_main_grad(block.get_submodule(name).weight)
+    return joined
+
+
+def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool, norm_fusion: bool = True) -> dict[str, str]:
     """Switch the linear layers of `model.layers` to Transformer Engine in place; returns
-    {module name: "te" | "torch"}. `fp8_recipe` None: bf16 GEMMs. Apply after tensor and expert
+    {module name: "te-fused" | "te" | "torch"}. `fp8_recipe` None: bf16 GEMMs. `norm_fusion`:
+    norms with their following projections in TE's fused modules (core.te_fused) where the
+    block allows; "te-fused" names the linears inside them. Apply after tensor and expert
     parallelism (the local shards' shapes) and before the pipeline split, recompute, compile
     and data parallelism (which serves `main_grad` when `fuse_wgrad`)."""
     reason = unavailable_reason()
@@ -237,11 +234,16 @@ def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool) -> dict
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
         raise ValueError(f"apply_te needs a core.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
+    te, _ = _te()
     recipe = build_recipe(fp8_recipe)
     plan: dict[str, str] = {}
     for layer_name, block in layers.items():
+        joined = _fuse_norms(block, te, recipe, fuse_wgrad) if norm_fusion else []
+        plan.update({f"layers.{layer_name}.{name}": "te-fused" for name in joined})
         for name, module in list(block.named_modules()):
             full = f"layers.{layer_name}.{name}"
+            if name in joined:
+                continue
             if isinstance(module, nn.Linear):
                 ok = _fits(recipe, module.in_features, module.out_features)
                 if ok:
@@ -260,5 +262,6 @@ def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool) -> dict
     if kept:
         log.warning("te: %d of %d block linear layers keep torch GEMMs (FP8 needs feature sizes in multiples of %d): %s",
                     len(kept), len(plan), FP8_ALIGN, ", ".join(kept))
-    log.info("te: %d block linear layers on Transformer Engine (%s)", len(plan) - len(kept), fp8_recipe or "bf16")
+    log.info("te: %d block linear layers on Transformer Engine (%s), %d of them in fused norm modules",
+             len(plan) - len(kept), fp8_recipe or "bf16", sum(how == "te-fused" for how in plan.values()))
     return plan

@@ -340,18 +340,36 @@ class DataParallel:
     def _make_buckets(self, cap_bytes: int) -> list[Bucket]:
         # Backward produces grads roughly in reverse registration order: bucket in that order.
         buckets, open_ = [], {}  # (group, dtype) -> [slots, fp32 bytes]
-        for slot in reversed(self.slots):
-            key = (slot.group_name, slot.param.dtype)
+        for unit in self._bucket_units():
+            key = (unit[0].group_name, unit[0].param.dtype)
             entry = open_.setdefault(key, [[], 0])
-            entry[0].append(slot)
-            entry[1] += slot.param.numel() * 4
+            entry[0].extend(unit)
+            entry[1] += sum(slot.param.numel() for slot in unit) * 4
             if entry[1] >= cap_bytes:
-                buckets.append(Bucket(entry[0], self.mesh.group(slot.group_name), self.device))
+                buckets.append(Bucket(entry[0], self.mesh.group(key[0]), self.device))
                 open_[key] = [[], 0]
         for key, (members, _) in open_.items():
             if members:
                 buckets.append(Bucket(members, self.mesh.group(key[0]), self.device))
         return buckets
+
+    def _bucket_units(self) -> list[list[ParamSlot]]:
+        """The slots in reverse registration order, each a unit of its own, except parameters
+        that one op uses as a single joined weight (`param.joined_params`, core.te_fused):
+        those form one unit in their own order, so their main grads lie back to back and the
+        op can add its joined weight gradient into them through one view."""
+        by_param = {id(slot.param): slot for slot in self.slots}
+        units, placed = [], set()
+        for slot in reversed(self.slots):
+            if id(slot.param) in placed:
+                continue
+            group = getattr(slot.param, "joined_params", None) or (slot.param,)
+            unit = [by_param.get(id(p)) for p in group]
+            if any(u is None or (u.group_name, u.param.dtype) != (slot.group_name, slot.param.dtype) for u in unit):
+                unit = [slot]
+            placed.update(id(u.param) for u in unit)
+            units.append(unit)
+        return units
 
     # ------------------------------------------------------------------ backward
     def _hook(self, slot: ParamSlot):
