@@ -174,15 +174,15 @@ def main() -> None:
     parser.add_argument("--fp8-attention", action="store_true")
     parser.add_argument("--host-ahead", action="store_true", help="the GPU's own time (bench.harness)")
     args = parser.parse_args()
-    reason = te_backend.unavailable_reason()
-    if reason:
-        parser.error(f"needs Transformer Engine: {reason}")
     names = args.recipes.split(",")
     bad = [n for n in names if n != "bf16" and n not in te_backend.FP8_RECIPES]
     if bad:
         parser.error(f"--recipes: unknown {', '.join(bad)}; choose from bf16, {', '.join(te_backend.FP8_RECIPES)}")
     if args.tokens % args.seq or args.tokens % 16:
         parser.error("--tokens must be a multiple of --seq and of 16")
+    reason = te_backend.unavailable_reason()
+    if reason:
+        parser.error(f"needs Transformer Engine: {reason}")
     te = importlib.import_module("transformer_engine.pytorch")
     device = torch.device("cuda")
     torch.manual_seed(0)

@@ -143,9 +143,7 @@ class ModelConfig:
     dense_backend: Literal["torch", "te"] = "torch"
     """GEMMs of the blocks' linear layers: torch (F.linear, or Tessera's FP8 kernels) or te (Transformer Engine, GPU only)."""
     te_norm_fusion: bool = True
-    """With dense_backend te: each block's attention norm and q/k/v projections as one te.LayerNormLinear, a dense
-    block's FFN norm and SwiGLU FFN as one te.LayerNormMLP (where the linears are plain and bias-free: tp = 1);
-    false: one te.Linear per projection, the norms and SwiGLU in the block's own code."""
+    """With dense_backend te: the norms inside te.LayerNormLinear (q/k/v) and te.LayerNormMLP (dense FFN) where the block allows."""
 
     @property
     def attention_head_dim(self) -> int:
