@@ -4,15 +4,16 @@ sublayers of one dense block, forward + backward, each recipe in turn.
 At the ~1B model's shapes (d 2048, ffn 5632, 16 query heads and 4 kv heads of 128; --tokens rows):
 
     mlp        RMSNorm, te.Linear w1 and w3, SwiGLU, te.Linear w2: what model.dense_backend="te"
-               runs (core.te_backend.TeLinear; the norm and SwiGLU compiled with --compile)
-               against te.LayerNormMLP (RMSNorm, swiglu) holding the same weights
+               runs with model.te_norm_fusion=false (core.te_backend.TeLinear; the norm and
+               SwiGLU compiled with --compile) against te.LayerNormMLP (RMSNorm, swiglu), what
+               it runs by default, holding the same weights
     qkv        RMSNorm and te.Linear wq, wk, wv against te.LayerNormLinear over [wq; wk; wv]
     attention  Tessera's core attention (varlen cuDNN / flash) against te.DotProductAttention,
                bf16, and with --fp8-attention also TE's FP8 attention (the recipe's fp8_dpa)
 
 Weight gradients go into fp32 main grads (fuse_wgrad_accumulation) on both sides, as in the
 trainer; each call quantises its weights (no weight cache on either side). Before timing, each
-pair's outputs are compared in bf16 (the fused modules hold the same weights). Prints ms per
+pair's outputs are compared (the fused modules hold the same weights; FP8 differs by its own error). Prints ms per
 forward + backward and fused/unfused ratios; one JSON record.
 
     python -m bench.te_fusions [--recipes bf16,tensorwise,delayed,blockwise] [--tokens 16384] [--compile]
@@ -21,6 +22,7 @@ forward + backward and fused/unfused ratios; one JSON record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 
@@ -52,15 +54,7 @@ def _step(forward, x: torch.Tensor, dy: tuple[torch.Tensor, ...]):
 
 
 def _autocast(te, recipe):
-    return te.autocast(enabled=True, recipe=recipe) if recipe is not None else _nothing()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return te.autocast(enabled=True, recipe=recipe) if recipe is not None else contextlib.nullcontext()
 
 
 def mlp_pair(te, recipe, compiled: bool, device):
