@@ -45,11 +45,14 @@ def _with_main_grads(*params: nn.Parameter) -> None:
         p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
 
 
+def _as_tuple(out) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
 def _step(forward, x: torch.Tensor, dy: tuple[torch.Tensor, ...]):
     def run():
         x.grad = None
-        out = forward(x)
-        torch.autograd.backward(out if isinstance(out, tuple) else (out,), dy)
+        torch.autograd.backward(_as_tuple(forward(x)), dy)
     return run
 
 
@@ -115,12 +118,8 @@ def qkv_pair(te, recipe, compiled: bool, device):
     return unfused, fused_fn
 
 
-def _as_tuple(out) -> tuple[torch.Tensor, ...]:
-    return out if isinstance(out, tuple) else (out,)
-
-
 def attention_candidates(te, recipes, tokens: int, seq: int, device) -> dict:
-    """name -> (forward of q [T, H, D] giving [T, H*D], input shape)."""
+    """name -> forward of q [T, H, D] giving [T, H*D], over the same k and v."""
     docs = tokens // seq
     cu = torch.arange(0, tokens + 1, seq, device=device, dtype=torch.int32)
     k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, requires_grad=True)

@@ -150,7 +150,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta) -> torch.Tensor:
         q, k, v = self.qkv_projection(x) if self.qkv_projection is not None else (self.wq(x), self.wk(x), self.wv(x))
-        q, k, v = q.unflatten(-1, (-1, self.head_dim)), k.unflatten(-1, (-1, self.head_dim)), v.unflatten(-1, (-1, self.head_dim))
+        heads = (-1, self.head_dim)
+        q, k, v = q.unflatten(-1, heads), k.unflatten(-1, heads), v.unflatten(-1, heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)

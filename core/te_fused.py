@@ -55,7 +55,7 @@ def _rows_view(tensors) -> torch.Tensor:
 @torch.no_grad()
 def join_storage(params) -> None:
     """Move `params` (2-D, same width) into one storage, back to back, keeping the Parameter objects."""
-    if _adjacent([p.data for p in params]):
+    if _adjacent(params):
         return
     joined = torch.cat([p.data for p in params])
     start = 0

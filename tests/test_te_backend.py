@@ -68,18 +68,20 @@ def test_te_backend_where_it_cannot_run_is_one_line_and_exit_2(tmp_path):
 
 class _AddsIntoMainGrad(torch.autograd.Function):
     """y = x W^T whose backward adds dW into W.main_grad and flags it, returning a placeholder
-    for W's gradient: what TE's linear does with fuse_wgrad_accumulation (the op TE runs on GPUs)."""
+    for W's gradient: what TE's linear does with fuse_wgrad_accumulation (the op TE runs on GPUs).
+    W may be a parameter or the joined weight core.te_fused.joined_weight hands TE's fused modules."""
 
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
+        ctx.weight = weight  # TE keeps the weight object itself to flag it (a saved tensor may come back as another)
         return x @ weight.t()
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        weight.main_grad.add_((dy.t() @ x).float())
-        weight.grad_added_to_main_grad = True
+        ctx.weight.main_grad.add_((dy.t() @ x).float())
+        ctx.weight.grad_added_to_main_grad = True
         return dy @ weight, torch.empty_like(weight)  # uninitialised, as TE's is
 
 
@@ -131,24 +133,6 @@ def test_main_grad_protocol_needs_fusion_on():
                             gradient_accumulation_fusion=False)
 
 
-class _AddsJoinedIntoMainGrad(torch.autograd.Function):
-    """y = x W^T over a joined weight, adding dW into W.main_grad and flagging it: what TE's fused
-    modules do with the weight core.te_fused.joined_weight hands them."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        ctx.weight = weight  # TE keeps the weight object to flag it
-        return x @ weight.t()
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        ctx.weight.main_grad.add_((dy.t() @ x).float())
-        ctx.weight.grad_added_to_main_grad = True
-        return dy @ weight, torch.empty_like(weight)
-
-
 class _JoinedQKV(nn.Module):
     """Three projections of one input through one joined weight (with fusion), or one by one."""
 
@@ -165,7 +149,7 @@ class _JoinedQKV(nn.Module):
     def forward(self, x):
         if self.joined:
             weight = te_fused.joined_weight([self.wq.weight, self.wk.weight, self.wv.weight], fuse_wgrad=True)
-            qkv = _AddsJoinedIntoMainGrad.apply(x, weight)
+            qkv = _AddsIntoMainGrad.apply(x, weight)
         else:
             qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], -1)
         return self.out(qkv.tanh())
@@ -216,7 +200,7 @@ def test_joined_weight_without_adjacent_main_grads_copies_back():
     for p in (a, b):
         p.main_grad = torch.ones(p.shape)
     x = torch.randn(5, 3)
-    _AddsJoinedIntoMainGrad.apply(x, te_fused.joined_weight([a, b], fuse_wgrad=True)).sum().backward()
+    _AddsIntoMainGrad.apply(x, te_fused.joined_weight([a, b], fuse_wgrad=True)).sum().backward()
     want = torch.ones(6, 5).matmul(x) + 1  # dy = 1: dW = 1^T x, onto the 1 already there
     torch.testing.assert_close(torch.cat([a.main_grad, b.main_grad]), want)
     assert a.grad_added_to_main_grad and b.grad_added_to_main_grad
