@@ -134,7 +134,6 @@ class TeMatmul:
     def __init__(self, weight: nn.Parameter, recipe, fuse_wgrad: bool):
         te, _ = _te()
         out_features, in_features = weight.shape
-        self.recipe = recipe
         self.module = te.Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device="meta",
                                 fuse_wgrad_accumulation=fuse_wgrad)
         self.module.weight = weight
@@ -150,7 +149,8 @@ class TeMatmul:
         return y + bias if bias is not None else y
 
     def __repr__(self) -> str:
-        return f"TeMatmul(recipe={type(self.recipe).__name__ if self.recipe is not None else 'bf16'})"
+        recipe = self.call.recipe
+        return f"TeMatmul(recipe={type(recipe).__name__ if recipe is not None else 'bf16'})"
 
 
 class TeLinear(nn.Module):
