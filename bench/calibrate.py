@@ -36,9 +36,9 @@ import torch.multiprocessing as mp
 from bench.harness import time_call
 from bench.train_step import model_config
 from core.attention import varlen_attention
-from core.fp8 import fp8_linear
+from core.precision.blockwise import fp8_linear
 from core.layers import AttentionMeta, rotary_tables
-from core.model import build_model
+from core.train.model import build_model
 from core.planner.calibration import COLLECTIVES, Calibration, CalibrationError
 from moe.experts import grouped_mm
 from moe.layer import set_moe_sequences

@@ -36,9 +36,9 @@ from bench import harness
 from core.attention import varlen_attention
 from core.config import ModelConfig
 from core.layers import AttentionMeta
-from core.loss import cross_entropy_sum
+from core.train.loss import cross_entropy_sum
 from core.mesh import ParallelMesh
-from core.model import build_model
+from core.train.model import build_model
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs, shard_for_cp
 from core.parallel.ring_attention import block_backward, block_forward, ring_attention
 from dataservice.cp_plan import CostModel, H200_COST, plan_static, plan_step

@@ -10,7 +10,7 @@ the bytes (`import_s`, the interpreter's imports before a conversion, is not in 
 
     from-hf          HF folder -> Tessera import folder
     to-hf            import folder -> HF folder
-    to-hf (DCP)      a trainer checkpoint (core.checkpoint.save_checkpoint of the model loaded
+    to-hf (DCP)      a trainer checkpoint (core.state.checkpoint.save_checkpoint of the model loaded
                      through checkpoint.init_from) -> HF folder
 
     python -m bench.convert [--work DIR] [--layers 16] [--shard-size-gb 2] [--keep]
@@ -36,11 +36,11 @@ import torch
 import transformers
 
 from bench.harness import emit
-from core.checkpoint import save_checkpoint
+from core.state.checkpoint import save_checkpoint
 from core.config import load_config
 from core.mesh import ParallelMesh
-from core.model import build_model
-from core.pretrained import load_weights
+from core.train.model import build_model
+from core.state.pretrained import load_weights
 from interop.convert import TensorFiles
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,7 +37,7 @@ import torch
 
 from bench.harness import compare, emit
 from bench.train_step import build_side, model_config, side_figures, synthetic_batch
-from core import te_backend
+from core.precision import te_backend
 
 VARIANTS = {
     "torch-bf16": ("torch", "bf16", "blockwise"),

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.harness import compare, emit
-from core import fp8
+from core.precision import blockwise
 from core.kernels import fp8 as kfp8
 from core.kernels.library import kernel_library
 
@@ -51,9 +51,9 @@ def main() -> None:
         "quantize_1x128": lambda: kfp8.quantize_1x128(xd),
         "quantize_128x128": lambda: kfp8.quantize_128x128(wd),
         "gemm_blockwise": lambda: kfp8.gemm_blockwise(qx, sx, qw, sw),
-        "fp8_linear fwd, no autograd": lambda: fp8.fp8_linear(xd, wd),
-        "fp8_linear fwd, autograd": lambda: fp8.fp8_linear(x, w),
-        "fp8_linear fwd+bwd": lambda: fp8.fp8_linear(x, w).backward(gy),
+        "fp8_linear fwd, no autograd": lambda: blockwise.fp8_linear(xd, wd),
+        "fp8_linear fwd, autograd": lambda: blockwise.fp8_linear(x, w),
+        "fp8_linear fwd+bwd": lambda: blockwise.fp8_linear(x, w).backward(gy),
         "F.linear fwd": lambda: F.linear(x, w),
         "F.linear fwd+bwd": lambda: F.linear(x, w).backward(gy),
     }

@@ -1,9 +1,9 @@
 """bf16 against FP8 training on one device: same seed, same data, final losses and step times.
 
 For each model (a dense and an MoE transformer) the script trains twice from the same weights
-on the same batches, through the trainer's own step (`core.trainer.Trainer.step` on one rank:
+on the same batches, through the trainer's own step (`core.train.trainer.Trainer.step` on one rank:
 bf16 params, fp32 master weights and grads, the project's AdamW): once with `precision="bf16"`,
-once with `"fp8"` (the recipe of core/fp8.py). Data: the bytes of `dataservice.build.make_corpus` documents, rows of
+once with `"fp8"` (the recipe of core/precision/blockwise.py). Data: the bytes of `dataservice.build.make_corpus` documents, rows of
 `seq` tokens drawn by a seeded generator; a held-out tail of the stream gives the eval loss.
 It prints, per model: final train loss (mean of the last 10 steps), held-out loss (at least
 4096 tokens), their relative differences to bf16, and the median step time of each run (steps
@@ -37,11 +37,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.harness import Timing, emit, time_call
 from core.config import Config, ModelConfig, MoEConfig
-from core.data import StepInputs
-from core.fp8 import EXPERT_WGRAD_ENV
+from core.train.data import StepInputs
+from core.precision.blockwise import EXPERT_WGRAD_ENV
 from core.layers import AttentionMeta
-from core.loss import cross_entropy_sum
-from core.trainer import Trainer
+from core.train.loss import cross_entropy_sum
+from core.train.trainer import Trainer
 from dataservice.build import corpus_loss_floor, make_corpus
 
 # Every GEMM dimension of the blocks is a multiple of 128, so every block GEMM runs in FP8.

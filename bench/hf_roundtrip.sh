@@ -18,7 +18,7 @@ du -sh $W/hf
 /usr/bin/time -f "from-hf: %e s wall, peak RSS %M KB" python -m interop.cli from-hf $W/hf $W/imp 2>&1 | tail -3
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 python -m dataservice.cli build $stdlib --glob '**/*.py' -o $W/ds -q 2>&1 | tail -1
-python -m core.cli --config $W/imp/config.toml --set data.dataset=$W/ds --set train.run_dir=$W/run --set train.max_steps=30 --set train.seq_len=4096 --set train.micro_batch_size=2 --set train.global_batch_size=8 --set train.warmup_steps=5 --set train.lr=1e-4 --set train.log_interval=5 --set train.plot=false 2>&1 | grep -v Warning | grep -E "step|checkpoint|error" | tail -9
+python -m core.train.cli --config $W/imp/config.toml --set data.dataset=$W/ds --set train.run_dir=$W/run --set train.max_steps=30 --set train.seq_len=4096 --set train.micro_batch_size=2 --set train.global_batch_size=8 --set train.warmup_steps=5 --set train.lr=1e-4 --set train.log_interval=5 --set train.plot=false 2>&1 | grep -v Warning | grep -E "step|checkpoint|error" | tail -9
 /usr/bin/time -f "to-hf: %e s wall, peak RSS %M KB" python -m interop.cli to-hf $W/run $W/out 2>&1 | tail -3
 python - <<'PY'
 import json, torch, transformers

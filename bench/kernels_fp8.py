@@ -22,7 +22,7 @@ import torch
 
 from bench.gemm_common import gemm_stats, routed_offsets, time_gemms
 from bench.harness import Timing, ratio
-from core import fp8 as recipe
+from core.precision import blockwise as recipe
 from core.kernels import fp8
 from core.kernels import fp8_wgrad as kwgrad
 

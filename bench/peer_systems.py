@@ -30,12 +30,12 @@ from typing import Callable
 import torch
 
 from bench.train_step import moe_step_hooks
-from core import te_backend
+from core.precision import te_backend
 from core.config import Config, ModelConfig
-from core.data import StepInputs
+from core.train.data import StepInputs
 from core.layers import AttentionMeta
-from core.model import build_model, count_params
-from core.trainer import Trainer
+from core.train.model import build_model, count_params
+from core.train.trainer import Trainer
 from interop.families import tensor_map
 
 EOS = 0  # the token that ends every document (TorchTitan finds boundaries by it)

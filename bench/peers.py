@@ -4,7 +4,7 @@ For each workload every system runs the same model (shapes, vocabulary, initial 
 the architecture is the same), sequence length, micro-batch, global batch (gradient
 accumulation), precision and optimizer (AdamW 0.9/0.95, no weight decay, constant lr, clip 1.0)
 on the same synthetic token batches (one per micro-batch of the run, never repeated, in the same order for everyone):
-- tessera: `core.trainer.Trainer` (`step` then `record`, as bench/train_step.py drives it);
+- tessera: `core.train.trainer.Trainer` (`step` then `record`, as bench/train_step.py drives it);
 - megatron: Megatron-Core 0.19's GPTModel with its Transformer Engine layer spec, its
   DistributedDataParallel, DistributedOptimizer and forward-backward schedule, as Megatron-LM's
   pretraining loop drives them (GPU; dense, dense-fp8 and longseq; chosen with --systems);
@@ -80,7 +80,7 @@ from bench.peer_systems import (EOS, Built, Feed, Micro, Spec, Unavailable, hugg
 from bench.train_step import model_config, print_profile
 from core.config import FP8_RECIPES, RECOMPUTE_MODULES, ModelConfig, MoEConfig
 from core.metrics import PEAK_FLOPS, flops_per_token
-from core.model import build_model
+from core.train.model import build_model
 
 SYSTEMS = {"tessera": tessera, "megatron": megatron_core, "torchtitan": torchtitan,
            "torchao-rowwise": torchao_fp8("rowwise"), "torchao-tensorwise": torchao_fp8("tensorwise"), "hf": huggingface}

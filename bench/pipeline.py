@@ -1,6 +1,6 @@
 """Pipeline-parallel bubble through the real trainer: 1F1B against interleaved 1F1B.
 
-For each micro-batch count M the trainer (`python -m core.cli`) runs twice on pp = N ranks
+For each micro-batch count M the trainer (`python -m core.train.cli`) runs twice on pp = N ranks
 (dp = 1) with the same corpus, seed and global batch (M micro-batches per step): once with
 `parallel.pp_schedule=1f1b`, once `interleaved` with 2 virtual stages per rank. Over the
 steps after the first 3 (warm-up) it takes the medians of the trainer's own per-step metrics:
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace, data: Path, schedule: str, virtual: int, micro
     run_dir, log_path = args.out / name, args.out / f"{name}.log"
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is appended to: start clean
     sets = [*trainer_settings(args, schedule, virtual, micro), f"data.dataset={data}", f"train.run_dir={run_dir}"]
-    cmd = [sys.executable, "-m", "core.cli", "--config", str(CONFIG), "--nproc-per-node", str(args.gpus),
+    cmd = [sys.executable, "-m", "core.train.cli", "--config", str(CONFIG), "--nproc-per-node", str(args.gpus),
            *(arg for s in sets for arg in ("--set", s))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with open(log_path, "w") as log:

@@ -5,7 +5,7 @@
                                                         # with it, fit the allocator's overhead, write FILE
     python -m bench.planner_check --dry-run             # the cases and their predictions (any machine)
 
-Each case builds the real `core.trainer.Trainer` on one GPU (bf16, eager unless noted) and runs
+Each case builds the real `core.train.trainer.Trainer` on one GPU (bf16, eager unless noted) and runs
 `Trainer.step` + `Trainer.record` on a synthetic micro-batch (bench.train_step's: every row one
 document), 2 warm-up steps then 3 timed ones. The models are bench.train_step's: the ~1B dense
 Llama-style model (20 layers) and the DeepSeek-like MoE at 4 layers. The cases cover dense and
@@ -49,7 +49,7 @@ from core.config import Config, validate
 from core.planner.calibration import Calibration, CalibrationError
 from core.planner.memory import estimate_memory
 from core.planner.timing import estimate_time
-from core.trainer import Trainer
+from core.train.trainer import Trainer
 
 GIB = 2 ** 30
 WARMUP, TIMED = 2, 3

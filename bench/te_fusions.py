@@ -4,7 +4,7 @@ sublayers of one dense block, forward + backward, each recipe in turn.
 At the ~1B model's shapes (d 2048, ffn 5632, 16 query heads and 4 kv heads of 128; --tokens rows):
 
     mlp        RMSNorm, te.Linear w1 and w3, SwiGLU, te.Linear w2: what model.dense_backend="te"
-               runs with model.te_norm_fusion=false (core.te_backend.TeLinear; the norm and
+               runs with model.te_norm_fusion=false (core.precision.te_backend.TeLinear; the norm and
                SwiGLU compiled with --compile) against te.LayerNormMLP (RMSNorm, swiglu), what
                it runs by default, holding the same weights
     qkv        RMSNorm and te.Linear wq, wk, wv against te.LayerNormLinear over [wq; wk; wv]
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from bench.harness import compare, emit
-from core import te_backend
+from core.precision import te_backend
 from core.attention import varlen_attention
 from core.layers import FeedForward, RMSNorm
 

@@ -4,7 +4,7 @@ Both run the same ~1B Llama-style model (vocab 32000, d 2048, 20 layers, 16 head
 SwiGLU 5632) at seq 4096, micro-batch 2, bf16, on synthetic tokens, in the same process:
 - baseline: the plain model, bf16 autocast, fused torch AdamW, SDPA (cuDNN) — what a user
   writes without a framework (optionally `torch.compile`d, --compile-baseline);
-- tessera: the trainer itself (`core.trainer.Trainer` on one rank: `step` then `record`, as its
+- tessera: the trainer itself (`core.train.trainer.Trainer` on one rank: `step` then `record`, as its
   own loop runs them, without the data service): bf16 params, fp32 master weights and grads in
   the optimizer, the configured recompute and compile.
 Both sides are built and warmed up, then timed in --steps interleaved rounds (bench.harness:
@@ -41,12 +41,12 @@ from torch.profiler import ProfilerActivity, profile
 from bench.gpu_idle import summarise
 from bench.harness import Timing, compare, emit, ratio
 from core.config import FP8_RECIPES, Config, ModelConfig, load_config
-from core.data import StepInputs
-from core.fp8_cache import WEIGHT_CACHE
+from core.train.data import StepInputs
+from core.precision.weight_cache import WEIGHT_CACHE
 from core.layers import AttentionMeta
 from core.metrics import PEAK_FLOPS, flops_per_token
-from core.model import build_model, count_params
-from core.trainer import Trainer
+from core.train.model import build_model, count_params
+from core.train.trainer import Trainer
 from moe.layer import moe_layers, moe_metrics, set_moe_sequences, update_expert_bias
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -224,7 +224,7 @@ class TrainConfig:
     fp8_recipe: Literal["blockwise", "tensorwise", "rowwise", "delayed"] = "blockwise"
     """fp8 dense GEMMs' scaling: blockwise; tensorwise or rowwise via torchao (torch backend); te: blockwise, tensorwise, delayed."""
     fp8_weight_cache: bool = True
-    """fp8: quantise each weight once per optimizer step, not per micro-batch (core/fp8_cache.py)."""
+    """fp8: quantise each weight once per optimizer step, not per micro-batch (core/precision/weight_cache.py)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in the backward: none, selective (attention core) or full (whole blocks)."""
     recompute_modules: list[str] = field(default_factory=list)
@@ -758,7 +758,7 @@ def _check_train(config: Config) -> None:
         raise ConfigError("train.fused_loss=true needs model.dense_backend=\"torch\" (the head is a plain linear)")
 
 
-# train.fused_loss: logits per token chunk, 128 MiB in bf16 (core/loss.py; the planner models it).
+# train.fused_loss: logits per token chunk, 128 MiB in bf16 (core/train/loss.py; the planner models it).
 # Each chunk adds its weight gradient into the fp32 main grad (a read and a write of [V, d] fp32),
 # so smaller chunks cost time: 8192 tokens x 32000 vocab on an H100 took 5.0-5.4 ms unfused,
 # 5.6 ms at 2048-token chunks (-0.6 GiB), 6.6-6.9 ms at 1024.
@@ -769,7 +769,7 @@ TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # with the torch backend: torch
 
 
 def torchao_fp8(config: Config) -> bool:
-    """Whether the blocks' dense layers run torchao's FP8 (core/fp8_torchao.py)."""
+    """Whether the blocks' dense layers run torchao's FP8 (core/precision/torchao_fp8.py)."""
     t = config.train
     return config.model.dense_backend == "torch" and t.precision == "fp8" and t.fp8_recipe in TORCHAO_FP8_RECIPES
 

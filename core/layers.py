@@ -145,7 +145,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.core_attention = CoreAttention()
         # (q, k, v) of x in one call, where a backend joins the three projections (and the norm
-        # before them: core.te_fused.TeNormQKV); None: wq, wk and wv one by one
+        # before them: core.precision.te_fused.TeNormQKV); None: wq, wk and wv one by one
         self.qkv_projection = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta) -> torch.Tensor:
@@ -224,7 +224,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.act = SwiGLU()
-        self.fused = None  # the whole FFN (and the norm before it) in one call: core.te_fused.TeNormMLP
+        self.fused = None  # the whole FFN (and the norm before it) in one call: core.precision.te_fused.TeNormMLP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 import protos
-from dataservice.rpc import (  # check_address, server_info: also for the trainer (core.data)
+from dataservice.rpc import (  # check_address, server_info: also for the trainer (core.train.data)
     MAX_RECEIVE_BYTES,
     RETRYABLE,
     Channels,

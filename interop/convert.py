@@ -6,7 +6,7 @@
                                           checkpoint.init_from = OUT_DIR, the rest defaults
     OUT_DIR/weights.safetensors.index.json + weights-0000k-of-0000n.safetensors
                                           full tensors under Tessera's parameter names, in the
-                                          source dtype (core.pretrained reads them into any layout)
+                                          source dtype (core.state.pretrained reads them into any layout)
     OUT_DIR/hf_config.json                the imported config.json, as it was
     OUT_DIR/tessera-import.json           family, source, the files copied
     OUT_DIR/tokenizer.json, ...           the tokenizer (and generation) files, when present
@@ -41,12 +41,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
-from core.checkpoint import latest_checkpoint
+from core.state.checkpoint import latest_checkpoint
 from core.config import Config, ConfigError, ModelConfig, load_config, validate
-from core.layouts import FUSED_DIM, fused_shape, older_slices
-from core.model import build_model
-from core.pretrained import INDEX_NAME, SINGLE_NAME, expected_shapes, weight_map
-from core.rundir import CONFIG_NAME, config_dict
+from core.state.layouts import FUSED_DIM, fused_shape, older_slices
+from core.train.model import build_model
+from core.state.pretrained import INDEX_NAME, SINGLE_NAME, expected_shapes, weight_map
+from core.train.rundir import CONFIG_NAME, config_dict
 from interop.families import IGNORED_KEYS, TOKENIZER_FILES, Link, Unsupported, export_family, hf_config, \
     model_config, tensor_map, with_context_of
 

@@ -2,7 +2,7 @@
 
 Families: Llama (3.x; `LlamaForCausalLM`), Qwen3 (`Qwen3ForCausalLM`), Qwen3-MoE
 (`Qwen3MoeForCausalLM`) and Mixtral (`MixtralForCausalLM`). All four are the same decoder as
-`core.model.GPT`: RMSNorm before attention and feed-forward, grouped-query attention with
+`core.train.model.GPT`: RMSNorm before attention and feed-forward, grouped-query attention with
 rotary positions on the two halves of each head (Hugging Face's `rotate_half`, the layout its
 checkpoints use, so q/k weights need no permutation), SwiGLU feed-forward layers, and routed
 SwiGLU experts chosen by a softmax over the router's logits.

@@ -67,7 +67,7 @@ run() {  # run NAME NPROC CONFIG DATA SETTINGS...
   for s in "$@" ${TESSERA_SCALING_SET:-}; do sets+=(--set "$s"); done
   echo "== $name on $nproc $([ $device = cuda ] && echo GPUs || echo CPU processes)"
   rm -rf "$work/$name"
-  "$python" -m core.cli --config "$config" --nproc-per-node "$nproc" --set data.dataset="$data" \
+  "$python" -m core.train.cli --config "$config" --nproc-per-node "$nproc" --set data.dataset="$data" \
     --set train.run_dir="$work/$name" --set train.device=$device --set train.max_steps="$steps" \
     --set train.plot=false --set checkpoint.interval=0 --set checkpoint.save_at_end=false "${sets[@]}" \
     > "$work/$name.log" 2>&1 || { tail -n 30 "$work/$name.log"; echo "launch/scaling.sh: $name failed" >&2; exit 1; }

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from core import placement
-from core.layouts import FUSED_DIM, FUSED_TENSORS
+from core.state.layouts import FUSED_DIM, FUSED_TENSORS
 from core.layers import FusedSwiGLU
 from core.kernels import grouped_mm as kernels_grouped_mm
 from core.kernels.grouped_gemm import grouped_mm_wgrad_into_, main_grad_sink
@@ -160,7 +160,7 @@ class GroupedExperts(nn.Module):
         return self.mm(h, self.w2, offsets)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A state dict from before gate and up were one weight (core.layouts): w1 and w3 [E, dim, hidden].
+        # A state dict from before gate and up were one weight (core.state.layouts): w1 and w3 [E, dim, hidden].
         keys = [prefix + name for name in _OLDER_W13]
         if all(k in state_dict for k in keys) and prefix + "w13" not in state_dict:
             state_dict[prefix + "w13"] = torch.stack([state_dict.pop(k) for k in keys], dim=FUSED_DIM)

@@ -1,6 +1,6 @@
 """The MoE feed-forward layer: router -> dispatcher -> grouped experts -> combine (+ shared).
 
-`MoELayer(cfg, layer_id)` is what `core.model.TransformerBlock` puts in `feed_forward` on MoE
+`MoELayer(cfg, layer_id)` is what `core.train.model.TransformerBlock` puts in `feed_forward` on MoE
 layers; it is called as `layer(x)` with x [T, dim] and returns [T, dim]. It is a plain
 single-rank module until `moe.parallel.apply_ep` gives it an expert-parallel dispatcher and
 (with TP) its tensor-parallel mode.

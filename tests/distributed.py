@@ -31,8 +31,8 @@ def free_port() -> int:
 #: are forked from one server process that imported these once (multiprocessing's forkserver);
 #: nothing else runs there, so each worker still starts with torch untouched: no threads, no
 #: seed, no process group, no CUDA.
-PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "tests.distributed", "core.parallelize", "core.trainer",
-           "core.checkpoint"]
+PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "tests.distributed", "core.train.parallelize", "core.train.trainer",
+           "core.state.checkpoint"]
 
 
 def context(backend: str = "gloo"):

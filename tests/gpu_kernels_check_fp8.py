@@ -158,8 +158,8 @@ def check_grouped_wgrad(failures: Failures, device: torch.device) -> None:
 
 
 def check_grouped_wgrad_graph(failures: Failures, device: torch.device) -> None:
-    """core.fp8.fp8_grouped_wgrad captured once, replayed with new routing and data."""
-    from core import fp8 as recipe
+    """core.precision.blockwise.fp8_grouped_wgrad captured once, replayed with new routing and data."""
+    from core.precision import blockwise as recipe
 
     gen = torch.Generator(device=device).manual_seed(24)
     cpu_gen = torch.Generator().manual_seed(24)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.cli import main as train_main
+from core.train.cli import main as train_main
 from core.config import RANGES, Config, ConfigError, field_docs, load_config, validate
 from dataservice.cli import main as data_main
 from dataservice.build import build_dataset, make_corpus
@@ -45,7 +45,7 @@ def run_process(module: str, *args, timeout: float = 120) -> subprocess.Complete
                           capture_output=True, text=True, timeout=timeout)
 
 
-ENTRY_POINTS = {"core.cli": train_main, "dataservice.cli": data_main}
+ENTRY_POINTS = {"core.train.cli": train_main, "dataservice.cli": data_main}
 
 
 def run(module: str, *args, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -134,7 +134,7 @@ def train(tmp_path: Path, dataset: Path | None, *sets: str, config: Path = DENSE
         args += ["--set", f"data.dataset={dataset}"]
     for item in sets:
         args += ["--set", item]
-    return run("core.cli", *args, *extra)
+    return run("core.train.cli", *args, *extra)
 
 
 def test_the_moe_top_k_above_the_experts(tmp_path, dataset):
@@ -149,25 +149,25 @@ def test_split_masters_without_bf16_params(tmp_path, dataset):
 
 
 def test_missing_config_file(tmp_path):
-    proc = run("core.cli", "--config", tmp_path / "nope.toml")
+    proc = run("core.train.cli", "--config", tmp_path / "nope.toml")
     assert_one_line(proc, "config file", "nope.toml", "does not exist")
 
 
 def test_config_file_that_is_not_toml(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\ndim = 64\n")
-    assert_one_line(run("core.cli", "--config", bad), "bad.toml", "is not valid TOML", "line 1")
+    assert_one_line(run("core.train.cli", "--config", bad), "bad.toml", "is not valid TOML", "line 1")
     binary = tmp_path / "binary.toml"
     binary.write_bytes(b"\xff\xfe\x00garbage")
-    assert_one_line(run("core.cli", "--config", binary), "not UTF-8 text")
+    assert_one_line(run("core.train.cli", "--config", binary), "not UTF-8 text")
 
 
 def test_unknown_key_in_the_file_suggests_the_right_one(tmp_path):
     cfg = tmp_path / "typo.toml"
     cfg.write_text("[modle]\ndim = 64\n")
-    assert_one_line(run("core.cli", "--config", cfg), "unknown config key 'modle'", "did you mean 'model'")
+    assert_one_line(run("core.train.cli", "--config", cfg), "unknown config key 'modle'", "did you mean 'model'")
     cfg.write_text("[model]\nnum_layer = 2\n")
-    assert_one_line(run("core.cli", "--config", cfg), "unknown config key 'model.num_layer'",
+    assert_one_line(run("core.train.cli", "--config", cfg), "unknown config key 'model.num_layer'",
                     "did you mean 'model.num_layers'")
 
 
@@ -228,10 +228,10 @@ def test_moe_settings_are_checked_by_the_config(tmp_path, dataset):
 
 
 def test_command_line_misuse(tmp_path):
-    assert_one_line(run("core.cli", "--config", DENSE, "--nproc-per-node", "four"), "--nproc-per-node",
+    assert_one_line(run("core.train.cli", "--config", DENSE, "--nproc-per-node", "four"), "--nproc-per-node",
                     "invalid int value")
-    assert_one_line(run("core.cli", "--frobnicate"), "unrecognized arguments: --frobnicate")
-    assert_one_line(run("core.cli"), "--config FILE is required")
+    assert_one_line(run("core.train.cli", "--frobnicate"), "unrecognized arguments: --frobnicate")
+    assert_one_line(run("core.train.cli"), "--config FILE is required")
 
 
 def test_the_launcher_validates_before_it_spawns_workers(tmp_path, dataset):
@@ -303,7 +303,7 @@ def test_cuda_asked_for_where_there_is_none(tmp_path, dataset):
 
 
 def test_help_config_lists_every_key():
-    proc = run("core.cli", "--help-config")
+    proc = run("core.train.cli", "--help-config")
     assert proc.returncode == 0, proc.stderr
     keys = [line.split(" = ")[0] for line in proc.stdout.splitlines() if " = " in line]
     assert set(keys) == {k for k in field_docs() if k not in ("model", "model.moe", "model.rope_scaling", "parallel", "train", "data",
@@ -316,7 +316,7 @@ def test_help_config_lists_every_key():
 @pytest.mark.slow
 def test_under_torchrun_rank0_alone_reports_and_every_rank_exits_2(tmp_path, dataset):
     # torchrun started by hand: every rank validates, rank 0 prints, the others wait for it.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "core.cli",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "core.train.cli",
            "--config", str(MOE), "--set", "model.moe.top_k=64", "--set", f"data.dataset={dataset}",
            "--set", f"train.run_dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
@@ -335,9 +335,9 @@ def test_a_resume_the_data_cannot_follow_is_one_line_through_the_launcher(tmp_pa
     # to resume is any saved run (one process here); the refusal is the launcher's.
     common = ["--config", DENSE, "--set", f"data.dataset={dataset}", "--set", f"train.run_dir={tmp_path / 'run'}",
               "--set", "train.seq_len=64", "--set", "train.max_steps=2", "--set", "train.plot=false"]
-    first = run_process("core.cli", *common, "--set", "train.stop_at_step=1", timeout=300)
+    first = run_process("core.train.cli", *common, "--set", "train.stop_at_step=1", timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
-    proc = run("core.cli", *common, "--set", "train.seed=7", "--resume", "--nproc-per-node", "2")
+    proc = run("core.train.cli", *common, "--set", "train.seed=7", "--resume", "--nproc-per-node", "2")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert_one_line(proc, "tessera-train: error: cannot resume with train.seed 1234 -> 7")

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 
 from core import placement
-from core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from core.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from core.config import ModelConfig, MoEConfig
 from core.mesh import ParallelMesh
 from core.layers import AttentionMeta
-from core.model import build_model
-from core.optim import AdamW, clip_grad_norm_
+from core.train.model import build_model
+from core.train.optim import AdamW, clip_grad_norm_
 from core.parallel.data import apply_data_parallel
 from moe.experts import GroupedExperts
 from tests.distributed import context, free_port, run_distributed
@@ -393,10 +393,10 @@ def test_a_checkpoint_with_separate_gate_and_up_experts_loads_into_the_fused_wei
 def test_older_separate_gate_and_up_read_as_the_fused_weight_by_conversion_and_init(tmp_path):
     """The same older layout outside the trainer's resume: `tessera-convert to-hf` reads a trainer
     checkpoint through CheckpointWeights, and `checkpoint.init_from` a from-hf folder through
-    core.pretrained; both present w1 and w3 as w13 and read it as their stack."""
+    core.state.pretrained; both present w1 and w3 as w13 and read it as their stack."""
     from safetensors.torch import save_file
 
-    from core.pretrained import SINGLE_NAME, check_weights, load_weights
+    from core.state.pretrained import SINGLE_NAME, check_weights, load_weights
     from interop.convert import CheckpointWeights
 
     old = _holder(_TwoWeightExperts(4, 5, 6))

@@ -13,11 +13,11 @@ import torch
 from torch._dynamo import register_backend
 
 from core.config import ModelConfig, MoEConfig
-from core.loss import cross_entropy_sum
+from core.train.loss import cross_entropy_sum
 from core.layers import AttentionMeta
-from core.model import build_model
+from core.train.model import build_model
 from core.parallel.recompute import apply_recompute
-from core.parallelize import COMPILE_BACKEND_ENV, compile_blocks
+from core.train.parallelize import COMPILE_BACKEND_ENV, compile_blocks
 from moe.layer import moe_metrics, set_moe_sequences
 
 
@@ -139,11 +139,11 @@ def test_recomputed_blocks_are_compiled_not_run_eagerly(monkeypatch, with_moe):
 COMPILE_AFTER_PLAIN_IMPORT = r"""
 import os, sys
 import torch
-from core.model import build_model
+from core.train.model import build_model
 from core.layers import CoreAttention
 assert "torch._dynamo" not in sys.modules, "importing the model pulled in torch._dynamo"
 import torch._dynamo
-from core.parallelize import compile_blocks
+from core.train.parallelize import compile_blocks
 sys.path.insert(0, "tests")
 from test_compile import _batch, _loss_and_grads, _moe_config
 assert getattr(CoreAttention.forward, "_torchdynamo_disable", False), "CoreAttention.forward not disabled"

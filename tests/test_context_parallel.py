@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from core.attention import varlen_attention
 from core.config import ModelConfig
-from core.loss import cross_entropy_sum
-from core.model import build_model
+from core.train.loss import cross_entropy_sum
+from core.train.model import build_model
 from core.parallel.context import IGNORE_INDEX, shard_for_cp
 from tests.distributed import run_distributed
 

@@ -29,8 +29,8 @@ from torch import nn
 from core.config import ModelConfig
 from core.mesh import ParallelMesh
 from core.layers import AttentionMeta
-from core.model import build_model
-from core.optim import AdamW, WarmupCosine, clip_grad_norm_, uses_weight_decay
+from core.train.model import build_model
+from core.train.optim import AdamW, WarmupCosine, clip_grad_norm_, uses_weight_decay
 from core.parallel.data import apply_data_parallel, chunk_bounds, zero_shard_dim
 from tests.distributed import run_distributed
 
@@ -58,7 +58,7 @@ def batch_loss(model, inputs, labels, global_count, tp_group=None):
     meta = AttentionMeta(cu_seqlens=torch.arange(rows + 1, dtype=torch.int32, device=dev) * seq, max_seqlen=seq)
     logits = model(inputs.reshape(-1), torch.arange(seq, device=dev).repeat(rows), meta)
     if tp_group is not None:
-        from core.loss import cross_entropy_sum
+        from core.train.loss import cross_entropy_sum
 
         return cross_entropy_sum(logits, labels.reshape(-1), tp_group)[0] / global_count
     return F.cross_entropy(logits.float(), labels.reshape(-1), ignore_index=-100, reduction="sum") / global_count
@@ -419,7 +419,7 @@ def run_nccl(fn, world, *args):
 
 
 def _gpu_worker(rank, world, ckpt_dir):
-    from core.checkpoint import load_checkpoint, save_checkpoint
+    from core.state.checkpoint import load_checkpoint, save_checkpoint
 
     mesh = ParallelMesh.build(dp=world)
     model, dp, opt, sched = make_trainer(mesh, param_dtype=torch.bfloat16, device="cuda")
@@ -516,7 +516,7 @@ def check_one_pass_adamw():
 
 
 def _split_master_worker(rank, world, ckpt_dir):
-    from core.checkpoint import load_checkpoint, save_checkpoint
+    from core.state.checkpoint import load_checkpoint, save_checkpoint
 
     mesh = ParallelMesh.build(dp=world)
     out = {}

@@ -18,7 +18,7 @@ import torch
 
 import protos
 from core.config import ConfigError
-from core.data import LocalServer
+from core.train.data import LocalServer
 from dataservice.build import build_dataset, make_corpus
 from dataservice.client import DataClient
 from dataservice.cp_plan import H200_COST, padded_length, plan_step

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from core.config import ConfigError, load_config, validate
-from core.data import LocalServer, to_inputs
-from core.trainer import Trainer, position_buckets
+from core.train.data import LocalServer, to_inputs
+from core.train.trainer import Trainer, position_buckets
 from dataservice.build import build_dataset, make_corpus
 from dataservice.client import DataClient
 from moe.layer import moe_layers

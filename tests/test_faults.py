@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from core.checkpoint import latest_checkpoint
+from core.state.checkpoint import latest_checkpoint
 from core.watchdog import STALL_ENV
 from tests.distributed import free_port
 from tests.test_bad_input import assert_one_line
@@ -78,7 +78,7 @@ def _run_processes(tag: str) -> list[tuple[int, dict[str, str], str]]:
 
 def _worker(tag: str, rank: int) -> tuple[int, dict[str, str]]:
     for pid, env, cmdline in _run_processes(tag):
-        if env.get("RANK") == str(rank) and "core.cli" in cmdline:
+        if env.get("RANK") == str(rank) and "core.train.cli" in cmdline:
             return pid, env
     raise AssertionError(f"no worker of rank {rank} runs")
 
@@ -105,7 +105,7 @@ def _crash(tag: str) -> None:
     (["--nproc-per-node", "2", "--auto-resume", "--overwrite"], ["--auto-resume and --overwrite contradict"]),
 ])
 def test_launch_misuse_is_one_line(args, words):
-    assert_one_line(run_entry_point("core.cli", "--config", ROOT / "launch" / "configs" / "tiny_dense.toml", *args),
+    assert_one_line(run_entry_point("core.train.cli", "--config", ROOT / "launch" / "configs" / "tiny_dense.toml", *args),
                     "tessera-train: error:", *words)
 
 

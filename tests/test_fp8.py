@@ -1,4 +1,4 @@
-"""The FP8 training recipe (core/fp8.py) on CPU, through the kernels' exact PyTorch emulation.
+"""The FP8 training recipe (core/precision/blockwise.py) on CPU, through the kernels' exact PyTorch emulation.
 
 References and tolerances:
 - GEMMs: float64 products of operands fake-quantised HERE (own blockwise e4m3 code, the
@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core import fp8
+from core.precision import blockwise
 from core.config import ModelConfig, MoEConfig
-from core.model import build_model
-from core.parallelize import apply_fp8
+from core.train.model import build_model
+from core.train.parallelize import apply_fp8
 from core.parallel.tensor import ColumnParallelLinear
 from moe.experts import GroupedExperts
 
@@ -116,7 +116,7 @@ def test_fp8_linear_forward_and_grads_match_blockwise_reference():
     m, k, n = 200, 256, 384  # 200 tokens: not a multiple of 16, the wgrad pads them
     x, w, dy = _inputs(m, k, n, seed=0)
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-    out = fp8.fp8_linear(xl, wl)
+    out = blockwise.fp8_linear(xl, wl)
     out.backward(dy)
     assert out.dtype == torch.bfloat16 and xl.grad.dtype == torch.bfloat16 and wl.grad.dtype == torch.bfloat16
     assert_quantised_product(out, x, (1, 128), w.t(), (128, 128))  # x per token, W 128x128
@@ -124,7 +124,7 @@ def test_fp8_linear_forward_and_grads_match_blockwise_reference():
     assert_quantised_product(wl.grad, dy.t(), (1, 128), x, (128, 128))  # dy^T along tokens, x 128x128
     # Leading dims and the bias, as F.linear.
     bias = torch.randn(n).bfloat16()
-    y3 = fp8.fp8_linear(x.view(2, 100, k), w, bias)
+    y3 = blockwise.fp8_linear(x.view(2, 100, k), w, bias)
     assert torch.equal(y3, (out.detach() + bias).view(2, 100, n))
 
 
@@ -135,7 +135,7 @@ def test_fp8_grouped_experts_forward_and_grads(wgrad):
     x, _, dy = _inputs(166, d, h, seed=1)
     w = (torch.randn(e, d, h, generator=torch.Generator().manual_seed(2)) * 0.02).bfloat16()  # [E, in, out]
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-    out = fp8.Fp8GroupedMM(wgrad)(xl, wl, offsets)
+    out = blockwise.Fp8GroupedMM(wgrad)(xl, wl, offsets)
     out.backward(dy)
     groups = [(0, 0, 70), (2, 70, 166)]
     for g, s, t in groups:
@@ -154,7 +154,7 @@ def test_fp8_grouped_experts_without_tokens(wgrad):
     # Under expert parallelism a rank may receive no token at all in a micro-batch.
     x = torch.zeros(0, 128, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(2, 128, 256, dtype=torch.bfloat16, requires_grad=True)
-    out = fp8.Fp8GroupedMM(wgrad)(x, w, torch.zeros(2, dtype=torch.int32))
+    out = blockwise.Fp8GroupedMM(wgrad)(x, w, torch.zeros(2, dtype=torch.int32))
     out.sum().backward()
     assert out.shape == (0, 256) and x.grad.shape == (0, 128) and w.grad.abs().sum() == 0
 
@@ -167,10 +167,10 @@ def test_compiled_fp8_layers_give_the_eager_gradients(device, backend):
     x, w, dy = (t.to(device) for t in _inputs(256, 256, 384, seed=7))
     we = (torch.randn(3, 384, 128, generator=torch.Generator().manual_seed(8)) * 0.02).bfloat16().to(device)
     offsets = torch.tensor([100, 100, 256], dtype=torch.int32, device=device)
-    experts = fp8.Fp8GroupedMM("fp8")
+    experts = blockwise.Fp8GroupedMM("fp8")
 
     def layers(x, w, we):
-        return experts(fp8.fp8_linear(x, w) * dy, we, offsets).float().square().sum()
+        return experts(blockwise.fp8_linear(x, w) * dy, we, offsets).float().square().sum()
 
     def grads(fn):
         leaves = [t.clone().requires_grad_() for t in (x, w, we)]
@@ -211,7 +211,7 @@ def test_apply_fp8_swaps_block_gemms_only_and_keeps_names(caplog):
     # One tensor-parallel layer (a 1-rank ColumnParallelLinear) in place of wq in block 0.
     attn = model.layers["0"].attention
     attn.wq = ColumnParallelLinear(attn.wq.weight, None, None, "none")
-    with caplog.at_level(logging.WARNING, logger="core.fp8"):
+    with caplog.at_level(logging.WARNING, logger="core.precision.blockwise"):
         plan = apply_fp8(model)
     # wk/wv are [64, 128] (2 kv heads of 32): bf16, named in one warning line.
     assert {n for n, how in plan.items() if how == "bf16"} == {f"layers.{i}.attention.{p}" for i in "01" for p in ("wk", "wv")}
@@ -219,9 +219,9 @@ def test_apply_fp8_swaps_block_gemms_only_and_keeps_names(caplog):
     assert len(warnings) == 1 and "layers.1.attention.wv [64, 128]" in warnings[0]
     assert plan["layers.1.feed_forward.experts"] == "fp8" and plan["layers.1.feed_forward.shared_experts.w2"] == "fp8"
     assert plan["layers.0.feed_forward.w1"] == "fp8" and plan["layers.0.attention.wq"] == "fp8"
-    assert isinstance(model.layers["0"].feed_forward.w1, fp8.Fp8Linear)
-    assert isinstance(model.layers["1"].feed_forward.experts.mm, fp8.Fp8GroupedMM)
-    assert attn.wq.matmul is fp8.fp8_linear
+    assert isinstance(model.layers["0"].feed_forward.w1, blockwise.Fp8Linear)
+    assert isinstance(model.layers["1"].feed_forward.experts.mm, blockwise.Fp8GroupedMM)
+    assert attn.wq.matmul is blockwise.fp8_linear
     assert type(attn.wk) is nn.Linear and type(model.output) is nn.Linear  # head and odd shapes untouched
     assert not any(k.startswith(("output", "tok_embeddings", "norm")) for k in plan)
     assert not any("router" in k for k in plan)
@@ -241,12 +241,12 @@ def _tp_layer_worker(rank: int, world: int):
     w2 = (torch.randn(256, 512, generator=torch.Generator().manual_seed(4)) * 0.02).bfloat16()
     dy = _inputs(96, 256, 256, seed=5)[2]
     xs, w1s, w2s = (t.clone().requires_grad_() for t in (x, w1, w2))
-    hs = fp8.fp8_linear(xs, w1s)
-    fp8.fp8_linear(hs, w2s).backward(dy)
-    hs, out_s = hs.detach(), fp8.fp8_linear(hs.detach(), w2.detach())
+    hs = blockwise.fp8_linear(xs, w1s)
+    blockwise.fp8_linear(hs, w2s).backward(dy)
+    hs, out_s = hs.detach(), blockwise.fp8_linear(hs.detach(), w2.detach())
     col = ColumnParallelLinear(nn.Parameter(w1.chunk(world, 0)[rank].clone()), None, group, "copy")
     row = RowParallelLinear(nn.Parameter(w2.chunk(world, 1)[rank].clone()), None, group, sequence_parallel=False)
-    col.matmul = row.matmul = fp8.fp8_linear  # what apply_fp8 sets
+    col.matmul = row.matmul = blockwise.fp8_linear  # what apply_fp8 sets
     xt = x.clone().requires_grad_()
     h = col(xt)
     out = row(h)
@@ -273,11 +273,11 @@ def test_fp8_tensor_parallel_layers_equal_single_rank():
 
 
 def test_apply_fp8_bad_input(monkeypatch):
-    with pytest.raises(ValueError, match="needs a core.model.GPT"):
+    with pytest.raises(ValueError, match="needs a core.train.model.GPT"):
         apply_fp8(nn.Linear(128, 128))
     with pytest.raises(ValueError, match="expert_wgrad='fp16' must be one of"):
         apply_fp8(build_model(_moe_config(), seed=0), expert_wgrad="fp16")
-    monkeypatch.setenv(fp8.EXPERT_WGRAD_ENV, "e5m2")
+    monkeypatch.setenv(blockwise.EXPERT_WGRAD_ENV, "e5m2")
     with pytest.raises(ValueError, match="TESSERA_FP8_EXPERT_WGRAD='e5m2' must be one of"):
         apply_fp8(build_model(_moe_config(), seed=0))
 
@@ -381,7 +381,7 @@ def test_tessera_train_fp8_on_cpu(tmp_path):
     sets = ["parallel.ep=1", "model.num_layers=2", "train.seq_len=128", "train.micro_batch_size=2",
             "train.global_batch_size=2", "train.max_steps=3", "train.warmup_steps=1", "train.plot=false",
             "train.precision=fp8", f"data.dataset={shards}", f"train.run_dir={run_dir}"]
-    cmd = [sys.executable, "-m", "core.cli", "--config", str(root / "launch/configs/tiny_moe.toml")]
+    cmd = [sys.executable, "-m", "core.train.cli", "--config", str(root / "launch/configs/tiny_moe.toml")]
     for item in sets:
         cmd += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -410,7 +410,7 @@ def _fp8_expert_main_grads(wgrad: str, fused: bool, device: str = "cpu") -> tupl
 
     torch.manual_seed(4)
     experts = GroupedExperts(3, 128, 256).to(device)
-    experts.mm = fp8.Fp8GroupedMM(wgrad)
+    experts.mm = blockwise.Fp8GroupedMM(wgrad)
     dp = apply_data_parallel(experts, ParallelMesh.build(device_type=device), distributed_optimizer=False,
                              param_dtype=torch.bfloat16, gradient_accumulation_fusion=fused)
     counts = [[70, 0, 96], [50, 60, 30], [0, 0, 0]]

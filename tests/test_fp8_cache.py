@@ -1,4 +1,4 @@
-"""FP8 weight cache (core/fp8_cache.py): quantise each weight once per optimizer step.
+"""FP8 weight cache (core/precision/weight_cache.py): quantise each weight once per optimizer step.
 
 Proof by the real trainer path (`Trainer.step`: bf16 params, fp32 masters, FP8 GEMMs emulated
 on CPU): with several micro-batches per step the cached run is bit-identical to the uncached
@@ -14,13 +14,13 @@ import torch
 
 from bench.fp8_training import packed
 from core.config import Config, ModelConfig, MoEConfig
-from core.fp8_cache import WEIGHT_CACHE, Fp8WeightCache
-from core.data import StepInputs
+from core.precision.weight_cache import WEIGHT_CACHE, Fp8WeightCache
+from core.train.data import StepInputs
 from core.kernels import fp8 as kfp8
 from core.mesh import ParallelMesh
-from core.model import build_model
-from core.parallelize import parallelize
-from core.trainer import Trainer
+from core.train.model import build_model
+from core.train.parallelize import parallelize
+from core.train.trainer import Trainer
 
 ACCUM, STEPS = 3, 3
 

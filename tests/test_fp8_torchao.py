@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-from core import fp8_torchao
+from core.precision import torchao_fp8
 from core.config import TORCHAO_FP8_RECIPES, ConfigError, ModelConfig, validate
 from core.layers import AttentionMeta
-from core.model import build_model
+from core.train.model import build_model
 from tests.test_te_backend import _config, _tail_mean, fresh_text  # noqa: F401  (fixture reused)
 from tests.test_train import CONFIG, ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
 
@@ -44,7 +44,7 @@ def test_settings_that_cannot_work_are_refused(settings, world, message):
 
 @pytest.mark.skipif(TORCHAO, reason="torchao is installed here")
 def test_torchao_recipe_without_torchao_is_one_line_and_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "core.cli", "--config", str(CONFIG), "--set", "train.precision=fp8",
+    proc = subprocess.run([sys.executable, "-m", "core.train.cli", "--config", str(CONFIG), "--set", "train.precision=fp8",
                            "--set", "train.fp8_recipe=tensorwise", "--set", f"train.run_dir={tmp_path / 'run'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -65,7 +65,7 @@ def test_swap_keeps_names_and_shapes_and_computes_like_bf16(recipe):
     torch.manual_seed(0)
     plain = build_model(_tiny(), seed=0).to(torch.bfloat16)
     fp8 = build_model(_tiny(), seed=0).to(torch.bfloat16)
-    plan = fp8_torchao.apply_torchao_fp8(fp8, recipe, emulate=True)
+    plan = torchao_fp8.apply_torchao_fp8(fp8, recipe, emulate=True)
     assert {k: v.shape for k, v in fp8.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
     swapped = sorted(name for name, m in fp8.named_modules() if isinstance(m, Float8Linear))
     assert swapped == sorted(name for name, how in plan.items() if how == "fp8")
@@ -124,4 +124,4 @@ def test_gpu_fp8_recipes_learn_like_bf16(tmp_path, fresh_text):
 
 def test_apply_refuses_what_it_cannot_swap():
     with pytest.raises(ValueError, match="must be one of tensorwise, rowwise"):
-        fp8_torchao.apply_torchao_fp8(nn.Linear(16, 16), "delayed", emulate=True)
+        torchao_fp8.apply_torchao_fp8(nn.Linear(16, 16), "delayed", emulate=True)

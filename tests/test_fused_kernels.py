@@ -179,12 +179,12 @@ for groups, best, k in ((8, 4, 8), (4, 3, 6)):
     assert torch.equal(got.values, want.values), (groups, best, k)
     torch.testing.assert_close(w.gather(1, got.indices), want_w.gather(1, want.indices), rtol=1e-6, atol=0)
 
-# the token cross-entropy (core.kernels.cross_entropy, and core.loss through it): the loss and the
+# the token cross-entropy (core.kernels.cross_entropy, and core.train.loss through it): the loss and the
 # logits' gradient against float64, over a vocabulary of one whole block and a partial one, with
 # ignored labels, an out-of-range label (a zero target logit), a row with -inf entries and an
 # upstream gradient other than 1
 from core.kernels.cross_entropy import cross_entropy_rows_sum, fits
-from core.loss import IGNORE_INDEX, cross_entropy_sum
+from core.train.loss import IGNORE_INDEX, cross_entropy_sum
 for vocab in (5000, 37):
     logits = (torch.randn(12, vocab) * 3).to(dtype)
     logits[3, : vocab // 2] = float("-inf")
@@ -203,7 +203,7 @@ for vocab in (5000, 37):
     assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
     torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
     assert not x.grad[1].any()  # ignored: no gradient
-    in_range = labels.masked_fill(~valid, IGNORE_INDEX)  # what core.loss accepts on the CPU
+    in_range = labels.masked_fill(~valid, IGNORE_INDEX)  # what core.train.loss accepts on the CPU
     summed, count = cross_entropy_sum(logits, in_range)
     assert torch.equal(summed, cross_entropy_rows_sum(logits, in_range, IGNORE_INDEX)) and count == 9
     wider = torch.cat((logits, torch.randn(12, 3).to(dtype)), 1)[:, :vocab]  # rows further apart than V

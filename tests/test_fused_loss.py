@@ -1,4 +1,4 @@
-"""The output head and the loss fused over token chunks (`core.loss.fused_output_cross_entropy_sum`).
+"""The output head and the loss fused over token chunks (`core.train.loss.fused_output_cross_entropy_sum`).
 
 Reference: the same model's logits, then `cross_entropy_sum`, with the same data-parallel
 hooks and fp32 main grads. On CPU in fp32 the loss and every main grad agree to rounding
@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core import loss as loss_module
+from core.train import loss as loss_module
 from core.config import ConfigError, ModelConfig, load_config, validate
 from core.layers import AttentionMeta
-from core.loss import cross_entropy_sum, fused_output_cross_entropy_sum
+from core.train.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh
-from core.model import build_model
+from core.train.model import build_model
 from core.parallel.data import apply_data_parallel
 from tests.test_train import dataset, losses, reference, run_train  # noqa: F401  (fixtures reused)
 

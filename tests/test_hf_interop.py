@@ -44,13 +44,13 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from core.checkpoint import save_checkpoint  # noqa: E402
-from core.cli import main as train_main  # noqa: E402
+from core.state.checkpoint import save_checkpoint  # noqa: E402
+from core.train.cli import main as train_main  # noqa: E402
 from core.config import load_config, validate  # noqa: E402
-from core.data import LocalServer  # noqa: E402
+from core.train.data import LocalServer  # noqa: E402
 from core.layers import AttentionMeta  # noqa: E402
 from core.mesh import ParallelMesh  # noqa: E402
-from core.model import build_model  # noqa: E402
+from core.train.model import build_model  # noqa: E402
 from dataservice.build import build_dataset, make_corpus  # noqa: E402
 from dataservice.client import DataClient  # noqa: E402
 from dataservice.tokenizer import train_tiny_tokenizer  # noqa: E402
@@ -131,8 +131,8 @@ def train_args(config: Path, run_dir: Path, dataset: Path, *extra: str) -> list[
 
 
 def train(config: Path, run_dir: Path, dataset: Path, nproc: int = 1, *extra: str) -> subprocess.CompletedProcess:
-    """The real trainer in its own process(es): `python -m core.cli` (torchrun for nproc > 1)."""
-    args = ["-m", "core.cli", *train_args(config, run_dir, dataset, *extra)]
+    """The real trainer in its own process(es): `python -m core.train.cli` (torchrun for nproc > 1)."""
+    args = ["-m", "core.train.cli", *train_args(config, run_dir, dataset, *extra)]
     if nproc > 1:
         args += ["--nproc-per-node", str(nproc)]
     return run(*args)

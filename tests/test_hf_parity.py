@@ -6,7 +6,7 @@ than hidden/heads, Qwen3MoeForCausalLM with a dense layer from `mlp_only_layers`
 `decoder_sparse_step`, MixtralForCausalLM), eager attention, fp32 on the CPU. Their weights
 are re-drawn large (normal, std 0.3; norm gains 1 + 0.3 N(0, 1); routers std 0.6) so the
 output depends on every detail: with the default init every logit is about 0 and any model
-gives a loss near ln V. The weights are copied into `core.model.GPT` (`tessera_state` below:
+gives a loss near ln V. The weights are copied into `core.train.model.GPT` (`tessera_state` below:
 the names and layouts of transformers 5's in-memory modules, fused experts included).
 
 The batch: three documents of different lengths packed into one row; transformers runs each
@@ -48,9 +48,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from core.config import Config, ConfigError, ModelConfig, MoEConfig, RopeScalingConfig, load_config, validate  # noqa: E402
 from core.layers import AttentionMeta, rope_frequencies  # noqa: E402
-from core.loss import cross_entropy_sum  # noqa: E402
+from core.train.loss import cross_entropy_sum  # noqa: E402
 from core.mesh import ParallelMesh  # noqa: E402
-from core.model import GPT  # noqa: E402
+from core.train.model import GPT  # noqa: E402
 from core.parallel.data import zero_shard_dim  # noqa: E402
 from core.parallel.tensor import apply_tp, sync_sequence_parallel_grads  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402

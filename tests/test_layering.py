@@ -17,14 +17,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protos", "dataservice", "core", "moe", "interop", "bench")
-ORCHESTRATION = {"core.model", "core.parallelize", "core.trainer", "core.cli"}
+ORCHESTRATION = {"core.train.model", "core.train.parallelize", "core.train.trainer", "core.train.cli", "core.train.launcher", "core.train.rundir", "core.train.data", "core.train.dynamic_cp", "core.train.loss", "core.train.optim"}
 LAYER_NAMES = ["protos", "dataservice", "core foundation", "moe", "orchestration", "interop", "bench"]
 
 
 def layer_of(module: str) -> int:
     top = module.split(".")[0]
     if top == "core":
-        return 4 if module in ORCHESTRATION or module.startswith("core.planner") else 2
+        return 4 if module in ORCHESTRATION or module.startswith(("core.planner", "core.train")) else 2
     return {"protos": 0, "dataservice": 1, "moe": 3, "interop": 5, "bench": 6}[top]
 
 
@@ -144,20 +144,20 @@ def test_dataservice_stands_alone_and_moe_below_the_orchestration():
 
 def test_the_checker_catches_what_it_forbids(tmp_path):
     """Negative controls: the rules fire on an upward import, a local import and a cycle."""
-    assert layer_of("moe.layer") > layer_of("core.layers") and layer_of("core.model") > layer_of("moe.layer")
+    assert layer_of("moe.layer") > layer_of("core.layers") and layer_of("core.train.model") > layer_of("moe.layer")
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     source = tmp_path / "moe" / "bad.py"
     source.parent.mkdir()
-    source.write_text("from core.model import GPT\n\ndef f():\n    import dataservice.client\n")
-    modules = {"core.model": Path("x"), "dataservice.client": Path("y")}
+    source.write_text("from core.train.model import GPT\n\ndef f():\n    import dataservice.client\n")
+    modules = {"core.train.model": Path("x"), "dataservice.client": Path("y")}
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
         found = imports_of("moe.bad", source, modules)
     finally:
         ROOT = saved
-    assert ("core.model", 1, True) in found and ("dataservice.client", 4, False) in found
+    assert ("core.train.model", 1, True) in found and ("dataservice.client", 4, False) in found
 
 
 @pytest.mark.parametrize("tag", ["tp_shard_dim", "tp_full_shape", "expert_parallel", "ep_shard_dim", "ep_full_shape",

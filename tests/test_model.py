@@ -5,7 +5,7 @@ import torch
 
 from core.config import ConfigError, ModelConfig, load_config, resolve_layout
 from core.layers import AttentionMeta
-from core.model import build_model
+from core.train.model import build_model
 from core.attention import varlen_attention
 
 

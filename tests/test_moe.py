@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from bench.moe_layer import BalancedRouter, accumulating, make_layer as make_bench_layer
 from core.config import ModelConfig, MoEConfig
 from core.layers import AttentionMeta
-from core.model import build_model
+from core.train.model import build_model
 from moe.dispatcher import AllGatherDispatcher, build_dispatcher, sort_by_expert
 from moe.experts import GroupedExperts, grouped_mm, grouped_mm_loop
 from moe.layer import MoELayer, moe_metrics, set_moe_loss_scale, set_moe_sequences, update_expert_bias
@@ -595,7 +595,7 @@ def test_full_recompute_same_grads_and_no_double_counting():
 
 
 def test_mfu_counts_the_active_parameters_of_moe_layers():
-    from core.model import count_params
+    from core.train.model import count_params
 
     cfg = _cfg(num_shared_experts=1, first_k_dense=1)  # 2 layers: layer 0 dense, layer 1 MoE
     model = build_model(cfg, seed=0)

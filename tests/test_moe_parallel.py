@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from core.config import ModelConfig, MoEConfig
-from core.loss import cross_entropy_sum
+from core.train.loss import cross_entropy_sum
 from core.mesh import ParallelMesh
 from core.layers import AttentionMeta
-from core.model import build_model
+from core.train.model import build_model
 from moe.dispatcher import build_dispatcher
 from moe.layer import moe_layers, set_moe_loss_scale, set_moe_sequences
 from moe.parallel import apply_ep, reduce_moe_grads

@@ -22,7 +22,7 @@ import torch
 from bench.peer_systems import (_counts, _tessera_counts, copy_by_name, megatron_distributed, megatron_gpt,
                                 megatron_gpt_weights, reference_weights)
 from bench.peers import make_pool, workloads
-from core.model import build_model
+from core.train.model import build_model
 
 WORKLOADS = ("dense", "dense-fp8", "moe", "longseq")
 

@@ -26,11 +26,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from core.config import Config
-from core.data import StepInputs
-from core.loss import cross_entropy_sum
+from core.train.data import StepInputs
+from core.train.loss import cross_entropy_sum
 from core.mesh import ParallelMesh
 from core.layers import AttentionMeta
-from core.model import build_model
+from core.train.model import build_model
 from core.parallel.pipeline import _check_activation, build_pipeline_stage, run_pipeline_step
 from core.parallel.schedules import Post, check_schedule, partition_layers, plan_step, theoretical_bubble
 from tests.distributed import free_port, run_distributed

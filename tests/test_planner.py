@@ -114,7 +114,7 @@ def test_written_config_is_what_tessera_train_runs(tmp_path, capsys):
     assert f"wrote {out}" in printed
     planned = validate(load_config(out), 8)
     assert f"  1 {describe(planned)} " in printed  # the table's first row is the plan written
-    done = subprocess.run([sys.executable, "-m", "core.cli", "--config", str(out), "--nproc-per-node", "8",
+    done = subprocess.run([sys.executable, "-m", "core.train.cli", "--config", str(out), "--nproc-per-node", "8",
                            "--print-config"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     effective = tomllib.loads(done.stdout)

@@ -1,6 +1,6 @@
 """The planner's parameter, gradient and optimizer bytes per rank equal the trainer's tensors.
 
-Reference: the tensors `core.parallelize.parallelize` allocates on each rank (bf16 parameters,
+Reference: the tensors `core.train.parallelize.parallelize` allocates on each rank (bf16 parameters,
 fp32 main-grad buckets and ZeRO-1 reduce-scatter targets, AdamW moments and fp32 masters), for
 every legal layout (`core.planner.layouts`) of the tiny dense and MoE configs on 4 gloo ranks
 (tp, pp with both schedules, cp, dp, ep, etp; one layout built of the splits of each dp*cp, whose
@@ -29,13 +29,13 @@ from torch.utils._pytree import tree_flatten
 
 from core.config import load_config, validate
 from core.layers import AttentionMeta
-from core.loss import cross_entropy_sum, fused_output_cross_entropy_sum
+from core.train.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh
-from core.model import build_model
+from core.train.model import build_model
 from core.parallel.data import apply_data_parallel
 from core.parallel.recompute import apply_recompute
 from core.parallel.wgrad import fuse_weight_grads
-from core.parallelize import compile_blocks, parallelize
+from core.train.parallelize import compile_blocks, parallelize
 from core.planner.layouts import describe, layouts
 from core.planner.memory import block_activations, estimate_memory, head_activations, rope_tables
 from core.planner.state import state_bytes

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from core.config import ConfigError, load_config, validate
-from core.data import StepInputs
+from core.train.data import StepInputs
 from core.layers import AttentionMeta
 from core.parallel.recompute import ActivationOffload, apply_recompute
-from core.model import build_model
-from core.trainer import Trainer
+from core.train.model import build_model
+from core.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = [

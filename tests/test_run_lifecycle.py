@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from core import checkpoint
+from core.state import checkpoint
 from core.config import load_config, validate
 from core.metrics import read_metrics
-from core.trainer import Trainer
+from core.train.trainer import Trainer
 from dataservice.build import build_dataset, make_corpus
 from tests.test_bad_input import run as run_entry_point
 
@@ -61,8 +61,8 @@ def train_cmd(run_dir: Path, dataset: Path, *extra: str, launcher: bool = True) 
     for item in [*SMALL, f"data.dataset={dataset}", f"train.run_dir={run_dir}"]:
         sets += ["--set", item]
     if launcher:
-        return [sys.executable, "-m", "core.cli", "--config", str(CONFIG), *sets, "--nproc-per-node", "2", *extra]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "core.cli",
+        return [sys.executable, "-m", "core.train.cli", "--config", str(CONFIG), *sets, "--nproc-per-node", "2", *extra]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "core.train.cli",
             "--config", str(CONFIG), *sets, *extra]
 
 
@@ -127,7 +127,7 @@ def reference(lifecycle_reference) -> dict[int, float]:
 
 def resume_and_check(run_dir: Path, reference: dict[int, float]) -> None:
     """`--resume RUN_DIR` alone finishes the run on the reference trajectory, one record per step."""
-    proc = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--nproc-per-node", "2"])
+    proc = run([sys.executable, "-m", "core.train.cli", "--resume", str(run_dir), "--nproc-per-node", "2"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -184,7 +184,7 @@ def test_stop_signal_leaves_no_process_and_resume_continues_the_trajectory(tmp_p
 PUBLISH_STOPPED_MID_PRUNE = """
 import os, shutil, signal, sys
 from pathlib import Path
-from core import checkpoint
+from core.state import checkpoint
 from core.lifecycle import Interrupted, install_stop_handlers
 
 delete = shutil.rmtree
@@ -244,7 +244,7 @@ def test_killed_launcher_takes_its_workers_along_and_the_stale_lock_is_taken_ove
             os.killpg(proc.pid, signal.SIGKILL)
     assert wait_for_no_process(tag) == []
     assert (run_dir / "run.lock").exists()  # left behind by the killed owner
-    proc = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--nproc-per-node", "2"])
+    proc = run([sys.executable, "-m", "core.train.cli", "--resume", str(run_dir), "--nproc-per-node", "2"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "taking over the lock" in proc.stderr
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
@@ -256,7 +256,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path, dataset):
     first = start(train_cmd(run_dir, dataset, "--set", "train.max_steps=200"), tag)
     try:
         wait_until(lambda: len(metrics(run_dir)) >= 1)
-        second = run_entry_point("core.cli", *train_cmd(run_dir, dataset, "--overwrite")[3:])  # refused before torchrun
+        second = run_entry_point("core.train.cli", *train_cmd(run_dir, dataset, "--overwrite")[3:])  # refused before torchrun
         assert second.returncode == 2
         assert second.stderr.strip().count("\n") == 0 and "is in use by process" in second.stderr, second.stderr
         assert first.poll() is None  # the first run goes on
@@ -269,7 +269,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path, dataset):
 def test_run_directory_rules_and_resume_with_changes(tmp_path, dataset):
     """Single process (no torchrun): the same rules hold where rank 0 owns the directory."""
     run_dir = tmp_path / "run"
-    base = [sys.executable, "-m", "core.cli", "--config", str(CONFIG)]
+    base = [sys.executable, "-m", "core.train.cli", "--config", str(CONFIG)]
     sets = []
     for item in [*SMALL, "train.max_steps=3", "train.plot=false", f"data.dataset={dataset}", f"train.run_dir={run_dir}"]:
         sets += ["--set", item]
@@ -279,20 +279,20 @@ def test_run_directory_rules_and_resume_with_changes(tmp_path, dataset):
 
     # Refusals and --print-config end before any training: the entry point in this process
     # (tests/test_bad_input.py's `run`) says the same as a new interpreter, seconds sooner.
-    again = run_entry_point("core.cli", *base[3:], *sets)  # the same command again, neither --resume nor --overwrite
+    again = run_entry_point("core.train.cli", *base[3:], *sets)  # the same command again, neither --resume nor --overwrite
     assert again.returncode == 2 and "already holds a run" in again.stderr and "--resume" in again.stderr
     assert len(metrics(run_dir)) == 3  # nothing was appended
 
     (run_dir / "checkpoints" / "step_000009.tmp").mkdir()  # a save that died
-    shape = run_entry_point("core.cli", "--resume", run_dir, "--set", "model.dim=128")
+    shape = run_entry_point("core.train.cli", "--resume", run_dir, "--set", "model.dim=128")
     assert shape.returncode == 2 and "cannot resume with model.dim 64 -> 128" in shape.stderr
-    seed = run_entry_point("core.cli", "--resume", run_dir, "--set", "train.seed=7")
+    seed = run_entry_point("core.train.cli", "--resume", run_dir, "--set", "train.seed=7")
     assert seed.returncode == 2 and "train.seed" in seed.stderr and seed.stderr.count("\n") == 1, seed.stderr
 
-    printed = run_entry_point("core.cli", "--resume", run_dir, "--set", "train.max_steps=5", "--print-config")
+    printed = run_entry_point("core.train.cli", "--resume", run_dir, "--set", "train.max_steps=5", "--print-config")
     assert printed.returncode == 0 and "max_steps = 5" in printed.stdout and len(metrics(run_dir)) == 3
 
-    more = run([sys.executable, "-m", "core.cli", "--resume", str(run_dir), "--set", "train.max_steps=5"])
+    more = run([sys.executable, "-m", "core.train.cli", "--resume", str(run_dir), "--set", "train.max_steps=5"])
     assert more.returncode == 0, more.stderr[-3000:]
     changes = [line for line in more.stderr.splitlines() if "alter the trajectory" in line]
     assert len(changes) == 1 and "train.max_steps 3 -> 5" in changes[0]

@@ -322,7 +322,7 @@ OUTAGE_S = 2.0  # how long no replica serves
 
 
 def start_training(run_dir: Path, address: str = "", dataset: Path | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "core.cli", "--config", str(ROOT / "launch/configs/tiny_dense.toml"),
+    cmd = [sys.executable, "-m", "core.train.cli", "--config", str(ROOT / "launch/configs/tiny_dense.toml"),
            "--nproc-per-node", "2"]
     source = f"data.address={address}" if address else f"data.dataset={dataset}"
     for item in [*TRAIN, source, f"train.run_dir={run_dir}"]:

@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from core import te_backend, te_fused
+from core.precision import te_backend, te_fused
 from core.config import Config, ConfigError, ModelConfig, validate
 from core.layers import AttentionMeta
 from core.mesh import ParallelMesh
-from core.model import build_model
+from core.train.model import build_model
 from core.parallel.data import DataParallel, apply_data_parallel
 from dataservice.build import build_dataset, make_corpus
 from tests.test_train import CONFIG, MOE_CONFIG, ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
@@ -56,7 +56,7 @@ def test_te_settings_that_work_pass():
 
 @pytest.mark.skipif(TE_MISSING is None, reason="Transformer Engine runs here")
 def test_te_backend_where_it_cannot_run_is_one_line_and_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "core.cli", "--config", str(CONFIG), "--set", "model.dense_backend=te",
+    proc = subprocess.run([sys.executable, "-m", "core.train.cli", "--config", str(CONFIG), "--set", "model.dense_backend=te",
                            "--set", f"train.run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -69,7 +69,7 @@ def test_te_backend_where_it_cannot_run_is_one_line_and_exit_2(tmp_path):
 class _AddsIntoMainGrad(torch.autograd.Function):
     """y = x W^T whose backward adds dW into W.main_grad and flags it, returning a placeholder
     for W's gradient: what TE's linear does with fuse_wgrad_accumulation (the op TE runs on GPUs).
-    W may be a parameter or the joined weight core.te_fused.joined_weight hands TE's fused modules."""
+    W may be a parameter or the joined weight core.precision.te_fused.joined_weight hands TE's fused modules."""
 
     @staticmethod
     def forward(ctx, x, weight):

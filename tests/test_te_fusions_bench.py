@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from core import te_backend
+from core.precision import te_backend
 from tests.test_train import ROOT
 
 

@@ -24,10 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from core.config import ModelConfig
-from core.loss import cross_entropy_sum
+from core.train.loss import cross_entropy_sum
 from core.mesh import ParallelMesh
 from core.layers import AttentionMeta
-from core.model import build_model
+from core.train.model import build_model
 from core.parallel import comm
 from core.parallel.tensor import apply_tp, sync_sequence_parallel_grads
 from tests.distributed import run_distributed

@@ -42,7 +42,7 @@ def dataset(train_dataset) -> Path:
 
 def run_train(run_dir: Path, dataset: Path, nproc: int, *extra: str, resume: bool = False, check: bool = True,
               config: Path = CONFIG):
-    cmd = [sys.executable, "-m", "core.cli", "--config", str(config)]
+    cmd = [sys.executable, "-m", "core.train.cli", "--config", str(config)]
     for item in [*SMALL, f"data.dataset={dataset}", f"train.run_dir={run_dir}", *extra]:
         cmd += ["--set", item]
     if nproc > 1:
@@ -179,7 +179,7 @@ def test_records_read_after_the_next_step_is_queued_equal_records_read_at_once(t
     writes the records of reading each step at once: same steps, losses, norms, MoE loads,
     evaluations and checkpoint timings, in order."""
     from core.config import load_config, validate
-    from core.trainer import Trainer
+    from core.train.trainer import Trainer
 
     records = {}
     for lagged in (False, True):

@@ -57,7 +57,7 @@ def test_budget_too_small_for_a_row_exits_2_with_one_clear_line(tmp_path, datase
     for item in [*SMALL, f"data.dataset={dataset}", f"train.run_dir={tmp_path}", "parallel.dynamic_cp=true",
                  "parallel.cp_token_budget=10"]:
         args += ["--set", item]
-    proc = run_entry_point("core.cli", *args)
+    proc = run_entry_point("core.train.cli", *args)
     assert proc.returncode == 2
     assert "tessera-train: error:" in proc.stderr and "parallel.cp_token_budget >= 64" in proc.stderr, proc.stderr
 

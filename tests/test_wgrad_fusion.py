@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from core.config import load_config
-from core.trainer import Trainer
+from core.train.trainer import Trainer
 from tests.test_recompute import _micro
 from tests.test_train import ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
 

@@ -9,7 +9,7 @@ an H100, torch.compile's cross-entropy took 1.07 ms forward (1.6 TB/s of logits)
 ways; these kernels 0.68 ms (2.5 TB/s) and 1.86 ms.
 
 Labels equal to `ignore_index` count zero and get a zero gradient; a label outside [0, V) counts
-with a zero target logit (no device assert, as the other paths of `core.loss`).
+with a zero target logit (no device assert, as the other paths of `core.train.loss`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The MoE experts' FP8 weight gradient as one K-grouped GEMM (no host sync, graph-capturable).
 
 dW_g = x_g^T dy_g ([in, out], the experts' layout) reduces over the tokens of expert g, so the
-groups sit along K. Blockwise scales run along K too (core/fp8.py takes 1x128 for x^T per
+groups sit along K. Blockwise scales run along K too (core/precision/blockwise.py takes 1x128 for x^T per
 input channel, 128x128 for dy^T), and a scale block must not straddle two experts: each group
 is laid out on its own run of 128-token blocks, zero-padded at its end (zeros change neither a
 block's amax nor a sum). That is exactly the quantisation of each expert's tokens on their

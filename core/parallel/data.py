@@ -286,7 +286,7 @@ class DataParallel:
         self._next = 0
         self.pending_grad_scale: torch.Tensor | None = None  # a clip factor the optimizer applies
         # Called after gather_params() wrote new weights (through .data, unseen by version
-        # counters): e.g. core.fp8_cache drops the quantised weights it keeps for the step.
+        # counters): e.g. core.precision.weight_cache drops the quantised weights it keeps for the step.
         self.on_new_weights: list[Callable[[], None]] = []
         self.slots = self._make_slots(model)
         if not self.slots:
@@ -355,7 +355,7 @@ class DataParallel:
 
     def _bucket_units(self) -> list[list[ParamSlot]]:
         """The slots in reverse registration order, each a unit of its own, except parameters
-        that one op uses as a single joined weight (`param.joined_params`, core.te_fused):
+        that one op uses as a single joined weight (`param.joined_params`, core.precision.te_fused):
         those form one unit in their own order, so their main grads lie back to back and the
         op can add its joined weight gradient into them through one view."""
         by_param = {id(slot.param): slot for slot in self.slots}

@@ -274,7 +274,7 @@ def run_pipeline_step(
     `.grad` (the caller zeroes them between optimizer steps and reduces them over dp after).
 
     micro_batches: objects with `.tokens`, `.labels`, `.position_ids` [T] and `.meta`
-    (`core.data.StepInputs`), the same list on every rank of the pipeline.
+    (`core.train.data.StepInputs`), the same list on every rank of the pipeline.
     loss_fn(output, micro) -> loss sum (or a (sum, count) tuple) on the last stage; each
     micro-batch's sum is divided by `loss_divisor` (the global label count) before backward.
     forward_context: wraps each forward (e.g. autocast). backward_context(chunk, last):

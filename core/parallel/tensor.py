@@ -36,7 +36,7 @@ collective. The row-parallel output projection ends the region with the matching
   `sync_sequence_parallel_grads(model, mesh)` once per optimizer step, before the
   data-parallel reduction.
 
-A foreign feed-forward module (the MoE layer, or anything not `core.model.FeedForward`) is
+A foreign feed-forward module (the MoE layer, or anything not `core.train.model.FeedForward`) is
 left alone and gets no pre-hook. It receives what the residual stream holds: under sequence
 parallelism this rank's local token shard [T/tp, dim], and it must return the complete
 (TP-reduced) output for exactly those tokens, [T/tp, dim]; without sequence parallelism it
@@ -95,7 +95,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.input_comm = group, input_comm
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.bias_offset = bias_offset  # where this rank's slice starts in a whole (replicated) bias
-        self.matmul = F.linear  # core.fp8.apply_fp8 swaps in its FP8 GEMM
+        self.matmul = F.linear  # core.precision.blockwise.apply_fp8 swaps in its FP8 GEMM
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, rank: int, size: int, input_comm: str, name: str):
@@ -128,7 +128,7 @@ class RowParallelLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.group, self.sequence_parallel = group, sequence_parallel
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.matmul = F.linear  # core.fp8.apply_fp8 swaps in its FP8 GEMM
+        self.matmul = F.linear  # core.precision.blockwise.apply_fp8 swaps in its FP8 GEMM
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, rank: int, size: int, sequence_parallel: bool, name: str):

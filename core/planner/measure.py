@@ -61,7 +61,7 @@ def run_plan(config: Config, world: int, steps: int, workdir: Path, name: str, d
         run.data.dataset = str(synthetic_dataset(workdir, t.seq_len))
     path = workdir / f"{name}.toml"
     path.write_text(config_toml(run))
-    command = [sys.executable, "-m", "core.cli", "--config", str(path), "--nproc-per-node", str(world), "--overwrite"]
+    command = [sys.executable, "-m", "core.train.cli", "--config", str(path), "--nproc-per-node", str(world), "--overwrite"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})

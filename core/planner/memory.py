@@ -190,7 +190,7 @@ def rope_tables(config: Config) -> int:
 
 
 def compiled_loss(config: Config) -> bool:
-    """The loss runs compiled (train.compile without vocab-parallel logits, core/loss.py)."""
+    """The loss runs compiled (train.compile without vocab-parallel logits, core/train/loss.py)."""
     return config.train.compile and config.parallel.tp == 1
 
 
@@ -239,7 +239,7 @@ def in_flight(config: Config, pp_rank: int, num_micro: int) -> float:
 
 
 def fp8_cache_bytes(config: Config, pp_rank: int = 0) -> int:
-    """The FP8 weight cache (kept only with several micro-batches per step, core/parallelize.py):
+    """The FP8 weight cache (kept only with several micro-batches per step, core/train/parallelize.py):
     forward and transposed e4m3 copies of each block GEMM weight with their 128x128 scales."""
     t = config.train
     if t.precision != "fp8" or not t.fp8_weight_cache or grad_accum_steps(config) == 1:

@@ -203,7 +203,7 @@ def apply_plan(config: Config, plan: Candidate, world: int) -> Config:
 
 def config_toml(config: Config) -> str:
     """The config as TOML that `tessera-train --config` loads (parallel.dp left to derive, as
-    core.rundir writes a run's config; that module's own import pulls in torch, which planning
+    core.train.rundir writes a run's config; that module's own import pulls in torch, which planning
     never needs)."""
     data = dataclasses.asdict(config)
     data["parallel"]["dp"] = 0

@@ -5,7 +5,7 @@ the parameter dtype); the fp32 main grads are one flat buffer per bucket, every 
 whole, plus the reduce-scatter target of each ZeRO-1 bucket (rank 0's chunk, the longest);
 AdamW's fp32 moments and masters cover this rank's ZeRO-1 chunks, cut like `torch.chunk` along
 the dim tensor and expert parallelism leave whole (`core.parallel.data.zero_shard_dim`).
-`tests/test_planner_memory.py` compares these numbers with the tensors `core.parallelize`
+`tests/test_planner_memory.py` compares these numbers with the tensors `core.train.parallelize`
 allocates on gloo ranks, for every layout of the tiny configs.
 
 All sizes in bytes. Ranks are numbered as `core.mesh` does: tp fastest, then cp, dp, pp. The

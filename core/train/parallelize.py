@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core import fp8, fp8_torchao, te_backend
+from core.precision import blockwise, te_backend, torchao_fp8
 from core.config import Config, ConfigError, grad_accum_steps, recompute_set, torchao_fp8
-from core.fp8_cache import WEIGHT_CACHE
+from core.precision.weight_cache import WEIGHT_CACHE
 from core.mesh import ParallelMesh
-from core.optim import build_optimizer, clip_grad_norm_
+from core.train.optim import build_optimizer, clip_grad_norm_
 from core.parallel.context import apply_cp
 from core.parallel.data import DataParallel, apply_data_parallel
 from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_data_parallel
@@ -129,7 +129,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     torchao = precision == "fp8" and torchao_fp8(config)
     if precision == "fp8":  # the experts' GEMMs, and with the torch backend the dense ones
         if torchao:
-            fp8_torchao.apply_torchao_fp8(model, t.fp8_recipe, emulate=device.type != "cuda")
+            torchao_fp8.apply_torchao_fp8(model, t.fp8_recipe, emulate=device.type != "cuda")
         apply_fp8(model, dense=config.model.dense_backend == "torch" and not torchao)
     stage = None
     chunks = [model]
@@ -187,36 +187,36 @@ def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = T
     the local shards' shapes) and before the pipeline split, recompute and compile."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
-        raise ValueError(f"apply_fp8 needs a core.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
-    mode = expert_wgrad or os.environ.get(fp8.EXPERT_WGRAD_ENV) or "fp8"
-    if mode not in fp8.EXPERT_WGRAD_MODES:
-        where = "expert_wgrad" if expert_wgrad else fp8.EXPERT_WGRAD_ENV
-        raise ValueError(f"{where}={mode!r} must be one of {fp8.EXPERT_WGRAD_MODES}")
-    grouped = fp8.Fp8GroupedMM(mode)
+        raise ValueError(f"apply_fp8 needs a core.train.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
+    mode = expert_wgrad or os.environ.get(blockwise.EXPERT_WGRAD_ENV) or "fp8"
+    if mode not in blockwise.EXPERT_WGRAD_MODES:
+        where = "expert_wgrad" if expert_wgrad else blockwise.EXPERT_WGRAD_ENV
+        raise ValueError(f"{where}={mode!r} must be one of {blockwise.EXPERT_WGRAD_MODES}")
+    grouped = blockwise.Fp8GroupedMM(mode)
     plan: dict[str, str] = {}
     kept: list[str] = []
     for layer_name, block in layers.items():
         for name, module in list(block.named_modules()):
             full = f"layers.{layer_name}.{name}"
-            if isinstance(module, fp8.Fp8Linear) or getattr(module, "matmul", None) is fp8.fp8_linear \
-                    or isinstance(getattr(module, "mm", None), fp8.Fp8GroupedMM):
+            if isinstance(module, blockwise.Fp8Linear) or getattr(module, "matmul", None) is blockwise.fp8_linear \
+                    or isinstance(getattr(module, "mm", None), blockwise.Fp8GroupedMM):
                 raise ValueError(f"{full} already runs in FP8: apply_fp8 was applied twice")
             if isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)) and not dense:
                 continue
             if isinstance(module, nn.Linear):
-                ok = fp8.fits_blocks(module.in_features, module.out_features)
+                ok = blockwise.fits_blocks(module.in_features, module.out_features)
                 if ok:
                     parent, _, child = name.rpartition(".")
-                    setattr(block.get_submodule(parent), child, fp8.Fp8Linear.from_linear(module))
+                    setattr(block.get_submodule(parent), child, blockwise.Fp8Linear.from_linear(module))
                 shape = [module.out_features, module.in_features]
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 shape = list(module.weight.shape)
-                ok = fp8.fits_blocks(*shape)
+                ok = blockwise.fits_blocks(*shape)
                 if ok:
-                    module.matmul = fp8.fp8_linear
+                    module.matmul = blockwise.fp8_linear
             elif isinstance(module, GroupedExperts):
                 shape = [module.num_experts, module.dim, module.hidden]
-                ok = fp8.fits_blocks(module.dim, module.hidden)
+                ok = blockwise.fits_blocks(module.dim, module.hidden)
                 if ok:
                     module.mm = grouped
             else:
@@ -226,7 +226,7 @@ def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = T
                 kept.append(f"{full} {shape}")
     if kept:
         log.warning("fp8: %d of %d block GEMM layers keep bf16 (local feature sizes not multiples of %d): %s",
-                    len(kept), len(plan), fp8.BLOCK, ", ".join(kept))
+                    len(kept), len(plan), blockwise.BLOCK, ", ".join(kept))
     experts = any(isinstance(m, GroupedExperts) for m in layers.modules())
     log.info("fp8: %d block GEMM layers in FP8%s", len(plan) - len(kept), f" (expert wgrad {mode})" if experts else "")
     return plan

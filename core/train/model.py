@@ -1,7 +1,7 @@
 """The GPT assembled from `core.layers` and, on MoE layers, `moe.layer.MoELayer`.
 
 It knows nothing of parallelism: the math here is the reference for every layout, and the
-parallelize steps (`core.parallelize`) rewrite its submodules in place.
+parallelize steps (`core.train.parallelize`) rewrite its submodules in place.
 """
 
 from __future__ import annotations

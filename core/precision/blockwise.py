@@ -46,7 +46,7 @@ from core.kernels import fp8_wgrad as kwgrad
 from core.kernels import grouped_mm_wgrad
 from core.kernels.grouped_gemm import grouped_mm_wgrad_into_, main_grad_sink
 from core.kernels.library import custom_op, kernel_library, report_once
-from core.fp8_cache import WEIGHT_CACHE
+from core.precision.weight_cache import WEIGHT_CACHE
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _pad_rows(t: Tensor, multiple: int = ROW_ALIGN) -> Tensor:
 
 def _weight_blocks(w: Tensor, transpose: bool = False) -> tuple[Tensor, Tensor]:
     """quantize_128x128(w, transpose), once per optimizer step for the trainer's weights
-    (core/fp8_cache.py; `train.fp8_weight_cache`)."""
+    (core/precision/weight_cache.py; `train.fp8_weight_cache`)."""
     return WEIGHT_CACHE.quantize(w, transpose, kfp8.quantize_128x128)
 
 

@@ -53,7 +53,7 @@ def apply_torchao_fp8(model: nn.Module, recipe: str, emulate: bool) -> dict[str,
         config = dataclasses.replace(config, emulate=True)
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
-        raise ValueError(f"apply_torchao_fp8 needs a core.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
+        raise ValueError(f"apply_torchao_fp8 needs a core.train.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
     plan: dict[str, str] = {}
 
     def convert(module: nn.Module, name: str) -> bool:

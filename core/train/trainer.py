@@ -33,19 +33,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.checkpoint import AsyncCheckpointer, latest_checkpoint, load_checkpoint, save_checkpoint
+from core.state.checkpoint import AsyncCheckpointer, latest_checkpoint, load_checkpoint, save_checkpoint
 from core.config import Config, grad_accum_steps, resolve_layout
-from core.data import StepInputs, open_stream, resolve_address, to_inputs
+from core.train.data import StepInputs, open_stream, resolve_address, to_inputs
 from core.lifecycle import stop_deferred
-from core.dynamic_cp import DynamicCP
-from core.loss import cross_entropy_sum, fused_output_cross_entropy_sum
+from core.train.dynamic_cp import DynamicCP
+from core.train.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh, init_distributed
 from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
-from core.model import build_model, count_params
+from core.train.model import build_model, count_params
 from core.parallel.context import shard_for_cp
 from core.parallel.pipeline import run_pipeline_step
-from core.parallelize import parallelize
-from core.pretrained import load_weights
+from core.train.parallelize import parallelize
+from core.state.pretrained import load_weights
 from core.watchdog import Watchdog
 from moe.comm import EXCHANGE_TIMER
 from moe.layer import set_moe_loss_scale, set_moe_sequences, summarize_moe_stats, take_moe_stats

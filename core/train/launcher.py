@@ -11,7 +11,7 @@ Several nodes: one launcher per node with the same `Rendezvous` (`--nnodes`, `--
 `--rdzv-id`; c10d rendezvous, or a fixed `--node-rank` with static rendezvous). Then no launcher
 holds the run directory: the workers' rank 0 takes it, as under a plain torchrun. With
 `--max-restarts N` torchrun restarts the worker group when a worker dies; the restarted workers
-continue from the newest complete checkpoint (`core/cli.py`).
+continue from the newest complete checkpoint (`core/train/cli.py`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.checkpoint import latest_checkpoint, step_of
+from core.state.checkpoint import latest_checkpoint, step_of
 from core.lifecycle import STOP_SIGNALS, become_subreaper, descendants_of, die_with_parent, signal_all
 from core.metrics import read_metrics
-from core.rundir import LOCK_OWNER_ENV, METRICS_NAME, remove_partial_checkpoints
+from core.train.rundir import LOCK_OWNER_ENV, METRICS_NAME, remove_partial_checkpoints
 
 STOP_GRACE_S = 30.0  # torchrun's own grace for its workers is 30 s; ours covers torchrun itself
 LEFTOVER_GRACE_S = 5.0
@@ -46,7 +46,7 @@ def interrupted_line(run_dir: Path, ckpt_dir: Path, signum: int) -> str:
             f"{step_of(latest)}; continue with --resume {run_dir}")
 
 
-# The line rank 0 ends a run with (core/cli.py), and the exit code it stands for.
+# The line rank 0 ends a run with (core/train/cli.py), and the exit code it stands for.
 REPORT_LINES = {b"tessera-train: error: ": 2, b"tessera-train: failed: ": 1}
 
 
@@ -94,7 +94,7 @@ def _reap() -> None:
 
 @dataclass
 class Rendezvous:
-    """How this node's torchrun meets the others (torchrun's own arguments, checked by core/cli.py)."""
+    """How this node's torchrun meets the others (torchrun's own arguments, checked by core/train/cli.py)."""
 
     nnodes: int = 1
     node_rank: int | None = None  # set: static rendezvous, ranks fixed per node; None: c10d assigns them
@@ -118,7 +118,7 @@ class Rendezvous:
 
 def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Path,
                  rendezvous: Rendezvous | None = None) -> int:
-    """Run `python -m core.cli WORKER_ARGV` on `nproc` ranks of this node; returns the exit code.
+    """Run `python -m core.train.cli WORKER_ARGV` on `nproc` ranks of this node; returns the exit code.
 
     On one node the launcher holds the run directory for its workers and sweeps partial saves
     at the end; with several nodes the workers' rank 0 holds it (no launcher knows when the
@@ -126,7 +126,7 @@ def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Pa
     rendezvous = rendezvous or Rendezvous()
     become_subreaper()
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun_args(), f"--nproc-per-node={nproc}",
-           "-m", "core.cli", *worker_argv]
+           "-m", "core.train.cli", *worker_argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # N workers on a CPU-only machine share its cores
     # torchrun's c10d rendezvous lends its TCPStore to the workers by default, and the store keeps

@@ -2,7 +2,7 @@
 
 `apply_te(model, fp8_recipe, fuse_wgrad, norm_fusion)` joins each block's attention norm with
 q/k/v (`te.LayerNormLinear`) and a dense block's FFN norm with its FFN (`te.LayerNormMLP`) where
-the block allows (core.te_fused; `model.te_norm_fusion`), swaps the block's other `nn.Linear` for
+the block allows (core.precision.te_fused; `model.te_norm_fusion`), swaps the block's other `nn.Linear` for
 a `TeLinear` and gives the tensor-parallel Column/RowParallelLinear a `TeMatmul`; their GEMMs
 (forward, dgrad, wgrad) then run through Transformer Engine, in bf16 or with one of TE's FP8
 recipes. What stays Tessera's:
@@ -47,7 +47,7 @@ from torch import nn
 from core.eager import eager_only
 from core.layers import Attention, FeedForward, RMSNorm
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from core.te_fused import FP8_ALIGN, WEIGHTS, NormInNextLayer, TeCall, TeNormMLP, TeNormQKV
+from core.precision.te_fused import FP8_ALIGN, WEIGHTS, NormInNextLayer, TeCall, TeNormMLP, TeNormQKV
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def _fuse_norms(block: nn.Module, te, recipe, fuse_wgrad: bool) -> list[str]:
 def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool, norm_fusion: bool = True) -> dict[str, str]:
     """Switch the linear layers of `model.layers` to Transformer Engine in place; returns
     {module name: "te-fused" | "te" | "torch"}. `fp8_recipe` None: bf16 GEMMs. `norm_fusion`:
-    norms with their following projections in TE's fused modules (core.te_fused) where the
+    norms with their following projections in TE's fused modules (core.precision.te_fused) where the
     block allows; "te-fused" names the linears inside them. Apply after tensor and expert
     parallelism (the local shards' shapes) and before the pipeline split, recompute, compile
     and data parallelism (which serves `main_grad` when `fuse_wgrad`)."""
@@ -233,7 +233,7 @@ def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool, norm_fu
         raise RuntimeError(f"model.dense_backend='te': {reason}")
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
-        raise ValueError(f"apply_te needs a core.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
+        raise ValueError(f"apply_te needs a core.train.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
     te, _ = _te()
     recipe = build_recipe(fp8_recipe)
     plan: dict[str, str] = {}

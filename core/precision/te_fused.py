@@ -14,7 +14,7 @@ Their fp32 main grads are adjacent too (data parallelism lays out `joined_params
 order), so TE's fused weight-gradient accumulation adds into them through one view.
 
 The norm's module stays in the tree, holding its weight under its own name, and passes its input
-through (`NormInNextLayer`); TE's module is kept outside the tree, as in core.te_backend.
+through (`NormInNextLayer`); TE's module is kept outside the tree, as in core.precision.te_backend.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ What is saved (one flat DCP state dict, keys by parameter name, so any layout ca
   coordinate existed in the saved layout (same layout: everything; dp 2 -> 4: dp ranks 0-1), and
   keeps its current generators otherwise; `load_checkpoint` logs how many ranks were restored.
 
-Older layouts (`core.layouts`): a checkpoint holding the experts' gate and up apart (`experts.w1`,
+Older layouts (`core.state.layouts`): a checkpoint holding the experts' gate and up apart (`experts.w1`,
 `experts.w3`) loads into today's `experts.w13` (its weights, masters and Adam moments, each half
 resharded like any tensor), so a run resumes across that change.
 
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core import placement
-from core.layouts import FUSED_DIM, older_parts, without_fused_dim
+from core.state.layouts import FUSED_DIM, older_parts, without_fused_dim
 from core.lifecycle import stop_deferred
 from core.mesh import ParallelMesh
 from core.parallel.data import ParamSlot

@@ -9,7 +9,7 @@ Each rank reads only its own slice of each tensor (`safe_open(...).get_slice`): 
 follows the placement tags (`core.placement`: the tensor-parallel dim and shape, the expert
 dim and the whole experts' shape), pipeline stages read only the layers they hold, and a tied
 output head (pipeline copy `output.weight`) reads the embedding. Loading happens after
-`core.parallelize.parallelize` and before the first step, so the values go into the params and
+`core.train.parallelize.parallelize` and before the first step, so the values go into the params and
 into the optimizer's fp32 master chunks alike: fp32 params are their own masters (the copy
 fills both); lower-precision params get the value rounded and the master the value itself.
 No optimizer moments or step counts are read: the run starts fresh from these weights.
@@ -32,7 +32,7 @@ from torch import nn
 from core import placement
 from core.config import ConfigError
 from core.kernels.adamw import split_master
-from core.layouts import FUSED_DIM, fused_shape, older_parts, older_slices, without_fused_dim
+from core.state.layouts import FUSED_DIM, fused_shape, older_parts, older_slices, without_fused_dim
 from core.mesh import ParallelMesh
 
 INDEX_NAME = "weights.safetensors.index.json"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tomli_w
 
-from core.checkpoint import latest_checkpoint
+from core.state.checkpoint import latest_checkpoint
 from core.config import Config, ConfigError, leaf_values, load_config
 
 LOCK_NAME = "run.lock"

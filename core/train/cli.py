@@ -1,9 +1,9 @@
 """`tessera-train --config FILE [--set KEY=VALUE ...] [--nproc-per-node N] [--resume [RUN_DIR]] [--overwrite]`.
 
 Launched by torchrun (one process per rank), or with `--nproc-per-node N`, which starts
-torchrun itself on this machine (`core/launcher.py`); `--nnodes N --rdzv-endpoint HOST:PORT`
+torchrun itself on this machine (`core/train/launcher.py`); `--nnodes N --rdzv-endpoint HOST:PORT`
 (one such launcher per node) and `--max-restarts N` are handed to torchrun. The run directory
-protects itself (`core/rundir.py`): one run at a time, the effective config saved as
+protects itself (`core/train/rundir.py`): one run at a time, the effective config saved as
 RUN_DIR/config.toml, and `--resume RUN_DIR` continues a run with nothing else typed.
 `--auto-resume` continues the run when it has a complete checkpoint and starts it otherwise
 (what a requeued batch job wants); a worker that torchrun restarted after a failure does the same.
@@ -32,18 +32,18 @@ import tomli_w
 import torch
 import torch.distributed as dist
 
-from core import fp8, fp8_torchao, te_backend
-from core.checkpoint import latest_checkpoint
+from core.precision import blockwise, te_backend, torchao_fp8
+from core.state.checkpoint import latest_checkpoint
 from core.config import Config, ConfigError, load_config, reference, torchao_fp8, validate
-from core.data import check_data_source
-from core.launcher import Rendezvous, interrupted_line, launch_local
+from core.train.data import check_data_source
+from core.train.launcher import Rendezvous, interrupted_line, launch_local
 from core.lifecycle import Interrupted, die_with_parent, exit_without_teardown, install_stop_handlers, interrupted_by
 from core.mesh import init_distributed
-from core.model import build_model
-from core.pretrained import check_weights, expected_shapes
-from core.rundir import (CONFIG_NAME, LOCK_OWNER_ENV, RunDirError, RunLock, check_resume_changes, config_dict,
+from core.train.model import build_model
+from core.state.pretrained import check_weights, expected_shapes
+from core.train.rundir import (CONFIG_NAME, LOCK_OWNER_ENV, RunDirError, RunLock, check_resume_changes, config_dict,
                          load_saved_config, prepare, remove_partial_checkpoints, save_config)
-from core.trainer import train
+from core.train.trainer import train
 from dataservice.client import DataServiceError
 
 if _collecting:
@@ -217,22 +217,22 @@ def _report(message: str, first: bool, code: int = 2) -> int:
 
 def check_inputs(config: Config) -> None:
     """What the config names outside itself: the folders it writes, the device, the FP8
-    setting of the environment, the data (core.data.check_data_source) and the weights of
+    setting of the environment, the data (core.train.data.check_data_source) and the weights of
     checkpoint.init_from (every tensor present with the model's shape, read from the headers)."""
     _check_folder("train.run_dir", config.train.run_dir)
     if config.checkpoint.dir:
         _check_folder("checkpoint.dir", config.checkpoint.dir)
     if config.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA GPU is visible here; use train.device=auto or cpu")
-    wgrad = os.environ.get(fp8.EXPERT_WGRAD_ENV)
-    if config.train.precision == "fp8" and wgrad and wgrad not in fp8.EXPERT_WGRAD_MODES:
-        raise ConfigError(f"{fp8.EXPERT_WGRAD_ENV}={wgrad!r} must be " + " or ".join(fp8.EXPERT_WGRAD_MODES))
+    wgrad = os.environ.get(blockwise.EXPERT_WGRAD_ENV)
+    if config.train.precision == "fp8" and wgrad and wgrad not in blockwise.EXPERT_WGRAD_MODES:
+        raise ConfigError(f"{blockwise.EXPERT_WGRAD_ENV}={wgrad!r} must be " + " or ".join(blockwise.EXPERT_WGRAD_MODES))
     if config.model.dense_backend == "te":
         reason = te_backend.unavailable_reason()
         if reason:
             raise ConfigError(f"model.dense_backend='te' needs Transformer Engine on a GPU, but {reason}; "
                               "use model.dense_backend='torch'")
-    reason = fp8_torchao.unavailable_reason() if torchao_fp8(config) else None
+    reason = torchao_fp8.unavailable_reason() if torchao_fp8(config) else None
     if reason:
         raise ConfigError(f"train.fp8_recipe={config.train.fp8_recipe!r} needs torchao, but {reason}; "
                           "or use train.fp8_recipe=blockwise")

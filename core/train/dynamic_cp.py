@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from core.config import Config
-from core.data import StepInputs
+from core.train.data import StepInputs
 from core.mesh import ParallelMesh
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs
 
