@@ -768,7 +768,7 @@ FP8_RECIPES = ("blockwise", "tensorwise", "rowwise", "delayed")  # train.fp8_rec
 TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # with the torch backend: torchao's Float8Linear
 
 
-def torchao_fp8(config: Config) -> bool:
+def uses_torchao_fp8(config: Config) -> bool:
     """Whether the blocks' dense layers run torchao's FP8 (core/precision/torchao_fp8.py)."""
     t = config.train
     return config.model.dense_backend == "torch" and t.precision == "fp8" and t.fp8_recipe in TORCHAO_FP8_RECIPES
@@ -785,7 +785,7 @@ def _check_dense_backend(config: Config) -> None:
     if t.fp8_recipe == "rowwise" and backend == "te":
         raise ConfigError("train.fp8_recipe='rowwise' runs through torchao with model.dense_backend='torch'; "
                           "Transformer Engine's recipes here are blockwise, tensorwise and delayed")
-    torchao = torchao_fp8(config)
+    torchao = uses_torchao_fp8(config)
     if torchao and config.parallel.tp > 1:
         raise ConfigError(f"train.fp8_recipe={t.fp8_recipe!r} with the torch backend (torchao) runs at "
                           f"parallel.tp=1 only (now {config.parallel.tp}); use blockwise, or model.dense_backend='te'")

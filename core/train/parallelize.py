@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from core.precision import blockwise, te_backend, torchao_fp8
-from core.config import Config, ConfigError, grad_accum_steps, recompute_set, torchao_fp8
+from core.config import Config, ConfigError, grad_accum_steps, recompute_set, uses_torchao_fp8
 from core.precision.weight_cache import WEIGHT_CACHE
 from core.mesh import ParallelMesh
 from core.train.optim import build_optimizer, clip_grad_norm_
@@ -126,7 +126,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     if config.model.dense_backend == "te":  # after TP/EP: it reads the local shards' shapes
         te_backend.apply_te(model, t.fp8_recipe if precision == "fp8" else None, fuse_wgrad=p.gradient_accumulation_fusion,
                             norm_fusion=config.model.te_norm_fusion)
-    torchao = precision == "fp8" and torchao_fp8(config)
+    torchao = precision == "fp8" and uses_torchao_fp8(config)
     if precision == "fp8":  # the experts' GEMMs, and with the torch backend the dense ones
         if torchao:
             torchao_fp8.apply_torchao_fp8(model, t.fp8_recipe, emulate=device.type != "cuda")
