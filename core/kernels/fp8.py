@@ -333,12 +333,10 @@ def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float, p
     """TESSERA_FP8_CONFIG if set, else `preferred` when built, else config 0 (the cooperative
     128x128x128 tile) when built, else the first built one.
 
-    Measured on one H100 (bench/kernels_fp8.py, the three MoE shapes, random routing): the
-    cooperative tile beat pingpong_64x128x128 on every grouped shape, including groups of ~512
-    rows (E=128: 832 vs 608 TFLOP/s), so there is no small-group rule; for the dense GEMM too.
-    Config 2 (256x128x128, spills) measured 0.27-0.51x torch: only for experiments. The grouped
-    GEMMs (forward, dgrad, K-grouped wgrad) prefer config 4 (the same tile in a 1x2 cluster), or
-    config 3 (2x1) where the output's N tiles are odd: see _fp8_gg_preferred.
+    The cooperative tile beats the ping-pong one on every grouped shape, small groups included, so
+    there is no small-group rule; config 2 (256x128x128) spills registers and is for experiments
+    only. The grouped GEMMs prefer a cluster of two: see _fp8_gg_preferred. Figures:
+    docs/performance-notes.md, "FP8 kernel configurations".
     rows_per_group is for shape rules to come."""
     names = lib.config_names(family)
     forced = _env_int(FP8_CONFIG_ENV, -1)
@@ -352,19 +350,11 @@ def _choose_fp8_config(lib: KernelLibrary, family: int, rows_per_group: float, p
     return next(i for i, name in enumerate(names) if name is not None)
 
 
-# The FP8 grouped GEMM's default per C entry: the 1x2 cluster (config 4: the two CTAs of a cluster
-# take neighbouring N tiles and share each activation tile by TMA multicast). Two interleaved runs of
-# 5 rounds on one H100 (2026-11-24, bench/kernels.py --fp8 --rounds 5), ratio to torch rowwise fast
-# accumulation, config 4 / config 0: forward 0.908, 0.905 / 0.859, 0.823 (Mixtral-like), 1.002,
-# 1.016 / 0.860, 0.894 (fine E=128); dgrad ahead on all three shapes; the K-grouped wgrad 0.744,
-# 0.733 / 0.689, 0.697 (Mixtral-like), 0.899, 0.900 / 0.859, 0.872 (fine E=128).
+# The FP8 grouped GEMMs' default: the 1x2 cluster (the two CTAs take neighbouring N tiles and share
+# each activation tile by TMA multicast), ahead of the unclustered tile on every pass.
 GG_PREFERRED_CONFIG = {"fp8_gg": 4, "fp8_gg_wgrad": 4}
-# The grouped tile scheduler pads each group's tiles along the cluster's long side to an even count,
-# so a 1x2 cluster computes 12 N tiles where an output of 1408 columns (fine E=64) has 11: there the
-# 2x1 cluster (config 3) takes over. Three runs (H100, 2026-11-24), config 3 / config 4:
-# fine E=64 forward 0.980, 0.970, 0.981 / 0.961, 0.943, 0.942; its K-grouped wgrad (1408 output
-# columns too) 0.875, 0.860, 0.970 / 0.834, 0.819, 0.878. Every other measured output width is an
-# even number of 128-wide tiles.
+# The grouped tile scheduler pads each group's tiles along the cluster's long side to an even count:
+# where the output's N tiles are odd (1408 columns: 11 of 128) the 2x1 cluster pads nothing.
 GG_ODD_N_TILES_CONFIG = 3
 
 
@@ -388,9 +378,8 @@ def _workspace(lib: KernelLibrary, name: str, key: tuple, *args) -> int:
     return size
 
 
-# Tile-order swizzle of the dense FP8 GEMM: neighbouring CTAs share A and B tiles in L2. On one
-# H100 (bench/kernel_raster.py, four shapes from 8192x4096x4096 to 16384x14336x4096) swizzle 8
-# ran 1089-1116 TFLOP/s, swizzle 1 1013-1055 (BENCHMARKS.md).
+# Neighbouring CTAs of the dense FP8 GEMM share A and B tiles in L2 at swizzle 8 (figures:
+# docs/performance-notes.md, "Tile order").
 DENSE_SWIZZLE = 8
 
 

@@ -141,35 +141,18 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name}={value!r} must be an integer") from None
 
 
-# Default configuration by name (indices are the build's; a library built without it falls back
-# to the first built one). Measured on one H100 (bench/kernels.py, random routing, the three MoE
-# shapes): coop_128x256x64_c2x1 beat pingpong_128x128x64_c1x1 and pingpong_64x256x64_c1x1 on every
-# shape and pass, including the fine-grained groups of 512-2048 rows the ping-pong tiles were
-# meant for (those were 10-25% slower).
+# Which CUTLASS configuration runs each call (indices are the build's; a library built without one
+# falls back to the first built). The figures behind each choice: docs/performance-notes.md,
+# "Grouped GEMM tiles". The cooperative 128x256 tile in a 2x1 cluster is fastest on every MoE shape
+# and pass, fine-grained groups included.
 DEFAULT_CONFIG = "coop_128x256x64_c2x1"
-# The same tile without the 2x1 cluster, for forward and dgrad on groups averaging < 1024 rows: a
-# 2-CTA cluster pads each group's row tiles to an even count, which wastes most when groups hold
-# few tiles. Measured on the fine-grained E=128 shape (512 rows per group, H100): 1.153x
-# torch._grouped_mm forward and 1.034x dgrad, against 1.053x / 1.019x for DEFAULT_CONFIG; on
-# groups of 2048+ rows the clustered tile stays ahead (0.99x vs 1.04x on E=64 forward).
+# A 2-CTA cluster pads each group's row tiles to an even count, which costs most when groups hold
+# few tiles: the forward on groups averaging under 1024 rows, and OP_FWD_BT_T (whose M is n: 1408
+# would pad 11 tiles to 12), take the same tile unclustered.
 SMALL_GROUP_CONFIG, SMALL_GROUP_ROWS = "coop_128x256x64_c1x1", 1024
-# Config 0's tile in a 1x2 cluster (multicast along N), for the data gradient. Two interleaved runs
-# of 5 rounds on one H100 (2026-11-24; bench/kernels.py --rounds 5, every config timed in turn with
-# torch): dgrad 1.046 / 1.061x torch on fine E=128 against 1.002 / 1.009x for DEFAULT_CONFIG, a tie
-# (within 1%) on Mixtral-like and fine E=64. Not for the forward (fine E=128 forward 0.75-0.77x).
-# The weight gradient takes DEFAULT_CONFIG: the same runs put it at 0.997-1.006 / 0.998-0.999 /
-# 0.977-0.996x against 0.974-0.996 / 0.970-0.973 / 0.979-0.987x for this tile (Mixtral-like / fine
-# E=64 / fine E=128); this tile's +9-11% in non-interleaved runs came from timings minutes apart. Except where
-# a cluster would pad: a 2x1 cluster rounds the wgrad's M tiles (the layer's input size / 128) up
-# to an even count, a 1x2 cluster its N tiles (output size / 256); when only the M count is odd
-# (a down projection of 1408 inputs: 11 tiles, 9% of the work wasted) the 1x2 cluster wastes nothing:
-# bench/kernels.py --shapes fine64down (1408 -> 2048), two runs, wgrad 1.043 / 1.042x torch for
-# this tile against 1.002 / 0.997x for DEFAULT_CONFIG.
+# A 1x2 cluster pads N tiles, not rows: the data gradient's default, and the weight gradient's where
+# only its M tile count is odd (a 2x1 cluster would waste a whole tile row there).
 N_CLUSTER_CONFIG = "coop_128x256x64_c1x2"
-# OP_FWD_BT_T (the data gradient with n as the tiles' M) takes SMALL_GROUP_CONFIG: a 2x1 cluster
-# would pad n's 11 tiles of 128 (1408) to 12, a 1x2 cluster each group's row tiles to an even
-# count. bench/kernels.py --shapes fine64down --configs all --graph (one H100): 556 TFLOP/s
-# against 531-537 for the clustered 128x256 and 256x128 tiles and 543 for OP_FWD_BT's default.
 TILE_M, TILE_N = 128, 256  # the tile of DEFAULT_CONFIG and N_CLUSTER_CONFIG
 
 
@@ -216,10 +199,8 @@ def _cutlass_reason(x: Tensor, other: Tensor) -> str | None:
     return None
 
 
-# Tile-order swizzle of the weight-gradient GEMM: neighbouring CTAs reuse the same x_e^T and
-# dy_e tiles from L2. bench/kernel_raster.py on one H100: 1.123 / 1.035 / 1.008x torch with
-# swizzle 8 against 1.060 / 1.004 / 0.999x with 1 (Mixtral-like, fine E=64, E=128); forward and
-# dgrad had no order consistently better than swizzle 1 (BENCHMARKS.md).
+# Neighbouring CTAs of the weight gradient reuse the same x_e^T and dy_e tiles from L2 at swizzle 8;
+# forward and dgrad gain nothing from another order (docs/performance-notes.md, "Tile order").
 WGRAD_SWIZZLE = 8
 
 
