@@ -29,15 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from core.kernels.library import report_once
+
 log = logging.getLogger(__name__)
-_reported: set[str] = set()
-
-
-def report_once(message: str) -> None:
-    """Log which backend runs, once per distinct message (a fallback must be visible, not noisy)."""
-    if message not in _reported:
-        _reported.add(message)
-        log.info(message)
+# Which attention kernel runs is said once per distinct choice, at info level.
+report_backend = functools.partial(report_once, level=logging.INFO, logger=log)
 
 
 def _sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_len: int, scale: float | None) -> torch.Tensor:
@@ -201,13 +197,13 @@ def varlen_attention(
     uniform = num_segments > 0 and max_seqlen * num_segments == total
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         if uniform:
-            report_once("attention: dense causal SDPA (cuDNN preferred)")
+            report_backend("attention: dense causal SDPA (cuDNN preferred)")
             return _sdpa_dense(q, k, v, max_seqlen, scale)
         if (doc_lengths is not None and max_seqlen >= CUDNN_MIN_DOC
                 and os.environ.get(VARLEN_KERNEL_ENV, "auto") != "flash"):
-            report_once(f"attention: cuDNN SDPA for documents of >= {CUDNN_MIN_DOC} tokens, varlen_attn for the rest")
+            report_backend(f"attention: cuDNN SDPA for documents of >= {CUDNN_MIN_DOC} tokens, varlen_attn for the rest")
             return _split_by_length(q, k, v, doc_lengths, scale)
-        report_once("attention: varlen_attn (packed documents)")
+        report_backend("attention: varlen_attn (packed documents)")
         return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
     # CPU, or fp32 on CUDA (FlashAttention varlen takes 16-bit inputs only): exact paths.
     if uniform:

@@ -34,16 +34,10 @@ from core.state.layouts import FUSED_DIM, FUSED_TENSORS
 from core.layers import FusedSwiGLU
 from core.kernels import grouped_mm as kernels_grouped_mm
 from core.kernels.grouped_gemm import grouped_mm_wgrad_into_, main_grad_sink
+from core.kernels.library import report_once
 
 log = logging.getLogger(__name__)
-_reported: set[str] = set()
 _OLDER_W13 = tuple(key.rpartition(".")[2] for key in FUSED_TENSORS["experts.w13"])  # this module's names: w1, w3
-
-
-def _report_once(reason: str) -> None:
-    if reason not in _reported:
-        _reported.add(reason)
-        log.info("moe grouped_mm: per-expert loop fallback (%s)", reason)
 
 
 def _native_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
@@ -78,7 +72,7 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
 def _product(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return kernels_grouped_mm(x, w, offsets)
-    _report_once(f"device {x.device.type}")
+    report_once(f"moe grouped_mm: per-expert loop fallback (device {x.device.type})", logging.INFO, log)
     return grouped_mm_loop(x, w, offsets)
 
 

@@ -123,11 +123,16 @@ _usable: dict[tuple[int, str | None], KernelLibrary | None] = {}
 _reported: set[str] = set()
 
 
-def report_once(message: str, level: int = logging.WARNING) -> None:
-    """Log a fallback reason once per process (principle: every fallback is reported once)."""
+def report_once(message: str, level: int = logging.WARNING, logger: logging.Logger | None = None) -> None:
+    """Log a message once per process, on `logger` (default: the kernels' own, with a prefix).
+
+    Every fallback and every backend choice is reported once: visible, not noisy."""
     if message not in _reported:
         _reported.add(message)
-        log.log(level, "tessera kernels: %s", message)
+        if logger is None:
+            log.log(level, "tessera kernels: %s", message)
+        else:
+            logger.log(level, "%s", message)
 
 
 def library_path() -> Path:

@@ -34,11 +34,10 @@ from core.eager import eager_only
 from core.mesh import ParallelMesh
 from core.layers import AttentionMeta
 from core.parallel.ring_attention import CPLayout, ring_attention
+from dataservice.packing import IGNORE_INDEX
 
 __all__ = ["CPInputs", "CPLayout", "shard_for_cp", "RingCoreAttention", "apply_cp", "CPSubgroups",
-           "gather_documents", "dynamic_cp_inputs", "IGNORE_INDEX"]
-
-IGNORE_INDEX = -100
+           "gather_documents", "dynamic_cp_inputs"]
 
 
 class CPInputs(NamedTuple):

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from core.attention import report_once
+from core.attention import report_backend
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ def _cudnn_bwd(dout, q, k, v, out, lse, docs, causal, scale):
 def _cudnn_failed(exc: Exception) -> None:
     global _cudnn_broken
     _cudnn_broken = True
-    report_once(f"ring attention: cuDNN SDPA blocks failed ({str(exc).splitlines()[0][:200]}); "
+    report_backend(f"ring attention: cuDNN SDPA blocks failed ({str(exc).splitlines()[0][:200]}); "
                 "using FlashAttention varlen blocks from now on")
 
 
@@ -226,15 +226,15 @@ def block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, docs: int = 
     if _cudnn_usable(q, docs):
         try:
             out = _cudnn_fwd(q, k, v, docs, causal, scale)
-            report_once("ring attention: cuDNN SDPA blocks (documents of equal length)")
+            report_backend("ring attention: cuDNN SDPA blocks (documents of equal length)")
             return out
         except RuntimeError as exc:
             _cudnn_failed(exc)
     if _flash_available(q):
-        report_once("ring attention: FlashAttention varlen blocks")
+        report_backend("ring attention: FlashAttention varlen blocks")
         return _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
     if q.is_cuda:
-        report_once("ring attention: exact dense blocks on CUDA (FlashAttention varlen unavailable or fp32)")
+        report_backend("ring attention: exact dense blocks on CUDA (FlashAttention varlen unavailable or fp32)")
     return _dense_fwd(q, k, v, cu_q, cu_k, causal, scale)
 
 

@@ -21,8 +21,7 @@ from core.config import FUSED_CHUNK_ELEMENTS
 from core.kernels import cross_entropy as rows_ce
 from core.parallel.comm import group_rank, group_size
 from core.parallel.wgrad import matmul_into_
-
-IGNORE_INDEX = -100
+from dataservice.packing import IGNORE_INDEX
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
