@@ -18,7 +18,7 @@ JSON line, per measurement on rank 0):
   `eff_strong` = t(CP=1 on S) / (cp * t(CP=cp on S)) (ideal 1).
 - calibrate: fits the planner's CostModel on one GPU (least squares over micro-batches of
   short and long documents) and the ring terms from a measured neighbour exchange.
-- dynamic: a long-tail mix of document lengths, planned by `plan_step` (dynamic) and by
+- dynamic: a long-tail mix of document lengths, planned by `plan_cp_step` (dynamic) and by
   `plan_static` (every micro-batch on the whole world), both run on the same documents
   with a small GPT forward+backward; tokens/s of each and the ratio.
 """
@@ -41,7 +41,7 @@ from core.mesh import ParallelMesh
 from core.train.model import build_model
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs, shard_for_cp
 from core.parallel.ring_attention import block_backward, block_forward, ring_attention
-from dataservice.cp_plan import CostModel, H200_COST, plan_static, plan_step
+from dataservice.cp_plan import CostModel, H200_COST, plan_static, plan_cp_step
 
 
 def emit(record: dict, device) -> None:
@@ -323,7 +323,7 @@ def dynamic_one(args, device, dtype, cost: CostModel, seed: int):
     step = make_step(cfg, lengths, device, seed=seed)
     model = apply_cp(build_model(cfg, seed=0).to(device), None)
     subgroups = CPSubgroups.build(ParallelMesh.build(cp=world))
-    plans = {"dynamic": plan_step(lengths, world, budget, cost), f"static_cp{world}": plan_static(lengths, world, world, budget, cost)}
+    plans = {"dynamic": plan_cp_step(lengths, world, budget, cost), f"static_cp{world}": plan_static(lengths, world, world, budget, cost)}
     total = float(sum(lengths))
     runners = {name: plan_runner(model, plan, step, subgroups, device, dtype) for name, plan in plans.items()}
     times = harness.compare(runners, rounds=args.dynamic_rounds, iters=1, warmup=1, device=device,

@@ -2,7 +2,7 @@
 
 Attention is quadratic in document length, so equal token counts are not equal work, and a
 CP size fixed for the longest document makes every short one pay ring traffic for nothing.
-`plan_step` takes the documents of one global step (their lengths; the set is fixed by the
+`plan_cp_step` takes the documents of one global step (their lengths; the set is fixed by the
 step, whatever the layout), the number of ranks (dp*cp), a per-rank token budget and a
 `CostModel`, and returns micro-batches, each with a group of ranks (an aligned power-of-two
 range [start, start+g)) and the documents it holds, in one global execution order.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-__all__ = ["CostModel", "MicroBatchPlan", "StepPlan", "plan_step", "plan_static", "padded_length", "H200_COST"]
+__all__ = ["CostModel", "MicroBatchPlan", "StepPlan", "plan_cp_step", "plan_static", "padded_length", "H200_COST"]
 
 
 def padded_length(length: np.ndarray | int, group_size: int) -> np.ndarray | int:
@@ -176,7 +176,7 @@ class _Costs:
             if lens.size else np.zeros((0, len(sizes)))
 
 
-def plan_step(doc_lens, num_ranks: int, token_budget: int, cost: CostModel, *, max_group: int | None = None) -> StepPlan:
+def plan_cp_step(doc_lens, num_ranks: int, token_budget: int, cost: CostModel, *, max_group: int | None = None) -> StepPlan:
     """Balanced dynamic-CP plan of one global step (see the module docstring).
 
     doc_lens: the step's document lengths (>= 1). num_ranks: dp*cp ranks (any count >= 1;

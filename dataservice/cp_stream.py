@@ -4,7 +4,7 @@ Global step k is rows [k*G, (k+1)*G) of the stream (G = rows_per_step = the trai
 batch size): the same rows the step holds without dynamic CP, so the set of documents, and
 with it the step's loss, does not depend on the layout. Their documents (the non-padding
 segments of those rows, a piece of a long document counting as its own, exactly as the
-attention of the rows sees it) go to `cp_plan.plan_step` over the dp*cp ranks, and the stream
+attention of the rows sees it) go to `cp_plan.plan_cp_step` over the dp*cp ranks, and the stream
 of dp_cp rank i carries `plan.for_rank(i)`: one message per entry, each with the entry's
 documents back to back (no padding; the trainer's `dynamic_cp_inputs` splits them within the
 entry's sub-group).
@@ -25,7 +25,7 @@ from typing import Iterable
 import numpy as np
 
 import protos
-from dataservice.cp_plan import CostModel, MicroBatchPlan, StepPlan, padded_length, plan_step
+from dataservice.cp_plan import CostModel, MicroBatchPlan, StepPlan, padded_length, plan_cp_step
 from dataservice.packing import MicroBatch
 from dataservice.plan import Anchor, StreamPlan
 
@@ -179,7 +179,7 @@ class StepCache:
         start, length = cu[seg], cu[seg + 1] - cu[seg]
         real = np.repeat(start, length) + _iota(length)
         tokens, labels, positions = batch.tokens[real], batch.labels[real], batch.position_ids[real]
-        step_plan = plan_step(length, cp.num_ranks, cp.token_budget, self.cost)
+        step_plan = plan_cp_step(length, cp.num_ranks, cp.token_budget, self.cost)
         return PlannedStep(step, rows, tokens, labels, positions, np.cumsum(length) - length, length,
                            batch.doc_hashes[seg], step_plan, first_anchor, last_anchor)
 

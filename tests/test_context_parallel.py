@@ -192,11 +192,11 @@ def _static_cp(mesh, batch, multiple_of=1, tp=False):
 
 def _dynamic_cp(mesh, batch, budget):
     from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs
-    from dataservice.cp_plan import CostModel, plan_step
+    from dataservice.cp_plan import CostModel, plan_cp_step
 
     subgroups = CPSubgroups.build(mesh)
     tokens, labels, positions, cu = batch
-    plan = plan_step(cu.diff().numpy(), mesh.size("dp_cp"), budget, CostModel(per_token=1e-6, per_pair=1e-8))
+    plan = plan_cp_step(cu.diff().numpy(), mesh.size("dp_cp"), budget, CostModel(per_token=1e-6, per_pair=1e-8))
     model = apply_cp(build_model(CFG, seed=SEED), None)
     loss = torch.zeros(())
     for entry in plan.for_rank(subgroups.index):

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dataservice.cp_plan import H200_COST, CostModel, padded_length, plan_static, plan_step
+from dataservice.cp_plan import H200_COST, CostModel, padded_length, plan_static, plan_cp_step
 
 
 def long_tail(rng, n, cap, mu=7.0, sigma=1.5):
@@ -53,7 +53,7 @@ def test_properties_over_many_random_steps():
         largest = 1 << (cap_group.bit_length() - 1)
         for _ in range(3):
             lens = long_tail(rng, int(rng.integers(1, 60)), cap=largest * budget, mu=4.0, sigma=1.3)
-            plan = plan_step(lens, num_ranks, budget, H200_COST, max_group=max_group)
+            plan = plan_cp_step(lens, num_ranks, budget, H200_COST, max_group=max_group)
             check_plan(plan, lens, num_ranks, budget, max_group)
             cases += 1
     assert cases == 8 * 3 * 2 * 3
@@ -62,7 +62,7 @@ def test_properties_over_many_random_steps():
 def test_a_document_over_the_budget_gets_the_smallest_group_that_holds_it():
     # Each ring step costs more than the whole document's work: more ranks than needed only lose.
     cost = CostModel(per_token=1.0, per_pair=0.0, ring_step=1000.0)
-    plan = plan_step([1000, 10, 10, 10], 8, 300, cost)
+    plan = plan_cp_step([1000, 10, 10, 10], 8, 300, cost)
     (big,) = [mb for mb in plan.microbatches if 0 in mb.docs.tolist()]
     assert big.group_size == 4 and big.docs.tolist() == [0]  # 1000 -> 1000/4 = 250 <= 300; 2 ranks: 500
     assert all(mb.group_size == 1 for mb in plan.microbatches if mb is not big)
@@ -73,7 +73,7 @@ def test_short_documents_pay_no_ring_and_a_dominant_one_is_spread():
     # the step: the long one is spread over a group, the short ones stay on single ranks.
     rng = np.random.default_rng(1)
     lens = np.concatenate([[60000], long_tail(rng, 300, cap=4096, mu=6.0, sigma=1.0)])
-    plan = plan_step(lens, 8, 65536, H200_COST)
+    plan = plan_cp_step(lens, 8, 65536, H200_COST)
     check_plan(plan, lens, 8, 65536)
     groups = {int(d): mb.group_size for mb in plan.microbatches for d in mb.docs}
     assert groups[0] >= 4
@@ -90,7 +90,7 @@ def test_balance_on_long_tail_steps(seed):
     rng = np.random.default_rng(seed)
     num_ranks = [8, 16, 32][seed % 3]
     lens = long_tail(rng, 60 * num_ranks, cap=65536, mu=7.0, sigma=1.6)
-    plan = plan_step(lens, num_ranks, 32768, H200_COST)
+    plan = plan_cp_step(lens, num_ranks, 32768, H200_COST)
     check_plan(plan, lens, num_ranks, 32768)
     assert plan.imbalance < 0.05, plan.imbalance
     assert plan.makespan <= 1.25 * plan.lower_bound, (plan.makespan, plan.lower_bound)
@@ -103,21 +103,21 @@ def test_balance_on_long_tail_steps(seed):
 def test_deterministic_and_independent_of_input_container():
     rng = np.random.default_rng(2)
     lens = long_tail(rng, 200, cap=20000)
-    a = plan_step(lens, 6, 8192, H200_COST)
-    b = plan_step(lens.tolist(), 6, 8192, H200_COST)
+    a = plan_cp_step(lens, 6, 8192, H200_COST)
+    b = plan_cp_step(lens.tolist(), 6, 8192, H200_COST)
     assert [(m.group_start, m.group_size, m.docs.tolist()) for m in a.microbatches] == \
            [(m.group_start, m.group_size, m.docs.tolist()) for m in b.microbatches]
 
 
 def test_empty_step_and_errors():
-    empty = plan_step([], 4, 100, H200_COST)
+    empty = plan_cp_step([], 4, 100, H200_COST)
     assert empty.microbatches == [] and empty.makespan == 0.0
     with pytest.raises(ValueError, match="document of 1000 tokens does not fit.*largest group of 4 ranks.*250 tokens per rank"):
-        plan_step([5, 1000], 4, 200, H200_COST)
+        plan_cp_step([5, 1000], 4, 200, H200_COST)
     with pytest.raises(ValueError, match="document lengths must be >= 1; got 0"):
-        plan_step([5, 0], 4, 200, H200_COST)
+        plan_cp_step([5, 0], 4, 200, H200_COST)
     with pytest.raises(ValueError, match="num_ranks=0 must be an integer >= 1"):
-        plan_step([5], 0, 200, H200_COST)
+        plan_cp_step([5], 0, 200, H200_COST)
     with pytest.raises(ValueError, match="CostModel.per_pair=-1.0 must be a finite number >= 0"):
         CostModel(per_token=1.0, per_pair=-1.0)
     with pytest.raises(ValueError, match="cp_size=3 must be a power of two dividing num_ranks=8"):

@@ -2,7 +2,7 @@
 
 Reference for every step: the same server's plain stream of the step's rows (dp_size 1,
 micro_batch_size = rows_per_step: global step k is rows [k*G, (k+1)*G) either way), whose
-non-padding segments are the step's documents in row order, and `plan_step` over their
+non-padding segments are the step's documents in row order, and `plan_cp_step` over their
 lengths with the server's cost model. Nothing here depends on an earlier run.
 """
 
@@ -21,7 +21,7 @@ from core.config import ConfigError
 from core.train.data import LocalServer
 from dataservice.build import build_dataset, make_corpus
 from dataservice.client import DataClient
-from dataservice.cp_plan import H200_COST, padded_length, plan_step
+from dataservice.cp_plan import H200_COST, padded_length, plan_cp_step
 from dataservice.server import serve
 from dataservice.shards import ShardedDataset
 
@@ -88,7 +88,7 @@ def test_entries_cover_every_document_of_the_step_once_within_the_budget(server)
     sizes = set()
     for step in range(3):
         docs, lens = reference_step(server, step)
-        plan = plan_step(lens, N, BUDGET, H200_COST)  # the server's plan is this pure function
+        plan = plan_cp_step(lens, N, BUDGET, H200_COST)  # the server's plan is this pure function
         copies = defaultdict(list)  # microbatch index -> (rank, message)
         for r, msgs in streams.items():
             mine = [m for m in msgs if m.step == step]
