@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from core.train.cli import main as train_main
-from core.config import RANGES, Config, ConfigError, field_docs, load_config, validate
+from core.config import RANGES, Config, ConfigError, field_docs, load_config
+from core.validation import validate
 from dataservice.cli import main as data_main
 from dataservice.build import build_dataset, make_corpus
 
@@ -143,8 +144,12 @@ def test_the_moe_top_k_above_the_experts(tmp_path, dataset):
     assert not (tmp_path / "run").exists()
 
 
-def test_split_masters_without_bf16_params(tmp_path, dataset):
-    proc = train(tmp_path, dataset, "parallel.split_master_weights=true", "train.precision=fp32")
+@pytest.mark.parametrize("precision", [
+    ["train.precision=fp32"],  # refused by the config's validation
+    ["train.precision=auto", "train.device=cpu"],  # refused where 'auto' becomes fp32, on the device
+])
+def test_split_masters_without_bf16_params(tmp_path, dataset, precision):
+    proc = train(tmp_path, dataset, "parallel.split_master_weights=true", *precision)
     assert_one_line(proc, "parallel.split_master_weights", "bf16 or fp8", "fp32")
 
 

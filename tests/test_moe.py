@@ -20,10 +20,10 @@ from core.layers import AttentionMeta
 from core.train.model import build_model
 from moe.dispatcher import AllGatherDispatcher, build_dispatcher, sort_by_expert
 from moe.experts import GroupedExperts, grouped_mm, grouped_mm_loop
+from core.validation import check_moe
 from moe.layer import MoELayer, moe_metrics, set_moe_loss_scale, set_moe_sequences, update_expert_bias
 from moe.router import (
     capacity_keep,
-    check_moe_config,
     expert_counts,
     load_balancing_loss,
     route,
@@ -244,7 +244,7 @@ def test_bad_config_errors_name_the_field():
         (dict(num_experts=8, capacity_factor=-1.0), "capacity_factor=-1.0 must be >= 0"),
     ]:
         with pytest.raises(ValueError, match=match):
-            check_moe_config(MoEConfig(**kwargs))
+            check_moe(MoEConfig(**kwargs))
 
 
 # ------------------------------------------------------------------ the layer

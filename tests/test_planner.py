@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from bench import calibrate, planner_check
-from core.config import Config, ModelConfig, load_config, validate
+from core.config import Config, ModelConfig, load_config
+from core.validation import validate
 from core.parallel.schedules import theoretical_bubble
 from core.planner.calibration import Calibration, CalibrationError
 from core.planner.cli import main

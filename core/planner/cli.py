@@ -17,7 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from core.config import ConfigError, load_config, recompute_set, validate
+from core.config import ConfigError, load_config
+from core.rules import recompute_set
+from core.validation import validate
 from core.planner.layouts import describe
 from core.planner.calibration import Calibration, CalibrationError
 from core.planner.measure import run_plan

@@ -1,6 +1,6 @@
 """Every legal parallel layout of a config on N GPUs: pp x dp x cp x tp (x ep, etp, schedule).
 
-Legality is `core.config.validate`'s, nothing of its own: each candidate is a copy of the
+Legality is `core.validation.validate`'s, nothing of its own: each candidate is a copy of the
 config with the layout keys set, and a candidate `validate` refuses is left out. TP stays
 inside a node (its collectives sit on the critical path of every layer).
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Iterator
 
-from core.config import Config, ConfigError, validate
+from core.config import Config, ConfigError
+from core.validation import validate
 
 
 def divisors(n: int) -> list[int]:

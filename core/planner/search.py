@@ -2,7 +2,7 @@
 config on N GPUs, the global batch fixed; those whose predicted peak fits the GPU, ranked by
 predicted tokens/s.
 
-Legality is `core.config.validate`'s: a candidate it refuses is left out (the micro-batch must
+Legality is `core.validation.validate`'s: a candidate it refuses is left out (the micro-batch must
 divide the global batch over dp, the interleaved schedule needs micro-batches in multiples of
 pp, compiled blocks cannot take offload's saved-tensor hooks, ...).
 Planning assumptions: static context parallelism (a config's dynamic CP is planned as static
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import tomli_w
 
-from core.config import Config, ConfigError, RECOMPUTE_MODULES, nests, validate
+from core.config import Config, ConfigError
+from core.rules import RECOMPUTE_MODULES, nests
+from core.validation import validate
 from core.planner.calibration import Calibration
 from core.planner.layouts import describe, layouts
 from core.planner.memory import MemoryEstimate, estimate_memory

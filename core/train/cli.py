@@ -34,7 +34,9 @@ import torch.distributed as dist
 
 from core.precision import blockwise, te_backend, torchao_fp8
 from core.state.checkpoint import latest_checkpoint
-from core.config import Config, ConfigError, load_config, reference, torchao_fp8, validate
+from core.config import Config, ConfigError, load_config, reference
+from core import rules
+from core.validation import validate
 from core.train.data import check_data_source
 from core.train.launcher import Rendezvous, interrupted_line, launch_local
 from core.lifecycle import Interrupted, die_with_parent, exit_without_teardown, install_stop_handlers, interrupted_by
@@ -232,7 +234,7 @@ def check_inputs(config: Config) -> None:
         if reason:
             raise ConfigError(f"model.dense_backend='te' needs Transformer Engine on a GPU, but {reason}; "
                               "use model.dense_backend='torch'")
-    reason = torchao_fp8.unavailable_reason() if torchao_fp8(config) else None
+    reason = torchao_fp8.unavailable_reason() if rules.torchao_fp8(config) else None
     if reason:
         raise ConfigError(f"train.fp8_recipe={config.train.fp8_recipe!r} needs torchao, but {reason}; "
                           "or use train.fp8_recipe=blockwise")
