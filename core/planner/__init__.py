@@ -1,7 +1,7 @@
 """The layout planner (`tessera-plan`): which parallel layout, micro-batch, recomputation and
 offload to train a config with on N GPUs.
 
-- `layouts`: every legal pp x dp x cp x tp (x ep, etp, schedule) of a config, by `core.validation.validate`;
+- `layouts`: every legal pp x dp x cp x tp (x ep, etp, schedule) of a config, by `core.validation`'s layout rules;
 - `state`: each rank's parameters, gradients and optimizer state, exact;
 - `memory`: peak bytes per rank (activations per module, the pipeline's micro-batches in flight, transients);
 - `calibration`: the per-GPU-kind table of measured rates the time model reads (`h100_default.json`);
