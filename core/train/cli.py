@@ -220,7 +220,8 @@ def _report(message: str, first: bool, code: int = 2) -> int:
 def check_inputs(config: Config) -> None:
     """What the config names outside itself: the folders it writes, the device, the FP8
     setting of the environment, the data (core.train.data.check_data_source) and the weights of
-    checkpoint.init_from (every tensor present with the model's shape, read from the headers)."""
+    checkpoint.init_from (every tensor present with the model's shape, read from the headers).
+    Facts of this machine and its files, so not core.validation's, which judges the keys alone."""
     _check_folder("train.run_dir", config.train.run_dir)
     if config.checkpoint.dir:
         _check_folder("checkpoint.dir", config.checkpoint.dir)
