@@ -78,7 +78,8 @@ from bench.harness import compare, emit, ratio
 from bench.peer_systems import (EOS, Built, Feed, Micro, Spec, Unavailable, huggingface, megatron_core,
                                 reference_weights, tessera, torchao_fp8, torchtitan)
 from bench.train_step import model_config, print_profile
-from core.config import FP8_RECIPES, RECOMPUTE_MODULES, ModelConfig, MoEConfig
+from core.config import FP8_RECIPES, ModelConfig, MoEConfig
+from core.rules import RECOMPUTE_MODULES
 from core.metrics import PEAK_FLOPS, flops_per_token
 from core.train.model import build_model
 

@@ -33,7 +33,8 @@ import sys
 from pathlib import Path
 
 from bench.harness import Timing, emit
-from core.config import ConfigError, load_config, resolve_layout
+from core.config import ConfigError, load_config
+from core.validation import validate
 from dataservice.build import build_dataset, make_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for micro in args.micro:
         for schedule, virtual in SCHEDULES:
             try:
-                resolve_layout(load_config(CONFIG, trainer_settings(args, schedule, virtual, micro)), args.gpus)
+                validate(load_config(CONFIG, trainer_settings(args, schedule, virtual, micro)), args.gpus)
             except ConfigError as err:
                 parser.error(f"--micro {micro} with the {schedule} schedule on pp={args.gpus}: {err}")
     return args

@@ -45,7 +45,8 @@ import torch
 from bench.calibrate import calibrate
 from bench.harness import emit
 from bench.train_step import model_config, synthetic_batch
-from core.config import Config, validate
+from core.config import Config
+from core.validation import validate
 from core.planner.calibration import Calibration, CalibrationError
 from core.planner.memory import estimate_memory
 from core.planner.timing import estimate_time

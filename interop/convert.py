@@ -42,7 +42,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from core.state.checkpoint import latest_checkpoint
-from core.config import Config, ConfigError, ModelConfig, load_config, validate
+from core.config import Config, ConfigError, ModelConfig, load_config
+from core.validation import validate
 from core.state.layouts import FUSED_DIM, fused_shape, older_slices
 from core.train.model import build_model
 from core.state.pretrained import INDEX_NAME, SINGLE_NAME, expected_shapes, weight_map

@@ -28,7 +28,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from core.config import ModelConfig, moe_layer_rule
+from core.config import ModelConfig
+from core.rules import moe_layer_rule
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

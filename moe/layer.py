@@ -50,7 +50,7 @@ from core.parallel.comm import (
 from moe.comm import EXCHANGE_TIMER
 from moe.dispatcher import build_dispatcher
 from moe.experts import GroupedExperts
-from moe.router import Routing, TopKRouter, balancing_loss_from_stats, balancing_stats, check_moe_config, sequence_ids
+from moe.router import Routing, TopKRouter, balancing_loss_from_stats, balancing_stats, sequence_ids
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -79,10 +79,9 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         moe = cfg.moe
-        check_moe_config(moe)
         hidden = moe.ffn_dim or cfg.ffn_dim
         self.layer_id, self.moe = layer_id, moe
-        self.router = TopKRouter(cfg.dim, moe)
+        self.router = TopKRouter(cfg.dim, moe)  # first: it checks the settings (core.validation.check_moe)
         self.experts = GroupedExperts(moe.num_experts, cfg.dim, hidden)
         self.shared_experts = None
         if moe.num_shared_experts > 0:

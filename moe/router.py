@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.config import MoEConfig, check_moe
+from core.config import MoEConfig
+from core.validation import check_moe
 from core.kernels.topk import topk_indices
 
 
@@ -91,12 +92,6 @@ class Routing:
     logits: torch.Tensor  # [T, E] fp32
     keep: torch.Tensor | None  # [T, k] bool, False where capacity dropped it; None: dropless
     tokens_per_expert: torch.Tensor  # [E] int64 assignments chosen (before dropping)
-
-
-def check_moe_config(moe: MoEConfig, where: str = "model.moe") -> None:
-    """Raise ValueError (a ConfigError) naming the bad field and the accepted values: the
-    config's own MoE checks (`core.config.check_moe`), for layers built outside a validated run."""
-    check_moe(moe, where)
 
 
 def limit_to_groups(scores: torch.Tensor, n_groups: int, topk_groups: int, top_k: int) -> torch.Tensor:
@@ -213,7 +208,7 @@ class TopKRouter(nn.Module):
 
     def __init__(self, dim: int, moe: MoEConfig):
         super().__init__()
-        check_moe_config(moe)
+        check_moe(moe)  # the config's own rule, for routers built outside a validated run
         self.moe = moe
         self.num_experts = moe.num_experts
         self.weight = nn.Parameter(torch.empty(moe.num_experts, dim))

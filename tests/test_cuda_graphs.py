@@ -15,7 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.train_step import StepInputs, model_config
-from core.config import Config, ConfigError, validate
+from core.config import Config, ConfigError
+from core.validation import validate
 from core.layers import AttentionMeta
 from core.train.trainer import Trainer
 from tests.test_train import dataset, run_train  # noqa: F401  (fixture reused)

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.config import ConfigError, load_config, validate
+from core.config import ConfigError, load_config
+from core.validation import validate
 from core.train.data import LocalServer, to_inputs
 from core.train.trainer import Trainer, position_buckets
 from dataservice.build import build_dataset, make_corpus

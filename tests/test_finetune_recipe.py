@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from core.config import load_config, validate
+from core.config import load_config
+from core.validation import validate
 from core.config import ModelConfig
 from tests.test_sft import HEADER_TEMPLATE, SPECIALS
 from tests.test_sft_train import conversations

@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from core.precision import torchao_fp8
-from core.config import TORCHAO_FP8_RECIPES, ConfigError, ModelConfig, validate
+from core.config import ConfigError, ModelConfig
+from core.rules import TORCHAO_FP8_RECIPES
+from core.validation import validate
 from core.layers import AttentionMeta
 from core.train.model import build_model
 from tests.test_te_backend import _config, _tail_mean, fresh_text  # noqa: F401  (fixture reused)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.train import loss as loss_module
-from core.config import ConfigError, ModelConfig, load_config, validate
+from core.config import ConfigError, ModelConfig, load_config
+from core.validation import validate
 from core.layers import AttentionMeta
 from core.train.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh

@@ -46,7 +46,8 @@ from safetensors.torch import save_file  # noqa: E402
 
 from core.state.checkpoint import save_checkpoint  # noqa: E402
 from core.train.cli import main as train_main  # noqa: E402
-from core.config import load_config, validate  # noqa: E402
+from core.config import load_config  # noqa: E402
+from core.validation import validate  # noqa: E402
 from core.train.data import LocalServer  # noqa: E402
 from core.layers import AttentionMeta  # noqa: E402
 from core.mesh import ParallelMesh  # noqa: E402

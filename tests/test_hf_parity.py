@@ -46,7 +46,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from core.config import Config, ConfigError, ModelConfig, MoEConfig, RopeScalingConfig, load_config, validate  # noqa: E402
+from core.config import Config, ConfigError, ModelConfig, MoEConfig, RopeScalingConfig, load_config  # noqa: E402
+from core.validation import validate  # noqa: E402
 from core.layers import AttentionMeta, rope_frequencies  # noqa: E402
 from core.train.loss import cross_entropy_sum  # noqa: E402
 from core.mesh import ParallelMesh  # noqa: E402

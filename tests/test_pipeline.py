@@ -32,7 +32,8 @@ from core.mesh import ParallelMesh
 from core.layers import AttentionMeta
 from core.train.model import build_model
 from core.parallel.pipeline import _check_activation, build_pipeline_stage, run_pipeline_step
-from core.parallel.schedules import Post, check_schedule, partition_layers, plan_step, theoretical_bubble
+from core.parallel.schedules import Post, plan_step, theoretical_bubble
+from core.rules import check_schedule, partition_layers
 from tests.distributed import free_port, run_distributed
 
 SEED = 7

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from bench import calibrate, planner_check
-from core.config import Config, ModelConfig, load_config, validate
+from core.config import Config, ModelConfig, load_config
+from core.validation import validate
 from core.parallel.schedules import theoretical_bubble
 from core.planner.calibration import Calibration, CalibrationError
 from core.planner.cli import main
@@ -133,6 +134,8 @@ def test_written_config_is_what_tessera_train_runs(tmp_path, capsys):
     (["--gpus", "8", "--gpu-memory-gib", "80", "--write-config", "no/such/dir/plan.toml"], "does not exist"),
     (["--gpus", "8", "--gpu-memory-gib", "80", "--calibration", "BAD"], "calibration"),
     (["--gpus", "8", "--gpu-memory-gib", "80", "--set", "model.dim=x"], "model.dim"),
+    # an error only layouts make (the first stage's layers fit no pipeline of 4 layers): no legal layout
+    (["--gpus", "8", "--gpu-memory-gib", "80", "--set", "parallel.pp_first_stage_layers=5"], "no legal layout"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -143,6 +146,49 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, tmp_path, capsys, monkeypa
     err = capsys.readouterr()
     assert code == 2 and not err.out, err
     assert len(err.err.strip().splitlines()) == 1 and says in err.err, err.err
+
+
+# The long-context recipe with the Llama-3-8B [model] its import writes, as docs/planner.md plans it.
+LONGCTX = ["--config", str(ROOT / "launch/configs/llama3_8b_longctx.toml"), "--gpu-memory-gib", "79.6", "--top", "1",
+           "--set", "model.vocab_size=128256", "--set", "model.dim=4096", "--set", "model.num_layers=32",
+           "--set", "model.num_heads=32", "--set", "model.num_kv_heads=8", "--set", "model.ffn_dim=14336",
+           "--set", "model.rope_theta=500000.0"]
+YARN_ERROR = ("tessera-plan: error: model.rope_scaling.type='yarn' needs "
+              "model.rope_scaling.original_max_position_embeddings > 0 (the pretraining context length), got 0")
+
+
+@pytest.mark.parametrize("gpus, once_given", [
+    ("1", "none of the 24 candidates fits 79.6 GiB"),  # searched: 64k-token rows of an 8B model need more GPUs
+    ("8", "best: "),
+    ("64", "best: "),
+])
+def test_the_configs_own_error_is_named_before_any_layout(gpus, once_given, capsys):
+    """The recipe's yarn scaling without its pretraining context is the config's own error, at
+    every GPU count: one line naming the field, exit 2, not "no legal layout"."""
+    assert main(LONGCTX + ["--gpus", gpus]) == 2
+    err = capsys.readouterr()
+    assert err.out == "" and err.err.splitlines() == [YARN_ERROR], err.err
+    # The field given, the same command searches the layouts.
+    main(LONGCTX + ["--gpus", gpus, "--set", "model.rope_scaling.original_max_position_embeddings=8192"])
+    printed = capsys.readouterr()
+    assert once_given in printed.out + printed.err, printed
+
+
+def test_the_configs_own_error_from_the_command(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "core.planner.cli", *LONGCTX, "--gpus", "8"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.splitlines() == [YARN_ERROR], done.stderr
+
+
+def test_only_layout_errors_make_a_layout_illegal():
+    """A train setting that holds on every layout leaves the layouts legal: recomputation limited
+    to the first block of each chunk plans (the recompute sets that name nothing are left out)."""
+    config = load_config(ROOT / "launch/configs/tiny_dense.toml",
+                         ["train.recompute_modules=['mlp']", "train.recompute_num_layers=1"])
+    found = search(config, 4, 80 * 2**30, CAL)
+    assert found.fitting and all(c.recompute for c in found.fitting)
+    assert {c.layout for c in found.fitting} == {c.layout for c in search(load_config(
+        ROOT / "launch/configs/tiny_dense.toml"), 4, 80 * 2**30, CAL).fitting}
 
 
 @pytest.mark.slow  # builds a dataset, then tessera-train on 2 gloo processes for 3 steps

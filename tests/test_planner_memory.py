@@ -27,7 +27,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from core.config import load_config, validate
+from core.config import load_config
+from core.validation import validate
 from core.layers import AttentionMeta
 from core.train.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import ConfigError, load_config, validate
+from core.config import ConfigError, load_config
+from core.validation import validate
 from core.train.data import StepInputs
 from core.layers import AttentionMeta
 from core.parallel.recompute import ActivationOffload, apply_recompute

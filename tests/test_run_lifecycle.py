@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from core.state import checkpoint
-from core.config import load_config, validate
+from core.config import load_config
+from core.validation import validate
 from core.metrics import read_metrics
 from core.train.trainer import Trainer
 from dataservice.build import build_dataset, make_corpus

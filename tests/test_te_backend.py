@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from core.precision import te_backend, te_fused
-from core.config import Config, ConfigError, ModelConfig, validate
+from core.config import Config, ConfigError, ModelConfig
+from core.validation import validate
 from core.layers import AttentionMeta
 from core.mesh import ParallelMesh
 from core.train.model import build_model

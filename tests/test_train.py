@@ -178,7 +178,8 @@ def test_records_read_after_the_next_step_is_queued_equal_records_read_at_once(t
     """`run` on a GPU reads a step's record once the next step is queued; forced on the CPU it
     writes the records of reading each step at once: same steps, losses, norms, MoE loads,
     evaluations and checkpoint timings, in order."""
-    from core.config import load_config, validate
+    from core.config import load_config
+    from core.validation import validate
     from core.train.trainer import Trainer
 
     records = {}

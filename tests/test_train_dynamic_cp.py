@@ -63,14 +63,15 @@ def test_budget_too_small_for_a_row_exits_2_with_one_clear_line(tmp_path, datase
 
 
 def test_config_derives_the_budget_and_refuses_what_dynamic_cp_cannot_run():
-    from core.config import ConfigError, load_config, resolve_layout
+    from core.config import ConfigError, load_config
+    from core.validation import validate
 
     dyn = ["parallel.cp=2", "parallel.dynamic_cp=true", "train.seq_len=256", "train.micro_batch_size=2"]
-    config = resolve_layout(load_config(None, dyn), 4)
+    config = validate(load_config(None, dyn), 4)
     assert config.parallel.cp_token_budget == 256  # micro_batch_size*seq_len/cp: static CP's per-rank tokens
     for extra, message in ((["parallel.pp=2"], "parallel.pp > 1 is not supported"),
                            (["model.moe.num_experts=4"], "MoE"),
                            (["parallel.cp_token_budget=-1"], "must be >= 0"),
                            (["parallel.cp_token_budget=63"], "needs 64 tokens per rank")):
         with pytest.raises(ConfigError, match=message):
-            resolve_layout(load_config(None, dyn + extra), 8 if "parallel.pp=2" in extra else 4)
+            validate(load_config(None, dyn + extra), 8 if "parallel.pp=2" in extra else 4)

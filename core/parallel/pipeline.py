@@ -41,11 +41,10 @@ from core.parallel.schedules import (
     Action,
     Message,
     Post,
-    check_schedule,
-    partition_layers,
     plan_step,
     theoretical_bubble,
 )
+from core.rules import check_schedule, partition_layers
 
 log = logging.getLogger(__name__)
 

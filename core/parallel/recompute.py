@@ -1,7 +1,7 @@
 """Activation recomputation and offload, module by module.
 
 `apply_recompute(model, mode, modules, offload)` rewrites each block of a plain GPT (or a
-pipeline chunk) in place. The module kinds (`core.config.RECOMPUTE_MODULES`):
+pipeline chunk) in place. The module kinds (`core.rules.RECOMPUTE_MODULES`):
 
 | kind             | which modules                                      | what stays saved                  |
 |------------------|----------------------------------------------------|-----------------------------------|
@@ -40,7 +40,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from core.config import RECOMPUTE_MODULES
+from core.rules import RECOMPUTE_MODULES
 from core.layers import FeedForward, RMSNorm, SwiGLU
 
 MODES = ("none", "selective", "full")

@@ -1,5 +1,7 @@
-"""Pipeline schedules as plain data: who owns which layers, in what order each rank runs its
-forwards and backwards, and when every activation or gradient crosses between ranks.
+"""Pipeline schedules as plain data: in what order each rank runs its forwards and backwards,
+and when every activation or gradient crosses between ranks. Which schedules can run and
+which layers each stage owns are rules of the config (`core.rules.check_schedule`,
+`partition_layers`), read there by the validation and the planner too.
 
 Nothing here touches torch.distributed, so schedules are checked for deadlocks and bubble
 sizes in a single process; `core.parallel.pipeline` executes what this module plans.
@@ -22,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-SCHEDULES = ("1f1b", "interleaved")
+from core.rules import check_schedule
 
 
 @dataclass(frozen=True)
@@ -49,67 +51,6 @@ class Post:
 
     sends: tuple[tuple[int, Message], ...]
     recvs: tuple[tuple[int, Message], ...]
-
-
-def check_schedule(schedule: str, pp: int, virtual: int) -> None:
-    """Raise ValueError unless (schedule, pp, virtual stages) can run."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")
-    if pp < 1 or virtual < 1:
-        raise ValueError(f"parallel.pp={pp} and parallel.pp_virtual_stages={virtual} must be >= 1")
-    if schedule == "1f1b" and virtual != 1:
-        raise ValueError(
-            f"parallel.pp_virtual_stages={virtual} needs parallel.pp_schedule='interleaved' (1f1b runs one chunk per rank)"
-        )
-    if schedule == "interleaved":
-        if virtual < 2:
-            raise ValueError("parallel.pp_schedule='interleaved' needs parallel.pp_virtual_stages >= 2 (with 1 it is '1f1b')")
-        if pp < 2:
-            raise ValueError(f"parallel.pp_schedule='interleaved' needs parallel.pp >= 2, got pp={pp}")
-
-
-def partition_layers(num_layers: int, num_stages: int, first: int = 0, last: int = 0) -> list[range]:
-    """Contiguous layer ranges for each virtual stage, in stage order.
-
-    `first`/`last` (> 0) fix the layer counts of stage 0 and stage V-1 (e.g. fewer layers
-    where the embedding or the output head and loss already cost time or memory); the other
-    stages split the rest as evenly as possible, earlier stages taking the remainder."""
-    if num_stages < 1:
-        raise ValueError(f"number of pipeline stages must be >= 1, got {num_stages}")
-    if first < 0 or last < 0:
-        raise ValueError(f"parallel.pp_first_stage_layers={first} and pp_last_stage_layers={last} must be >= 0 (0: even split)")
-    if num_stages == 1:
-        if (first and first != num_layers) or (last and last != num_layers):
-            raise ValueError(
-                f"with one pipeline stage it holds all {num_layers} layers; "
-                f"pp_first_stage_layers={first} / pp_last_stage_layers={last} must be 0 or {num_layers}"
-            )
-        return [range(0, num_layers)]
-    fixed = {0: first, num_stages - 1: last}
-    free = [s for s in range(num_stages) if not fixed.get(s)]
-    remaining = num_layers - first - last
-    if free:
-        base, extra = divmod(remaining, len(free)) if remaining >= 0 else (-1, 0)
-        if base < 1:
-            raise ValueError(
-                f"model.num_layers={num_layers} cannot give each of the {num_stages} pipeline stages at least one layer "
-                f"with pp_first_stage_layers={first} and pp_last_stage_layers={last}; "
-                f"use at least {first + last + len(free)} layers or smaller fixed stages"
-            )
-        counts = {s: base + (1 if i < extra else 0) for i, s in enumerate(free)}
-    elif remaining != 0:
-        raise ValueError(
-            f"pp_first_stage_layers={first} + pp_last_stage_layers={last} must equal model.num_layers={num_layers} "
-            f"when there are only two pipeline stages"
-        )
-    else:
-        counts = {}
-    counts.update({s: n for s, n in fixed.items() if n})
-    ranges, start = [], 0
-    for s in range(num_stages):
-        ranges.append(range(start, start + counts[s]))
-        start += counts[s]
-    return ranges
 
 
 def one_f_one_b_order(pp: int, rank: int, num_micro: int) -> list[Action]:

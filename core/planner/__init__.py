@@ -1,7 +1,7 @@
 """The layout planner (`tessera-plan`): which parallel layout, micro-batch, recomputation and
 offload to train a config with on N GPUs.
 
-- `layouts`: every legal pp x dp x cp x tp (x ep, etp, schedule) of a config, by `core.config.validate`;
+- `layouts`: every legal pp x dp x cp x tp (x ep, etp, schedule) of a config, by `core.validation`'s layout rules;
 - `state`: each rank's parameters, gradients and optimizer state, exact;
 - `memory`: peak bytes per rank (activations per module, the pipeline's micro-batches in flight, transients);
 - `calibration`: the per-GPU-kind table of measured rates the time model reads (`h100_default.json`);
@@ -10,5 +10,6 @@ offload to train a config with on N GPUs.
 - `measure`: the best plans run for a few steps by the real trainer (`--measure`);
 - `cli`: the command. Models, assumptions and example plans: docs/planner.md.
 
-Orchestration level: it reads `core.config` and `core.parallel.*`; nothing below imports it.
+Orchestration level: it reads `core.config`, `core.rules`, `core.validation` and `core.parallel.*`;
+nothing below imports it.
 """

@@ -6,7 +6,8 @@ choice of the config on N GPUs of M GiB, keeps the candidates whose predicted pe
 them by predicted tokens/s and prints the best T with their memory and time breakdowns, then
 the winner's in full. `--write-config OUT` writes the winner as a config `tessera-train` loads;
 `--measure K` trains the best K for a few steps on this node's GPUs and prints predicted against
-measured. Misuse: one line on stderr, exit code 2.
+measured. Misuse, or an error of the config itself (one that no layout changes, named before
+any layout is tried): one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from core.config import ConfigError, load_config, recompute_set, validate
+from core.config import ConfigError, load_config
+from core.rules import recompute_set
+from core.validation import validate
 from core.planner.layouts import describe
 from core.planner.calibration import Calibration, CalibrationError
 from core.planner.measure import run_plan

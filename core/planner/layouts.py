@@ -1,8 +1,10 @@
 """Every legal parallel layout of a config on N GPUs: pp x dp x cp x tp (x ep, etp, schedule).
 
-Legality is `core.config.validate`'s, nothing of its own: each candidate is a copy of the
-config with the layout keys set, and a candidate `validate` refuses is left out. TP stays
-inside a node (its collectives sit on the critical path of every layer).
+Legality is `core.validation.check_layout`'s, nothing of its own: each candidate is a copy of
+the config with the layout keys set, and a candidate the layout rules refuse is left out (the
+config's own rules, which no layout changes, are checked once before: `tessera-plan` names
+their error instead of finding no layout). TP stays inside a node (its collectives sit on the
+critical path of every layer).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import copy
 from typing import Iterator
 
-from core.config import Config, ConfigError, validate
+from core.config import Config, ConfigError
+from core.validation import check_layout
 
 
 def divisors(n: int) -> list[int]:
@@ -18,16 +21,18 @@ def divisors(n: int) -> list[int]:
 
 
 def with_layout(config: Config, world: int, **keys) -> Config | None:
-    """A validated copy of `config` with parallel.* / train.* keys set, or None if illegal."""
+    """A copy of `config` with parallel.* / train.* keys set that the layout rules accept
+    (parallel.dp derived), or None if illegal."""
     candidate = copy.deepcopy(config)
     for key, value in keys.items():
         section, name = key.split("__") if "__" in key else ("parallel", key)
         setattr(getattr(candidate, section), name, value)
     candidate.parallel.dp = 0
     try:
-        return validate(candidate, world)
+        check_layout(candidate, world)
     except ConfigError:
         return None
+    return candidate
 
 
 def layouts(config: Config, world: int, gpus_per_node: int = 8, schedules: bool = True) -> Iterator[Config]:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.config import FUSED_CHUNK_ELEMENTS, Config, grad_accum_steps, moe_layer_rule, recompute_set
+from core.config import Config
+from core.rules import FUSED_CHUNK_ELEMENTS, grad_accum_steps, moe_layer_rule, recompute_set
 from core.planner.state import (PARAM_BYTES, StateBytes, coordinates, local_params, recomputed_layers, stage_layers,
                                 state_bytes)
 

@@ -2,9 +2,10 @@
 config on N GPUs, the global batch fixed; those whose predicted peak fits the GPU, ranked by
 predicted tokens/s.
 
-Legality is `core.config.validate`'s: a candidate it refuses is left out (the micro-batch must
-divide the global batch over dp, the interleaved schedule needs micro-batches in multiples of
-pp, compiled blocks cannot take offload's saved-tensor hooks, ...).
+Legality is `core.validation`'s: a candidate its layout rules refuse is left out (the
+micro-batch must divide the global batch over dp, the interleaved schedule needs micro-batches
+in multiples of pp, ...), and so is a recompute/offload set its config rules refuse (compiled
+blocks cannot take offload's saved-tensor hooks, ...).
 Planning assumptions: static context parallelism (a config's dynamic CP is planned as static
 CP, which it can only beat), rows of one document each (attention's upper bound), balanced
 expert routing.
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 
 import tomli_w
 
-from core.config import Config, ConfigError, RECOMPUTE_MODULES, nests, validate
+from core.config import Config, ConfigError
+from core.rules import RECOMPUTE_MODULES, nests
+from core.validation import check_config, check_layout, validate
 from core.planner.calibration import Calibration
 from core.planner.layouts import describe, layouts
 from core.planner.memory import MemoryEstimate, estimate_memory
@@ -138,7 +141,10 @@ def micro_batch_sizes(config: Config) -> list[int]:
 
 
 def search(config: Config, world: int, gpu_memory_bytes: int, cal: Calibration, gpus_per_node: int = 8) -> Search:
-    """Every candidate, the fitting ones ranked by predicted tokens/s (ties: less memory)."""
+    """Every candidate, the fitting ones ranked by predicted tokens/s (ties: less memory).
+    Raises ConfigError for an error of the config itself (one no layout changes) before it
+    tries a layout: such a config has no legal layout, and the error says why."""
+    check_config(checkable(config))
     base, notes = planning_copy(config)
     moe = bool(config.model.moe.num_experts)
     train_sets = _legal_train_sets(base, world, moe)
@@ -149,7 +155,7 @@ def search(config: Config, world: int, gpu_memory_bytes: int, cal: Calibration, 
         for micro in micro_batch_sizes(layout):
             sized = dataclasses.replace(layout, train=dataclasses.replace(layout.train, micro_batch_size=micro))
             try:
-                validate(sized, world)
+                check_layout(sized, world)
             except ConfigError:
                 continue
             fits: list[tuple[str, ...]] = []  # recompute sets that fit without offload

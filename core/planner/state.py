@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core.config import Config, moe_layer_rule
-from core.parallel.schedules import partition_layers
+from core.config import Config
+from core.rules import moe_layer_rule, partition_layers
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "auto": 2}  # auto: bf16 on the GPU the plan is for
 

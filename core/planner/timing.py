@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.config import Config, grad_accum_steps, moe_layer_rule, recompute_set
+from core.config import Config
+from core.rules import grad_accum_steps, moe_layer_rule, recompute_set
 from core.planner.calibration import Calibration
 from core.planner.memory import block_activations, shapes
 from core.planner.state import PARAM_BYTES, cached, layout_key, local_params, recomputed_layers, stage_layers

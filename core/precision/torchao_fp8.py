@@ -21,7 +21,7 @@ import logging
 
 from torch import nn
 
-from core.config import TORCHAO_FP8_RECIPES
+from core.rules import TORCHAO_FP8_RECIPES
 
 log = logging.getLogger(__name__)
 

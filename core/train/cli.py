@@ -34,7 +34,9 @@ import torch.distributed as dist
 
 from core.precision import blockwise, te_backend, torchao_fp8
 from core.state.checkpoint import latest_checkpoint
-from core.config import Config, ConfigError, load_config, reference, uses_torchao_fp8, validate
+from core.config import Config, ConfigError, load_config, reference
+from core import rules
+from core.validation import validate
 from core.train.data import check_data_source
 from core.train.launcher import Rendezvous, interrupted_line, launch_local
 from core.lifecycle import Interrupted, die_with_parent, exit_without_teardown, install_stop_handlers, interrupted_by
@@ -218,7 +220,8 @@ def _report(message: str, first: bool, code: int = 2) -> int:
 def check_inputs(config: Config) -> None:
     """What the config names outside itself: the folders it writes, the device, the FP8
     setting of the environment, the data (core.train.data.check_data_source) and the weights of
-    checkpoint.init_from (every tensor present with the model's shape, read from the headers)."""
+    checkpoint.init_from (every tensor present with the model's shape, read from the headers).
+    Facts of this machine and its files, so not core.validation's, which judges the keys alone."""
     _check_folder("train.run_dir", config.train.run_dir)
     if config.checkpoint.dir:
         _check_folder("checkpoint.dir", config.checkpoint.dir)
@@ -232,7 +235,7 @@ def check_inputs(config: Config) -> None:
         if reason:
             raise ConfigError(f"model.dense_backend='te' needs Transformer Engine on a GPU, but {reason}; "
                               "use model.dense_backend='torch'")
-    reason = torchao_fp8.unavailable_reason() if uses_torchao_fp8(config) else None
+    reason = torchao_fp8.unavailable_reason() if rules.torchao_fp8(config) else None
     if reason:
         raise ConfigError(f"train.fp8_recipe={config.train.fp8_recipe!r} needs torchao, but {reason}; "
                           "or use train.fp8_recipe=blockwise")

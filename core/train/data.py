@@ -85,7 +85,11 @@ def check_data_source(config: Config, timeout: float = PROBE_TIMEOUT_S) -> None:
 
     `data.address`: a replica answers within `timeout` seconds. `data.dataset`: the folder is a
     dataset (`tessera-data build`). Either way the tokenizer's vocabulary fits model.vocab_size
-    and the server can send rows of train.seq_len. Runs before any worker starts."""
+    and the server can send rows of train.seq_len. Runs before any worker starts.
+
+    These checks stay here, not in core.validation: they read the serving replica's answer (or
+    the dataset and the limits of the server this trainer starts), and a run needs its data
+    where tessera-plan and tessera-convert validate configs that name none."""
     d, m, t = config.data, config.model, config.train
     if d.address:
         try:

@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from core.config import FUSED_CHUNK_ELEMENTS
+from core.rules import FUSED_CHUNK_ELEMENTS
 from core.kernels import cross_entropy as rows_ce
 from core.parallel.comm import group_rank, group_size
 from core.parallel.wgrad import matmul_into_

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from core.config import ModelConfig, moe_layer_rule
+from core.config import ModelConfig
+from core.rules import moe_layer_rule
 from core.layers import Attention, AttentionMeta, FeedForward, RMSNorm, rope_frequencies, rotary_tables
 from moe.layer import MoELayer, moe_layers
 

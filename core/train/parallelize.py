@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from core.precision import blockwise, te_backend, torchao_fp8
-from core.config import Config, ConfigError, grad_accum_steps, recompute_set, uses_torchao_fp8
+from core.config import Config
+from core import rules
+from core.validation import check_split_masters
 from core.precision.weight_cache import WEIGHT_CACHE
 from core.mesh import ParallelMesh
 from core.train.optim import build_optimizer, clip_grad_norm_
@@ -126,7 +128,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     if config.model.dense_backend == "te":  # after TP/EP: it reads the local shards' shapes
         te_backend.apply_te(model, t.fp8_recipe if precision == "fp8" else None, fuse_wgrad=p.gradient_accumulation_fusion,
                             norm_fusion=config.model.te_norm_fusion)
-    torchao = precision == "fp8" and uses_torchao_fp8(config)
+    torchao = precision == "fp8" and rules.torchao_fp8(config)
     if precision == "fp8":  # the experts' GEMMs, and with the torch backend the dense ones
         if torchao:
             torchao_fp8.apply_torchao_fp8(model, t.fp8_recipe, emulate=device.type != "cuda")
@@ -143,15 +145,13 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     model.to(device)
     if t.compile:
         compile_blocks(chunks, cuda_graphs=t.cuda_graphs, fp8_casts=torchao and t.fp8_recipe == "tensorwise",
-                       one_graph_per_break="norms" in recompute_set(t))
+                       one_graph_per_break="norms" in rules.recompute_set(t))
     param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
     if precision == "bf16" and p.gradient_accumulation_fusion:
         fuse_weight_grads(chunks)
     if p.gradient_accumulation_fusion:
         fuse_embedding_grad(chunks)
-    if p.split_master_weights and param_dtype != torch.bfloat16:
-        raise ConfigError(f"parallel.split_master_weights keeps fp32 masters as bf16 weights plus their low halves: "
-                          f"it needs train.precision bf16 or fp8, not {precision}")
+    check_split_masters(config, precision)  # again here: what train.precision='auto' became on this device
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion,
                              split_masters=p.split_master_weights)
@@ -164,7 +164,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
 def _cache_fp8_weights(model: nn.Module, dp, config: Config) -> None:
     """Quantise each FP8 weight once per step when a step runs several micro-batches (with one,
     the forward and dgrad layouts are never reused and the cache would only cost memory)."""
-    if config.train.fp8_weight_cache and grad_accum_steps(config) > 1:
+    if config.train.fp8_weight_cache and rules.grad_accum_steps(config) > 1:
         WEIGHT_CACHE.track(p for p in model.parameters() if p.requires_grad)
         dp.on_new_weights.append(WEIGHT_CACHE.clear)
     else:

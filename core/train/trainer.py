@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 from core.state.checkpoint import AsyncCheckpointer, latest_checkpoint, load_checkpoint, save_checkpoint
-from core.config import Config, grad_accum_steps, resolve_layout
+from core.config import Config
+from core.rules import grad_accum_steps
+from core.validation import validate
 from core.train.data import StepInputs, open_stream, resolve_address, to_inputs
 from core.lifecycle import stop_deferred
 from core.train.dynamic_cp import DynamicCP
@@ -79,7 +81,7 @@ class Trainer:
         self.config = config
         self.rank, self.world, device = init_distributed()
         self.device = torch.device("cpu") if config.train.device == "cpu" else device
-        resolve_layout(config, self.world)
+        validate(config, self.world)
         p, t = config.parallel, config.train
         self.mesh = ParallelMesh.build(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, device_type=self.device.type)
         torch.manual_seed(t.seed + self.rank)  # dropout-free model: only affects user code that draws
@@ -111,7 +113,7 @@ class Trainer:
         self.peak_flops = PEAK_FLOPS.get(self.precision) if self.device.type == "cuda" else None
         uses_autocast = self.precision == "bf16" and self.grads.uses_autocast
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if uses_autocast else contextlib.nullcontext()
-        self.fused_loss = config.train.fused_loss  # its layouts checked by core.config
+        self.fused_loss = config.train.fused_loss  # its layouts checked by core.validation
         self.loss_dtype = torch.bfloat16 if uses_autocast else None
 
         self.run_dir = Path(t.run_dir)
