@@ -242,7 +242,8 @@ def test_the_launcher_validates_before_it_spawns_workers(tmp_path, dataset):
     assert not (tmp_path / "run").exists()
     proc = train(tmp_path, dataset, config=DENSE, extra=("--nproc-per-node", "3"))  # global batch 8 on dp=3
     assert_one_line(proc, "train.global_batch_size=8 must be a multiple of", "2*3")
-    assert_one_line(train(tmp_path, dataset, extra=("--nproc-per-node", "-1")), "--nproc-per-node -1")
+    for n in ("0", "-1"):
+        assert_one_line(train(tmp_path, dataset, extra=("--nproc-per-node", n)), f"--nproc-per-node {n} must be >= 1")
 
 
 # ---- tessera-train: the data and the device ---------------------------------------------
