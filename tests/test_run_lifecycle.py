@@ -131,7 +131,9 @@ def reference(lifecycle_reference) -> dict[int, float]:
 
 def resume_and_check(run_dir: Path, reference: dict[int, float]) -> None:
     """`--resume RUN_DIR` alone (its 2 processes from RUN_DIR/launch.toml) finishes the run on the
-    reference trajectory, one record per step."""
+    reference trajectory, one record per step, and draws the plot again."""
+    plot = run_dir / "loss.png"
+    drawn = plot.stat().st_mtime_ns if plot.exists() else 0
     proc = run([sys.executable, "-m", "core.train.cli", "--resume", str(run_dir)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "RNG state restored on 2 of 2 ranks" in proc.stderr, proc.stderr[-4000:]
@@ -139,7 +141,7 @@ def resume_and_check(run_dir: Path, reference: dict[int, float]) -> None:
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
         assert r["loss"] == pytest.approx(reference[r["step"]], rel=RTOL), (r["step"], records, reference)
-    assert (run_dir / "loss.png").stat().st_size > 1000
+    assert plot.stat().st_size > 1000 and plot.stat().st_mtime_ns > drawn
 
 
 # Moments: after a random step has been logged (during the next step's compute or collectives),
@@ -179,6 +181,7 @@ def test_stop_signal_leaves_no_process_and_resume_continues_the_trajectory(tmp_p
             os.killpg(proc.pid, signal.SIGKILL)
     assert wait_for_no_process(tag) == []
     assert_only_complete_checkpoints(run_dir)
+    assert (run_dir / "loss.png").stat().st_size > 1000  # the plot of the steps done, drawn at the stop
     if launcher:
         assert proc.returncode == 128 + sig, stderr[-3000:]
         lines = [line for line in stderr.splitlines() if "interrupted after step" in line]
@@ -236,6 +239,26 @@ def test_each_checkpoint_is_published_only_after_its_step_record_is_written(tmp_
     Trainer(config).run()
     assert published == [("step_000001", [1]), ("step_000002", [1, 2]), ("step_000003", [1, 2, 3])]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_run_that_fails_still_draws_its_loss_plot(tmp_path, dataset, monkeypatch):
+    # The failure: publishing step 2's checkpoint raises (a full disk), after its record was written.
+    sets = [item for item in SMALL if not item.startswith(("train.max_steps", "train.plot"))]
+    config = load_config(CONFIG, [*sets, "train.max_steps=3", "train.plot=true", "train.device=cpu",
+                                  f"data.dataset={dataset}", f"train.run_dir={tmp_path}"])
+    validate(config, 1)
+    publish_now = checkpoint._publish_now
+
+    def publish(root, name, keep):
+        if name == "step_000002":
+            raise OSError(28, "No space left on device")
+        publish_now(root, name, keep)
+
+    monkeypatch.setattr(checkpoint, "_publish_now", publish)
+    with pytest.raises(OSError, match="No space left"):
+        Trainer(config).run()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
 def test_killed_launcher_takes_its_workers_along_and_the_stale_lock_is_taken_over(tmp_path, dataset, reference):
