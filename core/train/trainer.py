@@ -414,9 +414,9 @@ class Trainer:
         t = self.config.train
         if self.stream is None:
             self.open_data()
-        writer = MetricsWriter(self.run_dir, enabled=self.rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard,
-                               start_step=self.step_count)
         last_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
+        writer = MetricsWriter(self.run_dir, enabled=self.rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard,
+                               start_step=self.step_count, last_step=last_step)
         self.watchdog.start()
         # With `lagged_records` a step's record is read once the next step is queued (or at its
         # checkpoint, so a run stopped after a save has the record of the step it resumes from).
