@@ -1,8 +1,9 @@
 """Per-step metrics: `RUN_DIR/metrics.jsonl`, a progress line (with the time elapsed and an ETA),
-optional TensorBoard, a loss plot."""
+optional TensorBoard (`train.tensorboard`, the `tensorboard` package), a loss plot."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -24,6 +25,15 @@ def flops_per_token(active_params: int, embedding_params: int, num_layers: int, 
     6*layers*dim*seq (the usual accounting, as in BENCHMARKS.md, so MFUs compare); `dim` is the
     attention width, num_heads * head_dim (model.dim unless model.head_dim sets another size)."""
     return 6.0 * (active_params - embedding_params) + 6.0 * num_layers * dim * seq_len
+
+
+def tensorboard_missing() -> str | None:
+    """Why TensorBoard events cannot be written here, or None (checked at start when asked for)."""
+    try:
+        importlib.import_module("torch.utils.tensorboard")  # imports the `tensorboard` package
+    except ImportError as err:
+        return f"the tensorboard package does not import here ({err})"
+    return None
 
 
 def format_duration(seconds: float) -> str:

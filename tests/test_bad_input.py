@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import io
 import json
 import os
@@ -296,6 +297,13 @@ def test_folders_the_run_would_write(tmp_path, dataset):
 def test_fp8_setting_of_the_environment(tmp_path, dataset, monkeypatch):
     monkeypatch.setenv("TESSERA_FP8_EXPERT_WGRAD", "int4")
     assert_one_line(train(tmp_path, dataset, "train.precision=fp8"), "TESSERA_FP8_EXPERT_WGRAD='int4'", "fp8 or bf16")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="needs a Python without tensorboard")
+def test_tensorboard_asked_for_without_the_package(tmp_path, dataset):
+    assert_one_line(train(tmp_path, dataset, "train.tensorboard=true"),
+                    "train.tensorboard=true but the tensorboard package does not import here", "pip install tensorboard")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

@@ -43,6 +43,7 @@ from core.train.launch_shape import Launch, launch_from_flags, launch_of_workers
 from core.train.launcher import interrupted_line, launch_local
 from core.lifecycle import Interrupted, die_with_parent, exit_without_teardown, install_stop_handlers, interrupted_by
 from core.mesh import init_distributed
+from core.metrics import tensorboard_missing
 from core.train.model import build_model
 from core.state.pretrained import check_weights, expected_shapes
 from core.train.rundir import (CONFIG_NAME, LOCK_OWNER_ENV, RunDirError, RunLock, check_resume_changes, config_dict,
@@ -209,8 +210,9 @@ def _report(message: str, first: bool, code: int = 2) -> int:
 
 def check_inputs(config: Config) -> None:
     """What the config names outside itself: the folders it writes, the device, the FP8
-    setting of the environment, the data (core.train.data.check_data_source) and the weights of
-    checkpoint.init_from (every tensor present with the model's shape, read from the headers)."""
+    setting of the environment, the packages it asks for (TensorBoard), the data
+    (core.train.data.check_data_source) and the weights of checkpoint.init_from (every tensor
+    present with the model's shape, read from the headers)."""
     _check_folder("train.run_dir", config.train.run_dir)
     if config.checkpoint.dir:
         _check_folder("checkpoint.dir", config.checkpoint.dir)
@@ -228,6 +230,9 @@ def check_inputs(config: Config) -> None:
     if reason:
         raise ConfigError(f"train.fp8_recipe={config.train.fp8_recipe!r} needs torchao, but {reason}; "
                           "or use train.fp8_recipe=blockwise")
+    reason = tensorboard_missing() if config.train.tensorboard else None
+    if reason:
+        raise ConfigError(f"train.tensorboard=true but {reason}: pip install tensorboard, or set train.tensorboard=false")
     check_data_source(config)
     if config.checkpoint.init_from:
         with torch.device("meta"):  # names and shapes only: no memory, no init
