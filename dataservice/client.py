@@ -334,7 +334,9 @@ class _Prefetcher:
         failures, index, tried = 0, 0, []
         received = False  # a batch came: a failure from now on is an outage, and said so
         lost_at = None  # when the stream was lost, until it is back
-        who = f"dp rank {c.request['dp_rank']}" + (f", cp rank {c.request['cp_rank']}" if c.request["cp_size"] > 1 else "")
+        who = f"dp rank {c.request['dp_rank']}"
+        if c.request["cp_size"] > 1:
+            who += f", cp rank {c.request['cp_rank']}"
         while not self._stopped.is_set():
             address = c.addresses[index % len(c.addresses)]
             request = pb2.StreamRequest(resume_token=self._token, max_batches=self._remaining, **c.request)

@@ -232,7 +232,8 @@ def check_inputs(config: Config) -> None:
                           "or use train.fp8_recipe=blockwise")
     reason = tensorboard_missing() if config.train.tensorboard else None
     if reason:
-        raise ConfigError(f"train.tensorboard=true but {reason}: pip install tensorboard, or set train.tensorboard=false")
+        raise ConfigError(f"train.tensorboard=true but {reason}: pip install tensorboard, or set "
+                          "train.tensorboard=false")
     check_data_source(config)
     if config.checkpoint.init_from:
         with torch.device("meta"):  # names and shapes only: no memory, no init

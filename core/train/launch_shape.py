@@ -144,7 +144,8 @@ def launch_from_flags(args, saved: Launch | None) -> Launch | None:
                           "without torchrun)")
     if saved is not None:
         _fill_launch_flags(args, saved)
-    defaults = {"nnodes": 1, "max_restarts": 0, "rdzv_endpoint": "", "rdzv_id": os.environ.get("SLURM_JOB_ID", "tessera")}
+    defaults = {"nnodes": 1, "max_restarts": 0, "rdzv_endpoint": "",
+                "rdzv_id": os.environ.get("SLURM_JOB_ID", "tessera")}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
