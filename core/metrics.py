@@ -1,12 +1,16 @@
-"""Per-step metrics: `RUN_DIR/metrics.jsonl`, a progress line, optional TensorBoard, a loss plot."""
+"""Per-step metrics: `RUN_DIR/metrics.jsonl`, a progress line (with the time elapsed and an ETA),
+optional TensorBoard (`train.tensorboard`, the `tensorboard` package), a loss plot."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -21,6 +25,30 @@ def flops_per_token(active_params: int, embedding_params: int, num_layers: int, 
     6*layers*dim*seq (the usual accounting, as in BENCHMARKS.md, so MFUs compare); `dim` is the
     attention width, num_heads * head_dim (model.dim unless model.head_dim sets another size)."""
     return 6.0 * (active_params - embedding_params) + 6.0 * num_layers * dim * seq_len
+
+
+def tensorboard_missing() -> str | None:
+    """Why TensorBoard events cannot be written here, or None (checked at start when asked for)."""
+    try:
+        importlib.import_module("torch.utils.tensorboard")  # imports the `tensorboard` package
+    except ImportError as err:
+        return f"the tensorboard package does not import here ({err})"
+    return None
+
+
+def format_duration(seconds: float) -> str:
+    """12s, 3m05s, 2h14m, 1d03h: the progress line's clock."""
+    s = int(round(max(seconds, 0.0)))
+    if s < 60:
+        return f"{s}s"
+    m, s = divmod(s, 60)
+    if m < 60:
+        return f"{m}m{s:02d}s"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{h}h{m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d{h:02d}h"
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -44,15 +72,20 @@ class MetricsWriter:
     """Only the writer rank writes files; every rank may call it."""
 
     def __init__(self, run_dir: str | Path, enabled: bool, max_steps: int, tensorboard: bool = False,
-                 start_step: int = 0):
+                 start_step: int = 0, last_step: int = 0, clock: Callable[[], float] = time.monotonic):
         """`start_step`: the step the run continues from. The records of earlier steps are kept
         (the plot shows the whole run); later ones, written by an interrupted attempt, are
-        dropped, so each step has one record."""
+        dropped, so each step has one record. `last_step`: where this launch stops (default
+        `max_steps`), what the ETA counts to; `clock`: seconds, for the elapsed time and the ETA."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.max_steps = max_steps
+        self.last_step = last_step or max_steps
         self.history: list[dict] = []
         self._tb = None
+        self._clock = clock
+        self._started = clock()
+        self._first: tuple[int, float] | None = None  # (step, time) of this launch's first record
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -75,6 +108,9 @@ class MetricsWriter:
         """Every step goes to metrics.jsonl; `show`: also the progress line and TensorBoard."""
         if not self.enabled:
             return
+        now = self._clock()
+        if self._first is None:
+            self._first = (record["step"], now)
         self.history.append(record)
         self._file.write(json.dumps(record) + "\n")
         if not show:
@@ -91,7 +127,16 @@ class MetricsWriter:
         )
         if "val_loss" in record:
             line += f" | val {record['val_loss']:.4f}"
+        line += f" | {format_duration(now - self._started)} elapsed, eta {format_duration(self._eta(record, now))}"
         print(line, file=sys.stderr, flush=True)
+
+    def _eta(self, record: dict, now: float) -> float:
+        """Seconds to `last_step` at the pace since this launch's first record (evaluations and
+        saves included; the first step's start-up is not), or the step's own time before that."""
+        first_step, first_time = self._first
+        done = record["step"] - first_step
+        per_step = (now - first_time) / done if done > 0 else record["step_s"]
+        return max(self.last_step - record["step"], 0) * per_step
 
     def close(self, plot: bool) -> Path | None:
         if not self.enabled:

@@ -7,6 +7,9 @@ addresses in turn, and asks for the stream from the resume token of the last bat
 RECEIVED: batches already queued stay valid, and nothing is served twice or skipped.
 Requests the server refuses (INVALID_ARGUMENT, ...) surface at the caller's `next()`.
 
+An outage is logged (logger `dataservice.client`, warnings): one line when an open stream is
+lost, one when it is back, with how long it took.
+
 `state_dict()` holds the token of the last batch DELIVERED to the caller, so a
 checkpoint taken after step k resumes at step k+1, on any replica, even with another
 dp_size or micro_batch_size when the row offset allows it.
@@ -19,9 +22,11 @@ reconnect in the middle of a step the entries already received are dropped, not 
 
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Sequence
@@ -44,6 +49,7 @@ from dataservice.rpc import (  # check_address, server_info: also for the traine
 )
 
 pb2, pb2_grpc = protos.load()
+log = logging.getLogger(__name__)
 
 # Batch tensors are read-only views of the received message bytes (zero copy). torch warns
 # that writing to them would be undefined; trainers only read inputs, and copying every
@@ -326,6 +332,11 @@ class _Prefetcher:
     def _run(self) -> None:
         c = self._settings
         failures, index, tried = 0, 0, []
+        received = False  # a batch came: a failure from now on is an outage, and said so
+        lost_at = None  # when the stream was lost, until it is back
+        who = f"dp rank {c.request['dp_rank']}"
+        if c.request["cp_size"] > 1:
+            who += f", cp rank {c.request['cp_rank']}"
         while not self._stopped.is_set():
             address = c.addresses[index % len(c.addresses)]
             request = pb2.StreamRequest(resume_token=self._token, max_batches=self._remaining, **c.request)
@@ -336,6 +347,11 @@ class _Prefetcher:
                     self._call = pb2_grpc.DataServiceStub(self._channels.get(address)).StreamBatches(request)
                     self.address = address
                 for msg in self._call:
+                    if lost_at is not None:
+                        log.warning("data stream of %s back from %s after %.1f s (%d reconnect attempt(s))", who,
+                                    address, time.monotonic() - lost_at, failures)
+                        lost_at = None
+                    received = True
                     failures, tried = 0, []
                     if self._partial and msg.step == self._partial[0] and msg.cp_entry < self._partial[1]:
                         continue  # received before the reconnect
@@ -362,6 +378,10 @@ class _Prefetcher:
                     return
                 failures += 1
                 tried.append(f"{address} ({failure_reason(err)})")
+                if received and lost_at is None:
+                    lost_at = time.monotonic()
+                    log.warning("data stream of %s from %s lost (%s); reconnecting, up to %d retries", who, address,
+                                failure_reason(err), c.max_retries)
                 if failures > c.max_retries:
                     self._put(DataServiceError(
                         f"no data service replica answered after {c.max_retries} retries; tried "

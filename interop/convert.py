@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 import tomli_w
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from core.state.checkpoint import latest_checkpoint
 from core.config import Config, ConfigError, ModelConfig, load_config
@@ -75,7 +75,7 @@ class TensorFiles:
         self.files = files
         self.headers: dict[str, tuple[tuple[int, ...], str]] = {}
         for f in sorted(set(files.values())):
-            with safe_open(str(f), framework="pt") as handle:
+            with _open_safetensors(f) as handle:
                 for key in handle.keys():
                     view = handle.get_slice(key)
                     self.headers[key] = (tuple(view.get_shape()), view.get_dtype())
@@ -98,7 +98,7 @@ class TensorFiles:
                                   f"PyTorch .bin files are not read: re-save the model with safe_serialization")
         files = {}
         for f in singles:
-            with safe_open(str(f), framework="pt") as handle:
+            with _open_safetensors(f) as handle:
                 files.update({key: f for key in handle.keys()})
         return cls(files)
 
@@ -110,11 +110,20 @@ class TensorFiles:
         return self._DTYPES.get(name) or _bad_dtype(key, name)
 
     def read(self, key: str) -> torch.Tensor:
-        with safe_open(str(self.files[key]), framework="pt") as handle:
+        with _open_safetensors(self.files[key]) as handle:
             return handle.get_tensor(key)
 
     def close(self) -> None:
         pass
+
+
+def _open_safetensors(path: Path):
+    """safe_open(path); a file that is not whole safetensors (a download cut short) is ConversionError."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ConversionError(f"'{path}' is not a readable safetensors file ({err}): a download cut short? "
+                              f"fetch the file again") from None
 
 
 def _bad_dtype(key: str, name: str):

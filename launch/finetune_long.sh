@@ -15,20 +15,26 @@
 # means "the context the model was trained at" (config.json's max_position_embeddings).
 # OUT_DIR gets data/{train,val}, model/ (the import), finetune.toml (the merged config), run/
 # (metrics.jsonl, loss.png, checkpoints) and hf/ (the export). A step that fails stops the recipe.
+# Relative paths are read from where the script is called; a --recipe that is not found there is
+# looked up in the repository (e.g. launch/configs/finetune_tiny.toml from anywhere).
 set -euo pipefail
+caller=$PWD
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$TESSERA_ROOT"
+from_caller() { case $1 in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$caller/$1" ;; esac; }
 
 usage="usage: bash launch/finetune_long.sh HF_DIR CONVERSATIONS.jsonl OUT_DIR [--recipe FILE] [--nproc-per-node N] [--val-every K] [-- tessera-train args]"
 die() { echo "finetune_long.sh: error: $*" >&2; exit 2; }
 [ $# -ge 3 ] || die "$usage"
-hf_dir=$1 conversations=$2 out=$3
+hf_dir=$(from_caller "$1") conversations=$(from_caller "$2") out=$(from_caller "$3")
 shift 3
-recipe=launch/configs/llama3_8b_longctx.toml
+recipe=$TESSERA_ROOT/launch/configs/llama3_8b_longctx.toml
 nproc="" val_every=20
 while [ $# -gt 0 ]; do
   case $1 in
-    --recipe) recipe=${2:?}; shift 2 ;;
+    --recipe) recipe=$(from_caller "${2:?}")
+              if [ ! -f "$recipe" ] && [ -f "$TESSERA_ROOT/$2" ]; then recipe=$TESSERA_ROOT/$2; fi
+              shift 2 ;;
     --nproc-per-node) nproc=${2:?}; shift 2 ;;
     --val-every) val_every=${2:?}; shift 2 ;;
     --) shift; break ;;

@@ -9,6 +9,9 @@ the data (`tessera-data inspect` on a damaged dataset) exits 1 instead: tests/te
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import importlib.util
 import io
 import json
 import os
@@ -202,7 +205,8 @@ def test_the_launcher_validates_before_it_spawns_workers(tmp_path, dataset):
     assert not (tmp_path / "run").exists()
     proc = train(tmp_path, dataset, config=DENSE, extra=("--nproc-per-node", "3"))  # global batch 8 on dp=3
     assert_one_line(proc, "train.global_batch_size=8 must be a multiple of", "2*3")
-    assert_one_line(train(tmp_path, dataset, extra=("--nproc-per-node", "-1")), "--nproc-per-node -1")
+    for n in ("0", "-1"):
+        assert_one_line(train(tmp_path, dataset, extra=("--nproc-per-node", n)), f"--nproc-per-node {n} must be >= 1")
 
 
 # ---- tessera-train: the data and the device ---------------------------------------------
@@ -255,6 +259,13 @@ def test_folders_the_run_would_write(tmp_path, dataset):
 def test_fp8_setting_of_the_environment(tmp_path, dataset, monkeypatch):
     monkeypatch.setenv("TESSERA_FP8_EXPERT_WGRAD", "int4")
     assert_one_line(train(tmp_path, dataset, "train.precision=fp8"), "TESSERA_FP8_EXPERT_WGRAD='int4'", "fp8 or bf16")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="needs a Python without tensorboard")
+def test_tensorboard_asked_for_without_the_package(tmp_path, dataset):
+    assert_one_line(train(tmp_path, dataset, "train.tensorboard=true"),
+                    "train.tensorboard=true but the tensorboard package does not import here", "pip install tensorboard")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
+import re
 import select
 import signal
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from dataservice.shards import ShardedDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 REQ = dict(dp_rank=1, dp_size=2, seq_len=256, micro_batch_size=2, seed=5)
+OUTAGE_S = 1.0  # longer than the client's backoff (0.05 s doubling to 0.2 s): it reconnects several times
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -37,8 +41,13 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(data):
-    srv, port = serve([(ShardedDataset.open(data), str(data), 1.0)])
+def opened(data):
+    return ShardedDataset.open(data)  # once: LMDB opens an environment once per process
+
+
+@pytest.fixture(scope="module")
+def server(data, opened):
+    srv, port = serve([(opened, str(data), 1.0)])
     yield f"127.0.0.1:{port}"
     srv.stop(0)
 
@@ -145,6 +154,41 @@ def test_resume_on_a_restarted_server_on_a_new_port(data, server):
     finally:
         second.kill()
         second.wait()
+
+
+def test_an_outage_is_one_line_when_the_stream_is_lost_and_one_when_it_is_back(data, opened, server, caplog):
+    # The replica stops, then comes back on the same port 1 s later (a restarted service): the
+    # stream continues without duplicate or gap, and the two lines bracket the outage.
+    with DataClient(server, max_batches=12, **REQ) as ref_client:
+        reference = list(ref_client)
+    replica, port = serve([(opened, str(data), 1.0)])
+    restarted = []
+
+    def restart():
+        restarted.append(serve([(opened, str(data), 1.0)], port=port)[0])
+
+    timer = threading.Timer(OUTAGE_S, restart)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dataservice.client"), \
+                DataClient(f"127.0.0.1:{port}", prefetch=2, backoff=0.05, max_backoff=0.2, max_retries=100,
+                           **REQ) as client:
+            got = take(client, 2)
+            replica.stop(0)
+            timer.start()
+            got += take(client, 10)  # the queued batches, then the wait for the restarted replica
+        same(got, reference)
+        lines = [r for r in caplog.records if r.name == "dataservice.client"]
+        assert len(lines) == 2, [r.getMessage() for r in lines]
+        lost, back = (r.getMessage() for r in lines)
+        assert lost.startswith(f"data stream of dp rank 1 from 127.0.0.1:{port} lost (") and "reconnecting" in lost
+        took = float(re.search(rf"back from 127.0.0.1:{port} after ([0-9.]+) s \(\d+ reconnect", back).group(1))
+        assert took == pytest.approx(lines[1].created - lines[0].created, abs=0.06)  # the time between the lines
+        assert took > OUTAGE_S / 2  # the loss is noticed as the queue drains, right after the stop
+    finally:
+        timer.cancel()
+        timer.join()
+        for srv in [replica, *restarted]:
+            srv.stop(0)
 
 
 def test_refused_request_raises_with_the_servers_message(server):

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import uuid
 from pathlib import Path
 
@@ -119,7 +120,8 @@ def test_two_nodes_equal_one_and_a_hung_rank_ends_both(tmp_path, dataset):  # no
     # argparse keeps the last --nproc-per-node, --set applies in order: these override train_cmd's.
     one = _start(train_cmd(tmp_path / "one", dataset, *short, "--nproc-per-node", "4"), tag)
     run_dir = tmp_path / "two"
-    rendezvous = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"faults-{tag[:8]}"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    rendezvous = ["--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", f"faults-{tag[:8]}"]
     nodes = [_start(train_cmd(run_dir, dataset, *short, "--set", "train.hang_timeout_s=3", *rendezvous), tag,
                     **{STALL_ENV: "3:2:forward/backward:1.0,3:4:forward/backward"}) for _ in range(2)]
     (_, one_err), *node_outputs = [proc.communicate(timeout=240) for proc in [one, *nodes]]
@@ -134,6 +136,10 @@ def test_two_nodes_equal_one_and_a_hung_rank_ends_both(tmp_path, dataset):  # no
         assert 0 <= r["slowest_rank"] < 4 and 0 < r["busy_s_min"] <= r["busy_s_median"] <= r["busy_s_max"], r
     slow = multi[1]
     assert slow["slowest_rank"] == 3 and slow["busy_s_max"] >= 1.0 and slow["busy_s_max"] - slow["busy_s_min"] > 0.5, slow
+    # The workers' rank 0 saved the launch a bare --resume starts again on each node.
+    assert tomllib.loads((run_dir / "launch.toml").read_text()) == {
+        "nproc_per_node": 2, "nnodes": 2, "rdzv_backend": "c10d", "rdzv_endpoint": endpoint,
+        "rdzv_id": f"faults-{tag[:8]}", "max_restarts": 0}
 
     stderr = "\n".join(err for _, err in node_outputs)
     assert all(proc.returncode == 1 for proc in nodes), stderr[-4000:]  # torchrun's "a worker failed", on both

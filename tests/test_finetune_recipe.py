@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tests.test_sft_train import conversations
 from dataservice.tokenizer import train_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "launch" / "finetune_long.sh"
 
 
 def tiny_hf_llama(folder: Path) -> Path:
@@ -40,16 +42,23 @@ def tiny_hf_llama(folder: Path) -> Path:
     return folder
 
 
+def _env() -> dict:
+    """The script on this interpreter's environment, whose commands are on PATH (nothing installed)."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return dict(os.environ, OMP_NUM_THREADS="1", TESSERA_NO_VENV="1", PATH=path)
+
+
 @pytest.mark.slow
 def test_recipe_from_hf_checkpoint_to_exported_long_context_model(tmp_path):
     transformers = pytest.importorskip("transformers")
     hf = tiny_hf_llama(tmp_path / "hf")
     data = conversations(tmp_path / "conversations.jsonl", 240, seed=3)
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TESSERA_VENV=os.environ.get("TESSERA_VENV", str(ROOT / ".venv")))
-    proc = subprocess.run(["bash", "launch/finetune_long.sh", str(hf), str(data), str(out), "--recipe",
+    env = _env()
+    # Called from the folder that holds the inputs, with relative paths (the recipe: the repository's).
+    proc = subprocess.run(["bash", str(SCRIPT), "hf", "conversations.jsonl", "out", "--recipe",
                            "launch/configs/finetune_tiny.toml", "--nproc-per-node", "4", "--val-every", "10"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     # Shards rendered by the model's own template, with masks; the held-out split is separate.
     manifest = json.loads((out / "data" / "train" / "manifest.json").read_text())
@@ -70,6 +79,23 @@ def test_recipe_from_hf_checkpoint_to_exported_long_context_model(tmp_path):
     bad = subprocess.run(["bash", "launch/finetune_long.sh", str(tmp_path), str(data), str(out)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "has no config.json" in bad.stderr, bad.stderr
+
+
+def test_relative_paths_are_read_from_where_the_script_is_called(tmp_path):
+    # The script works in the repository; HF_DIR here is relative to the caller's folder, which
+    # has config.json (and no tokenizer.json: the script stops at that check, before any work).
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "chats.jsonl").write_text("")
+    bad = subprocess.run(["bash", str(SCRIPT), "hf", "chats.jsonl", "out"], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert f"'{tmp_path / 'hf'}' has no tokenizer.json" in bad.stderr, bad.stderr
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    bad = subprocess.run(["bash", str(SCRIPT), "hf", "chats.jsonl", "out", "--recipe", "launch/configs/nothing.toml"],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and f"recipe '{tmp_path / 'launch/configs/nothing.toml'}' is not a file" in bad.stderr
+    assert not (tmp_path / "out").exists()  # nothing written before the checks pass
 
 
 def test_the_8b_recipe_is_a_valid_8_gpu_layout():

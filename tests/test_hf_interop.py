@@ -23,8 +23,8 @@ vocabulary split of tp=2, the expert exchange of ep=2).
 - HF -> from-hf -> to-hf is bitwise identical (keys, dtypes, values, config.json);
 - a checkpoint of a model that was not imported exports with a config.json made from [model]
   (Llama, Mixtral): transformers' logits equal Tessera's (atol 1e-4, logits of size ~10);
-- bad input: unknown architecture, unsupported rope type, sliding window, a missing tensor or a
-  wrong shape in init_from: exit 2 with one line, nothing written.
+- bad input: unknown architecture, unsupported rope type, sliding window, a truncated weights
+  file, a missing tensor or a wrong shape in init_from: exit 2 with one line, nothing written.
 """
 
 from __future__ import annotations
@@ -326,6 +326,21 @@ def test_from_hf_refuses_what_it_cannot_represent(tmp_path, imported, change, ne
     _edit_config(copy, **change)
     _one_line_exit_2(convert("from-hf", str(copy), str(tmp_path / "out"), check=False), needle)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
+
+
+def test_from_hf_refuses_a_truncated_weights_file(tmp_path, imported):
+    hf, _ = imported("llama")
+    copy = tmp_path / "hf"
+    copy.mkdir()
+    for f in hf.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    weights = copy / "model.safetensors"
+    whole = weights.read_bytes()
+    for cut in (len(whole) // 2, 4):  # a download cut short in the data, or in the header
+        weights.write_bytes(whole[:cut])
+        _one_line_exit_2(convert("from-hf", str(copy), str(tmp_path / "out"), check=False),
+                         f"'{weights}' is not a readable safetensors file", "fetch the file again")
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
 
 
 def test_from_hf_refuses_a_folder_without_the_model(tmp_path):

@@ -124,6 +124,25 @@ def test_written_config_is_what_tessera_train_runs(tmp_path, capsys):
         assert effective[section][key] == getattr(getattr(planned, section), key), (section, key)
 
 
+def test_a_best_plan_with_under_5_percent_of_the_memory_free_is_a_warning(capsys):
+    # The best plan on 80 GiB needs `need`; on need / 0.97 GiB it is still the best (the plans that
+    # fit there fit on 80 GiB too) and leaves 3% free.
+    args = ["--config", str(ROOT / "launch/configs/tiny_moe.toml"), "--gpus", "8", "--set", "train.seq_len=1024"]
+    best = search(load_config(ROOT / "launch/configs/tiny_moe.toml", ["train.seq_len=1024"]), 8, 80 * 2**30,
+                  CAL).fitting[0]
+    need = best.memory.device_total / 2**30
+    assert need < 0.95 * 80
+    assert main([*args, "--gpu-memory-gib", "80"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main([*args, "--gpu-memory-gib", repr(need / 0.97)]) == 0
+    out, err = capsys.readouterr()
+    assert f"  1 {best.layout} " in out
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tessera-plan: warning: the best plan leaves "), err
+    assert f"({100 * 0.03:.1f}%) of the {need / 0.97:g} GiB free per GPU" in lines[0], lines[0]
+    assert f"--gpu-memory-gib {0.95 * need / 0.97:.3g}" in lines[0]
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--config", "missing.toml", "--gpus", "8", "--gpu-memory-gib", "80"], "does not exist"),
     (["--gpus", "0", "--gpu-memory-gib", "80"], "--gpus 0"),

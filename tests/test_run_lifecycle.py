@@ -1,11 +1,11 @@
 """A run's life on real processes: stop signals at random moments, no orphans, self-protecting
-run directories, resume without retyping.
+run directories, resume without retyping (config and launch: `--resume RUN_DIR` alone).
 
 Every process of a run carries a tag in its environment (inherited by torchrun, the workers and
 the loopback data server), so "no process of the run remains" is read from /proc. Reference
-for the loss trajectory: the same 2-process run without interruption; a resumed run must match
-it step for step (same layout, same data order; 1e-6 relative covers only the fp32 reduction
-order of a restarted gloo group).
+for the loss trajectory: the same run (2 processes; 4 for the MoE model) without interruption;
+a resumed run must match it step for step (same layout, same data order; 1e-6 relative covers
+only the fp32 reduction order of a restarted gloo group).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import uuid
 from pathlib import Path
 
@@ -34,6 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "launch" / "configs" / "tiny_dense.toml"
+MOE_CONFIG = ROOT / "launch" / "configs" / "tiny_moe.toml"  # ep=2: on one process its layout cannot start
 STEPS = 6
 SMALL = [
     "model.dim=64", "model.num_layers=2", "model.ffn_dim=128", "train.seq_len=64", "train.micro_batch_size=2",
@@ -41,6 +43,8 @@ SMALL = [
     "checkpoint.interval=1", "checkpoint.keep=3",
 ]
 RTOL = 1e-6
+MOE_SMALL = ["model.dim=64", "model.num_layers=2", "model.ffn_dim=128", "model.moe.ffn_dim=32", "train.seq_len=64",
+             "train.max_steps=3", "train.warmup_steps=1", "checkpoint.interval=1", "train.plot=false"]
 
 
 def build_small_dataset(tmp: Path) -> Path:
@@ -127,14 +131,18 @@ def reference(lifecycle_reference) -> dict[int, float]:
 
 
 def resume_and_check(run_dir: Path, reference: dict[int, float]) -> None:
-    """`--resume RUN_DIR` alone finishes the run on the reference trajectory, one record per step."""
-    proc = run([sys.executable, "-m", "core.train.cli", "--resume", str(run_dir), "--nproc-per-node", "2"])
+    """`--resume RUN_DIR` alone (its 2 processes from RUN_DIR/launch.toml) finishes the run on the
+    reference trajectory, one record per step, and draws the plot again."""
+    plot = run_dir / "loss.png"
+    drawn = plot.stat().st_mtime_ns if plot.exists() else 0
+    proc = run([sys.executable, "-m", "core.train.cli", "--resume", str(run_dir)])
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "RNG state restored on 2 of 2 ranks" in proc.stderr, proc.stderr[-4000:]
     records = metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
         assert r["loss"] == pytest.approx(reference[r["step"]], rel=RTOL), (r["step"], records, reference)
-    assert (run_dir / "loss.png").stat().st_size > 1000
+    assert plot.stat().st_size > 1000 and plot.stat().st_mtime_ns > drawn
 
 
 # Moments: after a random step has been logged (during the next step's compute or collectives),
@@ -174,6 +182,7 @@ def test_stop_signal_leaves_no_process_and_resume_continues_the_trajectory(tmp_p
             os.killpg(proc.pid, signal.SIGKILL)
     assert wait_for_no_process(tag) == []
     assert_only_complete_checkpoints(run_dir)
+    assert (run_dir / "loss.png").stat().st_size > 1000  # the plot of the steps done, drawn at the stop
     if launcher:
         assert proc.returncode == 128 + sig, stderr[-3000:]
         lines = [line for line in stderr.splitlines() if "interrupted after step" in line]
@@ -233,6 +242,26 @@ def test_each_checkpoint_is_published_only_after_its_step_record_is_written(tmp_
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_a_run_that_fails_still_draws_its_loss_plot(tmp_path, dataset, monkeypatch):
+    # The failure: publishing step 2's checkpoint raises (a full disk), after its record was written.
+    sets = [item for item in SMALL if not item.startswith(("train.max_steps", "train.plot"))]
+    config = load_config(CONFIG, [*sets, "train.max_steps=3", "train.plot=true", "train.device=cpu",
+                                  f"data.dataset={dataset}", f"train.run_dir={tmp_path}"])
+    validate(config, 1)
+    publish_now = checkpoint._publish_now
+
+    def publish(root, name, keep):
+        if name == "step_000002":
+            raise OSError(28, "No space left on device")
+        publish_now(root, name, keep)
+
+    monkeypatch.setattr(checkpoint, "_publish_now", publish)
+    with pytest.raises(OSError, match="No space left"):
+        Trainer(config).run()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
 def test_killed_launcher_takes_its_workers_along_and_the_stale_lock_is_taken_over(tmp_path, dataset, reference):
     run_dir, tag = tmp_path / "run", uuid.uuid4().hex
     proc = start(train_cmd(run_dir, dataset), tag)
@@ -245,7 +274,7 @@ def test_killed_launcher_takes_its_workers_along_and_the_stale_lock_is_taken_ove
             os.killpg(proc.pid, signal.SIGKILL)
     assert wait_for_no_process(tag) == []
     assert (run_dir / "run.lock").exists()  # left behind by the killed owner
-    proc = run([sys.executable, "-m", "core.train.cli", "--resume", str(run_dir), "--nproc-per-node", "2"])
+    proc = run([sys.executable, "-m", "core.train.cli", "--resume", str(run_dir)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "taking over the lock" in proc.stderr
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
@@ -303,3 +332,38 @@ def test_run_directory_rules_and_resume_with_changes(tmp_path, dataset):
 
     fresh = run(base + sets + ["--overwrite"])
     assert fresh.returncode == 0 and [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
+
+
+def test_resume_alone_relaunches_the_runs_launch_and_a_finished_run_says_so(tmp_path, dataset):
+    """The tiny MoE model at ep=2 on 4 processes (dp=4), stopped after step 1 (train.stop_at_step),
+    then `tessera-train --resume RUN_DIR` and nothing else: 4 processes again (one could not hold
+    ep=2), steps 2-3 on the uninterrupted 4-process run's losses (RTOL)."""
+    def launch(run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
+        args = []
+        for item in [*MOE_SMALL, f"data.dataset={dataset}", f"train.run_dir={run_dir}", *sets]:
+            args += ["--set", item]
+        return run([sys.executable, "-m", "core.train.cli", "--config", str(MOE_CONFIG), *args, "--nproc-per-node", "4"])
+
+    reference = launch(tmp_path / "reference")
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    expected = {r["step"]: r["loss"] for r in metrics(tmp_path / "reference")}
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, "train.stop_at_step=1")
+    assert first.returncode == 0 and [r["step"] for r in metrics(run_dir)] == [1], first.stderr[-4000:]
+    assert tomllib.loads((run_dir / "launch.toml").read_text())["nproc_per_node"] == 4
+
+    resumed = run([sys.executable, "-m", "core.train.cli", "--resume", str(run_dir)])
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "RNG state restored on 4 of 4 ranks" in resumed.stderr, resumed.stderr[-4000:]
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["loss"] == pytest.approx(expected[r["step"]], rel=RTOL), (r["step"], records, expected)
+
+    # Resumed again, the run has nothing left: one line, exit 0 (a script that resumes until the
+    # run is done succeeds), nothing started or written.
+    done = run_entry_point("core.train.cli", "--resume", run_dir)
+    assert done.returncode == 0 and done.stderr.count("\n") == 1, done.stderr
+    assert f"the run in {run_dir} already reached train.max_steps=3 (its newest checkpoint is step 3)" in done.stderr
+    assert "--set train.max_steps=N (N > 3)" in done.stderr
+    assert len(metrics(run_dir)) == 3

@@ -6,8 +6,9 @@ choice of the config on N GPUs of M GiB, keeps the candidates whose predicted pe
 them by predicted tokens/s and prints the best T with their memory and time breakdowns, then
 the winner's in full. `--write-config OUT` writes the winner as a config `tessera-train` loads;
 `--measure K` trains the best K for a few steps on this node's GPUs and prints predicted against
-measured. Misuse, or an error of the config itself (one that no layout changes, named before
-any layout is tried): one line on stderr, exit code 2.
+measured. A best plan that leaves under `MIN_HEADROOM` of the GPU's memory free is a warning
+line on stderr. Misuse, or an error of the config itself (one that no layout changes, named
+before any layout is tried): one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from core.planner.timing import estimate_time
 GIB = 2 ** 30
 COMM = ("tp_comm", "ep_comm", "cp_comm", "grad_sync")
 MEASURE_STEPS = 6
+# The memory model underestimates measured peaks by up to 5.4% (docs/planner.md): a plan with
+# less than 5% free may not fit on the GPU.
+MIN_HEADROOM = 0.05
 
 
 class _Parser(argparse.ArgumentParser):
@@ -164,6 +168,18 @@ def _print_plan(found: Search, args, cal: Calibration) -> None:
     print("\n".join(_winner(found.fitting[0], args.gpus)))
 
 
+def _headroom_warning(plan: Candidate, gpu_memory_gib: float) -> str | None:
+    """The warning line for a plan that leaves under MIN_HEADROOM of the GPU's memory free, or None."""
+    total = gpu_memory_gib * GIB
+    free = total - plan.memory.device_total
+    if free >= MIN_HEADROOM * total:
+        return None
+    return (f"tessera-plan: warning: the best plan leaves {free / GIB:.2f} GiB ({100 * free / total:.1f}%) of the "
+            f"{gpu_memory_gib:g} GiB free per GPU, and the memory model may miss peaks by up to "
+            f"{100 * MIN_HEADROOM:g}% (docs/planner.md); the plans that keep that free: --gpu-memory-gib "
+            f"{(1 - MIN_HEADROOM) * gpu_memory_gib:.3g}")
+
+
 def _as_given(config, args, cal: Calibration, found: Search) -> str:
     """Where the config's own layout, micro-batch and recomputation stand among the plans."""
     own = checkable(config)
@@ -239,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"needs {s.device_total / GIB:.1f} GiB: use more GPUs, larger ones, or a smaller micro-batch or model")
     _print_plan(found, args, cal)
     print(_as_given(config, args, cal, found))
+    warning = _headroom_warning(found.fitting[0], args.gpu_memory_gib)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     if args.write_config:
         try:
             plan = apply_plan(config, found.fitting[0], args.gpus)

@@ -4,9 +4,12 @@ Launched by torchrun (one process per rank), or with `--nproc-per-node N`, which
 torchrun itself on this machine (`core/train/launcher.py`); `--nnodes N --rdzv-endpoint HOST:PORT`
 (one such launcher per node) and `--max-restarts N` are handed to torchrun. The run directory
 protects itself (`core/train/rundir.py`): one run at a time, the effective config saved as
-RUN_DIR/config.toml, and `--resume RUN_DIR` continues a run with nothing else typed.
-`--auto-resume` continues the run when it has a complete checkpoint and starts it otherwise
-(what a requeued batch job wants); a worker that torchrun restarted after a failure does the same.
+RUN_DIR/config.toml and the launch shape as RUN_DIR/launch.toml (`core/train/launch_shape.py`),
+and `--resume RUN_DIR` continues a run with nothing else typed: its config, its processes and
+nodes, its rendezvous and restarts, the launch flags given replacing what they name; a run that
+already reached its last step says so and exits 0. `--auto-resume` continues the run when it
+has a complete checkpoint and starts it otherwise (what a requeued batch job wants, with its
+launch flags spelled out); a worker that torchrun restarted after a failure does the same.
 """
 
 from __future__ import annotations
@@ -38,13 +41,15 @@ from core.config import Config, ConfigError, load_config, reference
 from core import rules
 from core.validation import validate
 from core.train.data import check_data_source
-from core.train.launcher import Rendezvous, interrupted_line, launch_local
+from core.train.launch_shape import Launch, launch_from_flags, launch_of_workers, load_launch, save_launch
+from core.train.launcher import interrupted_line, launch_local
 from core.lifecycle import Interrupted, die_with_parent, exit_without_teardown, install_stop_handlers, interrupted_by
 from core.mesh import init_distributed
+from core.metrics import tensorboard_missing
 from core.train.model import build_model
 from core.state.pretrained import check_weights, expected_shapes
 from core.train.rundir import (CONFIG_NAME, LOCK_OWNER_ENV, RunDirError, RunLock, check_resume_changes, config_dict,
-                         load_saved_config, prepare, remove_partial_checkpoints, save_config)
+                               load_saved_config, nothing_left, prepare, remove_partial_checkpoints, save_config)
 from core.train.trainer import train
 from dataservice.client import DataServiceError
 
@@ -73,26 +78,28 @@ def _parser() -> argparse.ArgumentParser:
                                          "default RUN_DIR/config.toml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config key, e.g. --set parallel.tp=2 (repeatable)")
-    parser.add_argument("--nproc-per-node", type=int, default=0,
-                        help="launch N local worker processes through torchrun")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="launch N >= 1 local worker processes through torchrun (left out: one process, or on "
+                             "--resume the run's own launch)")
     parser.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN_DIR",
                         help="continue from the newest checkpoint of RUN_DIR (default: train.run_dir), with its "
-                             "saved config; --set changes only what it names")
+                             "saved config and launch (RUN_DIR/launch.toml); --set and the launch flags change only "
+                             "what they name")
     parser.add_argument("--overwrite", action="store_true",
                         help="start again in a run directory that already holds a run (its metrics and checkpoints go)")
     parser.add_argument("--auto-resume", action="store_true",
                         help="continue the run in train.run_dir from its newest complete checkpoint, or start it "
                              "(again) when it has none: for batch jobs that may be requeued")
     node = parser.add_argument_group("several nodes and restarts (handed to torchrun; with --nproc-per-node)")
-    node.add_argument("--nnodes", type=int, default=1, help="nodes of the job, one tessera-train each (default: 1)")
+    node.add_argument("--nnodes", type=int, default=None, help="nodes of the job, one tessera-train each (default: 1)")
     node.add_argument("--node-rank", type=int, default=None,
                       help="this node's index (static rendezvous at --rdzv-endpoint = node 0's HOST:PORT); "
                            "without it c10d rendezvous assigns ranks and supports --max-restarts across nodes")
-    node.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
+    node.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                       help="where the nodes meet: a host every node reaches and a free port on it")
-    node.add_argument("--rdzv-id", default=os.environ.get("SLURM_JOB_ID", "tessera"), metavar="NAME",
+    node.add_argument("--rdzv-id", default=None, metavar="NAME",
                       help="the job's name, the same on every node (default: $SLURM_JOB_ID, else 'tessera')")
-    node.add_argument("--max-restarts", type=int, default=0,
+    node.add_argument("--max-restarts", type=int, default=None,
                       help="restart the worker group up to N times when a worker fails; it continues from the "
                            "newest complete checkpoint (default: 0)")
     parser.add_argument("--print-config", action="store_true", help="print the effective config as TOML and exit")
@@ -101,33 +108,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _rendezvous(args) -> Rendezvous:
-    """The launcher's torchrun arguments, checked; ConfigError (one line, exit 2) names a misuse."""
-    if args.nnodes < 1:
-        raise ConfigError(f"--nnodes {args.nnodes} must be >= 1")
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0")
-    multi = args.nnodes > 1
-    if (multi or args.max_restarts or args.node_rank is not None or args.rdzv_endpoint) and not args.nproc_per_node:
-        raise ConfigError("--nnodes, --node-rank, --rdzv-endpoint and --max-restarts need --nproc-per-node N "
-                          "(tessera-train then starts torchrun on this node)")
-    if multi and not args.rdzv_endpoint:
-        raise ConfigError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, a host every node reaches "
-                          "(e.g. the first node of the job) and a free port on it")
-    if not multi and (args.node_rank is not None or args.rdzv_endpoint):
-        raise ConfigError("--node-rank and --rdzv-endpoint are for several nodes: give --nnodes N (N >= 2) too")
-    if args.node_rank is not None and args.max_restarts:
-        raise ConfigError("--max-restarts needs c10d rendezvous (it restarts every node's workers together, with a "
-                          "fresh store): leave out --node-rank")
-    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(f"--node-rank {args.node_rank} must be in [0, {args.nnodes - 1}] for --nnodes {args.nnodes}")
-    if args.rdzv_endpoint:
-        host, sep, port = args.rdzv_endpoint.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ConfigError(f"--rdzv-endpoint {args.rdzv_endpoint!r} must read HOST:PORT with a port in 1..65535")
-    if not args.rdzv_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise ConfigError(f"--rdzv-id {args.rdzv_id!r} must be letters, digits, '-', '_' or '.'")
-    return Rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts)
+def _fit_world(config: Config, world: int, saved: Launch | None) -> None:
+    """validate(config, world); a world other than the saved launch's says so in its line."""
+    try:
+        validate(config, world)
+    except ConfigError as err:
+        if saved is None or world == saved.world_size:
+            raise
+        raise ConfigError(f"the run's layout does not fit {world} processes (it was launched on {saved.world_size}, "
+                          f"with {saved.describe()}): {err}") from None
 
 
 def _resolve_auto_resume(args) -> None:
@@ -164,7 +153,10 @@ def effective_config(args) -> tuple[Config, str | None]:
     if args.resume:  # a run directory: its saved config is the base
         run_dir = Path(args.resume)
         saved = load_saved_config(run_dir)
-        config = load_config(args.config, args.overrides) if args.config else load_saved_config(run_dir, args.overrides)
+        # The saved train.stop_at_step ended that launch (a job slot's end): the resume continues
+        # the schedule, unless --set names another stop.
+        config = load_config(args.config, args.overrides) if args.config else \
+            load_saved_config(run_dir, ["train.stop_at_step=0", *args.overrides])
         config.train.run_dir = str(run_dir)
     else:
         if not args.config:
@@ -181,8 +173,8 @@ def _paths(config: Config) -> tuple[Path, Path]:
     return run_dir, Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
 
 
-def _take_run_dir(config: Config, resume: bool, overwrite: bool, note: str | None) -> RunLock:
-    """Lock the run directory, apply the start rules, save the effective config."""
+def _take_run_dir(config: Config, resume: bool, overwrite: bool, note: str | None, launch: Launch | None) -> RunLock:
+    """Lock the run directory, apply the start rules, save the effective config and the launch shape."""
     run_dir, ckpt_dir = _paths(config)
     lock = RunLock(run_dir)
     taken_over = lock.acquire()
@@ -193,6 +185,7 @@ def _take_run_dir(config: Config, resume: bool, overwrite: bool, note: str | Non
         if note:
             print(f"tessera-train: {note}", file=sys.stderr)
         save_config(run_dir, config)
+        save_launch(run_dir, launch)
     except BaseException:
         lock.release()
         raise
@@ -219,8 +212,9 @@ def _report(message: str, first: bool, code: int = 2) -> int:
 
 def check_inputs(config: Config) -> None:
     """What the config names outside itself: the folders it writes, the device, the FP8
-    setting of the environment, the data (core.train.data.check_data_source) and the weights of
-    checkpoint.init_from (every tensor present with the model's shape, read from the headers).
+    setting of the environment, the packages it asks for (TensorBoard), the data
+    (core.train.data.check_data_source) and the weights of checkpoint.init_from (every tensor
+    present with the model's shape, read from the headers).
     Facts of this machine and its files, so not core.validation's, which judges the keys alone."""
     _check_folder("train.run_dir", config.train.run_dir)
     if config.checkpoint.dir:
@@ -239,6 +233,10 @@ def check_inputs(config: Config) -> None:
     if reason:
         raise ConfigError(f"train.fp8_recipe={config.train.fp8_recipe!r} needs torchao, but {reason}; "
                           "or use train.fp8_recipe=blockwise")
+    reason = tensorboard_missing() if config.train.tensorboard else None
+    if reason:
+        raise ConfigError(f"train.tensorboard=true but {reason}: pip install tensorboard, or set "
+                          "train.tensorboard=false")
     check_data_source(config)
     if config.checkpoint.init_from:
         with torch.device("meta"):  # names and shapes only: no memory, no init
@@ -269,21 +267,28 @@ def main(argv: list[str] | None = None) -> int:
     first = os.environ.get("RANK", "0") == "0"
     # torchrun restarted this worker's group after a failure: continue from the newest checkpoint.
     restarted = is_worker and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    rendezvous = None
+    launch = None
     try:
-        if args.nproc_per_node < 0:
-            raise ConfigError(f"--nproc-per-node {args.nproc_per_node} must be >= 1 (0: no launcher)")
-        if not is_worker:
-            rendezvous = _rendezvous(args)
         if args.auto_resume and args.overwrite:
             raise ConfigError("--auto-resume and --overwrite contradict each other: continue the run or start it again")
         worker_flags = _worker_argv(args)  # before --auto-resume turns into --resume or --overwrite
+        # An explicit --resume relaunches the run as it last ran; a batch job's --auto-resume
+        # spells out its own launch.
+        relaunch = args.resume is not None and not is_worker
         if args.auto_resume or restarted:
             _resolve_auto_resume(args)
         config, note = effective_config(args)
-        launching = args.nproc_per_node and not is_worker
-        world = args.nproc_per_node * args.nnodes if launching else int(os.environ.get("WORLD_SIZE", "1"))
-        validate(config, world)
+        saved_launch = load_launch(_paths(config)[0]) if relaunch else None
+        if not is_worker:
+            launch = launch_from_flags(args, saved_launch)
+        world = launch.world_size if launch is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        _fit_world(config, world, saved_launch)
+        finished = nothing_left(*_paths(config), config.train.max_steps, config.train.stop_at_step) \
+            if args.resume is not None and not args.print_config else None
+        if finished:
+            if first:  # the run is where it was meant to end: a script that resumes it succeeds
+                print(f"tessera-train: {finished}", file=sys.stderr)
+            return 0
         if not args.print_config:
             check_inputs(config)
     except (ConfigError, RunDirError) as err:
@@ -293,18 +298,18 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(tomli_w.dumps(config_dict(config)))
         return 0
     resume = args.resume is not None
-    if args.nproc_per_node and not is_worker:
+    if launch is not None:
         run_dir, ckpt_dir = _paths(config)
-        if rendezvous.multi_node:  # the workers' rank 0 takes the directory, wherever it runs
-            return launch_local(args.nproc_per_node, worker_flags, run_dir, ckpt_dir, rendezvous)
+        if launch.rendezvous.multi_node:  # the workers' rank 0 takes the directory, wherever it runs
+            return launch_local(launch, worker_flags, run_dir, ckpt_dir)
         try:
-            lock = _take_run_dir(config, resume, args.overwrite, note)
+            lock = _take_run_dir(config, resume, args.overwrite, note, launch)
         except (ConfigError, RunDirError) as err:
             return _error(str(err))
         try:
             # The workers read the saved effective config: nothing is resolved twice.
-            return launch_local(args.nproc_per_node, ["--config", str(run_dir / CONFIG_NAME)] +
-                                (["--resume"] if resume else []), run_dir, ckpt_dir, rendezvous)
+            return launch_local(launch, ["--config", str(run_dir / CONFIG_NAME)] + (["--resume"] if resume else []),
+                                run_dir, ckpt_dir)
         finally:
             lock.release()
     return _run_worker(config, resume, args.overwrite, note)
@@ -355,7 +360,7 @@ def _take_run_dir_on_rank0(config, resume, overwrite, note, rank) -> tuple[RunLo
     lock, failure = None, ""
     if rank == 0:
         try:
-            lock = _take_run_dir(config, resume, overwrite, note)
+            lock = _take_run_dir(config, resume, overwrite, note, launch_of_workers())
         except (ConfigError, RunDirError) as err:
             failure = str(err)
     if dist.is_initialized():

@@ -7,8 +7,9 @@ remains after `STOP_GRACE_S` — or after torchrun ends, normally or not — is 
 launcher is a child subreaper, so workers and the loopback data server stay its descendants
 even when torchrun dies first. After a stop it prints one line and exits 128 + the signal.
 
-Several nodes: one launcher per node with the same `Rendezvous` (`--nnodes`, `--rdzv-endpoint`,
-`--rdzv-id`; c10d rendezvous, or a fixed `--node-rank` with static rendezvous). Then no launcher
+Several nodes: one launcher per node with the same `Rendezvous` (core/train/launch_shape.py:
+`--nnodes`, `--rdzv-endpoint`, `--rdzv-id`; c10d rendezvous, or a fixed `--node-rank` with static
+rendezvous). Then no launcher
 holds the run directory: the workers' rank 0 takes it, as under a plain torchrun. With
 `--max-restarts N` torchrun restarts the worker group when a worker dies; the restarted workers
 continue from the newest complete checkpoint (`core/train/cli.py`).
@@ -16,18 +17,19 @@ continue from the newest complete checkpoint (`core/train/cli.py`).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from core.state.checkpoint import latest_checkpoint, step_of
 from core.lifecycle import STOP_SIGNALS, become_subreaper, descendants_of, die_with_parent, signal_all
 from core.metrics import read_metrics
+from core.train.launch_shape import LAUNCH_ENV, Launch
 from core.train.rundir import LOCK_OWNER_ENV, METRICS_NAME, remove_partial_checkpoints
 
 STOP_GRACE_S = 30.0  # torchrun's own grace for its workers is 30 s; ours covers torchrun itself
@@ -92,42 +94,19 @@ def _reap() -> None:
             return
 
 
-@dataclass
-class Rendezvous:
-    """How this node's torchrun meets the others (torchrun's own arguments, checked by core/train/cli.py)."""
-
-    nnodes: int = 1
-    node_rank: int | None = None  # set: static rendezvous, ranks fixed per node; None: c10d assigns them
-    endpoint: str = ""            # HOST:PORT of the rendezvous (c10d store, or rank 0 with a node rank)
-    run_id: str = "tessera"       # the job's name, the same on every node (SLURM_JOB_ID under SLURM)
-    max_restarts: int = 0         # worker-group restarts after a failure before the run fails
-
-    @property
-    def multi_node(self) -> bool:
-        return self.nnodes > 1
-
-    def torchrun_args(self) -> list[str]:
-        restarts = [f"--max-restarts={self.max_restarts}"]
-        if not self.multi_node:
-            return ["--standalone", *restarts]
-        args = [f"--nnodes={self.nnodes}", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}"]
-        if self.node_rank is not None:
-            return [*args, "--rdzv-backend=static", f"--node-rank={self.node_rank}", *restarts]
-        return [*args, "--rdzv-backend=c10d", *restarts]
-
-
-def launch_local(nproc: int, worker_argv: list[str], run_dir: Path, ckpt_dir: Path,
-                 rendezvous: Rendezvous | None = None) -> int:
-    """Run `python -m core.train.cli WORKER_ARGV` on `nproc` ranks of this node; returns the exit code.
+def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir: Path) -> int:
+    """Run `python -m core.train.cli WORKER_ARGV` on `launch.nproc_per_node` ranks of this node;
+    returns the exit code.
 
     On one node the launcher holds the run directory for its workers and sweeps partial saves
     at the end; with several nodes the workers' rank 0 holds it (no launcher knows when the
-    others' workers are done)."""
-    rendezvous = rendezvous or Rendezvous()
+    others' workers are done) and saves the launch shape it is handed."""
+    rendezvous = launch.rendezvous
     become_subreaper()
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun_args(), f"--nproc-per-node={nproc}",
-           "-m", "core.train.cli", *worker_argv]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun_args(),
+           f"--nproc-per-node={launch.nproc_per_node}", "-m", "core.train.cli", *worker_argv]
     env = dict(os.environ)
+    env[LAUNCH_ENV] = json.dumps(launch.to_dict())
     env.setdefault("OMP_NUM_THREADS", "1")  # N workers on a CPU-only machine share its cores
     # torchrun's c10d rendezvous lends its TCPStore to the workers by default, and the store keeps
     # a failed attempt's keys: a restarted worker could read its dead peer's address and fail to

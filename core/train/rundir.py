@@ -2,12 +2,14 @@
 
     RUN_DIR/run.lock      host and pid of the process that owns the run while it is running
     RUN_DIR/config.toml   the effective config (after every --set), written at start
+    RUN_DIR/launch.toml   how its processes were started (core/train/launch_shape.py), written at start
     RUN_DIR/metrics.jsonl one record per step, across resumes
     RUN_DIR/checkpoints/  complete checkpoints only (partial `.tmp` saves are removed at start)
 
 A second run on a directory in use is refused; a lock whose owner died (same host, no such
 process) is taken over with a message. Starting into a directory that holds a run needs
-`--resume` (continue it) or `--overwrite` (start again).
+`--resume` (continue it) or `--overwrite` (start again); resuming a run that already reached
+its last step says so (`nothing_left`).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from pathlib import Path
 
 import tomli_w
 
-from core.state.checkpoint import latest_checkpoint
+from core.state.checkpoint import latest_checkpoint, step_of
 from core.config import Config, ConfigError, leaf_values, load_config
 
 LOCK_NAME = "run.lock"
 CONFIG_NAME = "config.toml"
+LAUNCH_NAME = "launch.toml"
 METRICS_NAME = "metrics.jsonl"
 # Set by `tessera-train` for the workers it launches: the launcher holds the lock for them.
 LOCK_OWNER_ENV = "TESSERA_RUN_LOCK_OWNER"
@@ -141,13 +144,29 @@ def prepare(run_dir: Path, ckpt_dir: Path, resume: bool, overwrite: bool) -> Non
         if not overwrite:
             raise RunDirError(f"run directory '{run_dir}' already holds a run: continue it with --resume {run_dir}, "
                               f"start it again with --overwrite, or choose another train.run_dir")
-        for name in (METRICS_NAME, CONFIG_NAME, "loss.png"):
+        for name in (METRICS_NAME, CONFIG_NAME, LAUNCH_NAME, "loss.png"):
             (run_dir / name).unlink(missing_ok=True)
         for folder in (ckpt_dir, run_dir / "tensorboard"):
             shutil.rmtree(folder, ignore_errors=True)
     remove_partial_checkpoints(ckpt_dir)
     if resume and latest_checkpoint(ckpt_dir) is None:
         raise RunDirError(f"--resume: no complete checkpoint in '{ckpt_dir}'; start the run again with --overwrite")
+
+
+def nothing_left(run_dir: Path, ckpt_dir: Path, max_steps: int, stop_at_step: int = 0) -> str | None:
+    """On resume: the line saying that the run already reached its last step, or None."""
+    latest = latest_checkpoint(ckpt_dir)
+    if latest is None:
+        return None  # nothing to resume: `prepare` says so
+    step = step_of(latest)
+    if step >= max_steps:
+        return (f"the run in {run_dir} already reached train.max_steps={max_steps} (its newest checkpoint is step "
+                f"{step}): nothing to train; to train further, resume with --set train.max_steps=N (N > {step})")
+    if stop_at_step and step >= stop_at_step:
+        return (f"the run in {run_dir} already reached train.stop_at_step={stop_at_step} (its newest checkpoint is "
+                f"step {step}): nothing to train; continue with --set train.stop_at_step=0 (to train.max_steps="
+                f"{max_steps}) or a later step")
+    return None
 
 
 def remove_partial_checkpoints(ckpt_dir: Path) -> list[Path]:

@@ -416,15 +416,16 @@ class Trainer:
         t = self.config.train
         if self.stream is None:
             self.open_data()
-        writer = MetricsWriter(self.run_dir, enabled=self.rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard,
-                               start_step=self.step_count)
         last_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
+        writer = MetricsWriter(self.run_dir, enabled=self.rank == 0, max_steps=t.max_steps, tensorboard=t.tensorboard,
+                               start_step=self.step_count, last_step=last_step)
         self.watchdog.start()
         # With `lagged_records` a step's record is read once the next step is queued (or at its
         # checkpoint, so a run stopped after a save has the record of the step it resumes from).
         # A run that dies mid-step then lacks the record of the step before.
         pending = None  # (result, step_start, previous, extras) of the last step, not yet recorded
         previous = None  # the step before the current one, when nothing ran between them
+        ended = False
         try:
             while self.step_count < last_step:
                 step_start = time.perf_counter()
@@ -467,13 +468,25 @@ class Trainer:
             if self.checkpointer is not None:
                 self.watchdog.enter("checkpoint save")
                 self.checkpointer.wait()  # the last save is complete and `latest` before the run ends
+            ended = True
         finally:
             self.watchdog.stop()
             self.close()
-        plot = writer.close(plot=t.plot)
+            self._close_metrics(writer, ended)
+        return writer.history
+
+    def _close_metrics(self, writer: MetricsWriter, ended: bool) -> None:
+        """Close metrics.jsonl and draw loss.png, after a stop or a failure too (the plot of the
+        steps done); a plot that fails then is a warning, so that it never hides why the run ended."""
+        try:
+            plot = writer.close(plot=self.config.train.plot)
+        except Exception as err:
+            if ended:
+                raise
+            log.warning("loss.png not drawn: %s", err)
+            return
         if plot is not None:
             print(f"loss plot: {plot}", flush=True)
-        return writer.history
 
     def _log(self, writer: MetricsWriter, result: StepResult, step_start: float, previous: StepResult | None,
              extras: dict) -> None:
