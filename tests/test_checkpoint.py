@@ -29,7 +29,7 @@ from core.train.model import build_model
 from core.train.optim import AdamW, clip_grad_norm_
 from core.parallel.data import apply_data_parallel
 from moe.experts import GroupedExperts
-from tests.distributed import context, free_port, run_distributed
+from tests.support.distributed import context, free_port, run_distributed
 from tests.test_data_parallel import ToyTP, make_trainer, reference_run, toy_reference, toy_train, train_steps
 
 RTOL = 1e-5

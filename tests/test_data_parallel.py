@@ -32,7 +32,7 @@ from core.layers import AttentionMeta
 from core.train.model import build_model
 from core.train.optim import AdamW, WarmupCosine, clip_grad_norm_, uses_weight_decay
 from core.parallel.data import apply_data_parallel, chunk_bounds, zero_shard_dim
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = dict(vocab_size=66, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=54)  # 66, 54: uneven ZeRO chunks

@@ -36,7 +36,7 @@ from moe.dispatcher import build_dispatcher
 from moe.layer import moe_layers, set_moe_loss_scale, set_moe_sequences
 from moe.parallel import apply_ep, reduce_moe_grads
 from moe.router import TopKRouter
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 RTOL = 1e-5
 T = 32  # tokens per micro-batch: divisible by tp (sequence parallelism) and by tp again (split)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from tests.test_moe_parallel import _parity_worker, _report
 
 

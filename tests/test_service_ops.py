@@ -43,7 +43,7 @@ import protos
 from dataservice.build import build_dataset, make_corpus
 from dataservice.server import serve
 from dataservice.shards import ShardedDataset
-from tests.distributed import free_port
+from tests.support.distributed import free_port
 from tests.test_service import fetch as service_fetch, request as service_request, stub
 
 pb2, pb2_grpc = protos.load()
