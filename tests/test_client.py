@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
-import select
 import signal
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -21,10 +18,9 @@ import torch
 
 from dataservice.build import build_dataset, make_corpus
 from dataservice.client import Batch, DataClient, DataServiceError
-from dataservice.server import serve
 from dataservice.shards import ShardedDataset
+from tests.support.service import start_server, start_server_process
 
-ROOT = Path(__file__).resolve().parents[1]
 REQ = dict(dp_rank=1, dp_size=2, seq_len=256, micro_batch_size=2, seed=5)
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,21 +34,9 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(data):
-    srv, port = serve([(ShardedDataset.open(data), str(data), 1.0)])
-    yield f"127.0.0.1:{port}"
+    srv, address = start_server([(ShardedDataset.open(data), str(data), 1.0)])
+    yield address
     srv.stop(0)
-
-
-def start_process(data, timeout=60.0):
-    """A `serve` process on a free port: (process, address)."""
-    proc = subprocess.Popen([sys.executable, "-m", "dataservice.cli", "serve", "--data", str(data), "--port", "0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    if not line.startswith("serving on "):
-        proc.kill()
-        raise AssertionError(f"server did not start: {line!r}")
-    return proc, line.split()[-1]
 
 
 def take(client, n):
@@ -108,7 +92,7 @@ def test_state_dict_round_trip(server):
 def test_failover_after_sigkill_continues_without_duplicate_or_gap(data, server):
     with DataClient(server, max_batches=60, **REQ) as ref_client:
         reference = list(ref_client)
-    (a, addr_a), (b, addr_b) = start_process(data), start_process(data)
+    (a, addr_a, _), (b, addr_b, _) = start_server_process([data]), start_server_process([data])
     try:
         with DataClient([addr_a, addr_b], prefetch=4, backoff=0.05, **REQ) as client:
             got = take(client, 5)  # by now the client has prefetched past batch 5
@@ -128,7 +112,7 @@ def test_failover_after_sigkill_continues_without_duplicate_or_gap(data, server)
 def test_resume_on_a_restarted_server_on_a_new_port(data, server):
     with DataClient(server, max_batches=10, **REQ) as ref_client:
         reference = list(ref_client)
-    first, addr = start_process(data)
+    first, addr, _ = start_server_process([data])
     try:
         with DataClient(addr, **REQ) as client:
             got = take(client, 4)
@@ -136,7 +120,7 @@ def test_resume_on_a_restarted_server_on_a_new_port(data, server):
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(10)
-    second, new_addr = start_process(data)
+    second, new_addr, _ = start_server_process([data])
     try:
         with DataClient(new_addr, **REQ) as client:
             client.load_state_dict(state)

@@ -33,9 +33,8 @@ import pytest
 
 from core.state.checkpoint import latest_checkpoint
 from core.watchdog import STALL_ENV
+from tests.support.cli import assert_one_line, run_entry_point
 from tests.support.distributed import free_port
-from tests.test_bad_input import assert_one_line
-from tests.test_bad_input import run as run_entry_point
 from tests.test_run_lifecycle import (RTOL, STEPS, _env, assert_only_complete_checkpoints, dataset,  # noqa: F401
                                       metrics, reference, resume_and_check, start, train_cmd, wait_for_no_process,
                                       wait_until)

@@ -27,7 +27,7 @@ from core.config import load_config, validate
 from core.metrics import read_metrics
 from core.train.trainer import Trainer
 from dataservice.build import build_dataset, make_corpus
-from tests.test_bad_input import run as run_entry_point
+from tests.support.cli import run_entry_point
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -278,7 +278,7 @@ def test_run_directory_rules_and_resume_with_changes(tmp_path, dataset):
     assert "max_steps = 3" in saved and f'dataset = "{dataset}"' in saved
 
     # Refusals and --print-config end before any training: the entry point in this process
-    # (tests/test_bad_input.py's `run`) says the same as a new interpreter, seconds sooner.
+    # (`run_entry_point`, tests/support/cli.py) says the same as a new interpreter, seconds sooner.
     again = run_entry_point("core.train.cli", *base[3:], *sets)  # the same command again, neither --resume nor --overwrite
     assert again.returncode == 2 and "already holds a run" in again.stderr and "--resume" in again.stderr
     assert len(metrics(run_dir)) == 3  # nothing was appended

@@ -1,4 +1,8 @@
 """What the test modules share; a test module imports these, never another test module.
 
+- `cli`: the repository root, a child process's environment, a command's entry point run in
+  this process or as a subprocess, and the check of a one-line error.
+- `service`: the one way to start a data server (in this process or as a `tessera-data serve`
+  process) and read its address; a stub, a StreamRequest with defaults, the first N batches.
 - `distributed`: a function run on N real processes joined by a gloo (or NCCL) process group.
 """
