@@ -18,7 +18,7 @@ from bench.train_step import StepInputs, model_config
 from core.config import Config, ConfigError, validate
 from core.layers import AttentionMeta
 from core.train.trainer import Trainer
-from tests.test_train import dataset, run_train  # noqa: F401  (fixture reused)
+from tests.support.runs import run_train
 
 
 def _config(**train) -> Config:

@@ -22,8 +22,9 @@ from core.precision import torchao_fp8
 from core.config import TORCHAO_FP8_RECIPES, ConfigError, ModelConfig, validate
 from core.layers import AttentionMeta
 from core.train.model import build_model
+from tests.support.cli import ROOT
+from tests.support.runs import CONFIG, losses, run_train
 from tests.test_te_backend import _config, _tail_mean, fresh_text  # noqa: F401  (fixture reused)
-from tests.test_train import CONFIG, ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
 
 TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not TORCHAO, reason="torchao is not installed")
@@ -82,7 +83,7 @@ def test_swap_keeps_names_and_shapes_and_computes_like_bf16(recipe):
 
 @needs_torchao
 @pytest.mark.slow
-def test_cpu_training_in_torchao_fp8_follows_bf16(tmp_path, dataset):  # noqa: F811
+def test_cpu_training_in_torchao_fp8_follows_bf16(tmp_path, dataset):
     # The trainer end to end (emulated FP8 GEMMs on CPU): 12 steps of each recipe against bf16,
     # same data; the block linears run in FP8 (the log says how many) and every step's loss stays
     # within 3% of bf16's.

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from dataservice.build import build_dataset
-from tests.test_eval import val_records
-from tests.test_train import RTOL, losses, run_train
+from tests.support.runs import RTOL, losses, run_train, val_records
 
 YARN = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4.0",
         "model.rope_scaling.original_max_position_embeddings=16"]

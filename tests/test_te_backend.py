@@ -24,7 +24,8 @@ from core.mesh import ParallelMesh
 from core.train.model import build_model
 from core.parallel.data import DataParallel, apply_data_parallel
 from dataservice.build import build_dataset, make_corpus
-from tests.test_train import CONFIG, MOE_CONFIG, ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
+from tests.support.cli import ROOT
+from tests.support.runs import CONFIG, MOE_CONFIG, losses, run_train
 
 TE_MISSING = te_backend.unavailable_reason()
 needs_te = pytest.mark.skipif(TE_MISSING is not None, reason=f"Transformer Engine: {TE_MISSING}")

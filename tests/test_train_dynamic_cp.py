@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 
+from core.config import ConfigError, load_config, resolve_layout
 from dataservice.client import DataClient
 from tests.support.cli import run_entry_point
+from tests.support.runs import CONFIG, RTOL, SMALL, losses, run_train
 from tests.support.service import start_server
-from tests.test_train import CONFIG, RTOL, SMALL, dataset, losses, reference, run_train  # noqa: F401 (fixtures)
 
 # seq_len 64 over 4 ranks: pieces of up to 16 tokens may run on one rank, up to 32 need a
 # group of 2, longer ones a group of 4 (the test checks the plans do mix them).
@@ -63,8 +64,6 @@ def test_budget_too_small_for_a_row_exits_2_with_one_clear_line(tmp_path, datase
 
 
 def test_config_derives_the_budget_and_refuses_what_dynamic_cp_cannot_run():
-    from core.config import ConfigError, load_config, resolve_layout
-
     dyn = ["parallel.cp=2", "parallel.dynamic_cp=true", "train.seq_len=256", "train.micro_batch_size=2"]
     config = resolve_layout(load_config(None, dyn), 4)
     assert config.parallel.cp_token_budget == 256  # micro_batch_size*seq_len/cp: static CP's per-rank tokens

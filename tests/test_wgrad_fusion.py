@@ -18,8 +18,9 @@ import torch
 
 from core.config import load_config
 from core.train.trainer import Trainer
+from tests.support.cli import ROOT
+from tests.support.runs import losses, run_train
 from tests.test_recompute import _micro
-from tests.test_train import ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
 
 
 def _train(fused: bool, device: str, compile_: bool, steps: int, config_name: str = "tiny_dense", recompute=()):
@@ -84,7 +85,7 @@ def test_fused_embedding_gradient_is_the_fp32_sum_of_each_used_rows_gradients():
 
 
 @pytest.mark.slow
-def test_fused_weight_gradients_over_two_data_parallel_ranks(tmp_path, dataset):  # noqa: F811
+def test_fused_weight_gradients_over_two_data_parallel_ranks(tmp_path, dataset):
     # ZeRO-1 over gloo: the fused weights' main grads are zeroed per step, reduced and sharded
     # like the others; the run follows the one where the hook adds the bf16 gradients (to 1e-4:
     # the plain run sums the embedding's gradient in bf16).
