@@ -8,6 +8,8 @@
 - `lifecycle`: the 2-process run of the lifecycle and fault tests, its processes tagged through
   their environment and read from /proc, and the resume onto the uninterrupted trajectory.
 - `distributed`: a function run on N real processes joined by a gloo (or NCCL) process group.
+- `toy`: the small GPT and the toy tensor-parallel model of the data-parallel and checkpoint
+  tests, their trainers and single-process references.
 
 Shared pytest fixtures (datasets, the session-wide reference runs) are in tests/conftest.py.
 """
