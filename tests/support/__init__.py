@@ -10,6 +10,7 @@
 - `distributed`: a function run on N real processes joined by a gloo (or NCCL) process group.
 - `toy`: the small GPT and the toy tensor-parallel model of the data-parallel and checkpoint
   tests, their trainers and single-process references.
+- `moe_parity`: the expert-parallel worker that checks every gradient against the single process.
 
 Shared pytest fixtures (datasets, the session-wide reference runs) are in tests/conftest.py.
 """
