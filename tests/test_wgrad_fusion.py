@@ -18,9 +18,9 @@ import torch
 
 from core.config import load_config
 from core.train.trainer import Trainer
+from tests.support.batches import micro_batch
 from tests.support.cli import ROOT
 from tests.support.runs import losses, run_train
-from tests.test_recompute import _micro
 
 
 def _train(fused: bool, device: str, compile_: bool, steps: int, config_name: str = "tiny_dense", recompute=()):
@@ -31,7 +31,7 @@ def _train(fused: bool, device: str, compile_: bool, steps: int, config_name: st
     trainer = Trainer(config)
     losses, grad_norms = [], []
     for step in range(steps):
-        micro = [_micro(10 * step + i, config.model.vocab_size, seq=64, device=device) for i in range(3)]
+        micro = [micro_batch(10 * step + i, config.model.vocab_size, seq=64, device=device) for i in range(3)]
         result = trainer.step(micro)
         losses.append(float(result.loss_sum))
         grad_norms.append(float(result.grad_norm))
@@ -72,7 +72,7 @@ def test_fused_embedding_gradient_is_the_fp32_sum_of_each_used_rows_gradients():
         out.register_hook(lambda g: upstream.append(g.float()))
 
     table.register_forward_hook(keep_upstream)
-    micro = [_micro(i, config.model.vocab_size, seq=32, device="cpu") for i in range(2)]
+    micro = [micro_batch(i, config.model.vocab_size, seq=32, device="cpu") for i in range(2)]
     trainer._forward_backward(micro, global_labels=float(sum(m.num_labels for m in micro)))
     want = torch.zeros(slot.main_grad.shape)
     for m, g in zip(micro, upstream):  # one backward after each forward

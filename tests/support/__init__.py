@@ -11,6 +11,7 @@
 - `toy`: the small GPT and the toy tensor-parallel model of the data-parallel and checkpoint
   tests, their trainers and single-process references.
 - `moe_parity`: the expert-parallel worker that checks every gradient against the single process.
+- `batches`: synthetic micro-batches for `Trainer.step`.
 
 Shared pytest fixtures (datasets, the session-wide reference runs) are in tests/conftest.py.
 """
