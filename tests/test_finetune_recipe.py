@@ -16,11 +16,9 @@ import pytest
 
 from core.config import load_config, validate
 from core.config import ModelConfig
-from tests.test_sft import HEADER_TEMPLATE, SPECIALS
-from tests.test_sft_train import conversations
 from dataservice.tokenizer import train_tiny_tokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.cli import ROOT
+from tests.support.sft import HEADER_TEMPLATE, SPECIALS, conversations
 
 
 def tiny_hf_llama(folder: Path) -> Path:

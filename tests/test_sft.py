@@ -25,21 +25,8 @@ from dataservice.sft import ExampleRenderer, find_chat_template
 from dataservice.shards import ShardedDataset
 from dataservice.tokenizer import ByteTokenizer, load_tokenizer, train_tiny_tokenizer
 from tests.support.service import start_server
+from tests.support.sft import CHATML_TEMPLATE, HEADER_TEMPLATE, SPECIALS
 
-# Two templates in the two common styles: header tokens per turn, and ChatML with a default
-# system turn that appears only when the conversation has none.
-HEADER_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
-CHATML_TEMPLATE = (
-    "{% if not messages or messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n"
-    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ("<pad>", "<|begin_of_text|>", "<|end_of_text|>", "<unk>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>", "<|im_start|>", "<|im_end|>")
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "hello world?"},

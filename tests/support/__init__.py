@@ -12,6 +12,7 @@
   tests, their trainers and single-process references.
 - `moe_parity`: the expert-parallel worker that checks every gradient against the single process.
 - `batches`: synthetic micro-batches for `Trainer.step`.
+- `sft`: chat templates, their special tokens, and synthetic conversations.
 
 Shared pytest fixtures (datasets, the session-wide reference runs) are in tests/conftest.py.
 """
