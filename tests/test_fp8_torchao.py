@@ -23,8 +23,8 @@ from core.config import TORCHAO_FP8_RECIPES, ConfigError, ModelConfig, validate
 from core.layers import AttentionMeta
 from core.train.model import build_model
 from tests.support.cli import ROOT
-from tests.support.runs import CONFIG, losses, run_train
-from tests.test_te_backend import _config, _tail_mean, fresh_text  # noqa: F401  (fixture reused)
+from tests.support.configs import config_with
+from tests.support.runs import CONFIG, losses, run_train, tail_mean
 
 TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not TORCHAO, reason="torchao is not installed")
@@ -40,7 +40,7 @@ needs_torchao = pytest.mark.skipif(not TORCHAO, reason="torchao is not installed
 ])
 def test_settings_that_cannot_work_are_refused(settings, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate(_config(**settings), world)
+        validate(config_with(**settings), world)
 
 
 @pytest.mark.skipif(TORCHAO, reason="torchao is installed here")
@@ -119,8 +119,8 @@ def test_gpu_fp8_recipes_learn_like_bf16(tmp_path, fresh_text):
         run_train(tmp_path / recipe, fresh_text, 1, *GPU, "train.precision=fp8", f"train.fp8_recipe={recipe}")
         got = losses(tmp_path / recipe)
         assert sorted(got) == list(range(1, 501))
-        assert _tail_mean(got, 50) == pytest.approx(_tail_mean(want, 50), rel=0.01), \
-            (recipe, _tail_mean(got, 50), _tail_mean(want, 50))
+        assert tail_mean(got, 50) == pytest.approx(tail_mean(want, 50), rel=0.01), \
+            (recipe, tail_mean(got, 50), tail_mean(want, 50))
 
 
 def test_apply_refuses_what_it_cannot_swap():

@@ -13,6 +13,7 @@
 - `moe_parity`: the expert-parallel worker that checks every gradient against the single process.
 - `batches`: synthetic micro-batches for `Trainer.step`.
 - `sft`: chat templates, their special tokens, and synthetic conversations.
+- `configs`: a Config built in code for checks of settings.
 
 Shared pytest fixtures (datasets, the session-wide reference runs) are in tests/conftest.py.
 """

@@ -61,3 +61,8 @@ def val_records(run_dir: Path) -> dict[int, dict]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in records if "val_loss" in r}
 
+
+def tail_mean(values: dict[int, float], n: int = 20) -> float:
+    """The mean of the last `n` steps' values: where two long runs' losses are compared."""
+    steps = sorted(values)[-n:]
+    return sum(values[s] for s in steps) / len(steps)
