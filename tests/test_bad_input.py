@@ -8,13 +8,8 @@ the data (`tessera-data inspect` on a damaged dataset) exits 1 instead: tests/te
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
 import importlib.util
-import io
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -24,52 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.train.cli import main as train_main
 from core.config import field_docs
-from dataservice.cli import main as data_main
 from dataservice.build import build_dataset, make_corpus
+from tests.support.cli import ROOT, assert_one_line, child_env, run_process
+from tests.support.cli import run_entry_point as run
+from tests.support.distributed import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 DENSE = ROOT / "launch" / "configs" / "tiny_dense.toml"
 MOE = ROOT / "launch" / "configs" / "tiny_moe.toml"
-
-
-def _env() -> dict:
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
-
-
-def run_process(module: str, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-ENTRY_POINTS = {"core.train.cli": train_main, "dataservice.cli": data_main}
-
-
-def run(module: str, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-    """The command's entry point called in this process (a new interpreter per case would cost
-    seconds of imports each): what it writes to stdout/stderr and its exit code. An uncaught
-    exception fails the test, as a traceback would."""
-    argv = list(map(str, args))
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = ENTRY_POINTS[module](argv)
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    return subprocess.CompletedProcess([module, *argv], code, out.getvalue(), err.getvalue())
-
-
-def assert_one_line(proc: subprocess.CompletedProcess, *words: str, code: int = 2) -> str:
-    """Exit `code`, exactly one line on stderr, no traceback, and `words` in that line."""
-    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1, proc.stderr[-3000:]
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +35,6 @@ def dataset(tmp_path_factory) -> Path:
     return build_dataset([make_corpus(tmp, n_docs=40, seed=5, max_len=300)], tmp / "shards")
 
 
-def free_port() -> int:
-    """A port nothing listens on (bound and released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- tessera-train: the config ----------------------------------------------------------
@@ -290,7 +242,7 @@ def test_under_torchrun_rank0_alone_reports_and_every_rank_exits_2(tmp_path, dat
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "core.train.cli",
            "--config", str(MOE), "--set", "model.moe.top_k=64", "--set", f"data.dataset={dataset}",
            "--set", f"train.run_dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("tessera-train: error:")]
     assert len(errors) == 1 and "model.moe.top_k=64" in errors[0], proc.stderr[-3000:]

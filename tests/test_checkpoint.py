@@ -1,9 +1,9 @@
 """Checkpoints: save at one layout, load at another, keep training; a killed save loses nothing.
 
 Reference for "continues": the uninterrupted run on the same global batches (the single-process
-AdamW run of tests.test_data_parallel). Tolerance as there (fp32, reduction order only):
-rtol 1e-5 on losses. Layouts: dp=2 (ZeRO-1) -> dp=4 (ZeRO-1 and plain AdamW) -> dp=1 (no
-process group); tensor-parallel resharding dp=2 x tp=2 -> dp=4 x tp=1 with the real
+AdamW run of tests/support/toy.py, as in tests/test_data_parallel.py). Tolerance as there (fp32,
+reduction order only): rtol 1e-5 on losses. Layouts: dp=2 (ZeRO-1) -> dp=4 (ZeRO-1 and plain
+AdamW) -> dp=1 (no process group); tensor-parallel resharding dp=2 x tp=2 -> dp=4 x tp=1 with the real
 `apply_tp` GPT (sequence parallel, grads clipped), and dp=2 x tp=2 -> dp=4 x tp=1 -> dp=1 on a
 toy model whose params carry the same `tp_shard_dim` / `tp_full_shape` tags, small enough to
 give empty ZeRO chunks.
@@ -29,8 +29,8 @@ from core.train.model import build_model
 from core.train.optim import AdamW, clip_grad_norm_
 from core.parallel.data import apply_data_parallel
 from moe.experts import GroupedExperts
-from tests.distributed import context, free_port, run_distributed
-from tests.test_data_parallel import ToyTP, make_trainer, reference_run, toy_reference, toy_train, train_steps
+from tests.support.distributed import context, free_port, run_distributed
+from tests.support.toy import ToyTP, make_trainer, reference_run, toy_reference, toy_train, train_steps
 
 RTOL = 1e-5
 TP_CLIP = 0.3  # below the norms of these steps: clipping is active in the TP run

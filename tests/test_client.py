@@ -10,10 +10,7 @@ import gc
 import json
 import logging
 import re
-import select
 import signal
-import subprocess
-import sys
 import threading
 import warnings
 from pathlib import Path
@@ -24,10 +21,9 @@ import torch
 
 from dataservice.build import build_dataset, make_corpus
 from dataservice.client import Batch, DataClient, DataServiceError
-from dataservice.server import serve
 from dataservice.shards import ShardedDataset
+from tests.support.service import start_server, start_server_process
 
-ROOT = Path(__file__).resolve().parents[1]
 REQ = dict(dp_rank=1, dp_size=2, seq_len=256, micro_batch_size=2, seed=5)
 OUTAGE_S = 1.0  # longer than the client's backoff (0.05 s doubling to 0.2 s): it reconnects several times
 pytestmark = pytest.mark.timeout(120)
@@ -41,27 +37,15 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def opened(data):
-    return ShardedDataset.open(data)  # once: LMDB opens an environment once per process
-
-
-@pytest.fixture(scope="module")
 def server(data, opened):
-    srv, port = serve([(opened, str(data), 1.0)])
-    yield f"127.0.0.1:{port}"
+    srv, address = start_server([(opened, str(data), 1.0)])
+    yield address
     srv.stop(0)
 
 
-def start_process(data, timeout=60.0):
-    """A `serve` process on a free port: (process, address)."""
-    proc = subprocess.Popen([sys.executable, "-m", "dataservice.cli", "serve", "--data", str(data), "--port", "0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    if not line.startswith("serving on "):
-        proc.kill()
-        raise AssertionError(f"server did not start: {line!r}")
-    return proc, line.split()[-1]
+@pytest.fixture(scope="module")
+def opened(data):
+    return ShardedDataset.open(data)  # once: LMDB opens an environment once per process
 
 
 def take(client, n):
@@ -117,7 +101,7 @@ def test_state_dict_round_trip(server):
 def test_failover_after_sigkill_continues_without_duplicate_or_gap(data, server):
     with DataClient(server, max_batches=60, **REQ) as ref_client:
         reference = list(ref_client)
-    (a, addr_a), (b, addr_b) = start_process(data), start_process(data)
+    (a, addr_a, _), (b, addr_b, _) = start_server_process([data]), start_server_process([data])
     try:
         with DataClient([addr_a, addr_b], prefetch=4, backoff=0.05, **REQ) as client:
             got = take(client, 5)  # by now the client has prefetched past batch 5
@@ -137,7 +121,7 @@ def test_failover_after_sigkill_continues_without_duplicate_or_gap(data, server)
 def test_resume_on_a_restarted_server_on_a_new_port(data, server):
     with DataClient(server, max_batches=10, **REQ) as ref_client:
         reference = list(ref_client)
-    first, addr = start_process(data)
+    first, addr, _ = start_server_process([data])
     try:
         with DataClient(addr, **REQ) as client:
             got = take(client, 4)
@@ -145,7 +129,7 @@ def test_resume_on_a_restarted_server_on_a_new_port(data, server):
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(10)
-    second, new_addr = start_process(data)
+    second, new_addr, _ = start_server_process([data])
     try:
         with DataClient(new_addr, **REQ) as client:
             client.load_state_dict(state)
@@ -161,11 +145,12 @@ def test_an_outage_is_one_line_when_the_stream_is_lost_and_one_when_it_is_back(d
     # stream continues without duplicate or gap, and the two lines bracket the outage.
     with DataClient(server, max_batches=12, **REQ) as ref_client:
         reference = list(ref_client)
-    replica, port = serve([(opened, str(data), 1.0)])
+    replica, address = start_server([(opened, str(data), 1.0)])
+    port = int(address.rpartition(":")[2])
     restarted = []
 
     def restart():
-        restarted.append(serve([(opened, str(data), 1.0)], port=port)[0])
+        restarted.append(start_server([(opened, str(data), 1.0)], port=port)[0])
 
     timer = threading.Timer(OUTAGE_S, restart)
     try:

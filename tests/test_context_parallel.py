@@ -25,7 +25,7 @@ from core.train.loss import cross_entropy_sum
 from core.train.model import build_model
 from core.parallel.context import shard_for_cp
 from dataservice.packing import IGNORE_INDEX
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 CFG = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
 SEED = 7

@@ -19,7 +19,7 @@ from core.config import Config, ConfigError
 from core.validation import validate
 from core.layers import AttentionMeta
 from core.train.trainer import Trainer
-from tests.test_train import dataset, run_train  # noqa: F401  (fixture reused)
+from tests.support.runs import run_train
 
 
 def _config(**train) -> Config:

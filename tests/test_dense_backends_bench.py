@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.test_train import ROOT
+from tests.support.cli import ROOT
 
 
 def test_dense_backends_smoke_prints_one_record():

@@ -8,6 +8,7 @@ lengths with the server's cost model. Nothing here depends on an earlier run.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,8 +23,9 @@ from core.train.data import LocalServer
 from dataservice.build import build_dataset, make_corpus
 from dataservice.client import DataClient
 from dataservice.cp_plan import H200_COST, padded_length, plan_cp_step
-from dataservice.server import serve
 from dataservice.shards import ShardedDataset
+from tests.support.cli import run_process
+from tests.support.service import start_server, start_server_process, stub
 
 pb2, pb2_grpc = protos.load()
 pytestmark = pytest.mark.timeout(120)
@@ -46,13 +48,9 @@ def opened(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(opened):
-    srv, port = serve([(opened[0], opened[1], 1.0)])
-    yield f"127.0.0.1:{port}"
+    srv, address = start_server([(opened[0], opened[1], 1.0)])
+    yield address
     srv.stop(0)
-
-
-def stub(address):
-    return pb2_grpc.DataServiceStub(grpc.insecure_channel(address))
 
 
 def fetch(address, steps, rank, **kw):
@@ -132,9 +130,9 @@ def test_entries_cover_every_document_of_the_step_once_within_the_budget(server)
 def test_stream_is_deterministic_and_resumes_at_step_boundaries(server, opened):
     rank = 3
     full = fetch(server, 3, rank)
-    srv, port = serve([(opened[0], opened[1], 1.0)])  # another replica plans the same steps
+    srv, address = start_server([(opened[0], opened[1], 1.0)])  # another replica plans the same steps
     try:
-        again = fetch(f"127.0.0.1:{port}", 3, rank)
+        again = fetch(address, 3, rank)
     finally:
         srv.stop(0)
     assert [m.SerializeToString() for m in again] == [m.SerializeToString() for m in full]
@@ -181,8 +179,7 @@ def test_bad_request_gets_invalid_argument_and_server_keeps_serving(server, bad,
 
 
 def test_client_reads_whole_steps_and_drops_replayed_entries_after_failover(opened):
-    (srv_a, port_a), (srv_b, port_b) = serve([(opened[0], opened[1], 1.0)]), serve([(opened[0], opened[1], 1.0)])
-    addr_a, addr_b = f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"
+    (srv_a, addr_a), (srv_b, addr_b) = (start_server([(opened[0], opened[1], 1.0)]) for _ in range(2))
     try:
         with DataClient(addr_b, dp_rank=0, cp_rank=1, max_batches=2, **DYN) as client:
             reference = list(client)
@@ -216,13 +213,9 @@ def test_client_reads_whole_steps_and_drops_replayed_entries_after_failover(open
 def _group_sizes_from_cli(opened_path, cost: dict, tmp_path, name) -> list[int]:
     """cp_group_size of every micro-batch rank 0 runs in 3 steps, from a `tessera-data serve
     --cp-cost FILE` process."""
-    import json
-
-    from tests.test_service import start_process
-
     cost_file = tmp_path / f"{name}.json"
     cost_file.write_text(json.dumps(cost))
-    proc, address = start_process([opened_path], "--cp-cost", str(cost_file))
+    proc, address, _ = start_server_process([opened_path], "--cp-cost", str(cost_file))
     try:
         # A budget of a whole row per rank: every micro-batch could run on one rank alone.
         return [m.cp_group_size for m in fetch(address, 3, 0, cp_token_budget=S) if m.cp_group_size]
@@ -251,11 +244,9 @@ def test_serve_cli_cp_cost_file_steers_the_planner(opened, tmp_path):
     ("{per_token", "not JSON"),
 ])
 def test_serve_cli_rejects_a_bad_cost_file_with_one_line_and_exit_2(opened, tmp_path, content, message):
-    from tests.test_service import run_cli
-
     bad = tmp_path / "cost.json"
     bad.write_text(content)
-    out = run_cli("serve", "--data", opened[1], "--port", "0", "--cp-cost", str(bad))
+    out = run_process("dataservice.cli", "serve", "--data", opened[1], "--port", "0", "--cp-cost", str(bad))
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
 

@@ -5,7 +5,6 @@ config's refusals."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from core.train.trainer import Trainer, position_buckets
 from dataservice.build import build_dataset, make_corpus
 from dataservice.client import DataClient
 from moe.layer import moe_layers
-from tests.test_train import CONFIG, MOE_CONFIG, RTOL, run_train
+from tests.support.runs import CONFIG, MOE_CONFIG, RTOL, run_train, val_records
 
 EVAL = ["eval.interval=2", "eval.steps=2", "eval.seed=7"]
 
@@ -31,11 +30,6 @@ def datasets(tmp_path_factory) -> tuple[Path, Path]:
     train = build_dataset([make_corpus(tmp, n_docs=300, seed=3, min_len=16, max_len=600)], tmp / "train-shards")
     held = build_dataset([make_corpus(tmp, n_docs=100, seed=11, min_len=16, max_len=600)], tmp / "held-shards")
     return train, held
-
-
-def val_records(run_dir: Path) -> dict[int, dict]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in records if "val_loss" in r}
 
 
 def test_position_buckets():

@@ -14,8 +14,8 @@
   `latest`, and `--resume` continues from the previous one on the reference trajectory.
 
 The reference for the 2-process runs is the uninterrupted run of tests/test_run_lifecycle.py
-(same data, same config); resumed and restarted runs match it within rel 1e-6 (RTOL there: the
-reduction order of a restarted gloo group is the only difference).
+(same data, same config); resumed and restarted runs match it within rel 1e-6 (RTOL of
+tests/support/lifecycle.py: the reduction order of a restarted gloo group is the only difference).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 import tomllib
@@ -34,22 +33,23 @@ import pytest
 
 from core.state.checkpoint import latest_checkpoint
 from core.watchdog import STALL_ENV
-from tests.distributed import free_port
-from tests.test_bad_input import assert_one_line
-from tests.test_bad_input import run as run_entry_point
-from tests.test_run_lifecycle import (RTOL, STEPS, _env, assert_only_complete_checkpoints, dataset,  # noqa: F401
-                                      metrics, reference, resume_and_check, start, train_cmd, wait_for_no_process,
-                                      wait_until)
+from tests.support.cli import ROOT, assert_one_line, run_entry_point
+from tests.support.distributed import free_port
+from tests.support.lifecycle import (RTOL, STEPS, assert_only_complete_checkpoints, resume_and_check, start,
+                                     train_cmd, wait_for_no_process, wait_until)
+from tests.support.runs import metrics
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
-ROOT = Path(__file__).resolve().parent.parent
+
+@pytest.fixture
+def dataset(lifecycle_dataset) -> Path:
+    return lifecycle_dataset  # the lifecycle runs' dataset, built once per session (tests/conftest.py)
 
 
-def _start(cmd: list[str], tag: str, **env: str) -> subprocess.Popen:
-    """`start` with extra environment variables (the fault-injection hook)."""
-    return subprocess.Popen(cmd, cwd=ROOT, env={**_env(tag), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+@pytest.fixture
+def reference(lifecycle_reference) -> dict[int, float]:
+    return lifecycle_reference  # the uninterrupted run of train_cmd, once per session (tests/conftest.py)
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -111,19 +111,19 @@ def test_launch_misuse_is_one_line(args, words):
 
 
 @pytest.mark.slow
-def test_two_nodes_equal_one_and_a_hung_rank_ends_both(tmp_path, dataset):  # noqa: F811
+def test_two_nodes_equal_one_and_a_hung_rank_ends_both(tmp_path, dataset):
     """World 4 as one launcher of 4 processes and as two launchers ("nodes") of 2 at a c10d
     rendezvous: the same losses, bit for bit. In the two-node run rank 3 (the second node's
     second process) is one second late in step 2's forward/backward, then stuck in step 4's."""
     short = ["--set", "train.max_steps=4", "--set", "checkpoint.interval=0", "--set", "train.plot=false"]
     tag = uuid.uuid4().hex
     # argparse keeps the last --nproc-per-node, --set applies in order: these override train_cmd's.
-    one = _start(train_cmd(tmp_path / "one", dataset, *short, "--nproc-per-node", "4"), tag)
+    one = start(train_cmd(tmp_path / "one", dataset, *short, "--nproc-per-node", "4"), tag)
     run_dir = tmp_path / "two"
     endpoint = f"127.0.0.1:{free_port()}"
     rendezvous = ["--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", f"faults-{tag[:8]}"]
-    nodes = [_start(train_cmd(run_dir, dataset, *short, "--set", "train.hang_timeout_s=3", *rendezvous), tag,
-                    **{STALL_ENV: "3:2:forward/backward:1.0,3:4:forward/backward"}) for _ in range(2)]
+    nodes = [start(train_cmd(run_dir, dataset, *short, "--set", "train.hang_timeout_s=3", *rendezvous), tag,
+                   **{STALL_ENV: "3:2:forward/backward:1.0,3:4:forward/backward"}) for _ in range(2)]
     (_, one_err), *node_outputs = [proc.communicate(timeout=240) for proc in [one, *nodes]]
     assert one.returncode == 0, one_err[-4000:]
     assert wait_for_no_process(tag) == []  # both nodes' launchers, torchruns, workers and the data server
@@ -157,7 +157,7 @@ def test_two_nodes_equal_one_and_a_hung_rank_ends_both(tmp_path, dataset):  # no
 
 
 @pytest.mark.slow
-def test_a_killed_worker_is_restarted_and_continues_from_the_newest_checkpoint(tmp_path, dataset, reference):  # noqa: F811
+def test_a_killed_worker_is_restarted_and_continues_from_the_newest_checkpoint(tmp_path, dataset, reference):
     rng = random.Random("kill-worker")
     run_dir, tag = tmp_path / "run", uuid.uuid4().hex
     proc = start(train_cmd(run_dir, dataset, "--max-restarts", "1", "--set", "train.plot=false"), tag)
@@ -185,13 +185,13 @@ def test_a_killed_worker_is_restarted_and_continues_from_the_newest_checkpoint(t
 
 
 @pytest.mark.slow
-def test_a_job_killed_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path, dataset, reference):  # noqa: F811
+def test_a_job_killed_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path, dataset, reference):
     run_dir, tag = tmp_path / "run", uuid.uuid4().hex
     ckpt = run_dir / "checkpoints"
     # Rank 1's background writer never writes its part of step 3; rank 0 writes its own and
     # trains on, until step 4's save waits for step 3's.
-    proc = _start(train_cmd(run_dir, dataset, "--set", "checkpoint.async_save=true"), tag,
-                  **{STALL_ENV: "1:3:checkpoint write"})
+    proc = start(train_cmd(run_dir, dataset, "--set", "checkpoint.async_save=true"), tag,
+                 **{STALL_ENV: "1:3:checkpoint write"})
     try:
         wait_until(lambda: len(metrics(run_dir)) >= 3 and (ckpt / "step_000003.tmp" / "__0_0.distcp").is_file()
                    and (ckpt / "step_000002").is_dir())

@@ -18,11 +18,10 @@ import pytest
 from core.config import load_config
 from core.validation import validate
 from core.config import ModelConfig
-from tests.test_sft import HEADER_TEMPLATE, SPECIALS
-from tests.test_sft_train import conversations
 from dataservice.tokenizer import train_tiny_tokenizer
+from tests.support.cli import ROOT
+from tests.support.sft import HEADER_TEMPLATE, SPECIALS, conversations
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "launch" / "finetune_long.sh"
 
 
@@ -51,7 +50,7 @@ def _env() -> dict:
 @pytest.mark.slow
 def test_recipe_from_hf_checkpoint_to_exported_long_context_model(tmp_path):
     transformers = pytest.importorskip("transformers")
-    hf = tiny_hf_llama(tmp_path / "hf")
+    tiny_hf_llama(tmp_path / "hf")
     data = conversations(tmp_path / "conversations.jsonl", 240, seed=3)
     out = tmp_path / "out"
     env = _env()

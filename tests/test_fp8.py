@@ -40,6 +40,7 @@ from core.train.model import build_model
 from core.train.parallelize import apply_fp8
 from core.parallel.tensor import ColumnParallelLinear
 from moe.experts import GroupedExperts
+from tests.support.distributed import run_distributed
 
 E4M3_MAX = 448.0
 
@@ -265,8 +266,6 @@ def _tp_layer_worker(rank: int, world: int):
 
 @pytest.mark.slow
 def test_fp8_tensor_parallel_layers_equal_single_rank():
-    from tests.distributed import run_distributed
-
     for exact, out_rel, dx_rel in run_distributed(_tp_layer_worker, 2):
         assert exact == [True, True, True]
         assert out_rel < 2**-7 and dx_rel < 2**-7, (out_rel, dx_rel)

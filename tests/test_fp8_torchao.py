@@ -24,8 +24,9 @@ from core.rules import TORCHAO_FP8_RECIPES
 from core.validation import validate
 from core.layers import AttentionMeta
 from core.train.model import build_model
-from tests.test_te_backend import _config, _tail_mean, fresh_text  # noqa: F401  (fixture reused)
-from tests.test_train import CONFIG, ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
+from tests.support.cli import ROOT
+from tests.support.configs import config_with
+from tests.support.runs import CONFIG, losses, run_train, tail_mean
 
 TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not TORCHAO, reason="torchao is not installed")
@@ -41,7 +42,7 @@ needs_torchao = pytest.mark.skipif(not TORCHAO, reason="torchao is not installed
 ])
 def test_settings_that_cannot_work_are_refused(settings, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate(_config(**settings), world)
+        validate(config_with(**settings), world)
 
 
 @pytest.mark.skipif(TORCHAO, reason="torchao is installed here")
@@ -84,7 +85,7 @@ def test_swap_keeps_names_and_shapes_and_computes_like_bf16(recipe):
 
 @needs_torchao
 @pytest.mark.slow
-def test_cpu_training_in_torchao_fp8_follows_bf16(tmp_path, dataset):  # noqa: F811
+def test_cpu_training_in_torchao_fp8_follows_bf16(tmp_path, dataset):
     # The trainer end to end (emulated FP8 GEMMs on CPU): 12 steps of each recipe against bf16,
     # same data; the block linears run in FP8 (the log says how many) and every step's loss stays
     # within 3% of bf16's.
@@ -120,8 +121,8 @@ def test_gpu_fp8_recipes_learn_like_bf16(tmp_path, fresh_text):
         run_train(tmp_path / recipe, fresh_text, 1, *GPU, "train.precision=fp8", f"train.fp8_recipe={recipe}")
         got = losses(tmp_path / recipe)
         assert sorted(got) == list(range(1, 501))
-        assert _tail_mean(got, 50) == pytest.approx(_tail_mean(want, 50), rel=0.01), \
-            (recipe, _tail_mean(got, 50), _tail_mean(want, 50))
+        assert tail_mean(got, 50) == pytest.approx(tail_mean(want, 50), rel=0.01), \
+            (recipe, tail_mean(got, 50), tail_mean(want, 50))
 
 
 def test_apply_refuses_what_it_cannot_swap():

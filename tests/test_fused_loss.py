@@ -24,7 +24,7 @@ from core.train.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh
 from core.train.model import build_model
 from core.parallel.data import apply_data_parallel
-from tests.test_train import dataset, losses, reference, run_train  # noqa: F401  (fixtures reused)
+from tests.support.runs import losses, run_train
 
 CFG = ModelConfig(vocab_size=96, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
 
@@ -84,7 +84,7 @@ def test_fused_loss_needs_a_main_grad_and_matching_shapes():
 
 
 @pytest.mark.slow
-def test_training_with_the_fused_loss_follows_the_plain_run(tmp_path, dataset, reference):  # noqa: F811
+def test_training_with_the_fused_loss_follows_the_plain_run(tmp_path, dataset, reference):
     run_train(tmp_path / "run", dataset, 1, "train.fused_loss=true")
     got = losses(tmp_path / "run")
     assert got.keys() == reference.keys() and len(got) == 4

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from tests.test_train import MOE_CONFIG, dataset, losses, run_train  # noqa: F401  (the fixture is reused)
+from tests.support.runs import MOE_CONFIG, losses, run_train
 
 pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count()
@@ -41,7 +41,7 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_gpu_layouts_match_single_gpu(tmp_path, dataset, gpu_reference, name):  # noqa: F811
+def test_gpu_layouts_match_single_gpu(tmp_path, dataset, gpu_reference, name):
     gpus, overrides = LAYOUTS[name]
     if GPUS < gpus:
         pytest.skip(f"needs {gpus} GPUs, have {GPUS}")
@@ -54,7 +54,7 @@ def test_gpu_layouts_match_single_gpu(tmp_path, dataset, gpu_reference, name):  
 
 
 @pytest.mark.slow
-def test_gpu_expert_parallel_matches_single_gpu(tmp_path, dataset):  # noqa: F811
+def test_gpu_expert_parallel_matches_single_gpu(tmp_path, dataset):
     # tiny_moe at ep=2 over dp=2 (NCCL uneven all-to-alls) against all 8 experts on one GPU;
     # moe/all_to_all_s comes from CUDA events on the collectives' stream here.
     if GPUS < 2:
@@ -72,7 +72,7 @@ def test_gpu_expert_parallel_matches_single_gpu(tmp_path, dataset):  # noqa: F81
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_gpu_compiled_moe_matches_eager(tmp_path, dataset, precision, monkeypatch):  # noqa: F811
+def test_gpu_compiled_moe_matches_eager(tmp_path, dataset, precision, monkeypatch):
     # train.compile with MoE layers (inductor): router, aux losses' inputs and shared experts
     # compiled, dispatch + experts eager; every packed batch has new document boundaries and
     # routing, which must not recompile (a recompile per step ran for minutes, 2026-11-23).

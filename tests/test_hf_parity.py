@@ -54,7 +54,7 @@ from core.mesh import ParallelMesh  # noqa: E402
 from core.train.model import GPT  # noqa: E402
 from core.parallel.data import zero_shard_dim  # noqa: E402
 from core.parallel.tensor import apply_tp, sync_sequence_parallel_grads  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from tests.support.distributed import run_distributed  # noqa: E402
 
 LOGITS_ATOL = 1e-4
 LOSS_RTOL = 1e-5

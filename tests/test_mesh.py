@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from core.mesh import ParallelMesh
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 
 def _groups(rank, world):

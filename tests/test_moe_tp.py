@@ -3,17 +3,17 @@ MoE model: ep=2 x tp=2 on 4 gloo processes, both expert layouts (etp=1: TP ranks
 own token shards with replicated experts; etp=tp: expert hidden sizes split over TP), with and
 without sequence parallelism.
 
-Reference, procedure and tolerance: as in tests/test_moe_parallel.py (same worker), plus
-`sync_sequence_parallel_grads` before the data-parallel reduction and TP shards compared
-along `tp_shard_dim`.
+Reference, procedure and tolerance: as in tests/test_moe_parallel.py (the same worker,
+tests/support/moe_parity.py), plus `sync_sequence_parallel_grads` before the data-parallel
+reduction and TP shards compared along `tp_shard_dim`.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_distributed
-from tests.test_moe_parallel import _parity_worker, _report
+from tests.support.distributed import run_distributed
+from tests.support.moe_parity import parity_worker, report
 
 
 @pytest.mark.slow
@@ -25,4 +25,4 @@ def test_ep2_x_tp2_match_single_process():
         "ep2 x tp2, no SP, etp=1": dict(ep=2, tp=2, sp=False, etp=1),
         "ep2 x tp2, no SP, etp=2, allgather": dict(ep=2, tp=2, sp=False, etp=2, moe=dict(dispatcher="allgather", num_shared_experts=1)),
     }
-    _report(run_distributed(_parity_worker, 4, scenarios))
+    report(run_distributed(parity_worker, 4, scenarios))

@@ -34,7 +34,7 @@ from core.train.model import build_model
 from core.parallel.pipeline import _check_activation, build_pipeline_stage, run_pipeline_step
 from core.parallel.schedules import Post, plan_step, theoretical_bubble
 from core.rules import check_schedule, partition_layers
-from tests.distributed import free_port, run_distributed
+from tests.support.distributed import free_port, run_distributed
 
 SEED = 7
 TOKENS = 32  # micro_batch_size * seq_len = 2 * 16

@@ -40,7 +40,7 @@ from core.train.parallelize import compile_blocks, parallelize
 from core.planner.layouts import describe, layouts
 from core.planner.memory import block_activations, estimate_memory, head_activations, rope_tables
 from core.planner.state import state_bytes
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = ["train.device=cpu", "train.micro_batch_size=1", "train.global_batch_size=8"]

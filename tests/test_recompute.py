@@ -16,11 +16,10 @@ import torch
 
 from core.config import ConfigError, load_config
 from core.validation import validate
-from core.train.data import StepInputs
-from core.layers import AttentionMeta
 from core.parallel.recompute import ActivationOffload, apply_recompute
 from core.train.model import build_model
 from core.train.trainer import Trainer
+from tests.support.batches import micro_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = [
@@ -39,17 +38,6 @@ SETS = [
 ]
 
 
-def _micro(seed: int, vocab: int, seq: int = 128, rows: int = 2, device: str = "cpu") -> StepInputs:
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (rows * seq,), generator=g)
-    lengths = [seq // 4, seq // 2, seq // 4] * rows  # several documents per row
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    meta = AttentionMeta(cu_seqlens=cu.to(device), max_seqlen=max(lengths), doc_lengths=tuple(lengths))
-    return StepInputs(tokens.to(device), torch.roll(tokens, -1).to(device), positions.to(device), meta,
-                      num_tokens=float(tokens.numel()), num_labels=float(tokens.numel()))
-
-
 def _train(name: str, recompute: list[str], offload: list[str], device: str = "cpu", *extra: str):
     config = load_config(ROOT / "launch" / "configs" / f"{name}.toml",
                          [f"train.device={device}", "train.micro_batch_size=2", "train.global_batch_size=4",
@@ -58,7 +46,7 @@ def _train(name: str, recompute: list[str], offload: list[str], device: str = "c
     trainer = Trainer(config)
     losses = []
     for step in range(2):
-        micro = [_micro(10 * step + i, config.model.vocab_size, device=device) for i in range(2)]
+        micro = [micro_batch(10 * step + i, config.model.vocab_size, device=device) for i in range(2)]
         result = trainer.step(micro)
         losses.append((float(result.loss_sum), float(result.grad_norm)))
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
@@ -125,7 +113,7 @@ def test_dropped_outputs_are_not_saved():
     """norms + swiglu: the consumers (wq/wk/wv, w2) keep a recipe instead of the norm's output and
     the product, and the modules' own saved tensors go with their checkpoints."""
     config = load_config(ROOT / "launch" / "configs" / "tiny_dense.toml", [])
-    micro = _micro(0, config.model.vocab_size)
+    micro = micro_batch(0, config.model.vocab_size)
     plain = _saved_bytes(build_model(config.model, seed=0), micro)
     model = apply_recompute(build_model(config.model, seed=0), modules=["norms", "swiglu"])
     assert _saved_bytes(model, micro) < plain
@@ -147,7 +135,7 @@ def test_recompute_in_the_first_layers_only_leaves_training_identical():
     config = load_config(ROOT / "launch" / "configs" / "tiny_dense.toml", [])
     model = apply_recompute(build_model(config.model, seed=0), modules=["mlp"], num_layers=2)
     assert [getattr(b, "checkpoint_feed_forward", False) for b in model.layers.values()] == [True, True, False, False]
-    micro = _micro(0, config.model.vocab_size)
+    micro = micro_batch(0, config.model.vocab_size)
     saved = [_saved_bytes(apply_recompute(build_model(config.model, seed=0), modules=["mlp"], num_layers=n), micro)
              for n in (0, 2)] + [_saved_bytes(build_model(config.model, seed=0), micro)]
     assert saved[0] < saved[1] < saved[2], saved  # all blocks recompute < two of four < none

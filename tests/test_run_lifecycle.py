@@ -10,7 +10,6 @@ only the fp32 reduction order of a restarted gloo group).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -23,32 +22,20 @@ from pathlib import Path
 
 import pytest
 
-from core.state import checkpoint
 from core.config import load_config
 from core.validation import validate
 from core.metrics import read_metrics
+from core.state import checkpoint
 from core.train.trainer import Trainer
-from dataservice.build import build_dataset, make_corpus
-from tests.test_bad_input import run as run_entry_point
+from tests.support.cli import run_entry_point
+from tests.support.lifecycle import (RTOL, SMALL, STEPS, assert_only_complete_checkpoints, resume_and_check, run, start,
+                                     train_cmd, wait_for_no_process, wait_until)
+from tests.support.runs import CONFIG, MOE_CONFIG, metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "launch" / "configs" / "tiny_dense.toml"
-MOE_CONFIG = ROOT / "launch" / "configs" / "tiny_moe.toml"  # ep=2: on one process its layout cannot start
-STEPS = 6
-SMALL = [
-    "model.dim=64", "model.num_layers=2", "model.ffn_dim=128", "train.seq_len=64", "train.micro_batch_size=2",
-    "train.global_batch_size=8", f"train.max_steps={STEPS}", "train.warmup_steps=1", "train.plot=true",
-    "checkpoint.interval=1", "checkpoint.keep=3",
-]
-RTOL = 1e-6
 MOE_SMALL = ["model.dim=64", "model.num_layers=2", "model.ffn_dim=128", "model.moe.ffn_dim=32", "train.seq_len=64",
              "train.max_steps=3", "train.warmup_steps=1", "checkpoint.interval=1", "train.plot=false"]
-
-
-def build_small_dataset(tmp: Path) -> Path:
-    return build_dataset([make_corpus(tmp, n_docs=300, seed=3, min_len=16, max_len=600)], tmp / "shards")
 
 
 @pytest.fixture
@@ -56,93 +43,9 @@ def dataset(lifecycle_dataset) -> Path:
     return lifecycle_dataset  # built once per session (tests/conftest.py)
 
 
-def _env(tag: str) -> dict:
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, TESSERA_TEST_RUN=tag)
-
-
-def train_cmd(run_dir: Path, dataset: Path, *extra: str, launcher: bool = True) -> list[str]:
-    sets = []
-    for item in [*SMALL, f"data.dataset={dataset}", f"train.run_dir={run_dir}"]:
-        sets += ["--set", item]
-    if launcher:
-        return [sys.executable, "-m", "core.train.cli", "--config", str(CONFIG), *sets, "--nproc-per-node", "2", *extra]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "core.train.cli",
-            "--config", str(CONFIG), *sets, *extra]
-
-
-def start(cmd: list[str], tag: str) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, as a terminal job has
-
-
-def run(cmd: list[str], tag: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=_env(tag or uuid.uuid4().hex), capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def processes_tagged(tag: str) -> list[str]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes()
-            if f"TESSERA_TEST_RUN={tag}".encode() in environ.split(b"\0"):
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":  # a zombie has ended; only its exit status waits for a reaper
-                    found.append(Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
-        except OSError:
-            continue
-    return found
-
-
-def wait_for_no_process(tag: str, timeout: float = 60.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not processes_tagged(tag):
-            return []
-        time.sleep(0.5)
-    return processes_tagged(tag)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_until(predicate, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("the run never reached the moment to interrupt")
-
-
-def assert_only_complete_checkpoints(run_dir: Path) -> None:
-    for path in (run_dir / "checkpoints").iterdir():
-        assert path.name == "latest" or (path.name.startswith("step_") and (path / ".metadata").is_file()), path
-
-
 @pytest.fixture
 def reference(lifecycle_reference) -> dict[int, float]:
     return lifecycle_reference  # the uninterrupted run of train_cmd, once per session (tests/conftest.py)
-
-
-def resume_and_check(run_dir: Path, reference: dict[int, float]) -> None:
-    """`--resume RUN_DIR` alone (its 2 processes from RUN_DIR/launch.toml) finishes the run on the
-    reference trajectory, one record per step, and draws the plot again."""
-    plot = run_dir / "loss.png"
-    drawn = plot.stat().st_mtime_ns if plot.exists() else 0
-    proc = run([sys.executable, "-m", "core.train.cli", "--resume", str(run_dir)])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "RNG state restored on 2 of 2 ranks" in proc.stderr, proc.stderr[-4000:]
-    records = metrics(run_dir)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for r in records:
-        assert r["loss"] == pytest.approx(reference[r["step"]], rel=RTOL), (r["step"], records, reference)
-    assert plot.stat().st_size > 1000 and plot.stat().st_mtime_ns > drawn
 
 
 # Moments: after a random step has been logged (during the next step's compute or collectives),
@@ -308,7 +211,7 @@ def test_run_directory_rules_and_resume_with_changes(tmp_path, dataset):
     assert "max_steps = 3" in saved and f'dataset = "{dataset}"' in saved
 
     # Refusals and --print-config end before any training: the entry point in this process
-    # (tests/test_bad_input.py's `run`) says the same as a new interpreter, seconds sooner.
+    # (`run_entry_point`, tests/support/cli.py) says the same as a new interpreter, seconds sooner.
     again = run_entry_point("core.train.cli", *base[3:], *sets)  # the same command again, neither --resume nor --overwrite
     assert again.returncode == 2 and "already holds a run" in again.stderr and "--resume" in again.stderr
     assert len(metrics(run_dir)) == 3  # nothing was appended

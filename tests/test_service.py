@@ -7,11 +7,7 @@ addressed by rows_for(step, dp_rank, dp_size, B); nothing here depends on an ear
 from __future__ import annotations
 
 import json
-import select
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,12 +20,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import protos
 from dataservice.build import build_dataset, make_corpus
 from dataservice.plan import rows_for
-from dataservice.server import MAX_MICRO_BATCH_SIZE, MAX_SEQ_LEN, SERVICE_NAME, serve
+from dataservice.server import MAX_MICRO_BATCH_SIZE, MAX_SEQ_LEN, SERVICE_NAME
 from dataservice.shards import ShardedDataset
 from dataservice.tokens import CORRUPT_MESSAGE, ResumeToken
+from tests.support.cli import run_process
+from tests.support.service import fetch, request, start_server, start_server_process, stub
 
 pb2, pb2_grpc = protos.load()
-ROOT = Path(__file__).resolve().parents[1]
 IGNORE = -100
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,43 +54,9 @@ def with_weights(opened, data, **weights):
 
 @pytest.fixture(scope="module")
 def server(opened, data):
-    srv, port = serve(with_weights(opened, data, a=1, b=3))
-    yield f"127.0.0.1:{port}"
+    srv, address = start_server(with_weights(opened, data, a=1, b=3))
+    yield address
     srv.stop(0)
-
-
-def start_process(data_specs, *extra, timeout=60.0):
-    """Start `python -m dataservice.cli serve` and return (process, address) from its first line."""
-    cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--port", "0", *extra]
-    for spec in data_specs:  # a spec with spaces is several folders after one --data
-        cmd += ["--data", *str(spec).split(" ")]
-    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: an unread pipe would block its logging
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    if not line.startswith("serving on "):
-        proc.kill()
-        proc.wait()
-        log.seek(0)
-        raise AssertionError(f"server did not start: {line!r} {log.read()}")
-    return proc, line.split()[-1]
-
-
-def stub(address):
-    return pb2_grpc.DataServiceStub(grpc.insecure_channel(
-        address, options=[("grpc.max_receive_message_length", 256 << 20)]))
-
-
-def request(**kw):
-    kw.setdefault("seq_len", 256)
-    kw.setdefault("micro_batch_size", 2)
-    kw.setdefault("dp_size", 1)
-    blend = kw.pop("blend", {})
-    return pb2.StreamRequest(blend=[pb2.DatasetWeight(name=k, weight=v) for k, v in blend.items()], **kw)
-
-
-def fetch(address, n, **kw):
-    return list(stub(address).StreamBatches(request(max_batches=n, **kw), timeout=60))
 
 
 def arrays(msg):
@@ -179,12 +142,13 @@ def test_every_batch_keeps_the_invariants(server, opened):
 @pytest.mark.slow
 def test_two_server_processes_send_identical_bytes(data):
     # One process takes both datasets after one --data, the other a --data each.
-    procs = [start_process([f"{data['a']} {data['b']}:3"]), start_process([data["a"], f"{data['b']}:3"])]
+    procs = [start_server_process([f"{data['a']} {data['b']}:3"]),
+             start_server_process([data["a"], f"{data['b']}:3"])]
     try:
         streams = [[m.SerializeToString() for m in fetch(addr, 8, dp_rank=1, dp_size=2, seed=7)]
-                   for _, addr in procs]
+                   for _, addr, _ in procs]
     finally:
-        for proc, _ in procs:
+        for proc, _, _ in procs:
             proc.kill()
             proc.wait()
     assert len(streams[0]) == 8 and streams[0] == streams[1]
@@ -283,16 +247,16 @@ def test_bad_request_gets_invalid_argument_and_server_keeps_serving(server, bad,
 
 
 def test_token_signed_with_another_secret_is_refused(opened, data):
-    srv, port = serve(with_weights(opened, data, a=1), token_secret="deployment-secret")
+    srv, address = start_server(with_weights(opened, data, a=1), token_secret="deployment-secret")
     try:
-        token = fetch(f"127.0.0.1:{port}", 1)[0].resume_token
+        token = fetch(address, 1)[0].resume_token
         ResumeToken.decode(token, "deployment-secret")  # signed with the server's secret
     finally:
         srv.stop(0)
-    srv, port = serve(with_weights(opened, data, a=1))
+    srv, address = start_server(with_weights(opened, data, a=1))
     try:
         with pytest.raises(grpc.RpcError) as err:
-            fetch(f"127.0.0.1:{port}", 1, resume_token=token)
+            fetch(address, 1, resume_token=token)
         assert err.value.details() == CORRUPT_MESSAGE
     finally:
         srv.stop(0)
@@ -335,11 +299,11 @@ def test_info_and_health(server, opened):
 
 
 def test_shutdown_reports_not_serving_and_ends_streams_with_unavailable(opened, data):
-    srv, port = serve(with_weights(opened, data, a=1))
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    srv, address = start_server(with_weights(opened, data, a=1))
+    channel = grpc.insecure_channel(address)
     watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
     assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-    stream = stub(f"127.0.0.1:{port}").StreamBatches(request(seq_len=64))  # unbounded
+    stream = stub(address).StreamBatches(request(seq_len=64))  # unbounded
     next(stream)
     stopper = threading.Thread(target=srv.stop, args=(5.0,))
     stopper.start()
@@ -354,7 +318,7 @@ def test_shutdown_reports_not_serving_and_ends_streams_with_unavailable(opened, 
 
 @pytest.mark.slow
 def test_sigterm_stops_the_process_promptly_with_exit_0(data):
-    proc, address = start_process([data["a"]], "--grace", "2")
+    proc, address, _ = start_server_process([data["a"]], "--grace", "2")
     stream = stub(address).StreamBatches(request(seq_len=64))
     next(stream)  # a stream is open while the signal arrives
     t0 = time.monotonic()
@@ -368,11 +332,6 @@ def test_sigterm_stops_the_process_promptly_with_exit_0(data):
 
 # ---- command line ------------------------------------------------------------------------
 
-def run_cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "dataservice.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,message", [
     ("/no/such/folder", "does not exist"),
@@ -380,24 +339,23 @@ def run_cli(*args, timeout=60):
     ("{a}:heavy", "is not a number"),
 ])
 def test_serve_rejects_bad_data_with_one_line_and_exit_2(data, spec, message):
-    out = run_cli("serve", "--data", spec.format(a=data["a"]), "--port", "0")
+    out = run_process("dataservice.cli", "serve", "--data", spec.format(a=data["a"]), "--port", "0")
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and message in out.stderr and out.stdout == ""
 
 
 @pytest.mark.slow
 def test_peek_prints_one_json_object_per_batch(server):
-    out = run_cli("peek", "--address", server, "--dp-rank", "1", "--dp-size", "2", "--seq-len", "64",
-                  "--micro-batch-size", "2", "--steps", "3", "--seed", "4")
+    peek = ["peek", "--address", server, "--dp-rank", "1", "--dp-size", "2", "--seq-len", "64",
+            "--micro-batch-size", "2", "--seed", "4"]
+    out = run_process("dataservice.cli", *peek, "--steps", "3")
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert [b["step"] for b in lines] == [0, 1, 2]
     for b in lines:
         assert len(b["tokens"]) == 2 and len(b["tokens"][0]) == 64 and len(b["labels"][1]) == 64
         assert b["cu_seqlens"][-1] == 128 and b["resume_token"] and 0 < b["efficiency"] <= 1
-    again = run_cli("peek", "--address", server, "--dp-rank", "1", "--dp-size", "2", "--seq-len", "64",
-                    "--micro-batch-size", "2", "--steps", "1", "--seed", "4",
-                    "--resume-token", lines[1]["resume_token"])
+    again = run_process("dataservice.cli", *peek, "--steps", "1", "--resume-token", lines[1]["resume_token"])
     assert json.loads(again.stdout) == lines[2]
-    bad = run_cli("peek", "--address", server, "--seq-len", "1")
+    bad = run_process("dataservice.cli", "peek", "--address", server, "--seq-len", "1")
     assert bad.returncode == 2 and "seq_len is 1" in bad.stderr and bad.stderr.count("\n") == 1

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -41,13 +40,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import protos
 from dataservice.build import build_dataset, make_corpus
-from dataservice.server import serve
 from dataservice.shards import ShardedDataset
-from tests.distributed import free_port
-from tests.test_service import fetch as service_fetch, request as service_request, stub
+from tests.support.cli import ROOT, child_env, run_process
+from tests.support.distributed import free_port
+from tests.support.service import fetch as service_fetch
+from tests.support.service import request as service_request
+from tests.support.service import start_server, start_server_process, stub
 
 pb2, pb2_grpc = protos.load()
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
 FIELDS = ("tokens", "labels", "position_ids", "cu_seqlens", "seq_lens", "row_ids", "doc_hashes")
 
@@ -68,15 +68,15 @@ def opened(data):
     return {name: (ShardedDataset.open(path), str(path)) for name, path in data.items()}
 
 
-def start_server(opened, **weights):
-    srv, port = serve([(*opened[name], float(w)) for name, w in weights.items()], metrics_port=0)
-    return srv, f"127.0.0.1:{port}"
+def start_metered(opened, **weights):
+    """A server of the opened datasets at `weights`, with its metrics endpoint."""
+    return start_server([(*opened[name], float(w)) for name, w in weights.items()], metrics_port=0)
 
 
 @pytest.fixture(scope="module")
 def shared(opened):
     """One server holding both datasets (default blend a:1, b:1)."""
-    srv, address = start_server(opened, a=1, b=1)
+    srv, address = start_metered(opened, a=1, b=1)
     yield address
     srv.stop(0)
 
@@ -84,13 +84,13 @@ def shared(opened):
 @pytest.fixture(scope="module")
 def only_a(opened):
     """A server of dataset a alone: the reference of a's streams."""
-    srv, address = start_server(opened, a=1)
+    srv, address = start_metered(opened, a=1)
     yield address
     srv.stop(0)
 
 
 def request(**kw):
-    """test_service's request at this file's shorter rows."""
+    """tests.support.service's request at this file's shorter rows."""
     kw.setdefault("seq_len", 128)
     return service_request(**kw)
 
@@ -123,26 +123,6 @@ def wait_for(predicate, timeout=30.0, what="condition"):
         time.sleep(0.02)
 
 
-def start_process(data_dir, log: Path, *extra, port=0, timeout=60.0):
-    """`tessera-data serve` as a process: (process, address, metrics URL or ""); its log (stderr)
-    goes to `log`."""
-    cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--data", str(data_dir), "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "a"), text=True)
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    if not line.startswith("serving on "):
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"server did not start: {line!r} {log.read_text()[-2000:]}")
-    url = proc.stdout.readline().split()[-1] if "--metrics-port" in extra else ""  # printed right after
-    return proc, line.split()[-1], url
-
-
-def run_cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "dataservice.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 # ---- the process -----------------------------------------------------------------------------
 
 def test_the_command_line_starts_without_torch():
@@ -156,7 +136,7 @@ def test_the_command_line_starts_without_torch():
 # ---- metrics -----------------------------------------------------------------------------
 
 def test_metrics_endpoint_counts_streams_rows_tokens_latency_and_errors(opened):
-    srv, address = start_server(opened, a=1)
+    srv, address = start_metered(opened, a=1)
     url = f"http://127.0.0.1:{srv.metrics_port}/metrics"
     try:
         before = scrape(url)
@@ -194,17 +174,17 @@ def test_metrics_endpoint_counts_streams_rows_tokens_latency_and_errors(opened):
 
 @pytest.mark.slow
 def test_health_prints_a_line_per_replica_and_exits_0_1_or_2(opened, shared):
-    draining, address = start_server(opened, a=1)
+    draining, address = start_metered(opened, a=1)
     draining.drain(0)  # NOT_SERVING, as during a drain
     nobody = f"127.0.0.1:{free_port()}"
     try:
-        ok = run_cli("health", "--address", shared)
+        ok = run_process("dataservice.cli", "health", "--address", shared)
         assert (ok.returncode, ok.stdout, ok.stderr) == (0, f"{shared}: SERVING\n", "")
-        mixed = run_cli("health", "--address", f"{shared},{address}", "--address", nobody)
+        mixed = run_process("dataservice.cli", "health", "--address", f"{shared},{address}", "--address", nobody)
         assert mixed.returncode == 1, mixed.stderr
         assert mixed.stdout.splitlines() == [f"{shared}: SERVING", f"{address}: NOT_SERVING",
                                              f"{nobody}: UNREACHABLE (connection refused)"]
-        bad = run_cli("health", "--address", "localhost")
+        bad = run_process("dataservice.cli", "health", "--address", "localhost")
         assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
         assert "must read HOST:PORT" in bad.stderr
     finally:
@@ -216,7 +196,7 @@ def test_health_prints_a_line_per_replica_and_exits_0_1_or_2(opened, shared):
 @pytest.mark.slow
 def test_sigterm_drains_open_stream_at_a_message_boundary_and_refuses_new_ones(data, only_a, tmp_path):
     log = tmp_path / "serve.log"
-    proc, address, _ = start_process(data["a"], log, "--grace", "30")
+    proc, address, _ = start_server_process([data["a"]], "--grace", "30", log=log)
     try:
         req = dict(seq_len=256, micro_batch_size=2, seed=7)
         stream = stub(address).StreamBatches(request(**req))  # unbounded
@@ -261,7 +241,7 @@ def anon_mib(pid: int) -> float:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; malloc_trim is glibc's")
 def test_server_memory_falls_back_once_streams_close(data, tmp_path):
     trim = os.environ.get("TESSERA_TEST_TRIM_EVERY", "1")  # 0 shows this test failing without the fix
-    proc, address, _ = start_process(data["a"], tmp_path / "serve.log", "--trim-every", trim)
+    proc, address, _ = start_server_process([data["a"]], "--trim-every", trim, log=tmp_path / "serve.log")
     big = dict(seq_len=8192, micro_batch_size=4)  # ~400 KB messages, as trainers ask
 
     def read(rank: int, n: int, sizes: list) -> None:
@@ -327,11 +307,9 @@ def start_training(run_dir: Path, address: str = "", dataset: Path | None = None
     source = f"data.address={address}" if address else f"data.dataset={dataset}"
     for item in [*TRAIN, source, f"train.run_dir={run_dir}"]:
         cmd += ["--set", item]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
     run_dir.mkdir(parents=True)
     log = open(run_dir.with_suffix(".log"), "w")  # a file: an unread pipe would block the trainer
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(proc: subprocess.Popen, run_dir: Path) -> None:
@@ -355,8 +333,8 @@ def resumed_streams(log: Path) -> dict[int, int]:
 def test_trainer_survives_losing_its_data_service_with_every_loss_unchanged(data, tmp_path):
     logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "a2")}
     port_a = free_port()
-    a, address_a, _ = start_process(data["a"], logs["a"], port=port_a)
-    b, address_b, metrics_b = start_process(data["a"], logs["b"], "--metrics-port", "0")
+    a, address_a, _ = start_server_process([data["a"]], port=port_a, log=logs["a"])
+    b, address_b, metrics_b = start_server_process([data["a"]], "--metrics-port", "0", log=logs["b"])
     a2 = trainer = uninterrupted = None
     try:
         # The uninterrupted run reads the same stream from its own loopback server, alongside.
@@ -369,7 +347,7 @@ def test_trainer_survives_losing_its_data_service_with_every_loss_unchanged(data
         b.kill()  # now nobody serves: the ranks retry with backoff
         a.wait(10)
         time.sleep(OUTAGE_S)  # longer than the prefetched batches last, so the ranks must wait
-        a2, _, _ = start_process(data["a"], logs["a2"], port=port_a)  # the first replica back on its address
+        a2, _, _ = start_server_process([data["a"]], port=port_a, log=logs["a2"])  # replica a back on its address
         finish(trainer, tmp_path / "faults")
         finish(uninterrupted, tmp_path / "reference")
     finally:

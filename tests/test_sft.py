@@ -21,25 +21,12 @@ from dataservice.cp_plan import H200_COST
 from dataservice.cp_stream import CPRequest, StepCache
 from dataservice.packing import IGNORE_INDEX
 from dataservice.plan import StreamPlan, rows_for
-from dataservice.server import serve
 from dataservice.sft import ExampleRenderer, find_chat_template
 from dataservice.shards import ShardedDataset
 from dataservice.tokenizer import ByteTokenizer, load_tokenizer, train_tiny_tokenizer
+from tests.support.service import start_server
+from tests.support.sft import CHATML_TEMPLATE, HEADER_TEMPLATE, SPECIALS
 
-# Two templates in the two common styles: header tokens per turn, and ChatML with a default
-# system turn that appears only when the conversation has none.
-HEADER_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
-CHATML_TEMPLATE = (
-    "{% if not messages or messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n"
-    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ("<pad>", "<|begin_of_text|>", "<|end_of_text|>", "<unk>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>", "<|im_start|>", "<|im_end|>")
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "hello world?"},
@@ -236,12 +223,12 @@ def test_resume_token_and_dynamic_cp_plans_keep_the_masks(sft_and_text):
             o = next(o for o in range(0, toks.size, 48) if np.array_equal(toks[o:o + n], seg))
             want = [toks[o + i + 1] if o + i + 1 < toks.size and mask[o + i + 1] else IGNORE_INDEX for i in range(n)]
             assert step.labels[s:s + n].tolist() == want
-    srv, port = serve([sft])
+    srv, address = start_server([sft])
     try:
         kw = dict(dp_rank=0, dp_size=1, seq_len=48, micro_batch_size=2, seed=4)
-        with DataClient(f"127.0.0.1:{port}", max_batches=6, **kw) as client:
+        with DataClient(address, max_batches=6, **kw) as client:
             first = list(client)
-        with DataClient(f"127.0.0.1:{port}", max_batches=3, resume_token=first[2].resume_token, **kw) as client:
+        with DataClient(address, max_batches=3, resume_token=first[2].resume_token, **kw) as client:
             again = list(client)
         for x, y in zip(first[3:], again):
             assert np.array_equal(x.labels.numpy(), y.labels.numpy()) and np.array_equal(x.tokens.numpy(), y.tokens.numpy())

@@ -8,15 +8,13 @@ must equal the reference within test_train's tolerance (fp32, reduction order on
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dataservice.build import build_dataset
-from tests.test_eval import val_records
-from tests.test_train import RTOL, losses, run_train
+from tests.support.runs import RTOL, losses, run_train, val_records
+from tests.support.sft import conversations
 
 YARN = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4.0",
         "model.rope_scaling.original_max_position_embeddings=16"]
@@ -26,29 +24,6 @@ LAYOUTS = {
     "cp2xtp2": (4, ["parallel.cp=2", "parallel.tp=2"]),
     "dynamic-cp2xdp2": (4, ["parallel.cp=2", "parallel.dynamic_cp=true", "parallel.cp_token_budget=16"]),
 }
-
-
-def conversations(path: Path, n: int, seed: int) -> Path:
-    """Conversations and prompt/completion records with answers of up to ~150 bytes, so
-    examples are split over 64-token rows and spread over CP ranks."""
-    rng = np.random.default_rng(seed)
-    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa", "mu", "nu"]
-
-    def say(k):
-        return " ".join(rng.choice(words, size=int(k)).tolist())
-
-    with open(path, "w") as f:
-        for i in range(n):
-            if i % 4 == 0:
-                record = {"prompt": f"{i} {say(rng.integers(1, 8))}?", "completion": say(rng.integers(1, 25))}
-            else:
-                turns = [{"role": "system", "content": f"s{i % 7}"}]
-                for _ in range(int(rng.integers(1, 3))):
-                    turns += [{"role": "user", "content": say(rng.integers(1, 10))},
-                              {"role": "assistant", "content": say(rng.integers(1, 25))}]
-                record = {"messages": turns}
-            f.write(json.dumps(record) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -18,26 +18,19 @@ import torch
 from torch import nn
 
 from core.precision import te_backend, te_fused
-from core.config import Config, ConfigError, ModelConfig
+from core.config import ConfigError, ModelConfig
 from core.validation import validate
 from core.layers import AttentionMeta
 from core.mesh import ParallelMesh
 from core.train.model import build_model
 from core.parallel.data import DataParallel, apply_data_parallel
-from dataservice.build import build_dataset, make_corpus
-from tests.test_train import CONFIG, MOE_CONFIG, ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
+from tests.support.cli import ROOT
+from tests.support.configs import config_with
+from tests.support.runs import CONFIG, MOE_CONFIG, losses, run_train, tail_mean
 
 TE_MISSING = te_backend.unavailable_reason()
 needs_te = pytest.mark.skipif(TE_MISSING is not None, reason=f"Transformer Engine: {TE_MISSING}")
 RTOL_BF16 = 2e-2
-
-
-def _config(**train) -> Config:
-    config = Config()
-    for key, value in train.items():
-        section, _, name = key.partition("__")
-        setattr(getattr(config, section), name, value)
-    return config
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -47,12 +40,12 @@ def _config(**train) -> Config:
 ])
 def test_settings_that_cannot_work_are_refused(settings, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate(_config(**settings), 1)
+        validate(config_with(**settings), 1)
 
 
 def test_te_settings_that_work_pass():
-    validate(_config(model__dense_backend="te", train__precision="fp8", train__fp8_recipe="delayed",
-                     train__recompute_modules=["attention_core"]), 1)
+    validate(config_with(model__dense_backend="te", train__precision="fp8", train__fp8_recipe="delayed",
+                         train__recompute_modules=["attention_core"]), 1)
 
 
 @pytest.mark.skipif(TE_MISSING is None, reason="Transformer Engine runs here")
@@ -326,12 +319,7 @@ def _assert_trains_alike(got: dict[int, float], want: dict[int, float], tail_rto
     assert got.keys() == want.keys()
     for step, loss in want.items():
         assert got[step] == pytest.approx(loss, rel=3 * RTOL_BF16), (step, got[step], loss)
-    assert _tail_mean(got) == pytest.approx(_tail_mean(want), rel=tail_rtol)
-
-
-def _tail_mean(values: dict[int, float], n: int = 20) -> float:
-    steps = sorted(values)[-n:]
-    return sum(values[s] for s in steps) / len(steps)
+    assert tail_mean(got) == pytest.approx(tail_mean(want), rel=tail_rtol)
 
 
 @needs_te
@@ -378,17 +366,7 @@ def test_te_delayed_fp8_under_tensor_parallelism_trains_like_one_gpu(tmp_path, d
     run_train(tmp_path / "tp2", dataset, 2, *fp8, "parallel.tp=2")
     want, got = losses(tmp_path / "tp1"), losses(tmp_path / "tp2")
     assert got.keys() == want.keys()
-    assert _tail_mean(got) == pytest.approx(_tail_mean(want), rel=0.02), (_tail_mean(got), _tail_mean(want))
-
-
-@pytest.fixture(scope="module")
-def fresh_text(tmp_path_factory):
-    """1.2M tokens: 500 steps of 8 x 256 read each document at most once, so the loss measures
-    learning the text's statistics, not memorising a small set of documents (where runs drift
-    apart by a few % whatever their precision: bf16 eager against compiled, 0.9% on the tests'
-    small dataset)."""
-    tmp = tmp_path_factory.mktemp("fresh-text")
-    return build_dataset([make_corpus(tmp, n_docs=4000, seed=5, min_len=64, max_len=1200)], tmp / "shards")
+    assert tail_mean(got) == pytest.approx(tail_mean(want), rel=0.02), (tail_mean(got), tail_mean(want))
 
 
 @pytest.fixture(scope="module")
@@ -417,8 +395,8 @@ def test_fp8_recipes_learn_like_bf16(tmp_path, fresh_text, bf16_run, recipe, nor
               f"model.te_norm_fusion={str(norm_fusion).lower()}")
     got = losses(tmp_path / "fp8")
     assert sorted(got) == list(range(1, 501))
-    assert _tail_mean(got, 50) == pytest.approx(_tail_mean(bf16_run, 50), rel=0.02 if recipe == "tensorwise" else 0.01), \
-        (_tail_mean(got, 50), _tail_mean(bf16_run, 50))
+    assert tail_mean(got, 50) == pytest.approx(tail_mean(bf16_run, 50), rel=0.02 if recipe == "tensorwise" else 0.01), \
+        (tail_mean(got, 50), tail_mean(bf16_run, 50))
 
 
 @needs_te

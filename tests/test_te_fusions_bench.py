@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from core.precision import te_backend
-from tests.test_train import ROOT
+from tests.support.cli import ROOT
 
 
 @pytest.mark.skipif(te_backend.unavailable_reason() is None, reason="Transformer Engine runs here")

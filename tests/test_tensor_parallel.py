@@ -30,7 +30,7 @@ from core.layers import AttentionMeta
 from core.train.model import build_model
 from core.parallel import comm
 from core.parallel.tensor import apply_tp, sync_sequence_parallel_grads
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 RTOL = 1e-5
 

@@ -11,61 +11,10 @@ normaliser; DP sums gradients in another order), compounded over a few AdamW ste
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from dataservice.build import build_dataset, make_corpus
-
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "launch" / "configs" / "tiny_dense.toml"
-MOE_CONFIG = ROOT / "launch" / "configs" / "tiny_moe.toml"
-SMALL = [
-    "model.dim=64", "model.num_layers=2", "model.ffn_dim=128", "train.seq_len=64",
-    "train.micro_batch_size=2", "train.global_batch_size=8", "train.max_steps=4",
-    "train.warmup_steps=1", "train.plot=false",
-]
-RTOL = 2e-4
-
-
-def build_small_dataset(tmp: Path) -> Path:
-    return build_dataset([make_corpus(tmp, n_docs=300, seed=3, min_len=16, max_len=600)], tmp / "shards")
-
-
-@pytest.fixture
-def dataset(train_dataset) -> Path:
-    return train_dataset  # built once per session (tests/conftest.py)
-
-
-def run_train(run_dir: Path, dataset: Path, nproc: int, *extra: str, resume: bool = False, check: bool = True,
-              config: Path = CONFIG):
-    cmd = [sys.executable, "-m", "core.train.cli", "--config", str(config)]
-    for item in [*SMALL, f"data.dataset={dataset}", f"train.run_dir={run_dir}", *extra]:
-        cmd += ["--set", item]
-    if nproc > 1:
-        cmd += ["--nproc-per-node", str(nproc)]
-    if resume:
-        cmd.append("--resume")
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"tessera-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}
-
-
-@pytest.fixture
-def reference(train_reference) -> dict[int, float]:
-    return train_reference  # the single-process run, once per session (tests/conftest.py)
-
+from tests.support.runs import MOE_CONFIG, RTOL, SMALL, losses, run_train
 
 @pytest.mark.slow
 def test_single_process_writes_metrics_checkpoint_and_loss_falls(tmp_path, dataset):

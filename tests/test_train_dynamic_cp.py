@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import pytest
 
+from core.config import ConfigError, load_config
+from core.validation import validate
 from dataservice.client import DataClient
-from dataservice.server import serve
-from tests.test_bad_input import run as run_entry_point
-from tests.test_train import CONFIG, RTOL, SMALL, dataset, losses, reference, run_train  # noqa: F401 (fixtures)
+from tests.support.cli import run_entry_point
+from tests.support.runs import CONFIG, RTOL, SMALL, losses, run_train
+from tests.support.service import start_server
 
 # seq_len 64 over 4 ranks: pieces of up to 16 tokens may run on one rank, up to 32 need a
 # group of 2, longer ones a group of 4 (the test checks the plans do mix them).
@@ -23,11 +25,11 @@ DYNAMIC = ["parallel.cp=2", "parallel.dynamic_cp=true", "parallel.cp_token_budge
 
 def group_sizes(dataset) -> set[int]:
     """CP group sizes in the first 4 steps' plans, read as dp_cp ranks 0-3 of the run read them."""
-    srv, port = serve([dataset])
+    srv, address = start_server([dataset])
     sizes = set()
     try:
         for rank in range(4):
-            with DataClient(f"127.0.0.1:{port}", dp_rank=rank // 2, dp_size=2, cp_rank=rank % 2, cp_size=2,
+            with DataClient(address, dp_rank=rank // 2, dp_size=2, cp_rank=rank % 2, cp_size=2,
                             seq_len=64, micro_batch_size=2, seed=1234, dynamic_cp=True, cp_token_budget=16,
                             rows_per_step=8, max_batches=4) as client:
                 sizes |= {b.cp_group_size for b in client if b.cp_group_size}
@@ -52,7 +54,7 @@ def test_dynamic_cp_on_4_processes_matches_single_process_and_resumes(tmp_path, 
 
 @pytest.mark.slow
 def test_budget_too_small_for_a_row_exits_2_with_one_clear_line(tmp_path, dataset):
-    # Refused before any training: the entry point in this process (tests/test_bad_input.py).
+    # Refused before any training: the entry point in this process (tests/support/cli.py).
     args = ["--config", CONFIG]
     for item in [*SMALL, f"data.dataset={dataset}", f"train.run_dir={tmp_path}", "parallel.dynamic_cp=true",
                  "parallel.cp_token_budget=10"]:
@@ -63,9 +65,6 @@ def test_budget_too_small_for_a_row_exits_2_with_one_clear_line(tmp_path, datase
 
 
 def test_config_derives_the_budget_and_refuses_what_dynamic_cp_cannot_run():
-    from core.config import ConfigError, load_config
-    from core.validation import validate
-
     dyn = ["parallel.cp=2", "parallel.dynamic_cp=true", "train.seq_len=256", "train.micro_batch_size=2"]
     config = validate(load_config(None, dyn), 4)
     assert config.parallel.cp_token_budget == 256  # micro_batch_size*seq_len/cp: static CP's per-rank tokens

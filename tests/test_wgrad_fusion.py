@@ -18,8 +18,9 @@ import torch
 
 from core.config import load_config
 from core.train.trainer import Trainer
-from tests.test_recompute import _micro
-from tests.test_train import ROOT, dataset, losses, run_train  # noqa: F401  (fixture reused)
+from tests.support.batches import micro_batch
+from tests.support.cli import ROOT
+from tests.support.runs import losses, run_train
 
 
 def _train(fused: bool, device: str, compile_: bool, steps: int, config_name: str = "tiny_dense", recompute=()):
@@ -30,7 +31,7 @@ def _train(fused: bool, device: str, compile_: bool, steps: int, config_name: st
     trainer = Trainer(config)
     losses, grad_norms = [], []
     for step in range(steps):
-        micro = [_micro(10 * step + i, config.model.vocab_size, seq=64, device=device) for i in range(3)]
+        micro = [micro_batch(10 * step + i, config.model.vocab_size, seq=64, device=device) for i in range(3)]
         result = trainer.step(micro)
         losses.append(float(result.loss_sum))
         grad_norms.append(float(result.grad_norm))
@@ -71,7 +72,7 @@ def test_fused_embedding_gradient_is_the_fp32_sum_of_each_used_rows_gradients():
         out.register_hook(lambda g: upstream.append(g.float()))
 
     table.register_forward_hook(keep_upstream)
-    micro = [_micro(i, config.model.vocab_size, seq=32, device="cpu") for i in range(2)]
+    micro = [micro_batch(i, config.model.vocab_size, seq=32, device="cpu") for i in range(2)]
     trainer._forward_backward(micro, global_labels=float(sum(m.num_labels for m in micro)))
     want = torch.zeros(slot.main_grad.shape)
     for m, g in zip(micro, upstream):  # one backward after each forward
@@ -84,7 +85,7 @@ def test_fused_embedding_gradient_is_the_fp32_sum_of_each_used_rows_gradients():
 
 
 @pytest.mark.slow
-def test_fused_weight_gradients_over_two_data_parallel_ranks(tmp_path, dataset):  # noqa: F811
+def test_fused_weight_gradients_over_two_data_parallel_ranks(tmp_path, dataset):
     # ZeRO-1 over gloo: the fused weights' main grads are zeroed per step, reduced and sharded
     # like the others; the run follows the one where the hook adds the bf16 gradients (to 1e-4:
     # the plain run sums the embedding's gradient in bf16).

@@ -22,6 +22,7 @@ from core.lifecycle import exit_without_teardown
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on now (bound and released)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -31,8 +32,8 @@ def free_port() -> int:
 #: are forked from one server process that imported these once (multiprocessing's forkserver);
 #: nothing else runs there, so each worker still starts with torch untouched: no threads, no
 #: seed, no process group, no CUDA.
-PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "tests.distributed", "core.train.parallelize", "core.train.trainer",
-           "core.state.checkpoint"]
+PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "tests.support.distributed", "core.train.parallelize",
+           "core.train.trainer", "core.state.checkpoint"]
 
 
 def context(backend: str = "gloo"):
@@ -78,6 +79,8 @@ def _worker(rank, world_size, port, fn, args, queue, backend, environ=None):
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo"):
+    """`fn(rank, world_size, *args)` on `world_size` worker processes joined by one process group;
+    their return values in rank order (see the module docstring)."""
     ctx = context(backend)
     queue = ctx.Queue()
     port = free_port()
