@@ -285,7 +285,7 @@ _grouped.register_autograd(_grouped_backward, setup_context=_save_grouped)
 
 
 class Fp8GroupedMM:
-    """`GroupedExperts.mm` replacement: grouped_mm(x, w, offsets) with FP8 GEMMs."""
+    """`GroupedExperts.mm` replacement: expert_mm(x, w, offsets) with FP8 GEMMs."""
 
     def __init__(self, expert_wgrad: str = "fp8"):
         if expert_wgrad not in EXPERT_WGRAD_MODES:
