@@ -29,6 +29,7 @@ from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_
 from core.parallel.recompute import apply_recompute, compile_inside_checkpoint
 from core.parallel.wgrad import fuse_embedding_grad, fuse_weight_grads
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear, apply_tp
+from moe.comm import ExchangeTimer
 from moe.experts import GroupedExperts
 from moe.layer import moe_layers, update_expert_bias
 from moe.parallel import apply_ep
@@ -114,13 +115,15 @@ def _after_grad_sync(model: nn.Module, mesh: ParallelMesh) -> None:
         update_expert_bias(model, mesh)
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: torch.device, precision: str):
-    """Apply every configured parallelism; returns (model, optimizer, scheduler, grads)."""
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: torch.device, precision: str,
+                exchange_timer: ExchangeTimer | None = None):
+    """Apply every configured parallelism; returns (model, optimizer, scheduler, grads).
+    `exchange_timer`: the run's timer of the MoE token all-to-alls."""
     p, t = config.parallel, config.train
     if mesh.tp > 1:
         apply_tp(model, mesh, sequence_parallel=p.sequence_parallel)
     if config.model.moe.num_experts:
-        apply_ep(model, mesh, etp=p.etp, sequence_parallel=p.sequence_parallel)
+        apply_ep(model, mesh, etp=p.etp, sequence_parallel=p.sequence_parallel, exchange_timer=exchange_timer)
     if mesh.cp > 1:
         apply_cp(model, mesh)
     if config.model.dense_backend == "te":  # after TP/EP: it reads the local shards' shapes
