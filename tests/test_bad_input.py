@@ -292,9 +292,10 @@ def test_folders_the_run_would_write(tmp_path, dataset):
     assert not (tmp_path / "run").exists()
 
 
-def test_fp8_setting_of_the_environment(tmp_path, dataset, monkeypatch):
-    monkeypatch.setenv("TESSERA_FP8_EXPERT_WGRAD", "int4")
-    assert_one_line(train(tmp_path, dataset, "train.precision=fp8"), "TESSERA_FP8_EXPERT_WGRAD='int4'", "fp8 or bf16")
+def test_fp8_expert_wgrad_setting(tmp_path, dataset):
+    assert_one_line(train(tmp_path, dataset, "train.precision=fp8", "train.fp8_expert_wgrad=int4"),
+                    "train.fp8_expert_wgrad='int4'", "'fp8' or 'bf16'")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

@@ -23,7 +23,7 @@ attention and the loss are untouched (bf16 / fp32). docs/fp8.md says why for eac
 Routed experts: forward, dgrad and wgrad are one grouped blockwise GEMM each (no host sync).
 The weight gradient groups along K (tokens): each expert's tokens start a fresh 128-token scale
 block (core/kernels/fp8_wgrad.py). `expert_wgrad="fp8"` (default) runs it, "bf16" the bf16
-grouped wgrad kernel instead (`TESSERA_FP8_EXPERT_WGRAD` sets the default). Gate and up run as
+grouped wgrad kernel instead (`train.fp8_expert_wgrad`). Gate and up run as
 one GEMM on w13's [E, dim, 2 x hidden] view; the hidden size being a multiple of 128, no weight
 block or gradient tile straddles the two.
 
@@ -35,7 +35,6 @@ fallbacks: the same FP8 numerics, emulated.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +50,7 @@ from core.precision.weight_cache import WEIGHT_CACHE
 log = logging.getLogger(__name__)
 
 BLOCK = kfp8.BLOCK
-EXPERT_WGRAD_ENV = "TESSERA_FP8_EXPERT_WGRAD"
-EXPERT_WGRAD_MODES = ("fp8", "bf16")
+EXPERT_WGRAD_MODES = ("fp8", "bf16")  # train.fp8_expert_wgrad's values
 ROW_ALIGN = 16  # the kernels take reduction dims (here: token counts) in multiples of 16
 
 

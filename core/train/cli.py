@@ -32,7 +32,7 @@ import tomli_w
 import torch
 import torch.distributed as dist
 
-from core.precision import blockwise, te_backend, torchao_fp8
+from core.precision import te_backend, torchao_fp8
 from core.state.checkpoint import latest_checkpoint
 from core.config import Config, ConfigError, load_config, reference, torchao_fp8, validate
 from core.train.data import check_data_source
@@ -216,17 +216,13 @@ def _report(message: str, first: bool, code: int = 2) -> int:
 
 
 def check_inputs(config: Config) -> None:
-    """What the config names outside itself: the folders it writes, the device, the FP8
-    setting of the environment, the data (core.train.data.check_data_source) and the weights of
+    """What the config names outside itself: the folders it writes, the device, the data (core.train.data.check_data_source) and the weights of
     checkpoint.init_from (every tensor present with the model's shape, read from the headers)."""
     _check_folder("train.run_dir", config.train.run_dir)
     if config.checkpoint.dir:
         _check_folder("checkpoint.dir", config.checkpoint.dir)
     if config.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA GPU is visible here; use train.device=auto or cpu")
-    wgrad = os.environ.get(blockwise.EXPERT_WGRAD_ENV)
-    if config.train.precision == "fp8" and wgrad and wgrad not in blockwise.EXPERT_WGRAD_MODES:
-        raise ConfigError(f"{blockwise.EXPERT_WGRAD_ENV}={wgrad!r} must be " + " or ".join(blockwise.EXPERT_WGRAD_MODES))
     if config.model.dense_backend == "te":
         reason = te_backend.unavailable_reason()
         if reason:

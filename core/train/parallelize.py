@@ -133,7 +133,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     if precision == "fp8":  # the experts' GEMMs, and with the torch backend the dense ones
         if torchao:
             torchao_fp8.apply_torchao_fp8(model, t.fp8_recipe, emulate=device.type != "cuda")
-        apply_fp8(model, dense=config.model.dense_backend == "torch" and not torchao)
+        apply_fp8(model, expert_wgrad=t.fp8_expert_wgrad, dense=config.model.dense_backend == "torch" and not torchao)
     stage = None
     chunks = [model]
     if mesh.pp > 1:
@@ -178,9 +178,11 @@ def _cache_fp8_weights(model: nn.Module, dp, config: Config) -> None:
         dp.on_new_weights.append(te_backend.WEIGHTS.bump)
 
 
-def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = True) -> dict[str, str]:
+def apply_fp8(model: nn.Module, expert_wgrad: str = "fp8", dense: bool = True) -> dict[str, str]:
     """Switch the GEMMs of `model.layers` to FP8 in place; returns {module name: "fp8" | "bf16"}.
-    `dense=False`: the experts only (the linear layers run Transformer Engine's recipe).
+    `expert_wgrad`: the experts' weight-gradient GEMM, "fp8" or "bf16" (train.fp8_expert_wgrad).
+    `dense=False`: the experts only (the linear layers run torchao's or Transformer Engine's
+    recipe).
 
     Touches the blocks' linear layers (`nn.Linear` -> `Fp8Linear`; tensor-parallel layers get
     `matmul = fp8_linear`) and `GroupedExperts.mm`; everything outside the blocks (embedding,
@@ -191,11 +193,7 @@ def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = T
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
         raise ValueError(f"apply_fp8 needs a core.train.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
-    mode = expert_wgrad or os.environ.get(blockwise.EXPERT_WGRAD_ENV) or "fp8"
-    if mode not in blockwise.EXPERT_WGRAD_MODES:
-        where = "expert_wgrad" if expert_wgrad else blockwise.EXPERT_WGRAD_ENV
-        raise ValueError(f"{where}={mode!r} must be one of {blockwise.EXPERT_WGRAD_MODES}")
-    grouped = blockwise.Fp8GroupedMM(mode)
+    grouped = blockwise.Fp8GroupedMM(expert_wgrad)  # checks expert_wgrad
     plan: dict[str, str] = {}
     kept: list[str] = []
     for layer_name, block in layers.items():
@@ -231,5 +229,6 @@ def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = T
         log.warning("fp8: %d of %d block GEMM layers keep bf16 (local feature sizes not multiples of %d): %s",
                     len(kept), len(plan), blockwise.BLOCK, ", ".join(kept))
     experts = any(isinstance(m, GroupedExperts) for m in layers.modules())
-    log.info("fp8: %d block GEMM layers in FP8%s", len(plan) - len(kept), f" (expert wgrad {mode})" if experts else "")
+    log.info("fp8: %d block GEMM layers in FP8%s", len(plan) - len(kept),
+             f" (expert wgrad {expert_wgrad})" if experts else "")
     return plan
