@@ -295,6 +295,9 @@ def test_folders_the_run_would_write(tmp_path, dataset):
 def test_fp8_expert_wgrad_setting(tmp_path, dataset):
     assert_one_line(train(tmp_path, dataset, "train.precision=fp8", "train.fp8_expert_wgrad=int4"),
                     "train.fp8_expert_wgrad='int4'", "'fp8' or 'bf16'")
+    # An FP8-only choice without FP8 training would change nothing: refused, not ignored.
+    assert_one_line(train(tmp_path, dataset, "train.precision=bf16", "train.fp8_expert_wgrad=bf16"),
+                    "train.fp8_expert_wgrad='bf16' applies to train.precision='fp8' only")
     assert not (tmp_path / "run").exists()
 
 

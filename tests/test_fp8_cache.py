@@ -14,6 +14,7 @@ import torch
 
 from bench.fp8_training import packed
 from core.config import Config, ModelConfig, MoEConfig
+from core.precision.plan import resolve_precision_plan
 from core.precision.weight_cache import WEIGHT_CACHE, Fp8WeightCache
 from core.train.data import StepInputs
 from core.kernels import fp8 as kfp8
@@ -108,7 +109,10 @@ def test_one_micro_batch_per_step_does_not_cache():
     config = Config(model=cfg)
     config.train.precision, config.parallel.dp = "fp8", 1
     config.train.micro_batch_size = config.train.global_batch_size = 2
-    parallelize(build_model(cfg, seed=0), ParallelMesh.build(device_type="cpu"), config, torch.device("cpu"), "fp8")
+    cpu = torch.device("cpu")
+    plan = resolve_precision_plan(config, cpu)
+    assert not plan.weight_cache
+    parallelize(build_model(cfg, seed=0), ParallelMesh.build(device_type="cpu"), config, cpu, plan)
     assert not WEIGHT_CACHE.enabled
 
 

@@ -236,10 +236,10 @@ def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool, norm_fu
         raise ValueError(f"apply_te needs a core.train.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
     te, _ = _te()
     recipe = build_recipe(fp8_recipe)
-    plan: dict[str, str] = {}
+    runs: dict[str, str] = {}
     for layer_name, block in layers.items():
         joined = _fuse_norms(block, te, recipe, fuse_wgrad) if norm_fusion else []
-        plan.update({f"layers.{layer_name}.{name}": "te-fused" for name in joined})
+        runs.update({f"layers.{layer_name}.{name}": "te-fused" for name in joined})
         for name, module in list(block.named_modules()):
             full = f"layers.{layer_name}.{name}"
             if name in joined:
@@ -255,13 +255,13 @@ def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool, norm_fu
                     module.matmul = TeMatmul(module.weight, recipe, fuse_wgrad)
             else:
                 continue
-            plan[full] = "te" if ok else "torch"
+            runs[full] = "te" if ok else "torch"
     if recipe is not None:
         forward_in_autocast(model, recipe)
-    kept = [name for name, how in plan.items() if how == "torch"]
+    kept = [name for name, how in runs.items() if how == "torch"]
     if kept:
         log.warning("te: %d of %d block linear layers keep torch GEMMs (FP8 needs feature sizes in multiples of %d): %s",
-                    len(kept), len(plan), FP8_ALIGN, ", ".join(kept))
+                    len(kept), len(runs), FP8_ALIGN, ", ".join(kept))
     log.info("te: %d block linear layers on Transformer Engine (%s), %d of them in fused norm modules",
-             len(plan) - len(kept), fp8_recipe or "bf16", sum(how == "te-fused" for how in plan.values()))
-    return plan
+             len(runs) - len(kept), fp8_recipe or "bf16", sum(how == "te-fused" for how in runs.values()))
+    return runs

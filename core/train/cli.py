@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from core.precision import te_backend, torchao_fp8
+from core.precision.plan import resolve_precision_plan
 from core.state.checkpoint import latest_checkpoint
-from core.config import Config, ConfigError, load_config, reference, torchao_fp8, validate
+from core.config import Config, ConfigError, load_config, reference, validate
 from core.train.data import check_data_source
 from core.train.launcher import Rendezvous, interrupted_line, launch_local
 from core.lifecycle import Interrupted, die_with_parent, exit_without_teardown, install_stop_handlers, interrupted_by
@@ -216,19 +217,23 @@ def _report(message: str, first: bool, code: int = 2) -> int:
 
 
 def check_inputs(config: Config) -> None:
-    """What the config names outside itself: the folders it writes, the device, the data (core.train.data.check_data_source) and the weights of
-    checkpoint.init_from (every tensor present with the model's shape, read from the headers)."""
+    """What the config names outside itself: the folders it writes, the device, the libraries
+    of its precision plan (Transformer Engine, torchao), the data (core.train.data.check_data_source)
+    and the weights of checkpoint.init_from (every tensor present with the model's shape, read
+    from the headers)."""
     _check_folder("train.run_dir", config.train.run_dir)
     if config.checkpoint.dir:
         _check_folder("checkpoint.dir", config.checkpoint.dir)
     if config.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA GPU is visible here; use train.device=auto or cpu")
-    if config.model.dense_backend == "te":
+    gpu = config.train.device != "cpu" and torch.cuda.is_available()  # the device the trainer will take
+    plan = resolve_precision_plan(config, torch.device("cuda" if gpu else "cpu"))
+    if plan.linears == "te":
         reason = te_backend.unavailable_reason()
         if reason:
             raise ConfigError(f"model.dense_backend='te' needs Transformer Engine on a GPU, but {reason}; "
                               "use model.dense_backend='torch'")
-    reason = torchao_fp8.unavailable_reason() if torchao_fp8(config) else None
+    reason = torchao_fp8.unavailable_reason() if plan.linears == "torchao" else None
     if reason:
         raise ConfigError(f"train.fp8_recipe={config.train.fp8_recipe!r} needs torchao, but {reason}; "
                           "or use train.fp8_recipe=blockwise")

@@ -4,8 +4,10 @@
     -> data (+ZeRO-1)
 
 Each step is a function of its own module that rewrites the plain model in place; this
-module only fixes their order and hands the Trainer what it needs. It sits above both
-`core` and `moe`: the only place besides the model assembly that knows both.
+module only fixes their order and hands the Trainer what it needs. Which kernel runs each
+GEMM comes from the run's `PrecisionPlan` (core.precision.plan), resolved once from the
+config. It sits above both `core` and `moe`: the only place besides the model assembly that
+knows both.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 from torch import nn
 
 from core.precision import blockwise, te_backend, torchao_fp8
-from core.config import Config, ConfigError, grad_accum_steps, recompute_set, torchao_fp8
+from core.config import Config, ConfigError, recompute_set
+from core.precision.plan import PrecisionPlan
 from core.precision.weight_cache import WEIGHT_CACHE
 from core.mesh import ParallelMesh
 from core.train.optim import build_optimizer, clip_grad_norm_
@@ -115,25 +118,25 @@ def _after_grad_sync(model: nn.Module, mesh: ParallelMesh) -> None:
         update_expert_bias(model, mesh)
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: torch.device, precision: str,
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: torch.device, plan: PrecisionPlan,
                 exchange_timer: ExchangeTimer | None = None):
-    """Apply every configured parallelism; returns (model, optimizer, scheduler, grads).
-    `exchange_timer`: the run's timer of the MoE token all-to-alls."""
+    """Apply every configured parallelism and the precision `plan`; returns (model, optimizer,
+    scheduler, grads). `exchange_timer`: the run's timer of the MoE token all-to-alls."""
     p, t = config.parallel, config.train
+    log.info("precision plan: %s", plan.describe())
     if mesh.tp > 1:
         apply_tp(model, mesh, sequence_parallel=p.sequence_parallel)
     if config.model.moe.num_experts:
         apply_ep(model, mesh, etp=p.etp, sequence_parallel=p.sequence_parallel, exchange_timer=exchange_timer)
     if mesh.cp > 1:
         apply_cp(model, mesh)
-    if config.model.dense_backend == "te":  # after TP/EP: it reads the local shards' shapes
-        te_backend.apply_te(model, t.fp8_recipe if precision == "fp8" else None, fuse_wgrad=p.gradient_accumulation_fusion,
-                            norm_fusion=config.model.te_norm_fusion)
-    torchao = precision == "fp8" and torchao_fp8(config)
-    if precision == "fp8":  # the experts' GEMMs, and with the torch backend the dense ones
-        if torchao:
-            torchao_fp8.apply_torchao_fp8(model, t.fp8_recipe, emulate=device.type != "cuda")
-        apply_fp8(model, expert_wgrad=t.fp8_expert_wgrad, dense=config.model.dense_backend == "torch" and not torchao)
+    if plan.linears == "te":  # after TP/EP: it reads the local shards' shapes
+        te_backend.apply_te(model, plan.linear_recipe, fuse_wgrad=p.gradient_accumulation_fusion,
+                            norm_fusion=plan.te_norm_fusion)
+    if plan.linears == "torchao":
+        torchao_fp8.apply_torchao_fp8(model, plan.linear_recipe, emulate=device.type != "cuda")
+    if plan.experts == "blockwise" or plan.linears == "blockwise":
+        apply_fp8(model, expert_wgrad=plan.expert_wgrad, dense=plan.linears == "blockwise")
     stage = None
     chunks = [model]
     if mesh.pp > 1:
@@ -145,35 +148,34 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
                         num_layers=t.recompute_num_layers)
     model.to(device)
     if t.compile:
-        compile_blocks(chunks, cuda_graphs=t.cuda_graphs, fp8_casts=torchao and t.fp8_recipe == "tensorwise",
+        compile_blocks(chunks, cuda_graphs=t.cuda_graphs,
+                       fp8_casts=plan.linears == "torchao" and plan.linear_recipe == "tensorwise",
                        one_graph_per_break="norms" in recompute_set(t))
-    param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
-    if precision == "bf16" and p.gradient_accumulation_fusion:
+    if plan.precision == "bf16" and p.gradient_accumulation_fusion:
         fuse_weight_grads(chunks)
     if p.gradient_accumulation_fusion:
         fuse_embedding_grad(chunks)
-    if p.split_master_weights and param_dtype != torch.bfloat16:
+    if p.split_master_weights and plan.param_dtype != torch.bfloat16:
         raise ConfigError(f"parallel.split_master_weights keeps fp32 masters as bf16 weights plus their low halves: "
-                          f"it needs train.precision bf16 or fp8, not {precision}")
+                          f"it needs train.precision bf16 or fp8, not {plan.precision}")
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
-                             param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion,
+                             param_dtype=plan.param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion,
                              split_masters=p.split_master_weights)
-    if precision == "fp8":
-        _cache_fp8_weights(model, dp, config)
+    if plan.fp8:
+        _cache_fp8_weights(model, dp, plan)
     optimizer, scheduler = build_optimizer(dp, t)
     return model, optimizer, scheduler, GradControl(dp, mesh, model, pipeline=stage)
 
 
-def _cache_fp8_weights(model: nn.Module, dp, config: Config) -> None:
-    """Quantise each FP8 weight once per step when a step runs several micro-batches (with one,
-    the forward and dgrad layouts are never reused and the cache would only cost memory)."""
-    if config.train.fp8_weight_cache and grad_accum_steps(config) > 1:
+def _cache_fp8_weights(model: nn.Module, dp, plan: PrecisionPlan) -> None:
+    """Quantise each FP8 weight once per step where the plan keeps them (several micro-batches)."""
+    if plan.weight_cache:
         WEIGHT_CACHE.track(p for p in model.parameters() if p.requires_grad)
         dp.on_new_weights.append(WEIGHT_CACHE.clear)
     else:
         WEIGHT_CACHE.track([])
     # Transformer Engine's linears keep their own FP8 weights from a step's first micro-batch.
-    te_backend.WEIGHTS.enabled = WEIGHT_CACHE.enabled and config.model.dense_backend == "te"
+    te_backend.WEIGHTS.enabled = WEIGHT_CACHE.enabled and plan.linears == "te"
     if te_backend.WEIGHTS.enabled:
         dp.on_new_weights.append(te_backend.WEIGHTS.bump)
 
@@ -194,7 +196,7 @@ def apply_fp8(model: nn.Module, expert_wgrad: str = "fp8", dense: bool = True) -
     if not isinstance(layers, nn.ModuleDict):
         raise ValueError(f"apply_fp8 needs a core.train.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
     grouped = blockwise.Fp8GroupedMM(expert_wgrad)  # checks expert_wgrad
-    plan: dict[str, str] = {}
+    runs: dict[str, str] = {}
     kept: list[str] = []
     for layer_name, block in layers.items():
         for name, module in list(block.named_modules()):
@@ -222,13 +224,13 @@ def apply_fp8(model: nn.Module, expert_wgrad: str = "fp8", dense: bool = True) -
                     module.mm = grouped
             else:
                 continue
-            plan[full] = "fp8" if ok else "bf16"
+            runs[full] = "fp8" if ok else "bf16"
             if not ok:
                 kept.append(f"{full} {shape}")
     if kept:
         log.warning("fp8: %d of %d block GEMM layers keep bf16 (local feature sizes not multiples of %d): %s",
-                    len(kept), len(plan), blockwise.BLOCK, ", ".join(kept))
+                    len(kept), len(runs), blockwise.BLOCK, ", ".join(kept))
     experts = any(isinstance(m, GroupedExperts) for m in layers.modules())
-    log.info("fp8: %d block GEMM layers in FP8%s", len(plan) - len(kept),
+    log.info("fp8: %d block GEMM layers in FP8%s", len(runs) - len(kept),
              f" (expert wgrad {expert_wgrad})" if experts else "")
-    return plan
+    return runs

@@ -44,6 +44,7 @@ from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
 from core.train.model import build_model, count_params
 from core.parallel.context import shard_for_cp
 from core.parallel.pipeline import run_pipeline_step
+from core.precision.plan import resolve_precision_plan
 from core.train.parallelize import parallelize
 from core.state.pretrained import load_weights
 from core.watchdog import Watchdog
@@ -73,8 +74,8 @@ class StepResult:
 
 
 class Trainer:
-    """Owns a run's mesh, model, optimizer, data stream and step counter, and what the run
-    measures (the MoE exchange timer)."""
+    """Owns a run's mesh, precision plan, model, optimizer, data stream and step counter, and
+    what the run measures (the MoE exchange timer)."""
 
     def __init__(self, config: Config):
         self.config = config
@@ -89,12 +90,13 @@ class Trainer:
         _, embedding_params, active_params = count_params(model)
         # The step's plan comes from the data service; the sub-groups are built once, here.
         self.dynamic = DynamicCP.build(config, self.mesh, model) if p.dynamic_cp else None
-        self.precision = resolve_precision(config, self.device)
+        self.plan = resolve_precision_plan(config, self.device)
+        self.precision = self.plan.precision
         # The share of a step expert parallelism spends in the token all-to-alls (metrics).
         timed = bool(config.model.moe.num_experts) and p.ep > 1 and config.model.moe.dispatcher == "alltoall"
         self.exchange_timer = ExchangeTimer() if timed else None
         self.model, self.optimizer, self.scheduler, self.grads = parallelize(model, self.mesh, config, self.device,
-                                                                             self.precision, self.exchange_timer)
+                                                                             self.plan, self.exchange_timer)
         self.accum = grad_accum_steps(config)
         self._shard = _context_sharder(config, self.mesh)
         if config.model.moe.num_experts:
@@ -506,13 +508,6 @@ def train(config: Config, resume: bool = False) -> list[dict]:
         trainer.close()
         raise
     return trainer.run()
-
-
-def resolve_precision(config: Config, device: torch.device) -> str:
-    precision = config.train.precision
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    return precision
 
 
 def position_buckets(seq_len: int) -> list[int]:
