@@ -83,12 +83,18 @@ def test_parallelize_builds_what_the_plan_says(wgrad):
     model, grads = _parallelized(_config(accum=2, wgrad=wgrad))
     experts = model.layers["1"].feed_forward.experts
     assert isinstance(experts.mm, blockwise.Fp8GroupedMM) and experts.mm.expert_wgrad == wgrad
-    assert isinstance(model.layers["0"].attention.wq, blockwise.Fp8Linear)
+    linear = model.layers["0"].attention.wq
+    assert isinstance(linear, blockwise.Fp8Linear)
+    # Every FP8 layer of the model quantises through the model's one cache, the one the step clears.
+    assert grads.weight_cache is not None and linear.weight_cache is grads.weight_cache
+    assert experts.mm.cache is grads.weight_cache and grads.weight_cache.clear in grads.dp.on_new_weights
+    _, other_grads = _parallelized(_config(accum=2))
+    assert other_grads.weight_cache is not grads.weight_cache
 
 
 def test_a_bf16_plan_leaves_the_gemms_alone():
     model, grads = _parallelized(_config(precision="bf16"))
-    assert type(model.layers["0"].attention.wq) is nn.Linear
+    assert type(model.layers["0"].attention.wq) is nn.Linear and grads.weight_cache is None
     assert not isinstance(model.layers["1"].feed_forward.experts.mm, blockwise.Fp8GroupedMM)
 
 
