@@ -4,11 +4,14 @@
 `train.fp8_expert_wgrad`, `train.fp8_weight_cache` and `model.dense_backend` /
 `model.te_norm_fusion` once, at start; the parallelize steps read the plan, not the config:
 
-| kind of layer        | backend                                                             |
-|----------------------|---------------------------------------------------------------------|
-| block linear layers  | "torch" (F.linear in the parameters' dtype), "blockwise" (Tessera's FP8, core.precision.blockwise), "torchao" (Float8Linear, core.precision.torchao_fp8) or "te" (Transformer Engine, core.precision.te_backend) |
-| routed experts       | "torch" (the bf16 grouped kernels of core.kernels) or "blockwise"    |
-| output head, embedding, norms, router, attention core | "torch": never FP8 (docs/fp8.md says why)  |
+| kind of layer       | backends                                                             |
+|---------------------|----------------------------------------------------------------------|
+| block linear layers | "torch" (F.linear in the parameters' dtype), "blockwise" (Tessera's  |
+|                     | FP8, core.precision.blockwise), "torchao" (core.precision.torchao_fp8)|
+|                     | or "te" (Transformer Engine, core.precision.te_backend)              |
+| routed experts      | "torch" (core.kernels' bf16 grouped GEMM) or "blockwise"             |
+| output head         | "torch", as the embedding, norms, router and attention core: never  |
+|                     | FP8 (docs/fp8.md says why)                                           |
 
 What a run builds from the plan and owns (the weight cache, TE's step counter) lives in the
 run's objects (core.train.parallelize), not here: the plan is a value, the same for every
