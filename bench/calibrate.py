@@ -40,7 +40,7 @@ from core.precision.blockwise import fp8_linear
 from core.layers import AttentionMeta, rotary_tables
 from core.train.model import build_model
 from core.planner.calibration import COLLECTIVES, Calibration, CalibrationError
-from moe.experts import grouped_mm
+from moe.experts import expert_mm
 from moe.layer import set_moe_sequences
 
 MiB = 1 << 20
@@ -138,7 +138,7 @@ def measure_grouped(cal: Calibration, log, setup: Setup) -> float:
     x = torch.randn(rows, k, device=setup.device, dtype=torch.bfloat16)
     w = torch.randn(experts, k, n, device=setup.device, dtype=torch.bfloat16)
     offsets = torch.arange(1, experts + 1, device=setup.device, dtype=torch.int32) * (rows // experts)
-    ms = _median_ms(lambda: grouped_mm(x, w, offsets), device=setup.device)
+    ms = _median_ms(lambda: expert_mm(x, w, offsets), device=setup.device)
     efficiency = cal.grouped_gemm_s(rows, experts, n, k) * cal.grouped_efficiency / (ms * 1e-3)
     log(f"grouped gemm E={experts} rows={rows} {k}->{n}: {2 * rows * k * n / ms / 1e9:.0f} TFLOP/s, "
         f"{efficiency:.2f} of dense per-expert GEMMs")

@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
 import tempfile
 
@@ -38,7 +37,6 @@ from torch.profiler import ProfilerActivity, profile
 from bench.harness import Timing, emit, time_call
 from core.config import Config, ModelConfig, MoEConfig
 from core.train.data import StepInputs
-from core.precision.blockwise import EXPERT_WGRAD_ENV
 from core.layers import AttentionMeta
 from core.train.loss import cross_entropy_sum
 from core.train.trainer import Trainer
@@ -129,11 +127,14 @@ def _last_step_profiler(active: bool, device: torch.device):
 
 
 def run_config(cfg: ModelConfig, precision: str, steps: int, batch: int, seq: int, device: torch.device,
-               lr: float, warmup: int, seed: int, compile_model: bool) -> Config:
-    """The trainer's settings of one run: one micro-batch of `batch` rows per step on one rank."""
+               lr: float, warmup: int, seed: int, compile_model: bool, expert_wgrad: str = "fp8") -> Config:
+    """The trainer's settings of one run: one micro-batch of `batch` rows per step on one rank;
+    `expert_wgrad`: train.fp8_expert_wgrad of an FP8 run."""
     config = Config(model=cfg)
     t = config.train
     t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.precision = lr, lr / 10, warmup, steps, precision
+    if precision == "fp8":
+        t.fp8_expert_wgrad = expert_wgrad
     t.compile, t.seed, t.seq_len, t.device = compile_model, seed, seq, device.type
     t.micro_batch_size = t.global_batch_size = batch
     return config
@@ -141,11 +142,13 @@ def run_config(cfg: ModelConfig, precision: str, steps: int, batch: int, seq: in
 
 def train_run(cfg: ModelConfig, precision: str, data: TokenData, steps: int, batch: int, seq: int,
               device: torch.device, lr: float = 3e-3, warmup: int = 20, seed: int = 0, eval_rows: int = 16,
-              log_every: int = 0, compile_model: bool = False, profile: bool = False) -> RunResult:
+              log_every: int = 0, compile_model: bool = False, profile: bool = False,
+              expert_wgrad: str = "fp8") -> RunResult:
     """Train a fresh model (`build_model(cfg, seed)`) for `steps` steps of the trainer; the batches
     depend only on `seed`."""
     torch._dynamo.reset()  # each run compiles afresh: no shapes marked dynamic by an earlier run
-    trainer = Trainer(run_config(cfg, precision, steps, batch, seq, device, lr, warmup, seed, compile_model))
+    trainer = Trainer(run_config(cfg, precision, steps, batch, seq, device, lr, warmup, seed, compile_model,
+                                 expert_wgrad))
     gen = torch.Generator().manual_seed(seed)
     losses, times, done = [], [], []
     for step in range(steps):
@@ -187,17 +190,9 @@ def compare(name: str, cfg: ModelConfig, data: TokenData, args, device: torch.de
     eval_rows = -(-max(16, 4096 // args.seq) // args.batch) * args.batch  # whole training-sized batches
     runs = {}
     for label, precision, wgrad in variants:
-        previous = os.environ.get(EXPERT_WGRAD_ENV)
-        if wgrad:
-            os.environ[EXPERT_WGRAD_ENV] = wgrad
-        try:
-            runs[label] = train_run(cfg, precision, data, args.steps, args.batch, args.seq, device, lr=args.lr,
-                                    warmup=args.warmup, seed=args.seed, eval_rows=eval_rows, log_every=args.log_every,
-                                    compile_model=args.compile, profile=args.profile)
-        finally:
-            os.environ.pop(EXPERT_WGRAD_ENV, None)
-            if previous is not None:
-                os.environ[EXPERT_WGRAD_ENV] = previous
+        runs[label] = train_run(cfg, precision, data, args.steps, args.batch, args.seq, device, lr=args.lr,
+                                warmup=args.warmup, seed=args.seed, eval_rows=eval_rows, log_every=args.log_every,
+                                compile_model=args.compile, profile=args.profile, expert_wgrad=wgrad or "fp8")
     out = {"model": name, "steps": args.steps, "eval_tokens": eval_rows * args.seq}
     b = runs.get("bf16")
     for label, r in runs.items():

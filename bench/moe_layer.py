@@ -8,12 +8,12 @@ Layer mode (one GPU; `--tiny` runs small shapes on CPU as a smoke test):
 
 For each shape (E experts, top-k, R routed rows = tokens x k, dim -> expert hidden) it times
 forward+backward of, in --iters interleaved rounds (bench.harness):
-  layer   MoELayer (router, permute, grouped GEMMs through moe.experts.grouped_mm, combine)
+  layer   MoELayer (router, permute, grouped GEMMs through moe.experts.expert_mm, combine)
   gemm    the experts alone on pre-grouped rows (where the layer's time goes): the gate and up
           GEMM (one, on the fused [E, dim, 2F] weight), SwiGLU and the down GEMM
   gemmT   the same GEMMs through torch._grouped_mm and its autograd (CUDA bf16 only): the
           per-shape choice between Tessera's CUTLASS kernels and PyTorch's
-  loop    the same layer with a per-expert Python loop of matmuls instead of grouped_mm
+  loop    the same layer with a per-expert Python loop of matmuls instead of expert_mm
   dense   a SwiGLU MLP of hidden k x F on the R/k tokens: equal active FLOPs
   layer+acc, dense+acc  the same as a later micro-batch of an accumulating step runs them: the
           weight gradients added into fp32 main grads (the experts' in the grouped GEMM's
@@ -66,7 +66,7 @@ from core.layers import FeedForward
 from core.mesh import ParallelMesh, init_distributed
 from core.parallel.data import MainGradSink
 from moe.dispatcher import build_dispatcher
-from moe.experts import GroupedExperts, _native_reason, grouped_mm_loop
+from moe.experts import GroupedExperts, _native_reason, expert_mm_loop
 from moe.layer import MoELayer
 from moe.router import Routing
 from moe.parallel import apply_ep
@@ -209,7 +209,7 @@ def bench_layer(name: str, shape, iters: int, device, dtype, profile: bool = Fal
             layer.experts.mm = torch_grouped_mm
             layer.experts(rows, counts).backward(rows_grad)
         steps["gemmT"] = gemm_torch_step
-    steps.update({"loop": lambda: layer_step(grouped_mm_loop), "dense": lambda: run_dense(x).backward(grad)})
+    steps.update({"loop": lambda: layer_step(expert_mm_loop), "dense": lambda: run_dense(x).backward(grad)})
     # Each round is one micro-batch's forward + backward that writes its gradients, as the
     # trainer's first micro-batch does: left in .grad, every round after the first would add a
     # bf16 read-modify-write of every weight gradient (aten::add_, 26% of the E=128 layer's GPU

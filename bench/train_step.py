@@ -42,7 +42,6 @@ from bench.gpu_idle import summarise
 from bench.harness import Timing, compare, emit, ratio
 from core.config import FP8_RECIPES, Config, ModelConfig, load_config
 from core.train.data import StepInputs
-from core.precision.weight_cache import WEIGHT_CACHE
 from core.layers import AttentionMeta
 from core.metrics import PEAK_FLOPS, flops_per_token
 from core.train.model import build_model, count_params
@@ -100,6 +99,7 @@ class Side:
     model: torch.nn.Module
     flops_per_token: float
     peak_mem_gib: float
+    weight_cache: object = None  # tessera's FP8 weight cache, when its precision plan keeps one
 
 
 def baseline_side(cfg: ModelConfig, batch: StepInputs, compile_model: bool, accum: int, seq: int):
@@ -159,7 +159,7 @@ def tessera_side(cfg: ModelConfig, batch: StepInputs, args):
         waiting[:] = [result, start]
         return record
 
-    return step, trainer.model, trainer.flops_per_token
+    return step, trainer.model, trainer.flops_per_token, trainer.grads.weight_cache
 
 
 def build_side(name: str, cfg: ModelConfig, batch: StepInputs, args) -> Side:
@@ -170,14 +170,15 @@ def build_side(name: str, cfg: ModelConfig, batch: StepInputs, args) -> Side:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if cuda else 0
+    cache = None
     if name == "baseline":
         step, model, fpt = baseline_side(cfg, batch, args.compile_baseline, args.accum, args.seq)
     else:
-        step, model, fpt = tessera_side(cfg, batch, args)
+        step, model, fpt, cache = tessera_side(cfg, batch, args)
     for _ in range(args.warmup):
         step()
     peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else 0.0
-    return Side(step, model, fpt, peak)
+    return Side(step, model, fpt, peak, cache)
 
 
 def print_profile(step_fn, rows: int = 25, trace: str | None = None) -> None:
@@ -206,7 +207,9 @@ def side_figures(side: Side, t: Timing, tokens: int, name: str, args) -> dict:
         "active_params": active,
     }
     if name == "tessera" and args.precision == "fp8":
-        figures["fp8_weight_cache"] = dict(WEIGHT_CACHE.stats, enabled=WEIGHT_CACHE.enabled)
+        cache = side.weight_cache
+        figures["fp8_weight_cache"] = dict(cache.stats, enabled=cache.enabled) if cache is not None else \
+            {"hits": 0, "misses": 0, "enabled": False}
     return figures
 
 

@@ -68,7 +68,7 @@ def _reference_varlen(q, k, v, cu_seqlens: torch.Tensor, scale: float | None) ->
     return out
 
 
-_VARLEN_PARAMS: set[str] | None = None
+_VARLEN_PARAMS: set[str] | None = None  # the installed torch's varlen_attn signature, read once per process
 
 
 def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None) -> torch.Tensor:

@@ -226,6 +226,8 @@ class TrainConfig:
     """fp8 dense GEMMs' scaling: blockwise; tensorwise or rowwise via torchao (torch backend); te: blockwise, tensorwise, delayed."""
     fp8_weight_cache: bool = True
     """fp8: quantise each weight once per optimizer step, not per micro-batch (core/precision/weight_cache.py)."""
+    fp8_expert_wgrad: Literal["fp8", "bf16"] = "fp8"
+    """fp8: the routed experts' weight-gradient GEMM, K-grouped blockwise FP8 (fp8) or the bf16 grouped kernel (bf16)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in the backward: none, selective (attention core) or full (whole blocks)."""
     recompute_modules: list[str] = field(default_factory=list)

@@ -187,6 +187,9 @@ def _check_dense_backend(config: Config) -> None:
     if t.fp8_recipe != "blockwise" and t.precision != "fp8":
         raise ConfigError(f"train.fp8_recipe={t.fp8_recipe!r} applies to train.precision='fp8' only "
                           f"(now {t.precision!r}); set both or leave fp8_recipe at 'blockwise'")
+    if t.fp8_expert_wgrad != "fp8" and t.precision != "fp8":
+        raise ConfigError(f"train.fp8_expert_wgrad={t.fp8_expert_wgrad!r} applies to train.precision='fp8' only "
+                          f"(now {t.precision!r}); set both or leave fp8_expert_wgrad at 'fp8'")
     if t.fp8_recipe == "delayed" and backend != "te":
         raise ConfigError("train.fp8_recipe='delayed' runs through Transformer Engine: set model.dense_backend='te', "
                           "or use blockwise, tensorwise or rowwise with the torch backend")

@@ -2,7 +2,8 @@
 
 Forward sends rows [sum(in_splits[:j]), +in_splits[j]) of x to rank j of the group and
 receives out_splits[i] rows from rank i; backward is the same exchange with the split lists
-swapped. Split sizes are Python ints: NCCL and gloo need them on the host.
+swapped. Split sizes are Python ints: NCCL and gloo need them on the host. A run that times
+its exchanges (`ExchangeTimer`) hands its timer to the dispatchers, which pass it here.
 """
 
 from __future__ import annotations
@@ -17,17 +18,16 @@ class ExchangeTimer:
     """Time spent in the token all-to-alls (dispatch and combine, forward and backward): the
     share of a step that expert parallelism spends on the network, waiting for peers included.
     On GPU, CUDA events around each collective on its stream (no host sync when recording; read
-    at `pop_seconds`, after the step); on CPU (gloo, blocking) the host clock. Off unless the
-    training loop turns it on, so nothing piles up for code that never pops."""
+    at `pop_seconds`, after the step); on CPU (gloo, blocking) the host clock. One per run that
+    reads the times (the trainer, under expert parallelism), so nothing piles up for code that
+    never pops."""
 
     def __init__(self):
-        self.enabled = False
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._host_seconds = 0.0
 
     def run(self, x: torch.Tensor, exchange):
-        if not self.enabled:
-            return exchange()
+        """exchange(), timed."""
         if x.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -60,36 +60,42 @@ class ExchangeTimer:
         return self.seconds(self.take())
 
 
-EXCHANGE_TIMER = ExchangeTimer()
-
-
-def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+              timer: ExchangeTimer | None) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    EXCHANGE_TIMER.run(x, lambda: dist.all_to_all_single(out, x, output_split_sizes=out_splits,
-                                                         input_split_sizes=in_splits, group=group))
+
+    def exchange():
+        return dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+
+    if timer is not None:
+        timer.run(x, exchange)
+    else:
+        exchange()
     return out
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange(x, out_splits, in_splits, group)
+    def forward(ctx, x, out_splits, in_splits, group, timer):
+        ctx.splits, ctx.group, ctx.timer = (out_splits, in_splits), group, timer
+        return _exchange(x, out_splits, in_splits, group, timer)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+        return _exchange(grad, in_splits, out_splits, ctx.group, ctx.timer), None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """Uneven all-to-all of rows of x (see module doc); identity without a group."""
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+               timer: ExchangeTimer | None = None) -> torch.Tensor:
+    """Uneven all-to-all of rows of x (see module doc), forward and backward timed by `timer`
+    when given; identity without a group."""
     if group is None or dist.get_world_size(group) == 1:
         return x
     if len(out_splits) != dist.get_world_size(group) or len(in_splits) != len(out_splits):
         raise ValueError(f"all_to_all: {len(in_splits)}/{len(out_splits)} splits for a group of {dist.get_world_size(group)}")
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+    return _AllToAll.apply(x, out_splits, in_splits, group, timer)
 
 
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from core.kernels.fused import gather_weighted_sum, inverse_of, permute_rows, triton_enabled, unpermute_sum
 from core.parallel.comm import all_gather_dim0, all_gather_tokens, reduce_scatter_tokens
-from moe.comm import all_to_all, exchange_counts
+from moe.comm import ExchangeTimer, all_to_all, exchange_counts
 from moe.router import Routing, expert_counts
 
 
@@ -256,12 +256,17 @@ class _Dispatcher:
     The combine's backward then copies each token's gradient to its rows, where weighing in the
     combine also reads every expert output row for the weights' gradient, and keeps those rows
     for it. The all-to-all dispatcher over several ranks sends the weights with their rows (one
-    more all-to-all of 4 bytes per row; its backward returns their gradients)."""
+    more all-to-all of 4 bytes per row; its backward returns their gradients).
 
-    def __init__(self, num_experts: int, group=None, weigh_in_experts: bool = True):
+    timer: the run's `moe.comm.ExchangeTimer`, which times the all-to-all dispatcher's token
+    exchanges (None: untimed)."""
+
+    def __init__(self, num_experts: int, group=None, weigh_in_experts: bool = True,
+                 timer: ExchangeTimer | None = None):
         self.num_experts = num_experts
         self.group = group
         self.weigh_in_experts = weigh_in_experts
+        self.timer = timer
         self.ep, self.ep_rank = _group_info(group)
         if num_experts % self.ep:
             raise ValueError(f"ep={self.ep} must divide num_experts={num_experts}")
@@ -310,8 +315,9 @@ class AllToAllDispatcher(_Dispatcher):
         sizes = torch.cat([send.sum(1), recv.sum(1)]).tolist()
         handle.in_splits, handle.out_splits, handle.received_counts = sizes[: self.ep], sizes[self.ep:], recv
         if handle.row_weights is not None:
-            handle.row_weights = all_to_all(handle.row_weights, handle.out_splits, handle.in_splits, self.group)
-        return all_to_all(rows, handle.out_splits, handle.in_splits, self.group)
+            handle.row_weights = all_to_all(handle.row_weights, handle.out_splits, handle.in_splits, self.group,
+                                            self.timer)
+        return all_to_all(rows, handle.out_splits, handle.in_splits, self.group, self.timer)
 
     def dispatch_postprocess(self, rows: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
         """Local: rows arrive ordered (source rank, local expert); make each expert's contiguous."""
@@ -338,7 +344,7 @@ class AllToAllDispatcher(_Dispatcher):
         """Communicating: every row back to the rank of its token."""
         if self.ep == 1:
             return rows
-        return all_to_all(rows, handle.in_splits, handle.out_splits, self.group)
+        return all_to_all(rows, handle.in_splits, handle.out_splits, self.group, self.timer)
 
     def combine_postprocess(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Local: weigh each token's k rows (unless the experts did) and sum them."""
@@ -399,11 +405,12 @@ class AllGatherDispatcher(_Dispatcher):
         return rows[: handle.tokens]  # the padding rows, if any
 
 
-def build_dispatcher(kind: str, num_experts: int, group=None, weigh_in_experts: bool = True):
+def build_dispatcher(kind: str, num_experts: int, group=None, weigh_in_experts: bool = True,
+                     timer: ExchangeTimer | None = None):
     """"alltoall" or "allgather" over `group` (None: this rank holds every expert);
-    weigh_in_experts (what MoELayer runs; False: the combine weighs): see `_Dispatcher`."""
+    weigh_in_experts (what MoELayer runs; False: the combine weighs) and timer: see `_Dispatcher`."""
     if kind == "alltoall":
-        return AllToAllDispatcher(num_experts, group, weigh_in_experts)
+        return AllToAllDispatcher(num_experts, group, weigh_in_experts, timer)
     if kind == "allgather":
-        return AllGatherDispatcher(num_experts, group, weigh_in_experts)
+        return AllGatherDispatcher(num_experts, group, weigh_in_experts, timer)
     raise ValueError(f"dispatcher={kind!r} must be 'alltoall' or 'allgather'")

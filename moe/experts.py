@@ -1,7 +1,8 @@
 """Routed experts: SwiGLU weights stacked per rank [E_local, ...] and one grouped GEMM.
 
-`grouped_mm(x, w, offsets)` is the single entry point for the grouped matrix product, so the
-CUTLASS kernels in csrc/ can replace it in one place:
+`expert_mm(x, w, offsets)` is the experts' single entry point for the grouped matrix product
+(the autocast cast and the main-grad fusion around the kernel), so the CUTLASS kernels in
+csrc/ can replace it in one place:
 
 - CUDA: the `tessera::grouped_mm` custom op of `core.kernels`, with the group offsets a
   device tensor (no host sync; its autograd gives both backward GEMMs): CUTLASS sm_90a kernels
@@ -29,10 +30,9 @@ import logging
 import torch
 from torch import nn
 
-from core import placement
+from core import kernels, placement
 from core.state.layouts import FUSED_DIM, FUSED_TENSORS
 from core.layers import FusedSwiGLU
-from core.kernels import grouped_mm as kernels_grouped_mm
 from core.kernels.grouped_gemm import grouped_mm_wgrad_into_, main_grad_sink
 from core.kernels.library import report_once
 
@@ -55,7 +55,7 @@ def _native_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
     return None
 
 
-def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def expert_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Reference: rows [offsets[g-1], offsets[g]) of x times w[g], one matmul per group."""
     ends = offsets.tolist()
     sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
@@ -71,13 +71,13 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
 
 def _product(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
-        return kernels_grouped_mm(x, w, offsets)
-    report_once(f"moe grouped_mm: per-expert loop fallback (device {x.device.type})", logging.INFO, log)
-    return grouped_mm_loop(x, w, offsets)
+        return kernels.grouped_mm(x, w, offsets)
+    report_once(f"moe expert_mm: per-expert loop fallback (device {x.device.type})", logging.INFO, log)
+    return expert_mm_loop(x, w, offsets)
 
 
 class _GroupedMMIntoMainGrad(torch.autograd.Function):
-    """grouped_mm(x, weight, offsets) whose weight gradient the backward writes into the fp32 main
+    """expert_mm(x, weight, offsets) whose weight gradient the backward writes into the fp32 main
     grad of the weight's parameter through `sink` (its `main_grad_sink`, gradient-accumulation
     fusion set up by core.parallel.data; seen in the weight's shape when the weight is a view of
     the parameter, as w13's is): on the CUTLASS path the wgrad GEMM's epilogue adds to the main
@@ -100,7 +100,7 @@ class _GroupedMMIntoMainGrad(torch.autograd.Function):
         return dx, ctx.sink.stand_in(), None, None, None
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def expert_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [N, K] with rows grouped by expert, w [G, K, M], offsets int32 [G] cumulative group
     ends (offsets[-1] == N) -> [N, M] where rows of group g are multiplied by w[g].
 
@@ -133,7 +133,7 @@ class GroupedExperts(nn.Module):
     expert-data-parallel group ("edp"), not "dp_cp". `moe.parallel.apply_ep` keeps only this
     rank's experts (and with expert tensor parallelism a slice of the hidden size)."""
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, mm=grouped_mm):
+    def __init__(self, num_experts: int, dim: int, hidden: int, mm=expert_mm):
         super().__init__()
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
         self.w13 = nn.Parameter(torch.empty(num_experts, dim, 2, hidden))
@@ -141,7 +141,7 @@ class GroupedExperts(nn.Module):
         for param in (self.w13, self.w2):
             nn.init.normal_(param, 0.0, 0.02)
             placement.tag_expert(param)
-        self.mm = mm  # the bench swaps in grouped_mm_loop as its baseline
+        self.mm = mm  # the bench swaps in expert_mm_loop as its baseline, the FP8 recipe Fp8GroupedMM
         self.act = FusedSwiGLU()
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,

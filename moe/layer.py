@@ -47,7 +47,7 @@ from core.parallel.comm import (
     reduce_scatter_tokens,
     split_tokens,
 )
-from moe.comm import EXCHANGE_TIMER
+from moe.comm import ExchangeTimer
 from moe.dispatcher import build_dispatcher
 from moe.experts import GroupedExperts
 from moe.router import Routing, TopKRouter, balancing_loss_from_stats, balancing_stats, sequence_ids
@@ -311,7 +311,7 @@ def set_moe_sequences(model: nn.Module, cu_seqlens: torch.Tensor | None, num_tok
         layer.cu_seqlens, layer.cu_total = cu_seqlens, num_tokens
 
 
-def moe_metrics(model: nn.Module) -> dict:
+def moe_metrics(model: nn.Module, exchange_timer: ExchangeTimer | None = None) -> dict:
     """Per MoE layer, over the forwards since the last call, on this rank's tokens (no
     collectives, so any rank may call it alone); the training loop merges the dict into
     its metrics record each step:
@@ -323,22 +323,22 @@ def moe_metrics(model: nn.Module) -> dict:
       moe/layer{i}/dropped_frac       fraction of assignments dropped by capacity (0 dropless)
       moe/max_mean_load               worst layer's max_mean_load
       moe/aux_loss_term               sum over layers of aux_coeff*aux_loss + z_coeff*z_loss
-      moe/all_to_all_s                seconds in the token all-to-alls of all layers (when the
-                                      loop has turned moe.comm.EXCHANGE_TIMER on: expert parallelism)
+      moe/all_to_all_s                seconds in the token all-to-alls of all layers (with the
+                                      run's `exchange_timer`, which its dispatchers were built with)
     """
-    taken = take_moe_stats(model)
+    taken = take_moe_stats(model, exchange_timer)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.current_stream().synchronize()  # the copies `take_moe_stats` started
     return summarize_moe_stats(taken)
 
 
-def take_moe_stats(model: nn.Module) -> tuple:
-    """Every MoE layer's raw statistics (and the all-to-all timer's events) since the last call,
+def take_moe_stats(model: nn.Module, exchange_timer: ExchangeTimer | None = None) -> tuple:
+    """Every MoE layer's raw statistics (and `exchange_timer`'s events) since the last call,
     on their way to the host without a sync: a training loop takes them at the end of a step
     and summarises them once that step is done, while the next one already runs."""
     layers = moe_layers(model)
     taken = [(layer.layer_id, layer.moe, layer.take_stats()) for layer in layers]
-    exchange = EXCHANGE_TIMER.take() if EXCHANGE_TIMER.enabled and layers else None
+    exchange = exchange_timer.take() if exchange_timer is not None and layers else None
     return taken, exchange
 
 
@@ -357,7 +357,7 @@ def summarize_moe_stats(taken: tuple) -> dict:
         metrics["moe/max_mean_load"] = worst
         metrics["moe/aux_loss_term"] = term
     if exchange is not None:  # a pipeline stage without MoE layers has none to time
-        metrics["moe/all_to_all_s"] = EXCHANGE_TIMER.seconds(exchange)
+        metrics["moe/all_to_all_s"] = ExchangeTimer.seconds(exchange)
     return metrics
 
 

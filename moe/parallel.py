@@ -35,6 +35,7 @@ from torch import nn
 
 from core import placement
 from core.mesh import ParallelMesh
+from moe.comm import ExchangeTimer
 from moe.dispatcher import build_dispatcher
 from moe.layer import MoELayer, moe_layers
 
@@ -75,11 +76,12 @@ def _shard_layer(layer: MoELayer, name: str, ep: int, ep_rank: int, tp: int, tp_
 
 
 def apply_ep(model: nn.Module, mesh: ParallelMesh, etp: int = 1, sequence_parallel: bool = True,
-             dispatcher: str | None = None) -> nn.Module:
+             dispatcher: str | None = None, exchange_timer: ExchangeTimer | None = None) -> nn.Module:
     """Give every MoE layer of `model` its experts' share and dispatcher (module docstring).
 
     etp: 1 or mesh.size("tp"). sequence_parallel: whether apply_tp runs with SP (the layer
-    then receives its TP shard of the tokens). dispatcher: override of model.moe.dispatcher."""
+    then receives its TP shard of the tokens). dispatcher: override of model.moe.dispatcher.
+    exchange_timer: the run's timer of the dispatchers' token all-to-alls (None: untimed)."""
     ep, tp = mesh.size("ep"), mesh.size("tp")
     if (ep > 1 or tp > 1) and not mesh.distributed:
         raise ValueError(f"ep={ep}, tp={tp} need torch.distributed initialised and a ParallelMesh built on it")
@@ -98,7 +100,8 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh, etp: int = 1, sequence_parall
         if getattr(layer, "_ep_applied", False):
             raise ValueError(f"{name}: apply_ep was applied twice")
         _shard_layer(layer, name, ep, ep_rank, tp, tp_rank, etp)
-        layer.dispatcher = build_dispatcher(dispatcher or layer.moe.dispatcher, layer.moe.num_experts, ep_group)
+        layer.dispatcher = build_dispatcher(dispatcher or layer.moe.dispatcher, layer.moe.num_experts, ep_group,
+                                            timer=exchange_timer)
         if tp > 1:
             layer.tp_mode = "split" if etp == 1 else "sharded"
             layer.tp_group, layer.tp_size, layer.sequence_parallel = tp_group, tp, sequence_parallel

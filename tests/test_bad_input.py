@@ -208,9 +208,13 @@ def test_folders_the_run_would_write(tmp_path, dataset):
     assert not (tmp_path / "run").exists()
 
 
-def test_fp8_setting_of_the_environment(tmp_path, dataset, monkeypatch):
-    monkeypatch.setenv("TESSERA_FP8_EXPERT_WGRAD", "int4")
-    assert_one_line(train(tmp_path, dataset, "train.precision=fp8"), "TESSERA_FP8_EXPERT_WGRAD='int4'", "fp8 or bf16")
+def test_fp8_expert_wgrad_setting(tmp_path, dataset):
+    assert_one_line(train(tmp_path, dataset, "train.precision=fp8", "train.fp8_expert_wgrad=int4"),
+                    "train.fp8_expert_wgrad='int4'", "'fp8' or 'bf16'")
+    # An FP8-only choice without FP8 training would change nothing: refused, not ignored.
+    assert_one_line(train(tmp_path, dataset, "train.precision=bf16", "train.fp8_expert_wgrad=bf16"),
+                    "train.fp8_expert_wgrad='bf16' applies to train.precision='fp8' only")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="needs a Python without tensorboard")

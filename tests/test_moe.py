@@ -1,6 +1,6 @@
 """MoE pieces on one process: grouped GEMM, routers, capacity, losses, the layer, metrics.
 
-References: `grouped_mm` against per-group float64 matmuls; the MoE layer against a dense
+References: `expert_mm` against per-group float64 matmuls; the MoE layer against a dense
 evaluation that runs EVERY expert on EVERY token (einsum) and combines by the router's
 choice — no permutation code shared with the layer. These run in float64, so the layer's
 only differences are summation order: 1e-10 relative.
@@ -19,7 +19,7 @@ from core.config import ModelConfig, MoEConfig
 from core.layers import AttentionMeta
 from core.train.model import build_model
 from moe.dispatcher import AllGatherDispatcher, build_dispatcher, sort_by_expert
-from moe.experts import GroupedExperts, grouped_mm, grouped_mm_loop
+from moe.experts import GroupedExperts, expert_mm, expert_mm_loop
 from moe.layer import MoELayer, moe_metrics, set_moe_loss_scale, set_moe_sequences, update_expert_bias
 from moe.router import (
     capacity_keep,
@@ -75,11 +75,11 @@ def dense_reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ grouped GEMM
-def test_grouped_mm_matches_per_group_matmul_with_empty_groups():
+def test_expert_mm_matches_per_group_matmul_with_empty_groups():
     torch.manual_seed(0)
     x, w = torch.randn(11, 8, dtype=torch.float64, requires_grad=True), torch.randn(4, 8, 5, dtype=torch.float64, requires_grad=True)
     counts = torch.tensor([3, 0, 8, 0])
-    out = grouped_mm(x, w, torch.cumsum(counts, 0, dtype=torch.int32))
+    out = expert_mm(x, w, torch.cumsum(counts, 0, dtype=torch.int32))
     expected = torch.cat([x[:3] @ w[0], x[3:11] @ w[2]])
     torch.testing.assert_close(out, expected, **TIGHT)
     out.square().sum().backward()
@@ -91,9 +91,9 @@ def test_grouped_mm_matches_per_group_matmul_with_empty_groups():
     assert gw[1].abs().sum() == 0 and gw[3].abs().sum() == 0  # empty groups get no gradient
 
 
-def test_grouped_mm_loop_zero_fills_rows_past_last_group():
+def test_expert_mm_loop_zero_fills_rows_past_last_group():
     x, w = torch.ones(5, 2), torch.ones(2, 2, 3)
-    out = grouped_mm_loop(x, w, torch.tensor([1, 3], dtype=torch.int32))
+    out = expert_mm_loop(x, w, torch.tensor([1, 3], dtype=torch.int32))
     assert out.shape == (5, 3) and out[3:].abs().sum() == 0 and out[:3].eq(2).all()
 
 
@@ -112,7 +112,7 @@ def _per_group_reference(x, counts, gate, up, down):
     return all_out[torch.arange(x.shape[0]), expert_of_row]
 
 
-@pytest.mark.parametrize("mm", [grouped_mm, grouped_mm_loop])
+@pytest.mark.parametrize("mm", [expert_mm, expert_mm_loop])
 def test_grouped_experts_equal_separate_gate_and_up_weights_forward_and_backward(mm):
     # w13[:, :, 0] is the gate and w13[:, :, 1] the up projection, run as one GEMM on the
     # [E, D, 2H] view; the reference multiplies the three separate weights by einsum.
@@ -434,7 +434,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 @pytest.mark.gpu
 @needs_gpu
-def test_grouped_mm_native_bf16_matches_float64():
+def test_expert_mm_native_bf16_matches_float64():
     from moe.experts import _native_reason
 
     torch.manual_seed(0)
@@ -445,11 +445,11 @@ def test_grouped_mm_native_bf16_matches_float64():
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     if torch.cuda.get_device_capability() >= (9, 0):
         assert _native_reason(x, w) is None  # the torch._grouped_mm path really runs
-    out = grouped_mm(x, w, offsets)
+    out = expert_mm(x, w, offsets)
     g = torch.randn_like(out)
     out.backward(g)
     xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    ref = grouped_mm_loop(xd, wd, offsets)
+    ref = expert_mm_loop(xd, wd, offsets)
     ref.backward(g.double())
     # bf16 output rounding (2^-8 relative) on top of fp32 accumulation.
     for got, want in ((out, ref), (x.grad, xd.grad), (w.grad, wd.grad)):
@@ -596,16 +596,16 @@ def test_mfu_counts_the_active_parameters_of_moe_layers():
     assert count_params(dense)[2] == sum(p.numel() for p in dense.parameters())
 
 
-def test_grouped_mm_follows_autocast_like_matmul():
+def test_expert_mm_follows_autocast_like_matmul():
     # fp32 weights under bf16 autocast: the product runs in bf16, gradients reach the fp32 leaves.
     torch.manual_seed(0)
     x = torch.randn(10, 16, requires_grad=True)
     w = torch.randn(3, 16, 8, requires_grad=True)
     offsets = torch.tensor([4, 4, 10], dtype=torch.int32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = grouped_mm(x, w, offsets)
+        out = expert_mm(x, w, offsets)
     assert out.dtype == torch.bfloat16
-    want = grouped_mm_loop(x.bfloat16(), w.bfloat16(), offsets)
+    want = expert_mm_loop(x.bfloat16(), w.bfloat16(), offsets)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     out.float().sum().backward()
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
@@ -703,7 +703,7 @@ def test_gradient_accumulation_fusion_keeps_a_gradient_from_outside_the_experts(
                                  gradient_accumulation_fusion=fused)
         x = torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
         offsets = torch.tensor([4, 4, 10], dtype=torch.int32)
-        (grouped_mm(x, w, offsets).square().sum() + (w ** 3).sum()).backward()
+        (expert_mm(x, w, offsets).square().sum() + (w ** 3).sum()).backward()
         dp.finish_grad_sync()
         grads[fused] = dp.slots[0].main_grad.clone()
         assert dp.stats["fused_grads"] == int(fused)

@@ -27,11 +27,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core.config import MoEConfig
+from core.config import ModelConfig, MoEConfig
+from core.mesh import ParallelMesh
+from moe.comm import ExchangeTimer
 from moe.dispatcher import build_dispatcher
+from moe.layer import summarize_moe_stats, take_moe_stats
+from moe.parallel import apply_ep
 from moe.router import TopKRouter
 from tests.support.distributed import run_distributed
-from tests.support.moe_parity import parity_worker, report
+from tests.support.moe_parity import parity_worker, report, parity_batch, parity_model, run_micro_batches
 
 
 @pytest.mark.slow
@@ -103,3 +107,28 @@ def _phases_worker(rank, world):
 def test_dispatch_phases_with_two_micro_batches_in_flight_match_one_at_a_time():
     results = run_distributed(_phases_worker, 2)
     assert results == [{"alltoall": True, "allgather": True}] * 2, results
+
+
+def _exchange_timer_worker(rank, world):
+    # Two ep=2 models in one process, the first built with a timer: its exchanges (forward and
+    # backward) are timed, the second model's are not, neither while nor after the first runs.
+    moe = MoEConfig(num_experts=4, top_k=2, ffn_dim=16)
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64, moe=moe)
+    mesh = ParallelMesh.build(dp=world, ep=world)
+    timer = ExchangeTimer()
+    timed, untimed = parity_model(cfg), parity_model(cfg)
+    apply_ep(timed, mesh, exchange_timer=timer)
+    apply_ep(untimed, mesh)
+    batch = [parity_batch(cfg.vocab_size, rank, 0)]
+    run_micro_batches(timed, batch, 1.0, None, False)
+    stats, exchange = take_moe_stats(timed, timer)
+    seconds = ExchangeTimer.seconds(exchange)
+    run_micro_batches(untimed, batch, 1.0, None, False)
+    _, none = take_moe_stats(untimed)
+    return seconds > 0, none is None, timer.pop_seconds() == 0.0, "moe/all_to_all_s" in summarize_moe_stats(
+        (stats, exchange))
+
+
+@pytest.mark.slow
+def test_the_exchange_timer_times_its_own_run_only():
+    assert run_distributed(_exchange_timer_worker, 2) == [(True, True, True, True)] * 2

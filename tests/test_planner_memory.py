@@ -36,6 +36,7 @@ from core.train.model import build_model
 from core.parallel.data import apply_data_parallel
 from core.parallel.recompute import apply_recompute
 from core.parallel.wgrad import fuse_weight_grads
+from core.precision.plan import resolve_precision_plan
 from core.train.parallelize import compile_blocks, parallelize
 from core.planner.layouts import describe, layouts
 from core.planner.memory import block_activations, estimate_memory, head_activations, rope_tables
@@ -54,8 +55,9 @@ def _measured(config) -> dict:
     """The bytes of this rank's tensors, read off the objects parallelize returns."""
     p = config.parallel
     mesh = ParallelMesh.build(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, device_type="cpu")
-    precision = config.train.precision
-    _, optimizer, _, grads = parallelize(build_model(config.model, seed=0), mesh, config, torch.device("cpu"), precision)
+    cpu = torch.device("cpu")
+    _, optimizer, _, grads = parallelize(build_model(config.model, seed=0), mesh, config, cpu,
+                                         resolve_precision_plan(config, cpu))
     dp = grads.dp
     params = {id(s.param): s.param.numel() * s.param.element_size() for s in dp.slots}
     return {

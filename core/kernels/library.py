@@ -116,6 +116,8 @@ class KernelLibrary:
         return size
 
 
+# Process-wide on purpose: a loaded library, a device's capability and the fallbacks already
+# logged are facts about this process and machine, the same for every model and run in it.
 _lock = threading.Lock()
 _loaded: dict[str, KernelLibrary | None] = {}
 _capability: dict[int, tuple[int, int]] = {}

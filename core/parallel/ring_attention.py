@@ -170,7 +170,7 @@ def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
 
 
 RING_KERNEL_ENV = "TESSERA_RING_KERNEL"
-_cudnn_broken = False
+_cudnn_broken = False  # set once cuDNN's SDPA failed here: a fact of this process's libraries, not of a run
 
 
 def _cudnn_usable(q: torch.Tensor, docs: int) -> bool:

@@ -93,7 +93,7 @@ def layout_key(config: Config) -> tuple:
             p.pp_last_stage_layers, p.dp, p.cp, p.distributed_optimizer, p.split_master_weights, config.train.precision)
 
 
-_CACHE: dict[tuple, object] = {}
+_CACHE: dict[tuple, object] = {}  # a pure memo keyed by the layout's values (layout_key): no run's state
 
 
 def cached(key: tuple, make):

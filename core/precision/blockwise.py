@@ -23,9 +23,12 @@ attention and the loss are untouched (bf16 / fp32). docs/fp8.md says why for eac
 Routed experts: forward, dgrad and wgrad are one grouped blockwise GEMM each (no host sync).
 The weight gradient groups along K (tokens): each expert's tokens start a fresh 128-token scale
 block (core/kernels/fp8_wgrad.py). `expert_wgrad="fp8"` (default) runs it, "bf16" the bf16
-grouped wgrad kernel instead (`TESSERA_FP8_EXPERT_WGRAD` sets the default). Gate and up run as
-one GEMM on w13's [E, dim, 2 x hidden] view; the hidden size being a multiple of 128, no weight
-block or gradient tile straddles the two.
+grouped wgrad kernel instead (`train.fp8_expert_wgrad`, through the precision plan). Gate and
+up run as one GEMM on w13's [E, dim, 2 x hidden] view; the hidden size being a multiple of 128,
+no weight block or gradient tile straddles the two.
+
+The weight operands come through the model's `Fp8WeightCache` when it has one (several
+micro-batches per step): each layer holds the cache and passes its handle to the ops.
 
 Shapes whose features are not multiples of 128 keep their bf16 GEMMs, listed once in the log.
 Without the kernel library (CPU, no sm_90) the quantisers and GEMMs run their exact PyTorch
@@ -35,7 +38,6 @@ fallbacks: the same FP8 numerics, emulated.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -46,13 +48,12 @@ from core.kernels import fp8_wgrad as kwgrad
 from core.kernels import grouped_mm_wgrad
 from core.kernels.grouped_gemm import grouped_mm_wgrad_into_, main_grad_sink
 from core.kernels.library import custom_op, kernel_library, report_once
-from core.precision.weight_cache import WEIGHT_CACHE
+from core.precision.weight_cache import Fp8WeightCache, cache_of
 
 log = logging.getLogger(__name__)
 
 BLOCK = kfp8.BLOCK
-EXPERT_WGRAD_ENV = "TESSERA_FP8_EXPERT_WGRAD"
-EXPERT_WGRAD_MODES = ("fp8", "bf16")
+EXPERT_WGRAD_MODES = ("fp8", "bf16")  # train.fp8_expert_wgrad's values
 ROW_ALIGN = 16  # the kernels take reduction dims (here: token counts) in multiples of 16
 
 
@@ -62,10 +63,17 @@ def _pad_rows(t: Tensor, multiple: int = ROW_ALIGN) -> Tensor:
     return F.pad(t, (0, 0, 0, extra)) if extra else t
 
 
-def _weight_blocks(w: Tensor, transpose: bool = False) -> tuple[Tensor, Tensor]:
-    """quantize_128x128(w, transpose), once per optimizer step for the trainer's weights
-    (core/precision/weight_cache.py; `train.fp8_weight_cache`)."""
-    return WEIGHT_CACHE.quantize(w, transpose, kfp8.quantize_128x128)
+def _weight_blocks(w: Tensor, transpose: bool, cache: int) -> tuple[Tensor, Tensor]:
+    """quantize_128x128(w, transpose), through the weight cache of handle `cache` when there is
+    one: then once per optimizer step for the trainer's weights (core/precision/weight_cache.py)."""
+    found = cache_of(cache)
+    if found is None:
+        return kfp8.quantize_128x128(w, transpose)
+    return found.quantize(w, transpose, kfp8.quantize_128x128)
+
+
+def _handle(cache: Fp8WeightCache | None) -> int:
+    return cache.handle if cache is not None else 0
 
 
 def _as_operand(dy: Tensor, dtype: torch.dtype) -> Tensor:
@@ -111,26 +119,27 @@ def fp8_matmul_wgrad(dy: Tensor, x: Tensor) -> Tensor:
 # place of its output gradient, so every weight gradient came out 0 (docs/fp8.md).
 
 @custom_op("fp8_linear", differentiable=True)
-def _linear(x: Tensor, weight: Tensor) -> Tensor:
-    """y = x W^T with x [M, K] (2-D), W [N, K]; forward, dgrad and wgrad GEMMs in FP8."""
+def _linear(x: Tensor, weight: Tensor, cache: int) -> Tensor:
+    """y = x W^T with x [M, K] (2-D), W [N, K]; forward, dgrad and wgrad GEMMs in FP8; `cache`:
+    the handle of the model's weight cache (0: none)."""
     _note_device(x)
     # The kernels read dense rows; anything else would take the slow fallback.
-    return fp8_matmul_fwd(x.contiguous(), *_weight_blocks(weight)).to(x.dtype)
+    return fp8_matmul_fwd(x.contiguous(), *_weight_blocks(weight, False, cache)).to(x.dtype)
 
 
 @_linear.register_fake
-def _(x, weight):
+def _(x, weight, cache):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @custom_op("fp8_linear_dgrad")
-def _linear_dgrad(dy: Tensor, weight: Tensor) -> Tensor:
+def _linear_dgrad(dy: Tensor, weight: Tensor, cache: int) -> Tensor:
     """dy W: W^T quantised in one transposing pass (the forward's 128x128 blocks and scales)."""
-    return fp8_matmul_dgrad(dy, *_weight_blocks(weight, transpose=True)).to(dy.dtype)
+    return fp8_matmul_dgrad(dy, *_weight_blocks(weight, True, cache)).to(dy.dtype)
 
 
 @_linear_dgrad.register_fake
-def _(dy, weight):
+def _(dy, weight, cache):
     return dy.new_empty(dy.shape[0], weight.shape[1])
 
 
@@ -145,26 +154,41 @@ def _(dy, x, dtype):
 
 
 def _save_linear(ctx, inputs, output) -> None:
+    x, weight, ctx.cache = inputs
     # W is the parameter itself: saving it costs nothing, unlike an FP8 copy per layer.
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(x, weight)
 
 
 def _linear_backward(ctx, dy: Tensor):
     x, weight = ctx.saved_tensors
     dy = _as_operand(dy, x.dtype)
-    dx = _linear_dgrad(dy, weight) if ctx.needs_input_grad[0] else None
+    dx = _linear_dgrad(dy, weight, ctx.cache) if ctx.needs_input_grad[0] else None
     dw = _linear_wgrad(dy, x.contiguous(), weight.dtype) if ctx.needs_input_grad[1] else None
-    return dx, dw
+    return dx, dw, None
 
 
 _linear.register_autograd(_linear_backward, setup_context=_save_linear)
 
 
-def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, cache: Fp8WeightCache | None = None) -> Tensor:
     """Drop-in for `F.linear` (x [..., K], weight [N, K]) with FP8 GEMMs; the bias is added in
-    the output's precision."""
-    y = _linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    the output's precision. `cache`: the model's weight cache, where it keeps one."""
+    y = _linear(x.reshape(-1, x.shape[-1]), weight, _handle(cache)).view(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y
+
+
+class Fp8Matmul:
+    """The tensor-parallel layers' `matmul` (an `F.linear`-like callable): fp8_linear with the
+    model's weight cache."""
+
+    def __init__(self, cache: Fp8WeightCache | None = None):
+        self.cache = cache
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return fp8_linear(x, weight, bias, self.cache)
+
+    def __repr__(self) -> str:
+        return f"Fp8Matmul(weight_cache={self.cache is not None})"
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,25 +241,25 @@ def fp8_grouped_wgrad_into_(main_grad: Tensor, x: Tensor, dy: Tensor, offsets: T
 
 
 @custom_op("fp8_grouped_mm", differentiable=True)
-def _grouped(x: Tensor, w: Tensor, offsets: Tensor, expert_wgrad: str) -> Tensor:
+def _grouped(x: Tensor, w: Tensor, offsets: Tensor, expert_wgrad: str, cache: int) -> Tensor:
     """Rows of group g times w[g] for experts w [G, in, out]; all three GEMMs in FP8 (the
-    weight gradient as `expert_wgrad` says)."""
+    weight gradient as `expert_wgrad` says); `cache`: the weight cache's handle (0: none)."""
     _note_device(x)
-    return fp8_grouped_fwd(x.contiguous(), *_weight_blocks(w, transpose=True), offsets).to(x.dtype)
+    return fp8_grouped_fwd(x.contiguous(), *_weight_blocks(w, True, cache), offsets).to(x.dtype)
 
 
 @_grouped.register_fake
-def _(x, w, offsets, expert_wgrad):
+def _(x, w, offsets, expert_wgrad, cache):
     return x.new_empty(x.shape[0], w.shape[2])
 
 
 @custom_op("fp8_grouped_dgrad")
-def _grouped_dgrad(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    return fp8_grouped_dgrad(dy, *_weight_blocks(w), offsets).to(dy.dtype)
+def _grouped_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, cache: int) -> Tensor:
+    return fp8_grouped_dgrad(dy, *_weight_blocks(w, False, cache), offsets).to(dy.dtype)
 
 
 @_grouped_dgrad.register_fake
-def _(dy, w, offsets):
+def _(dy, w, offsets, cache):
     return dy.new_empty(dy.shape[0], w.shape[1])
 
 
@@ -251,7 +275,7 @@ def _(x, dy, offsets, dtype):
 
 
 def _save_grouped(ctx, inputs, output) -> None:
-    x, w, offsets, ctx.expert_wgrad = inputs
+    x, w, offsets, ctx.expert_wgrad, ctx.cache = inputs
     ctx.save_for_backward(x, w, offsets)
     # Data parallelism's fp32 main grad of the expert weight (w13 comes as a view), when the
     # wgrad may write it itself.
@@ -261,7 +285,7 @@ def _save_grouped(ctx, inputs, output) -> None:
 def _grouped_backward(ctx, dy: Tensor):
     x, w, offsets = ctx.saved_tensors
     dy = _as_operand(dy, x.dtype)
-    dx = _grouped_dgrad(dy, w, offsets) if ctx.needs_input_grad[0] else None
+    dx = _grouped_dgrad(dy, w, offsets, ctx.cache) if ctx.needs_input_grad[0] else None
     dw = None
     if ctx.needs_input_grad[1]:
         x = x.contiguous()
@@ -278,25 +302,26 @@ def _grouped_backward(ctx, dy: Tensor):
             dw = _grouped_wgrad(x, dy, offsets, w.dtype)
         else:
             dw = grouped_mm_wgrad(x.to(torch.bfloat16), dy.to(torch.bfloat16), offsets).to(w.dtype)
-    return dx, dw, None, None
+    return dx, dw, None, None, None
 
 
 _grouped.register_autograd(_grouped_backward, setup_context=_save_grouped)
 
 
 class Fp8GroupedMM:
-    """`GroupedExperts.mm` replacement: grouped_mm(x, w, offsets) with FP8 GEMMs."""
+    """`GroupedExperts.mm` replacement: expert_mm(x, w, offsets) with FP8 GEMMs, the weights
+    through the model's weight cache where it keeps one."""
 
-    def __init__(self, expert_wgrad: str = "fp8"):
+    def __init__(self, expert_wgrad: str = "fp8", cache: Fp8WeightCache | None = None):
         if expert_wgrad not in EXPERT_WGRAD_MODES:
             raise ValueError(f"expert_wgrad={expert_wgrad!r} must be one of {EXPERT_WGRAD_MODES}")
-        self.expert_wgrad = expert_wgrad
+        self.expert_wgrad, self.cache = expert_wgrad, cache
 
     def __call__(self, x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-        return _grouped(x, w, offsets, self.expert_wgrad)
+        return _grouped(x, w, offsets, self.expert_wgrad, _handle(self.cache))
 
     def __repr__(self) -> str:
-        return f"Fp8GroupedMM(expert_wgrad={self.expert_wgrad!r})"
+        return f"Fp8GroupedMM(expert_wgrad={self.expert_wgrad!r}, weight_cache={self.cache is not None})"
 
 
 # ---------------------------------------------------------------------------------------
@@ -304,16 +329,19 @@ class Fp8GroupedMM:
 # ---------------------------------------------------------------------------------------
 
 class Fp8Linear(nn.Linear):
-    """`nn.Linear` with FP8 GEMMs; it holds the original parameters, so names are unchanged."""
+    """`nn.Linear` with FP8 GEMMs; it holds the original parameters, so names are unchanged, and
+    the model's weight cache (None: none)."""
+
+    weight_cache: Fp8WeightCache | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, cache: Fp8WeightCache | None = None) -> "Fp8Linear":
         new = cls(linear.in_features, linear.out_features, bias=False, device="meta")
-        new.weight, new.bias = linear.weight, linear.bias
+        new.weight, new.bias, new.weight_cache = linear.weight, linear.bias, cache
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        return fp8_linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, self.weight_cache)
 
 
 def fits_blocks(*dims: int) -> bool:

@@ -17,8 +17,8 @@ recipes. What stays Tessera's:
 
 In FP8 the model's whole forward runs in one TE autocast (`forward_in_autocast`); a call outside
 any (recomputation in the backward) enters its own, so it quantises like the forward. A step's
-first micro-batch quantises each weight and TE keeps it for the others (`WEIGHTS`, with
-`train.fp8_weight_cache`). The calls stay out of torch.compile graphs; the blocks' graphs keep
+first micro-batch quantises each weight and TE keeps it for the others (the model's
+`te_fused.WeightVersion`, with `train.fp8_weight_cache`). The calls stay out of torch.compile graphs; the blocks' graphs keep
 the norms, rotary and SwiGLU around them.
 
 FP8 recipes (`train.fp8_recipe`): "tensorwise" is TE's current scaling, "delayed" its delayed
@@ -47,7 +47,7 @@ from torch import nn
 from core.eager import eager_only
 from core.layers import Attention, FeedForward, RMSNorm
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from core.precision.te_fused import FP8_ALIGN, WEIGHTS, NormInNextLayer, TeCall, TeNormMLP, TeNormQKV
+from core.precision.te_fused import FP8_ALIGN, NormInNextLayer, TeCall, TeNormMLP, TeNormQKV, WeightVersion
 
 log = logging.getLogger(__name__)
 
@@ -129,15 +129,16 @@ class TeMatmul:
     The TE module is created around `weight` (it holds that parameter, nothing of its own) and
     is not a submodule of anything: the model's state stays the "torch" backend's. In FP8 the
     call runs inside the model's autocast (`forward_in_autocast`), or enters its own where there
-    is none (recomputation in the backward, a model without the hooks)."""
+    is none (recomputation in the backward, a model without the hooks). `weights`: the model's
+    step counter, where TE keeps each FP8 weight for a step's micro-batches."""
 
-    def __init__(self, weight: nn.Parameter, recipe, fuse_wgrad: bool):
+    def __init__(self, weight: nn.Parameter, recipe, fuse_wgrad: bool, weights: WeightVersion | None = None):
         te, _ = _te()
         out_features, in_features = weight.shape
         self.module = te.Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device="meta",
                                 fuse_wgrad_accumulation=fuse_wgrad)
         self.module.weight = weight
-        self.call = TeCall(te, self.module, recipe)
+        self.call = TeCall(te, self.module, recipe, weights)
         if fuse_wgrad:
             mark_accumulates_main_grad(weight)
 
@@ -156,12 +157,12 @@ class TeMatmul:
 class TeLinear(nn.Module):
     """`nn.Linear`'s parameters under the same names, with the GEMMs in Transformer Engine."""
 
-    def __init__(self, linear: nn.Linear, recipe, fuse_wgrad: bool):
+    def __init__(self, linear: nn.Linear, recipe, fuse_wgrad: bool, weights: WeightVersion | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.gemm = TeMatmul(linear.weight, recipe, fuse_wgrad)  # a plain attribute, not a submodule
+        self.gemm = TeMatmul(linear.weight, recipe, fuse_wgrad, weights)  # a plain attribute, not a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.weight, self.bias)
@@ -196,7 +197,7 @@ def _plain_linear(module) -> bool:
     return type(module) is nn.Linear and module.bias is None
 
 
-def _fuse_norms(block: nn.Module, te, recipe, fuse_wgrad: bool) -> list[str]:
+def _fuse_norms(block: nn.Module, te, recipe, fuse_wgrad: bool, weights: WeightVersion | None) -> list[str]:
     """Join the block's attention norm with q/k/v and, in a dense block, the FFN norm with the
     FFN, where the layers are plain bias-free linears (tp = 1); returns the joined linears' names."""
     joined = []
@@ -205,14 +206,14 @@ def _fuse_norms(block: nn.Module, te, recipe, fuse_wgrad: bool) -> list[str]:
     if isinstance(attn, Attention) and isinstance(block.attention_norm, RMSNorm) \
             and all(_plain_linear(m) for m in projections) \
             and _fits(recipe, projections[0].in_features, *(m.out_features for m in projections)):
-        attn.qkv_projection = TeNormQKV(te, block.attention_norm, *projections, recipe, fuse_wgrad)
+        attn.qkv_projection = TeNormQKV(te, block.attention_norm, *projections, recipe, fuse_wgrad, weights)
         block.attention_norm = NormInNextLayer(block.attention_norm)
         joined += ["attention.wq", "attention.wk", "attention.wv"]
     ffn = getattr(block, "feed_forward", None)
     if type(ffn) is FeedForward and isinstance(block.ffn_norm, RMSNorm) \
             and all(_plain_linear(m) for m in (ffn.w1, ffn.w3, ffn.w2)) \
             and _fits(recipe, ffn.w1.in_features, ffn.w1.out_features):
-        ffn.fused = TeNormMLP(te, block.ffn_norm, ffn.w1, ffn.w3, ffn.w2, recipe, fuse_wgrad)
+        ffn.fused = TeNormMLP(te, block.ffn_norm, ffn.w1, ffn.w3, ffn.w2, recipe, fuse_wgrad, weights)
         block.ffn_norm = NormInNextLayer(block.ffn_norm)
         joined += ["feed_forward.w1", "feed_forward.w3", "feed_forward.w2"]
     if fuse_wgrad:
@@ -221,11 +222,14 @@ def _fuse_norms(block: nn.Module, te, recipe, fuse_wgrad: bool) -> list[str]:
     return joined
 
 
-def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool, norm_fusion: bool = True) -> dict[str, str]:
+def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool, norm_fusion: bool = True,
+             weights: WeightVersion | None = None) -> dict[str, str]:
     """Switch the linear layers of `model.layers` to Transformer Engine in place; returns
     {module name: "te-fused" | "te" | "torch"}. `fp8_recipe` None: bf16 GEMMs. `norm_fusion`:
     norms with their following projections in TE's fused modules (core.precision.te_fused) where the
-    block allows; "te-fused" names the linears inside them. Apply after tensor and expert
+    block allows; "te-fused" names the linears inside them. `weights`: the model's optimizer-step
+    counter, for TE to keep each FP8 weight through a step's micro-batches (None: quantised on
+    every call). Apply after tensor and expert
     parallelism (the local shards' shapes) and before the pipeline split, recompute, compile
     and data parallelism (which serves `main_grad` when `fuse_wgrad`)."""
     reason = unavailable_reason()
@@ -236,10 +240,10 @@ def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool, norm_fu
         raise ValueError(f"apply_te needs a core.train.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
     te, _ = _te()
     recipe = build_recipe(fp8_recipe)
-    plan: dict[str, str] = {}
+    runs: dict[str, str] = {}
     for layer_name, block in layers.items():
-        joined = _fuse_norms(block, te, recipe, fuse_wgrad) if norm_fusion else []
-        plan.update({f"layers.{layer_name}.{name}": "te-fused" for name in joined})
+        joined = _fuse_norms(block, te, recipe, fuse_wgrad, weights) if norm_fusion else []
+        runs.update({f"layers.{layer_name}.{name}": "te-fused" for name in joined})
         for name, module in list(block.named_modules()):
             full = f"layers.{layer_name}.{name}"
             if name in joined:
@@ -248,20 +252,20 @@ def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool, norm_fu
                 ok = _fits(recipe, module.in_features, module.out_features)
                 if ok:
                     parent, _, child = name.rpartition(".")
-                    setattr(block.get_submodule(parent), child, TeLinear(module, recipe, fuse_wgrad))
+                    setattr(block.get_submodule(parent), child, TeLinear(module, recipe, fuse_wgrad, weights))
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 ok = _fits(recipe, *module.weight.shape)
                 if ok:
-                    module.matmul = TeMatmul(module.weight, recipe, fuse_wgrad)
+                    module.matmul = TeMatmul(module.weight, recipe, fuse_wgrad, weights)
             else:
                 continue
-            plan[full] = "te" if ok else "torch"
+            runs[full] = "te" if ok else "torch"
     if recipe is not None:
         forward_in_autocast(model, recipe)
-    kept = [name for name, how in plan.items() if how == "torch"]
+    kept = [name for name, how in runs.items() if how == "torch"]
     if kept:
         log.warning("te: %d of %d block linear layers keep torch GEMMs (FP8 needs feature sizes in multiples of %d): %s",
-                    len(kept), len(plan), FP8_ALIGN, ", ".join(kept))
+                    len(kept), len(runs), FP8_ALIGN, ", ".join(kept))
     log.info("te: %d block linear layers on Transformer Engine (%s), %d of them in fused norm modules",
-             len(plan) - len(kept), fp8_recipe or "bf16", sum(how == "te-fused" for how in plan.values()))
-    return plan
+             len(runs) - len(kept), fp8_recipe or "bf16", sum(how == "te-fused" for how in runs.values()))
+    return runs

@@ -136,37 +136,37 @@ class NormInNextLayer(nn.Module):
 FP8_ALIGN = 16  # TE's FP8 GEMMs take both dims of an operand in multiples of 16
 
 
-class _WeightVersion:
-    """Counts optimizer steps (data parallelism's `on_new_weights`): a TE call's first after
-    a new step is its first micro-batch, where TE quantises the weight and keeps it for the rest."""
+class WeightVersion:
+    """One model's count of optimizer steps (bumped by data parallelism's `on_new_weights`): a
+    TE call's first after a new step is its first micro-batch, where TE quantises the weight
+    and keeps it for the rest. The model's TE calls share it; core.train.parallelize makes it
+    when the precision plan keeps FP8 weights for a step."""
 
     def __init__(self):
         self.version = 0
-        self.enabled = False
 
     def bump(self) -> None:
         self.version += 1
 
 
-WEIGHTS = _WeightVersion()
-
-
 class TeCall:
     """Runs a TE module on [rows, features] inputs: inside the model's autocast, or its own where
     there is none (recomputation in the backward); rows padded to FP8's alignment (zero rows
-    change neither an amax nor a product); `is_first_microbatch` from WEIGHTS, so a step's
-    first micro-batch quantises the weights and TE keeps them for the others."""
+    change neither an amax nor a product); `is_first_microbatch` from the model's `weights`
+    (a WeightVersion; None: TE quantises the weights on every call), so a step's first
+    micro-batch quantises the weights and TE keeps them for the others."""
 
-    def __init__(self, te, module: nn.Module, recipe):
-        self.module, self.recipe = module, recipe
+    def __init__(self, te, module: nn.Module, recipe, weights: WeightVersion | None = None):
+        self.module, self.recipe, self.weights = module, recipe, weights
         self.autocast = functools.partial(te.autocast, enabled=True, recipe=recipe)
         self.fp8_enabled = te.quantization.FP8GlobalStateManager.is_fp8_enabled
         self.seen = -1  # the weight version of the last call
 
     def _first_microbatch(self) -> bool | None:
-        if self.recipe is None or not WEIGHTS.enabled:
+        if self.recipe is None or self.weights is None:
             return None
-        first, self.seen = self.seen != WEIGHTS.version, WEIGHTS.version
+        version = self.weights.version
+        first, self.seen = self.seen != version, version
         return first
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,7 +189,8 @@ class TeCall:
 class TeNormQKV:
     """attention_norm + wq, wk, wv as one te.LayerNormLinear; returns (q, k, v) [..., heads * head_dim]."""
 
-    def __init__(self, te, norm: nn.Module, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, recipe, fuse_wgrad: bool):
+    def __init__(self, te, norm: nn.Module, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, recipe, fuse_wgrad: bool,
+                 weights: WeightVersion | None = None):
         projections = (wq, wk, wv)
         self.sizes = [m.out_features for m in projections]
         module = te.LayerNormLinear(wq.in_features, sum(self.sizes), eps=norm.eps, bias=False, normalization="RMSNorm",
@@ -198,7 +199,7 @@ class TeNormQKV:
         module.weight = None  # TE's own placeholder: its dtype would not follow data parallelism's cast
         # read per call: a parameter the model swapped in (a load by assignment) is the one used
         module._get_weight_tensors = lambda: [joined_weight([m.weight for m in projections], fuse_wgrad)]
-        self.call = TeCall(te, module, recipe)
+        self.call = TeCall(te, module, recipe, weights)
         mark_joined([m.weight for m in projections])
 
     @eager_only
@@ -212,13 +213,14 @@ class TeNormQKV:
 class TeNormMLP:
     """ffn_norm + the SwiGLU FFN w2(silu(w1 x) * w3 x) as one te.LayerNormMLP."""
 
-    def __init__(self, te, norm: nn.Module, w1: nn.Linear, w3: nn.Linear, w2: nn.Linear, recipe, fuse_wgrad: bool):
+    def __init__(self, te, norm: nn.Module, w1: nn.Linear, w3: nn.Linear, w2: nn.Linear, recipe, fuse_wgrad: bool,
+                 weights: WeightVersion | None = None):
         module = te.LayerNormMLP(w1.in_features, w1.out_features, eps=norm.eps, bias=False, normalization="RMSNorm",
                                  activation="swiglu", params_dtype=w1.weight.dtype, device="meta",
                                  fuse_wgrad_accumulation=fuse_wgrad)
         module.layer_norm_weight, module.fc1_weight, module.fc2_weight = norm.weight, None, w2.weight
         module._get_weight_tensors = lambda: [joined_weight((w1.weight, w3.weight), fuse_wgrad), w2.weight]
-        self.call = TeCall(te, module, recipe)
+        self.call = TeCall(te, module, recipe, weights)
         mark_joined((w1.weight, w3.weight))
 
     @eager_only

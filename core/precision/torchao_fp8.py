@@ -54,20 +54,20 @@ def apply_torchao_fp8(model: nn.Module, recipe: str, emulate: bool) -> dict[str,
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
         raise ValueError(f"apply_torchao_fp8 needs a core.train.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
-    plan: dict[str, str] = {}
+    runs: dict[str, str] = {}
 
     def convert(module: nn.Module, name: str) -> bool:
         ok = module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
-        plan[name] = "fp8" if ok else "bf16"
+        runs[name] = "fp8" if ok else "bf16"
         return ok
 
     for layer_name, block in layers.items():
         convert_to_float8_training(block, config=config,
                                    module_filter_fn=lambda mod, fqn, prefix=f"layers.{layer_name}.":
                                    isinstance(mod, nn.Linear) and convert(mod, prefix + fqn))
-    kept = [name for name, how in plan.items() if how == "bf16"]
+    kept = [name for name, how in runs.items() if how == "bf16"]
     if kept:
         log.warning("fp8: %d of %d block linear layers stay bf16 (FP8 needs feature sizes in multiples of %d): %s",
-                    len(kept), len(plan), ALIGN, ", ".join(kept))
-    log.info("fp8: %d block linear layers on torchao's Float8Linear (%s scaling)", len(plan) - len(kept), recipe)
-    return plan
+                    len(kept), len(runs), ALIGN, ", ".join(kept))
+    log.info("fp8: %d block linear layers on torchao's Float8Linear (%s scaling)", len(runs) - len(kept), recipe)
+    return runs

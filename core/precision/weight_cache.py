@@ -13,10 +13,15 @@ way or reshaped whole, as the experts' w13 [E, dim, 2, hidden] runs as [E, dim, 
 entries are per shape), and an entry is used only while that parameter's version counter is
 unchanged. Writes through `.data` do not bump the counter, so the owner of the weight update
 (data parallelism's `gather_params`) calls `clear()` after each one.
+
+One cache per model (core.train.parallelize makes it when the precision plan keeps FP8
+weights): its FP8 layers hold it and hand the FP8 custom ops its `handle`, the number
+`cache_of` turns back into the cache inside the op.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Callable, Iterable
 
@@ -26,8 +31,24 @@ from torch import Tensor
 Quantiser = Callable[[Tensor, bool], tuple[Tensor, Tensor]]
 
 
+# Custom ops take tensors and numbers, not Python objects: a cache reaches the ops as a number.
+# This table holds no run's state, only which live cache a number names (weakly: a dropped
+# model's cache goes with it); 0 names none.
+_LIVE: weakref.WeakValueDictionary[int, "Fp8WeightCache"] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def cache_of(handle: int) -> "Fp8WeightCache | None":
+    """The live cache of `handle` (an `Fp8WeightCache.handle`), or None for 0 or a dropped one."""
+    return _LIVE.get(handle) if handle else None
+
+
 class Fp8WeightCache:
+    """The quantised weights of one model's tracked parameters (module docstring)."""
+
     def __init__(self) -> None:
+        self.handle = next(_HANDLES)
+        _LIVE[self.handle] = self
         self._params: list[weakref.ref] = []
         self._by_ptr: dict[int, weakref.ref] = {}
         self._entries: dict[tuple[int, tuple[int, ...], bool], tuple[int, tuple[Tensor, Tensor]]] = {}
@@ -75,6 +96,6 @@ class Fp8WeightCache:
     def cached_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, pair in self._entries.values() for t in pair)
 
-
-# One per process: the ops are custom ops whose arguments are tensors, so they find it here.
-WEIGHT_CACHE = Fp8WeightCache()
+    def __deepcopy__(self, memo) -> "Fp8WeightCache":
+        # A copied model has parameters of its own: it starts with a cache of its own, empty.
+        return Fp8WeightCache()

@@ -35,10 +35,10 @@ import tomli_w
 import torch
 import torch.distributed as dist
 
-from core.precision import blockwise, te_backend, torchao_fp8
+from core.precision import te_backend, torchao_fp8
+from core.precision.plan import resolve_precision_plan
 from core.state.checkpoint import latest_checkpoint
 from core.config import Config, ConfigError, load_config, reference
-from core import rules
 from core.validation import validate
 from core.train.data import check_data_source
 from core.train.launch_shape import Launch, launch_from_flags, launch_of_workers, load_launch, save_launch
@@ -211,25 +211,24 @@ def _report(message: str, first: bool, code: int = 2) -> int:
 
 
 def check_inputs(config: Config) -> None:
-    """What the config names outside itself: the folders it writes, the device, the FP8
-    setting of the environment, the packages it asks for (TensorBoard), the data
-    (core.train.data.check_data_source) and the weights of checkpoint.init_from (every tensor
-    present with the model's shape, read from the headers).
-    Facts of this machine and its files, so not core.validation's, which judges the keys alone."""
+    """What the config names outside itself: the folders it writes, the device, the libraries
+    of its precision plan (Transformer Engine, torchao), the packages it asks for (TensorBoard),
+    the data (core.train.data.check_data_source) and the weights of checkpoint.init_from (every
+    tensor present with the model's shape, read from the headers). Facts of this machine and its
+    files, so not core.validation's, which judges the keys alone."""
     _check_folder("train.run_dir", config.train.run_dir)
     if config.checkpoint.dir:
         _check_folder("checkpoint.dir", config.checkpoint.dir)
     if config.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA GPU is visible here; use train.device=auto or cpu")
-    wgrad = os.environ.get(blockwise.EXPERT_WGRAD_ENV)
-    if config.train.precision == "fp8" and wgrad and wgrad not in blockwise.EXPERT_WGRAD_MODES:
-        raise ConfigError(f"{blockwise.EXPERT_WGRAD_ENV}={wgrad!r} must be " + " or ".join(blockwise.EXPERT_WGRAD_MODES))
-    if config.model.dense_backend == "te":
+    gpu = config.train.device != "cpu" and torch.cuda.is_available()  # the device the trainer will take
+    plan = resolve_precision_plan(config, torch.device("cuda" if gpu else "cpu"))
+    if plan.linears == "te":
         reason = te_backend.unavailable_reason()
         if reason:
             raise ConfigError(f"model.dense_backend='te' needs Transformer Engine on a GPU, but {reason}; "
                               "use model.dense_backend='torch'")
-    reason = torchao_fp8.unavailable_reason() if rules.torchao_fp8(config) else None
+    reason = torchao_fp8.unavailable_reason() if plan.linears == "torchao" else None
     if reason:
         raise ConfigError(f"train.fp8_recipe={config.train.fp8_recipe!r} needs torchao, but {reason}; "
                           "or use train.fp8_recipe=blockwise")

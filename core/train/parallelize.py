@@ -4,8 +4,11 @@
     -> data (+ZeRO-1)
 
 Each step is a function of its own module that rewrites the plain model in place; this
-module only fixes their order and hands the Trainer what it needs. It sits above both
-`core` and `moe`: the only place besides the model assembly that knows both.
+module only fixes their order and hands the Trainer what it needs. Which kernel runs each
+GEMM comes from the run's `PrecisionPlan` (core.precision.plan), resolved once from the config;
+what the plan makes the run own (the FP8 weight cache, TE's step counter) is made here, per
+model. It sits above both `core` and `moe`: the only place besides the model assembly that
+knows both.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from core.precision import blockwise, te_backend, torchao_fp8
 from core.config import Config
 from core import rules
 from core.validation import check_split_masters
-from core.precision.weight_cache import WEIGHT_CACHE
+from core.precision.plan import PrecisionPlan
+from core.precision.te_fused import WeightVersion
+from core.precision.weight_cache import Fp8WeightCache
 from core.mesh import ParallelMesh
 from core.train.optim import build_optimizer, clip_grad_norm_
 from core.parallel.context import apply_cp
@@ -31,6 +36,7 @@ from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_
 from core.parallel.recompute import apply_recompute, compile_inside_checkpoint
 from core.parallel.wgrad import fuse_embedding_grad, fuse_weight_grads
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear, apply_tp
+from moe.comm import ExchangeTimer
 from moe.experts import GroupedExperts
 from moe.layer import moe_layers, update_expert_bias
 from moe.parallel import apply_ep
@@ -92,6 +98,9 @@ class GradControl:
     mesh: ParallelMesh
     model: nn.Module
     pipeline: PipelineStage | None = None  # when pp > 1
+    # The model's FP8 weights, quantised once per step and dropped when the weights change
+    # (dp's on_new_weights); None where the precision plan keeps none.
+    weight_cache: Fp8WeightCache | None = None
 
     uses_autocast: bool = False  # params are already in the compute dtype
 
@@ -116,23 +125,28 @@ def _after_grad_sync(model: nn.Module, mesh: ParallelMesh) -> None:
         update_expert_bias(model, mesh)
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: torch.device, precision: str):
-    """Apply every configured parallelism; returns (model, optimizer, scheduler, grads)."""
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: torch.device, plan: PrecisionPlan,
+                exchange_timer: ExchangeTimer | None = None):
+    """Apply every configured parallelism and the precision `plan`; returns (model, optimizer,
+    scheduler, grads). `exchange_timer`: the run's timer of the MoE token all-to-alls."""
     p, t = config.parallel, config.train
+    log.info("precision plan: %s", plan.describe())
     if mesh.tp > 1:
         apply_tp(model, mesh, sequence_parallel=p.sequence_parallel)
     if config.model.moe.num_experts:
-        apply_ep(model, mesh, etp=p.etp, sequence_parallel=p.sequence_parallel)
+        apply_ep(model, mesh, etp=p.etp, sequence_parallel=p.sequence_parallel, exchange_timer=exchange_timer)
     if mesh.cp > 1:
         apply_cp(model, mesh)
-    if config.model.dense_backend == "te":  # after TP/EP: it reads the local shards' shapes
-        te_backend.apply_te(model, t.fp8_recipe if precision == "fp8" else None, fuse_wgrad=p.gradient_accumulation_fusion,
-                            norm_fusion=config.model.te_norm_fusion)
-    torchao = precision == "fp8" and rules.torchao_fp8(config)
-    if precision == "fp8":  # the experts' GEMMs, and with the torch backend the dense ones
-        if torchao:
-            torchao_fp8.apply_torchao_fp8(model, t.fp8_recipe, emulate=device.type != "cuda")
-        apply_fp8(model, dense=config.model.dense_backend == "torch" and not torchao)
+    weight_cache = Fp8WeightCache() if plan.weight_cache else None
+    # Transformer Engine's linears keep their own FP8 weights from a step's first micro-batch.
+    te_weights = WeightVersion() if plan.weight_cache and plan.linears == "te" else None
+    if plan.linears == "te":  # after TP/EP: it reads the local shards' shapes
+        te_backend.apply_te(model, plan.linear_recipe, fuse_wgrad=p.gradient_accumulation_fusion,
+                            norm_fusion=plan.te_norm_fusion, weights=te_weights)
+    if plan.linears == "torchao":
+        torchao_fp8.apply_torchao_fp8(model, plan.linear_recipe, emulate=device.type != "cuda")
+    if plan.experts == "blockwise" or plan.linears == "blockwise":
+        apply_fp8(model, expert_wgrad=plan.expert_wgrad, dense=plan.linears == "blockwise", cache=weight_cache)
     stage = None
     chunks = [model]
     if mesh.pp > 1:
@@ -144,43 +158,36 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
                         num_layers=t.recompute_num_layers)
     model.to(device)
     if t.compile:
-        compile_blocks(chunks, cuda_graphs=t.cuda_graphs, fp8_casts=torchao and t.fp8_recipe == "tensorwise",
+        compile_blocks(chunks, cuda_graphs=t.cuda_graphs,
+                       fp8_casts=plan.linears == "torchao" and plan.linear_recipe == "tensorwise",
                        one_graph_per_break="norms" in rules.recompute_set(t))
-    param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
-    if precision == "bf16" and p.gradient_accumulation_fusion:
+    if plan.precision == "bf16" and p.gradient_accumulation_fusion:
         fuse_weight_grads(chunks)
     if p.gradient_accumulation_fusion:
         fuse_embedding_grad(chunks)
-    check_split_masters(config, precision)  # again here: what train.precision='auto' became on this device
+    check_split_masters(config, plan.precision)  # again here: what train.precision='auto' became on this device
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
-                             param_dtype=param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion,
+                             param_dtype=plan.param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion,
                              split_masters=p.split_master_weights)
-    if precision == "fp8":
-        _cache_fp8_weights(model, dp, config)
+    # After data parallelism: its cast gives the parameters the storage the FP8 layers read.
+    if weight_cache is not None:
+        weight_cache.track(p for p in model.parameters() if p.requires_grad)
+        dp.on_new_weights.append(weight_cache.clear)
+    if te_weights is not None:
+        dp.on_new_weights.append(te_weights.bump)
     optimizer, scheduler = build_optimizer(dp, t)
-    return model, optimizer, scheduler, GradControl(dp, mesh, model, pipeline=stage)
+    return model, optimizer, scheduler, GradControl(dp, mesh, model, pipeline=stage, weight_cache=weight_cache)
 
 
-def _cache_fp8_weights(model: nn.Module, dp, config: Config) -> None:
-    """Quantise each FP8 weight once per step when a step runs several micro-batches (with one,
-    the forward and dgrad layouts are never reused and the cache would only cost memory)."""
-    if config.train.fp8_weight_cache and rules.grad_accum_steps(config) > 1:
-        WEIGHT_CACHE.track(p for p in model.parameters() if p.requires_grad)
-        dp.on_new_weights.append(WEIGHT_CACHE.clear)
-    else:
-        WEIGHT_CACHE.track([])
-    # Transformer Engine's linears keep their own FP8 weights from a step's first micro-batch.
-    te_backend.WEIGHTS.enabled = WEIGHT_CACHE.enabled and config.model.dense_backend == "te"
-    if te_backend.WEIGHTS.enabled:
-        dp.on_new_weights.append(te_backend.WEIGHTS.bump)
-
-
-def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = True) -> dict[str, str]:
+def apply_fp8(model: nn.Module, expert_wgrad: str = "fp8", dense: bool = True,
+              cache: Fp8WeightCache | None = None) -> dict[str, str]:
     """Switch the GEMMs of `model.layers` to FP8 in place; returns {module name: "fp8" | "bf16"}.
-    `dense=False`: the experts only (the linear layers run Transformer Engine's recipe).
+    `expert_wgrad`: the experts' weight-gradient GEMM, "fp8" or "bf16" (train.fp8_expert_wgrad).
+    `dense=False`: the experts only (the linear layers run torchao's or Transformer Engine's
+    recipe). `cache`: the model's weight cache, which the FP8 layers then quantise through.
 
     Touches the blocks' linear layers (`nn.Linear` -> `Fp8Linear`; tensor-parallel layers get
-    `matmul = fp8_linear`) and `GroupedExperts.mm`; everything outside the blocks (embedding,
+    an `Fp8Matmul` as `matmul`) and `GroupedExperts.mm`; everything outside the blocks (embedding,
     output head, final norm) and the non-GEMM parts inside them (norms, router, attention core)
     keep their precision. A layer whose local feature sizes are not multiples of 128 keeps its
     bf16 GEMM; those are logged in one line. Apply after tensor/expert parallelism (it reads
@@ -188,18 +195,16 @@ def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = T
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
         raise ValueError(f"apply_fp8 needs a core.train.model.GPT (a `layers` ModuleDict), got {type(model).__name__}")
-    mode = expert_wgrad or os.environ.get(blockwise.EXPERT_WGRAD_ENV) or "fp8"
-    if mode not in blockwise.EXPERT_WGRAD_MODES:
-        where = "expert_wgrad" if expert_wgrad else blockwise.EXPERT_WGRAD_ENV
-        raise ValueError(f"{where}={mode!r} must be one of {blockwise.EXPERT_WGRAD_MODES}")
-    grouped = blockwise.Fp8GroupedMM(mode)
-    plan: dict[str, str] = {}
+    grouped = blockwise.Fp8GroupedMM(expert_wgrad, cache)  # checks expert_wgrad
+    matmul = blockwise.Fp8Matmul(cache)
+    runs: dict[str, str] = {}
     kept: list[str] = []
     for layer_name, block in layers.items():
         for name, module in list(block.named_modules()):
             full = f"layers.{layer_name}.{name}"
-            if isinstance(module, blockwise.Fp8Linear) or getattr(module, "matmul", None) is blockwise.fp8_linear \
-                    or isinstance(getattr(module, "mm", None), blockwise.Fp8GroupedMM):
+            if (isinstance(module, blockwise.Fp8Linear)
+                    or isinstance(getattr(module, "matmul", None), blockwise.Fp8Matmul)
+                    or isinstance(getattr(module, "mm", None), blockwise.Fp8GroupedMM)):
                 raise ValueError(f"{full} already runs in FP8: apply_fp8 was applied twice")
             if isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)) and not dense:
                 continue
@@ -207,13 +212,13 @@ def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = T
                 ok = blockwise.fits_blocks(module.in_features, module.out_features)
                 if ok:
                     parent, _, child = name.rpartition(".")
-                    setattr(block.get_submodule(parent), child, blockwise.Fp8Linear.from_linear(module))
+                    setattr(block.get_submodule(parent), child, blockwise.Fp8Linear.from_linear(module, cache))
                 shape = [module.out_features, module.in_features]
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 shape = list(module.weight.shape)
                 ok = blockwise.fits_blocks(*shape)
                 if ok:
-                    module.matmul = blockwise.fp8_linear
+                    module.matmul = matmul
             elif isinstance(module, GroupedExperts):
                 shape = [module.num_experts, module.dim, module.hidden]
                 ok = blockwise.fits_blocks(module.dim, module.hidden)
@@ -221,12 +226,13 @@ def apply_fp8(model: nn.Module, expert_wgrad: str | None = None, dense: bool = T
                     module.mm = grouped
             else:
                 continue
-            plan[full] = "fp8" if ok else "bf16"
+            runs[full] = "fp8" if ok else "bf16"
             if not ok:
                 kept.append(f"{full} {shape}")
     if kept:
         log.warning("fp8: %d of %d block GEMM layers keep bf16 (local feature sizes not multiples of %d): %s",
-                    len(kept), len(plan), blockwise.BLOCK, ", ".join(kept))
+                    len(kept), len(runs), blockwise.BLOCK, ", ".join(kept))
     experts = any(isinstance(m, GroupedExperts) for m in layers.modules())
-    log.info("fp8: %d block GEMM layers in FP8%s", len(plan) - len(kept), f" (expert wgrad {mode})" if experts else "")
-    return plan
+    log.info("fp8: %d block GEMM layers in FP8%s", len(runs) - len(kept),
+             f" (expert wgrad {expert_wgrad})" if experts else "")
+    return runs

@@ -46,10 +46,11 @@ from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
 from core.train.model import build_model, count_params
 from core.parallel.context import shard_for_cp
 from core.parallel.pipeline import run_pipeline_step
+from core.precision.plan import resolve_precision_plan
 from core.train.parallelize import parallelize
 from core.state.pretrained import load_weights
 from core.watchdog import Watchdog
-from moe.comm import EXCHANGE_TIMER
+from moe.comm import ExchangeTimer
 from moe.layer import set_moe_loss_scale, set_moe_sequences, summarize_moe_stats, take_moe_stats
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ class StepResult:
 
 
 class Trainer:
-    """Owns a run's mesh, model, optimizer, data stream and step counter."""
+    """Owns a run's mesh, precision plan, model, optimizer, data stream and step counter, and
+    what the run measures (the MoE exchange timer)."""
 
     def __init__(self, config: Config):
         self.config = config
@@ -90,14 +92,17 @@ class Trainer:
         _, embedding_params, active_params = count_params(model)
         # The step's plan comes from the data service; the sub-groups are built once, here.
         self.dynamic = DynamicCP.build(config, self.mesh, model) if p.dynamic_cp else None
-        self.precision = resolve_precision(config, self.device)
+        self.plan = resolve_precision_plan(config, self.device)
+        self.precision = self.plan.precision
+        # The share of a step expert parallelism spends in the token all-to-alls (metrics).
+        timed = bool(config.model.moe.num_experts) and p.ep > 1 and config.model.moe.dispatcher == "alltoall"
+        self.exchange_timer = ExchangeTimer() if timed else None
         self.model, self.optimizer, self.scheduler, self.grads = parallelize(model, self.mesh, config, self.device,
-                                                                             self.precision)
+                                                                             self.plan, self.exchange_timer)
         self.accum = grad_accum_steps(config)
         self._shard = _context_sharder(config, self.mesh)
         if config.model.moe.num_experts:
             set_moe_loss_scale(self.model, self.accum * self.mesh.size("dp_cp"))
-            EXCHANGE_TIMER.enabled = p.ep > 1 and config.model.moe.dispatcher == "alltoall"
         self.tp_group = self.mesh.group("tp") if p.tp > 1 else None
         self.reduce_size = self.mesh.size("dp_cp")
         self.reduce_group = self.mesh.group("dp_cp") if self.reduce_size > 1 else None
@@ -173,7 +178,7 @@ class Trainer:
         self.grads.zero_grad()
         self.step_count += 1
         values = torch.stack([loss_sum.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
-        moe = take_moe_stats(self.model) if self.config.model.moe.num_experts else None
+        moe = take_moe_stats(self.model, self.exchange_timer) if self.config.model.moe.num_experts else None
         return StepResult(loss_sum, grad_norm, lr, global_labels, global_tokens, wait_sum, metrics, data_wait,
                           busy_marks, self.step_count, values.to("cpu", non_blocking=True), moe, self._mark())
 
@@ -518,13 +523,6 @@ def train(config: Config, resume: bool = False) -> list[dict]:
         trainer.close()
         raise
     return trainer.run()
-
-
-def resolve_precision(config: Config, device: torch.device) -> str:
-    precision = config.train.precision
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    return precision
 
 
 def position_buckets(seq_len: int) -> list[int]:

@@ -28,7 +28,7 @@ RTOL = 1e-5
 T = 32  # tokens per micro-batch: divisible by tp (sequence parallelism) and by tp again (split)
 
 
-def _batch(vocab: int, dp_rank: int, micro: int):
+def parity_batch(vocab: int, dp_rank: int, micro: int):
     """A packed micro-batch of 3 documents; labels -100 at document ends."""
     g = torch.Generator().manual_seed(1000 * dp_rank + micro)
     cut = sorted(torch.randperm(T - 2, generator=g)[:2].add(1).tolist())
@@ -41,7 +41,7 @@ def _batch(vocab: int, dp_rank: int, micro: int):
     return tokens, positions, labels, AttentionMeta(cu_seqlens=cu, max_seqlen=max(lengths))
 
 
-def _model(cfg: ModelConfig):
+def parity_model(cfg: ModelConfig):
     model = build_model(cfg, seed=5)
     with torch.no_grad():  # a non-zero, identical bias on every rank: selection must agree
         for layer in moe_layers(model):
@@ -49,7 +49,7 @@ def _model(cfg: ModelConfig):
     return model
 
 
-def _run(model, batches, global_labels, tp_group, per_sequence):
+def run_micro_batches(model, batches, global_labels, tp_group, per_sequence):
     loss = torch.zeros(())
     for tokens, positions, labels, meta in batches:
         if per_sequence:
@@ -86,15 +86,15 @@ def parity_worker(rank, world, scenarios):
         cfg.moe.first_k_dense = 1
         mesh = ParallelMesh.build(dp=dp, tp=tp, ep=ep)
         tp_group = mesh.group("tp") if tp > 1 else None
-        all_batches = [[_batch(cfg.vocab_size, d, m) for m in range(micro)] for d in range(dp)]
+        all_batches = [[parity_batch(cfg.vocab_size, d, m) for m in range(micro)] for d in range(dp)]
         global_labels = float(sum((b[2] != -100).sum() for bs in all_batches for b in bs))
         per_seq = moe.aux_loss_per_sequence
 
-        ref = _model(cfg)
+        ref = parity_model(cfg)
         set_moe_loss_scale(ref, micro * dp)
-        ref_loss = sum(_run(ref, bs, global_labels, None, per_seq) for bs in all_batches)
+        ref_loss = sum(run_micro_batches(ref, bs, global_labels, None, per_seq) for bs in all_batches)
 
-        model = _model(cfg)
+        model = parity_model(cfg)
         if tp > 1:
             apply_tp(model, mesh, sequence_parallel=sc["sp"])
         apply_ep(model, mesh, etp=sc.get("etp", 1), sequence_parallel=sc.get("sp", True))
@@ -104,7 +104,7 @@ def parity_worker(rank, world, scenarios):
             rows.add_(args[0].shape[0])
 
         hooks = [m.experts.register_forward_hook(count_rows) for m in moe_layers(model)]
-        loss = _run(model, all_batches[mesh.coordinate("dp")], global_labels, tp_group, per_seq)
+        loss = run_micro_batches(model, all_batches[mesh.coordinate("dp")], global_labels, tp_group, per_seq)
         for h in hooks:
             h.remove()
         if tp > 1:
