@@ -4,9 +4,10 @@ The Trainer names each phase as it enters it (`Watchdog.enter`: data wait, forwa
 gradient reduction, optimizer step + parameter all-gather, checkpoint save, ...). A daemon
 thread sleeps until the current phase's deadline, `train.hang_timeout_s` after it began; a
 phase change moves the deadline, so the thread costs nothing while steps progress. When a
-deadline passes the rank prints one line
+deadline passes the rank prints one line (wrapped here)
 
-    tessera-train: hang: rank 1 spent 600 s in forward/backward of step 3 (train.hang_timeout_s=600); stacks of every thread in RUN_DIR/hang-rank1.txt
+    tessera-train: hang: rank 1 spent 600 s in forward/backward of step 3 (train.hang_timeout_s=600);
+        stacks of every thread in RUN_DIR/hang-rank1.txt
 
 writes every thread's Python stack there (faulthandler) and exits with `HANG_EXIT_CODE`, so
 torchrun stops the other workers and restarts the group (`--max-restarts`) or ends the run. A

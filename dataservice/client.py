@@ -41,11 +41,9 @@ from dataservice.rpc import (  # check_address, server_info: also for the traine
     RETRYABLE,
     Channels,
     DataServiceError,
-    check_address,
     client_options,
     failure_reason,
     get_info,
-    server_info,
 )
 
 pb2, pb2_grpc = protos.load()

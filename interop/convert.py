@@ -46,7 +46,7 @@ from core.config import Config, ConfigError, ModelConfig, load_config
 from core.validation import validate
 from core.state.layouts import FUSED_DIM, fused_shape, older_slices
 from core.train.model import build_model
-from core.state.pretrained import INDEX_NAME, SINGLE_NAME, expected_shapes, weight_map
+from core.state.pretrained import INDEX_NAME, expected_shapes, weight_map
 from core.train.rundir import CONFIG_NAME, config_dict
 from interop.families import IGNORED_KEYS, TOKENIZER_FILES, Link, Unsupported, export_family, hf_config, \
     model_config, tensor_map, with_context_of

@@ -223,7 +223,8 @@ class DispatchHandle:
     k: int
     order: torch.Tensor | None = None  # assignment ids (token * k + choice) of the rows, in dispatch order
     inverse: torch.Tensor | None = None  # [tokens, k]: each assignment's row in `order` (Triton paths only)
-    row_weights: torch.Tensor | None = None  # [rows]: routing weights for the experts to apply (then the combine does not), in the rows' order of the latest phase
+    # [rows]: routing weights for the experts to apply (then the combine does not), in the rows' order of the latest phase
+    row_weights: torch.Tensor | None = None
     indices: torch.Tensor | None = None  # all-gather: [rows of tokens, k] expert ids, dropped -> E
     counts: torch.Tensor | None = None  # rows per expert (all experts: all-to-all; local: all-gather)
     rows: int = 0  # tokens the combine's weighted sum covers (all-gather: the gathered tokens)

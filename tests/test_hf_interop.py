@@ -234,7 +234,7 @@ LAYOUTS = [(name, "tp2", ["parallel.tp=2"]) for name in ("llama", "qwen3", "qwen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,layout,sets", LAYOUTS, ids=[f"{n}-{l}" for n, l, _ in LAYOUTS])
+@pytest.mark.parametrize("name,layout,sets", LAYOUTS, ids=[f"{name}-{layout}" for name, layout, _ in LAYOUTS])
 def test_first_step_loss_equals_transformers_in_parallel(tmp_path, dataset, batches, imported, name, layout, sets):
     hf, ts = imported(name)
     run_dir = tmp_path / "run"

@@ -303,8 +303,10 @@ NEGATIVE = {
     "llama3 read as linear": ("llama3_rope", dict(rope_scaling=RopeScalingConfig(type="linear", factor=4.0)), ()),
     "qk-norm off": ("qwen3", dict(qk_norm=False), ("q_norm", "k_norm")),
     "attention biases off": ("qwen3", dict(attention_bias=False), ("bias",)),
-    "top-k renormalisation off (Qwen3-MoE)": ("qwen3_moe", dict(moe=MoEConfig(num_experts=6, top_k=2, ffn_dim=24, normalize_topk=False, dense_layers=[1])), ()),
-    "top-k renormalisation on (Qwen3-MoE)": ("qwen3_moe_step2", dict(moe=MoEConfig(num_experts=6, top_k=3, ffn_dim=24, normalize_topk=True, first_k_dense=1, moe_every=2)), ()),
+    "top-k renormalisation off (Qwen3-MoE)": ("qwen3_moe", dict(moe=MoEConfig(num_experts=6, top_k=2, ffn_dim=24, normalize_topk=False,
+                                                                          dense_layers=[1])), ()),
+    "top-k renormalisation on (Qwen3-MoE)": ("qwen3_moe_step2", dict(moe=MoEConfig(num_experts=6, top_k=3, ffn_dim=24, normalize_topk=True,
+                                                                               first_k_dense=1, moe_every=2)), ()),
     "top-k renormalisation off (Mixtral)": ("mixtral", dict(moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=80, normalize_topk=False)), ()),
 }
 
@@ -384,7 +386,8 @@ def test_tensor_parallel_qwen3_features_match_single_process_and_transformers():
 
 # ------------------------------------------------------------------------ the config keys
 @pytest.mark.parametrize("sets, words", [
-    (["model.rope_scaling.type=\"yarn\"", "model.rope_scaling.factor=4.0"], "needs model.rope_scaling.original_max_position_embeddings > 0"),
+    (["model.rope_scaling.type=\"yarn\"", "model.rope_scaling.factor=4.0"],
+     "needs model.rope_scaling.original_max_position_embeddings > 0"),
     (["model.rope_scaling.type=\"llama3\"", "model.rope_scaling.original_max_position_embeddings=8192",
       "model.rope_scaling.factor=0.5"], "factor=0.5 must be >= 1"),
     (["model.rope_scaling.factor=8.0"], "has no effect with model.rope_scaling.type='none'"),

@@ -1,11 +1,10 @@
-"""The import layering of docs/architecture.md, read from the source with `ast`:
+"""The import layering of docs/architecture.md, read from the source with `ast`, as a rule over
+folders: each room (a package, or one of `core/`'s sub-folders; `core`'s own top-level modules are
+a room of their own) names the rooms it may import, and those rules form no cycle.
 
-    protos <- dataservice <- core foundation <- moe <- orchestration (core.model, core.parallelize,
-    core.trainer, core.cli, core.planner.*) <- interop <- bench
-
-A module imports only its own layer or lower ones, no file-level import cycle exists, and every
-import of a project module sits at module level (a function-local import hides a dependency
-from readers and from this test)."""
+A module imports only its own room or the rooms its room may import, no file-level import cycle
+exists, and every import of a project module sits at module level (a function-local import hides
+a dependency from readers and from this test)."""
 
 from __future__ import annotations
 
@@ -17,15 +16,37 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protos", "dataservice", "core", "moe", "interop", "bench")
-ORCHESTRATION = {"core.train.model", "core.train.parallelize", "core.train.trainer", "core.train.cli", "core.train.launcher", "core.train.rundir", "core.train.data", "core.train.dynamic_cp", "core.train.loss", "core.train.optim"}
-LAYER_NAMES = ["protos", "dataservice", "core foundation", "moe", "orchestration", "interop", "bench"]
+CORE_ROOMS = ("kernels", "parallel", "precision", "state", "train", "planner")
+
+# Which room may import which (besides itself). Below `moe`: core's foundation (`core`, its
+# kernels, parallel steps, precision and state), which knows nothing of MoE; above it: the
+# training run (`core.train`) and the planner, the only core code that may name `moe`.
+MAY_IMPORT: dict[str, set[str]] = {
+    "protos": set(),
+    "dataservice": {"protos"},
+    "core.kernels": set(),
+    "core": {"core.kernels", "dataservice", "protos"},
+    "core.parallel": {"core", "core.kernels", "dataservice"},
+    "core.precision": {"core", "core.kernels", "core.parallel", "dataservice"},
+    "core.state": {"core", "core.kernels", "core.parallel", "dataservice"},
+    "moe": {"core", "core.kernels", "core.parallel", "core.precision", "core.state", "dataservice"},
+    "core.planner": {"core", "core.parallel", "dataservice", "protos"},
+    "core.train": {"core", "core.kernels", "core.parallel", "core.precision", "core.state", "core.planner", "moe",
+                   "dataservice", "protos"},
+    "interop": {"core", "core.kernels", "core.parallel", "core.precision", "core.state", "core.train", "moe",
+                "dataservice", "protos"},
+    "bench": {"core", "core.kernels", "core.parallel", "core.precision", "core.state", "core.train", "core.planner",
+              "moe", "interop", "dataservice", "protos"},
+}
 
 
-def layer_of(module: str) -> int:
-    top = module.split(".")[0]
-    if top == "core":
-        return 4 if module in ORCHESTRATION or module.startswith(("core.planner", "core.train")) else 2
-    return {"protos": 0, "dataservice": 1, "moe": 3, "interop": 5, "bench": 6}[top]
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "core" and len(parts) > 2 and parts[1] in CORE_ROOMS:
+        return f"core.{parts[1]}"
+    if parts[0] == "core" and len(parts) == 2 and parts[1] in CORE_ROOMS:
+        return f"core.{parts[1]}"  # the sub-package's own __init__
+    return parts[0]
 
 
 def module_name(path: Path) -> str:
@@ -83,9 +104,10 @@ def import_graph() -> tuple[dict[str, set[str]], list[str], list[str]]:
             where = f"{path.relative_to(ROOT)}:{line}"
             if not top_level:
                 local.append(f"{where} imports {target} inside a function or class")
-            if layer_of(target) > layer_of(module):
-                upward.append(f"{where}: {module} ({LAYER_NAMES[layer_of(module)]}) imports {target} "
-                              f"({LAYER_NAMES[layer_of(target)]})")
+            source, dest = room_of(module), room_of(target)
+            if dest != source and dest not in MAY_IMPORT[source]:
+                upward.append(f"{where}: {module} (room {source}) imports {target} (room {dest}); "
+                              f"{source} may import only {sorted(MAY_IMPORT[source]) or 'nothing of ours'}")
             if target in graph and target != module:
                 graph[module].add(target)
     return graph, upward, local
@@ -133,18 +155,46 @@ def test_every_module_imports():
     assert not failed, "\n".join(failed)
 
 
-def test_dataservice_stands_alone_and_moe_below_the_orchestration():
-    graph, _, _ = import_graph()
-    for module, targets in graph.items():
-        if module.startswith("dataservice"):
-            assert not {t for t in targets if t.split(".")[0] in ("core", "moe")}, module
-        if module.startswith("moe"):
-            assert not targets & ORCHESTRATION, module
+def test_the_room_rules_form_no_cycle_and_keep_moe_above_the_foundation():
+    assert find_cycle({room: set(targets) for room, targets in MAY_IMPORT.items()}) is None
+    foundation = {"core", "core.kernels", "core.parallel", "core.precision", "core.state"}
+    assert not any("moe" in MAY_IMPORT[room] for room in foundation)
+    assert not MAY_IMPORT["dataservice"] & (foundation | {"moe", "core.train"})
+    rooms = {room_of(module) for module in project_modules()}
+    assert rooms == set(MAY_IMPORT), f"rooms without a rule or rules without a room: {rooms ^ set(MAY_IMPORT)}"
+
+
+def test_core_keeps_at_most_fifteen_top_level_modules():
+    top = sorted(p.stem for p in (ROOT / "core").glob("*.py") if p.stem != "__init__")
+    assert len(top) <= 15, f"{len(top)} modules at core/'s top level: {top}"
+
+
+def test_config_is_a_leaf():
+    """core/config.py is the schema: it imports no project module."""
+    modules = project_modules()
+    found = imports_of("core.config", modules["core.config"], modules)
+    assert not found, f"core/config.py imports {sorted({target for target, _, _ in found})}"
+
+
+def test_no_test_module_imports_another():
+    """Tests share code through tests/support/, never by importing another test module."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            if any(name.startswith("tests.test_") or (name == "tests" and isinstance(node, ast.ImportFrom)
+                                                      and any(a.name.startswith("test_") for a in node.names))
+                   for name in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, "test modules importing test modules:\n" + "\n".join(offenders)
 
 
 def test_the_checker_catches_what_it_forbids(tmp_path):
     """Negative controls: the rules fire on an upward import, a local import and a cycle."""
-    assert layer_of("moe.layer") > layer_of("core.layers") and layer_of("core.train.model") > layer_of("moe.layer")
+    assert "moe" not in MAY_IMPORT[room_of("core.layers")] and "moe" in MAY_IMPORT[room_of("core.train.model")]
+    assert room_of("core.precision.blockwise") == "core.precision" and room_of("core.mesh") == "core"
+    assert room_of("core.train") == "core.train" and room_of("moe.layer") == "moe"
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     source = tmp_path / "moe" / "bad.py"

@@ -2,8 +2,8 @@
 same model and batches, records one line per workload in bench.harness's format, and every
 system learns. Where the initial weights are Tessera's (dense and packed long rows in Llama,
 the MoE in Glm4Moe), transformers' first loss equals Tessera's (fp32, rel 1e-5; 1e-4 for the MoE): the same model,
-data, targets and document boundaries; so do its losses after optimizer steps (1e-3 for the MoE). Peers not installed here (TorchTitan, torchao) are
-reported as not run; TorchTitan 0.2 runs on CUDA only, and so does Megatron-Core's training step:
+data, targets and document boundaries; so do its losses after optimizer steps (1e-3 for the MoE). Peers not installed here
+(TorchTitan, torchao) are reported as not run; TorchTitan 0.2 runs on CUDA only, and so does Megatron-Core's training step:
 its model, holding Tessera's weights through the bench's name and layout map, is checked here
 against Tessera's (same logits and token losses) where megatron-core is importable."""
 

@@ -160,7 +160,8 @@ def multi_tensor_adamw(tables: AdamWTables, masters: list[Tensor], grads: list[T
     bias1, bias2 = 1 - beta1**step, 1 - beta2**step
     _launch(_adamw_kernel, (block_tensor.numel(),), block_tensor, *rest,
             grad_scale if grad_scale is not None else block_tensor, lr, beta1, beta2, eps, lr / bias1, bias2**0.5,
-            HAS_SCALE=grad_scale is not None, OUT_KIND=tables.out_kind, SPLIT=lows is not None, ALIGNED=tables.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
+            HAS_SCALE=grad_scale is not None, OUT_KIND=tables.out_kind, SPLIT=lows is not None, ALIGNED=tables.aligned,
+            BLOCK=_BLOCK, num_warps=_WARPS)
 
 
 def split_master(master: Tensor) -> tuple[Tensor, Tensor]:

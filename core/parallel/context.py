@@ -252,8 +252,8 @@ def dynamic_cp_inputs(entry, tokens: torch.Tensor, labels: torch.Tensor, positio
     `meta.extra["cp_group"]` for `RingCoreAttention`."""
     start, size = int(entry.group_start), int(entry.group_size)
     group = subgroups.group(start, size)
-    t, l, p, cu = gather_documents(tokens, labels, position_ids, cu_seqlens, entry.docs)
-    out = shard_for_cp(t, l, p, cu, subgroups.index - start, size, pad_token=pad_token, multiple_of=multiple_of)
+    docs = gather_documents(tokens, labels, position_ids, cu_seqlens, entry.docs)
+    out = shard_for_cp(*docs, subgroups.index - start, size, pad_token=pad_token, multiple_of=multiple_of)
     if group is not None:
         out.meta.extra["cp_group"] = group
     return out

@@ -307,17 +307,17 @@ class RingAttentionFn(torch.autograd.Function):
             pending = ring.start(kv, _KV_TAG) if s + 1 < cp else None  # overlaps the block below
             j = (r - s) % cp
             if s == 0:
-                o, l = block_forward(q, k, v, L.cu_seqlens, L.cu_seqlens, L.max_seqlen, L.max_seqlen, True, scale, n)
-                out_acc, lse_acc = o.to(l.dtype), l
+                o, lse = block_forward(q, k, v, L.cu_seqlens, L.cu_seqlens, L.max_seqlen, L.max_seqlen, True, scale, n)
+                out_acc, lse_acc = o.to(lse.dtype), lse
             elif j < r:
                 k1, v1 = kv[0].index_select(0, L.first_idx), kv[1].index_select(0, L.first_idx)
-                o, l = block_forward(q, k1, v1, L.cu_seqlens, L.cu_half, L.max_seqlen, L.max_half, False, scale, n)
-                out_acc, lse_acc = _merge(out_acc, lse_acc, o, l)
+                o, lse = block_forward(q, k1, v1, L.cu_seqlens, L.cu_half, L.max_seqlen, L.max_half, False, scale, n)
+                out_acc, lse_acc = _merge(out_acc, lse_acc, o, lse)
             else:
                 idx = L.second_idx
-                o, l = block_forward(q.index_select(0, idx), kv[0], kv[1], L.cu_half, L.cu_seqlens, L.max_half,
+                o, lse = block_forward(q.index_select(0, idx), kv[0], kv[1], L.cu_half, L.cu_seqlens, L.max_half,
                                      L.max_seqlen, False, scale, n)
-                o2, l2 = _merge(out_acc.index_select(0, idx), lse_acc.index_select(1, idx), o, l)
+                o2, l2 = _merge(out_acc.index_select(0, idx), lse_acc.index_select(1, idx), o, lse)
                 out_acc.index_copy_(0, idx, o2)
                 lse_acc.index_copy_(1, idx, l2)
             if pending is not None:

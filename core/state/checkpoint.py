@@ -120,7 +120,8 @@ def _as_global(local: torch.Tensor, param: torch.Tensor, mesh: ParallelMesh, mes
     device_mesh = meshes[("expert" if with_dp else "expert_model") if expert else ("dense" if with_dp else "tp")]
     shape = _global_shape(param, mesh)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, device_mesh, _placements(param, zero_dim, with_dp), run_check=False, shape=torch.Size(shape), stride=stride)
+    return DTensor.from_local(local, device_mesh, _placements(param, zero_dim, with_dp), run_check=False, shape=torch.Size(shape),
+                              stride=stride)
 
 
 def _slice_tags(param: torch.Tensor) -> torch.Tensor:
@@ -169,7 +170,8 @@ def _slot_entries(optimizer) -> list[tuple[ParamSlot, str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------------- save
-def save_checkpoint(directory, step: int, model: nn.Module, optimizer, scheduler, mesh: ParallelMesh, extra: dict | None = None, keep: int = 2,
+def save_checkpoint(directory, step: int, model: nn.Module, optimizer, scheduler, mesh: ParallelMesh, extra: dict | None = None,
+                    keep: int = 2,
                     before_publish: Callable[[], None] | None = None) -> Path:
     """Collective: write a sharded checkpoint of step `step` atomically; returns its folder.
 
@@ -221,7 +223,8 @@ def _state_to_save(step: int, model: nn.Module, optimizer, scheduler, mesh: Para
         state[f"buffer.{bname}"] = buf
     if optimizer is not None:
         for slot, kind, tensor in _slot_entries(optimizer):
-            state[f"optim.{slot.name}.{kind}"] = _as_global(tensor.detach().contiguous(), slot.param, mesh, meshes, slot.shard_dim, with_dp=True)
+            state[f"optim.{slot.name}.{kind}"] = _as_global(tensor.detach().contiguous(), slot.param, mesh, meshes, slot.shard_dim,
+                                                            with_dp=True)
     state[_rng_key(mesh) + ".cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state[_rng_key(mesh) + ".cuda"] = torch.cuda.get_rng_state()
@@ -314,8 +317,8 @@ def _stallable_writer(path: str, step: int):
 class AsyncCheckpointer:
     """Checkpoints written by a background thread while training goes on.
 
-    `save` costs the step a barrier and a copy of this rank's state into host memory; a daemon thread then runs `dcp.save` over its own gloo group, so its
-    collectives never interleave with the training ones. DCP writes `.metadata` last, after
+    `save` costs the step a barrier and a copy of this rank's state into host memory; a daemon thread then runs
+    `dcp.save` over its own gloo group, so its collectives never interleave with the training ones. DCP writes `.metadata` last, after
     every rank's part, and rank 0's save returns only then: rank 0 publishes the folder (rename,
     `latest`) when it next polls. A save cut short (a killed rank, a failed write) stays
     `step_N.tmp` and is never loaded. One save is in flight at a time: the next `save` waits

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from core.config import Config, ConfigError
 from core.layers import AttentionMeta
 from core.mesh import ParallelMesh
-from dataservice.client import DataClient, DataServiceError, check_address, server_info
+from dataservice.client import DataClient, DataServiceError
+from dataservice.rpc import check_address, server_info
 from dataservice.server import MAX_MESSAGE_BYTES, MAX_SEQ_LEN, worst_case_message_bytes
 from dataservice.shards import MANIFEST_NAME, DatasetError, ShardedDataset
 
