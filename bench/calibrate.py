@@ -232,7 +232,7 @@ def measure_host(log, setup: Setup) -> dict[str, float]:
         h = torch.randn(tokens, cfg.dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
         set_moe_sequences(model, meta.cu_seqlens, tokens)
 
-        def step():
+        def step(block=block):  # bound now: the loop deletes its name after timing
             block(h, rope, meta).float().sum().backward()
 
         for _ in range(3):
