@@ -18,7 +18,7 @@ from core.layers import AttentionMeta
 from core.train.model import build_model
 from core.parallel.recompute import apply_recompute
 from core.train.parallelize import COMPILE_BACKEND_ENV, compile_blocks
-from moe.layer import moe_metrics, set_moe_sequences
+from moe.layer import moe_metrics
 
 
 RECORDING_BACKEND = "tessera_record_graphs"
@@ -51,7 +51,6 @@ def _batch(seed: int, doc_lengths: list[int], vocab: int):
 
 def _loss_and_grads(model, batch):
     tokens, labels, positions, meta = batch
-    set_moe_sequences(model, meta.cu_seqlens)
     loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
     loss = loss_sum / count
     loss.backward()

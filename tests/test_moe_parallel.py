@@ -33,7 +33,7 @@ from core.mesh import ParallelMesh
 from core.layers import AttentionMeta
 from core.train.model import build_model
 from moe.dispatcher import build_dispatcher
-from moe.layer import moe_layers, set_moe_loss_scale, set_moe_sequences
+from moe.layer import moe_layers, set_moe_loss_scale
 from moe.parallel import apply_ep, reduce_moe_grads
 from moe.router import TopKRouter
 from tests.distributed import run_distributed
@@ -63,11 +63,9 @@ def _model(cfg: ModelConfig):
     return model
 
 
-def _run(model, batches, global_labels, tp_group, per_sequence):
+def _run(model, batches, global_labels, tp_group):
     loss = torch.zeros(())
     for tokens, positions, labels, meta in batches:
-        if per_sequence:
-            set_moe_sequences(model, meta.cu_seqlens)
         part, _ = cross_entropy_sum(model(tokens, positions, meta), labels, tp_group)
         (part / global_labels).backward()
         loss += part.detach()
@@ -99,11 +97,10 @@ def _parity_worker(rank, world, scenarios):
         tp_group = mesh.group("tp") if tp > 1 else None
         all_batches = [[_batch(cfg.vocab_size, d, m) for m in range(micro)] for d in range(dp)]
         global_labels = float(sum((b[2] != -100).sum() for bs in all_batches for b in bs))
-        per_seq = moe.aux_loss_per_sequence
 
         ref = _model(cfg)
         set_moe_loss_scale(ref, micro * dp)
-        ref_loss = sum(_run(ref, bs, global_labels, None, per_seq) for bs in all_batches)
+        ref_loss = sum(_run(ref, bs, global_labels, None) for bs in all_batches)
 
         model = _model(cfg)
         if tp > 1:
@@ -117,7 +114,7 @@ def _parity_worker(rank, world, scenarios):
             rows.add_(args[0].shape[0])
 
         hooks = [m.experts.register_forward_hook(count_rows) for m in moe_layers(model)]
-        loss = _run(model, all_batches[mesh.coordinate("dp")], global_labels, tp_group, per_seq)
+        loss = _run(model, all_batches[mesh.coordinate("dp")], global_labels, tp_group)
         for h in hooks:
             h.remove()
         if tp > 1:

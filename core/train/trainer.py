@@ -48,7 +48,7 @@ from core.train.parallelize import parallelize
 from core.state.pretrained import load_weights
 from core.watchdog import Watchdog
 from moe.comm import EXCHANGE_TIMER
-from moe.layer import set_moe_loss_scale, set_moe_sequences, summarize_moe_stats, take_moe_stats
+from moe.layer import set_moe_loss_scale, summarize_moe_stats, take_moe_stats
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +198,6 @@ class Trainer:
                     # the previous micro-batch's backward is done: its graphs' outputs may be
                     # overwritten (without this, replays wait for it and fall back to slow paths)
                     torch.compiler.cudagraph_mark_step_begin()
-                if self.config.model.moe.num_experts:
-                    set_moe_sequences(self.model, m.meta.cu_seqlens, m.tokens.numel())
                 with self.grads.sync_context(last=i == len(micro) - 1):
                     with self.autocast:
                         if self.fused_loss:
@@ -314,8 +312,6 @@ class Trainer:
             with torch.no_grad():
                 for m in self._eval_micro_batches(batches, e.steps):
                     self.watchdog.enter("evaluation")
-                    if self.config.model.moe.num_experts:
-                        set_moe_sequences(self.model, m.meta.cu_seqlens, m.tokens.numel())
                     with self.autocast:
                         logits = self.model(m.tokens, m.position_ids, m.meta)
                     sums[0] += cross_entropy_sum(logits, m.labels, self.tp_group)[0].double()
