@@ -47,7 +47,8 @@ from core.layers import AttentionMeta
 from core.metrics import PEAK_FLOPS, flops_per_token
 from core.train.model import build_model, count_params
 from core.train.trainer import Trainer
-from moe.layer import moe_layers, moe_metrics, update_expert_bias
+from moe.layer import moe_layers, update_expert_bias
+from moe.stats import moe_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("baseline", "tessera")

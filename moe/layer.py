@@ -32,9 +32,10 @@ backward and pipeline schedules that run several micro-batches' forwards before 
 backwards each see their own micro-batch's boundaries. Only the eager dispatch (`_route`)
 reads it, so its per-batch values are no guards of the compiled block.
 
-Metrics: `moe_metrics(model)` returns this rank's statistics since its last call and resets
-them (see its docstring); `update_expert_bias(model, mesh)` runs the auxiliary-loss-free
-balancing step once per optimizer step.
+Statistics: each layer counts, over its training forwards since the last read, its expert
+loads, drops and loss values (`take_stats`); `moe.stats` turns them into metrics, summed
+over every rank and pipeline stage. `update_expert_bias(model, mesh)` runs the
+auxiliary-loss-free balancing step once per optimizer step.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from core.parallel.comm import (
     reduce_scatter_tokens,
     split_tokens,
 )
-from moe.comm import EXCHANGE_TIMER
 from moe.dispatcher import build_dispatcher
 from moe.experts import GroupedExperts
 from moe.router import Routing, TopKRouter, balancing_loss_from_stats, balancing_stats, check_moe_config, sequence_ids
@@ -271,28 +271,11 @@ class MoELayer(nn.Module):
 
     def take_stats(self) -> dict:
         """This rank's raw statistics since the last call, copied towards the host without
-        waiting (`summarize_stats` reads them); resets them."""
+        waiting (`moe.stats` packs and reads them); resets them."""
         s, self._stats = self._stats, {}
         return {name: value.to("cpu", non_blocking=True) if isinstance(value, torch.Tensor) else value
                 for name, value in s.items()}
 
-    @staticmethod
-    def summarize_stats(s: dict) -> dict:
-        """The metrics of a `take_stats` (see `moe_metrics`), once its copies have landed."""
-        if not s:
-            return {}
-        forwards = float(s["forwards"])
-        counts = s["tokens_per_expert"].tolist()
-        mean = sum(counts) / len(counts)
-        out = {
-            "tokens_per_expert": counts,
-            "max_mean_load": (max(counts) / mean) if mean > 0 else 0.0,
-            "dropped_frac": float(s.get("dropped", 0)) / max(float(s["assignments"]), 1.0),
-        }
-        for name in ("aux_loss", "z_loss"):
-            if name in s:
-                out[name] = float(s[name]) / forwards
-        return out
 
 # --------------------------------------------------------------- model-level API
 def moe_layers(model: nn.Module) -> list[MoELayer]:
@@ -306,56 +289,6 @@ def set_moe_loss_scale(model: nn.Module, num_losses: int | float) -> None:
         raise ValueError(f"set_moe_loss_scale: num_losses must be > 0 (micro-batches x dp x cp), got {num_losses}")
     for layer in moe_layers(model):
         layer.aux_loss_divisor = float(num_losses)
-
-
-def moe_metrics(model: nn.Module) -> dict:
-    """Per MoE layer, over the forwards since the last call, on this rank's tokens (no
-    collectives, so any rank may call it alone); the training loop merges the dict into
-    its metrics record each step:
-
-      moe/layer{i}/tokens_per_expert  list of assignments per expert (all E, before drops)
-      moe/layer{i}/max_mean_load      max / mean of that list (1.0 = perfectly balanced)
-      moe/layer{i}/aux_loss           balancing loss, mean over forwards (1.0 = balanced), without coeff
-      moe/layer{i}/z_loss             router z-loss, mean over forwards, without coeff
-      moe/layer{i}/dropped_frac       fraction of assignments dropped by capacity (0 dropless)
-      moe/max_mean_load               worst layer's max_mean_load
-      moe/aux_loss_term               sum over layers of aux_coeff*aux_loss + z_coeff*z_loss
-      moe/all_to_all_s                seconds in the token all-to-alls of all layers (when the
-                                      loop has turned moe.comm.EXCHANGE_TIMER on: expert parallelism)
-    """
-    taken = take_moe_stats(model)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.current_stream().synchronize()  # the copies `take_moe_stats` started
-    return summarize_moe_stats(taken)
-
-
-def take_moe_stats(model: nn.Module) -> tuple:
-    """Every MoE layer's raw statistics (and the all-to-all timer's events) since the last call,
-    on their way to the host without a sync: a training loop takes them at the end of a step
-    and summarises them once that step is done, while the next one already runs."""
-    layers = moe_layers(model)
-    taken = [(layer.layer_id, layer.moe, layer.take_stats()) for layer in layers]
-    exchange = EXCHANGE_TIMER.take() if EXCHANGE_TIMER.enabled and layers else None
-    return taken, exchange
-
-
-def summarize_moe_stats(taken: tuple) -> dict:
-    """`moe_metrics` of a `take_moe_stats`, after its step has finished on the device."""
-    layers, exchange = taken
-    metrics, worst, term = {}, 0.0, 0.0
-    for layer_id, moe, raw in layers:
-        stats = MoELayer.summarize_stats(raw)
-        for name, value in stats.items():
-            metrics[f"moe/layer{layer_id}/{name}"] = value
-        if stats:
-            worst = max(worst, stats["max_mean_load"])
-            term += moe.aux_loss_coeff * stats.get("aux_loss", 0.0) + moe.z_loss_coeff * stats.get("z_loss", 0.0)
-    if metrics:
-        metrics["moe/max_mean_load"] = worst
-        metrics["moe/aux_loss_term"] = term
-    if exchange is not None:  # a pipeline stage without MoE layers has none to time
-        metrics["moe/all_to_all_s"] = EXCHANGE_TIMER.seconds(exchange)
-    return metrics
 
 
 @torch.no_grad()

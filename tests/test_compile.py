@@ -18,7 +18,7 @@ from core.layers import AttentionMeta
 from core.train.model import build_model
 from core.parallel.recompute import apply_recompute
 from core.train.parallelize import COMPILE_BACKEND_ENV, compile_blocks
-from moe.layer import moe_metrics
+from moe.stats import moe_metrics
 
 
 RECORDING_BACKEND = "tessera_record_graphs"

@@ -20,7 +20,8 @@ from core.layers import AttentionMeta
 from core.train.model import build_model
 from moe.dispatcher import AllGatherDispatcher, build_dispatcher, sort_by_expert
 from moe.experts import GroupedExperts, grouped_mm, grouped_mm_loop
-from moe.layer import MoELayer, moe_metrics, set_moe_loss_scale, update_expert_bias
+from moe.layer import MoELayer, set_moe_loss_scale, update_expert_bias
+from moe.stats import MoEStatsLayout, moe_metrics, take_moe_stats
 from moe.router import (
     capacity_keep,
     check_moe_config,
@@ -435,6 +436,39 @@ def test_moe_metrics_keys_values_and_reset():
     model.eval()
     model(torch.randint(0, 64, (t,)), torch.arange(t), meta)
     assert moe_metrics(model) == {}  # evaluation forwards are not counted
+
+
+def test_statistics_summed_over_ranks_are_those_of_the_whole_batch():
+    """Two copies of a model each run part of a step's micro-batches (two data-parallel ranks,
+    in one process); their packed statistics, summed as the trainer sums them over ranks, read
+    as the metrics of one model that ran them all (reference: `moe_metrics` of that model): the
+    same loads, the same means (1e-6: fp32 sums). A rank holding some layers only (a pipeline
+    stage) leaves the others' slots empty; ranks recording the same tokens ("sharded" TP) are
+    divided out."""
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=3, num_heads=4, num_kv_heads=2, ffn_dim=64,
+                      moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=16, first_k_dense=1, aux_loss_coeff=0.01,
+                                    aux_loss_per_sequence=True, z_loss_coeff=1e-3))
+    ref, first, second = (build_model(cfg, seed=0) for _ in range(3))
+    t = 24
+    metas = [_meta(0, 24), _meta(0, 5, 24), _meta(0, 10, 16, 24)]
+    tokens = [torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for model, picked in ((ref, (0, 1, 2)), (first, (0, 1)), (second, (2,))):
+        for i in picked:
+            model(tokens[i], torch.arange(t), metas[i])
+    layout = MoEStatsLayout([(1, cfg.moe), (2, cfg.moe)])
+    summed = layout.pack(take_moe_stats(first)) + layout.pack(take_moe_stats(second))
+    got, want = layout.summarize(summed), moe_metrics(ref)
+    assert got.keys() == want.keys() and "moe/layer2/aux_loss" in want
+    for key, value in want.items():
+        assert got[key] == (value if isinstance(value, list) else pytest.approx(value, rel=1e-6)), key
+    assert layout.summarize(2 * summed) != got  # twice the tokens ...
+    assert MoEStatsLayout(layout.layers, copies=2).summarize(2 * summed) == got  # ... or each counted twice
+
+    stage = build_model(cfg, seed=0)
+    del stage.layers["1"]  # what a later pipeline stage holds
+    stage(tokens[0], torch.arange(t), metas[0])
+    alone = layout.summarize(layout.pack(take_moe_stats(stage)))
+    assert "moe/layer2/tokens_per_expert" in alone and not any(k.startswith("moe/layer1/") for k in alone)
 
 
 def test_aux_loss_free_bias_balances_skewed_input():

@@ -8,8 +8,9 @@ count, aux losses scaled by 1 / (micro-batches x dp) through `set_moe_loss_scale
 accumulated. The parallel run: each rank runs only its own micro-batches, then
 `sync_sequence_parallel_grads` (TP) and `reduce_moe_grads` (expert grads over "edp", the
 rest over "dp_cp"); every gradient must equal the reference's slice for this rank (experts
-[ep_rank * E/ep, ...), TP shards along `tp_shard_dim`), and the all-reduced loss the
-reference loss.
+[ep_rank * E/ep, ...), TP shards along `tp_shard_dim`), the all-reduced loss the
+reference loss, and the MoE statistics summed over all ranks (`moe.stats`, as the trainer
+sums them) the reference's: the same expert loads, the same mean losses.
 
 Tolerance: everything is fp32 on CPU. Parallelism only changes summation order: an expert's
 GEMM sums the tokens of several ranks at once, gradients are summed by all-reduce, TP splits
@@ -36,6 +37,7 @@ from moe.dispatcher import build_dispatcher
 from moe.layer import moe_layers, set_moe_loss_scale
 from moe.parallel import apply_ep, reduce_moe_grads
 from moe.router import TopKRouter
+from moe.stats import MoEStatsLayout, moe_metrics, take_moe_stats
 from tests.distributed import run_distributed
 
 RTOL = 1e-5
@@ -135,6 +137,12 @@ def _parity_worker(rank, world, scenarios):
         else:
             assert 0 < int(rows) < assigned, f"{name}: capacity {moe.capacity_factor} dropped nothing"
 
+        # The statistics, summed over all ranks as the trainer sums them, are the reference's.
+        layout = MoEStatsLayout.of_run(cfg, mesh, etp=sc.get("etp", 1), timed=False)
+        stats = layout.pack(take_moe_stats(model))
+        dist.all_reduce(stats)
+        check_stats(layout.summarize(stats), moe_metrics(ref), name)
+
         ref_grads = dict(ref.named_parameters())
         worst = 0.0
         ep_rank, tp_rank = mesh.coordinate("ep"), mesh.coordinate("tp")
@@ -148,6 +156,17 @@ def _parity_worker(rank, world, scenarios):
                 assert param.grad.abs().sum() > 0, f"{name}: router got no gradient"
         results[name] = worst
     return results
+
+
+def check_stats(got: dict, want: dict, name: str) -> None:
+    """MoE metrics of a parallel run against the single-process run's: the same keys, the same
+    loads (routing is the same: see the module docstring), the loss means to RTOL."""
+    assert got.keys() == want.keys() and want, f"{name}: {sorted(got)} vs {sorted(want)}"
+    for key, value in want.items():
+        if isinstance(value, list):
+            assert got[key] == value, f"{name} {key}: {got[key]} vs {value}"
+        else:
+            assert got[key] == pytest.approx(value, rel=RTOL, abs=1e-12), f"{name} {key}: {got[key]} vs {value}"
 
 
 def _report(results):
