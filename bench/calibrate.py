@@ -41,7 +41,6 @@ from core.layers import AttentionMeta, rotary_tables
 from core.train.model import build_model
 from core.planner.calibration import COLLECTIVES, Calibration, CalibrationError
 from moe.experts import expert_mm
-from moe.layer import set_moe_sequences
 
 MiB = 1 << 20
 
@@ -219,7 +218,8 @@ def measure_host(log, setup: Setup) -> dict[str, float]:
     out, dev = {}, setup.device
     tokens = 256
     pos = torch.arange(tokens, device=dev)
-    meta = AttentionMeta(cu_seqlens=torch.tensor([0, tokens], device=dev, dtype=torch.int32), max_seqlen=tokens)
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, tokens], device=dev, dtype=torch.int32), max_seqlen=tokens,
+                         total_tokens=tokens)
     for name, moe in (("dense", False), ("moe", True)):
         cfg = model_config(2, moe)
         if setup.model_dim:  # the smoke's small model (as bench.train_step --dim)
@@ -230,7 +230,6 @@ def measure_host(log, setup: Setup) -> dict[str, float]:
         block = model.layers["1"]  # the second block: MoE in the DeepSeek-like model
         rope = rotary_tables(pos, model.rope_inv_freq.to(dev), model.rope_scale)
         h = torch.randn(tokens, cfg.dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        set_moe_sequences(model, meta.cu_seqlens, tokens)
 
         def step(block=block):  # bound now: the loop deletes its name after timing
             block(h, rope, meta).float().sum().backward()

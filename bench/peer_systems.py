@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from bench.train_step import moe_step_hooks
+from bench.train_step import moe_after_step
 from core.precision import te_backend
 from core.config import Config, ModelConfig
 from core.train.data import StepInputs
@@ -301,14 +301,13 @@ def torchao_fp8(recipe: str) -> Callable[[Spec, Feed, dict], Built]:
 def _plain_loop(model: torch.nn.Module, spec: Spec, feed: Feed, what: str) -> Built:
     run = torch.compile(model) if spec.compile else model
     opt = _adamw(model.parameters(), spec)
-    before, after = moe_step_hooks(model, feed.pool[0].cu_seqlens)
+    after = moe_after_step(model)
     flat = {id(m): m.flat() for m in feed.pool}
 
     def step():
         total = None
         for _ in range(spec.accum):
             micro = flat[id(feed.next())]
-            before()
             with _autocast(spec):
                 logits = run(micro.tokens, micro.position_ids, micro.meta)
             loss = torch.nn.functional.cross_entropy(logits.float(), micro.labels, ignore_index=-100,

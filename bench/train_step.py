@@ -46,7 +46,8 @@ from core.layers import AttentionMeta
 from core.metrics import PEAK_FLOPS, flops_per_token
 from core.train.model import build_model, count_params
 from core.train.trainer import Trainer
-from moe.layer import moe_layers, moe_metrics, set_moe_sequences, update_expert_bias
+from moe.layer import moe_layers, update_expert_bias
+from moe.stats import moe_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("baseline", "tessera")
@@ -73,22 +74,22 @@ def synthetic_batch(batch: int, seq: int, vocab: int, device) -> StepInputs:
     labels = torch.roll(tokens, -1)
     positions = torch.arange(seq, device=device).repeat(batch)
     cu = torch.arange(0, batch * seq + 1, seq, dtype=torch.int32, device=device)
-    meta = AttentionMeta(cu_seqlens=cu, max_seqlen=seq)
+    meta = AttentionMeta(cu_seqlens=cu, max_seqlen=seq, total_tokens=batch * seq)
     return StepInputs(tokens, labels, positions, meta, num_tokens=float(batch * seq), num_labels=float(batch * seq))
 
 
-def moe_step_hooks(model, cu_seqlens):
-    """What a plain training loop does around a MoE step (no-ops for a dense model): per-sequence
-    balancing boundaries before the forward, the expert-bias update after the optimizer."""
+def moe_after_step(model):
+    """What a plain training loop does after a MoE step's optimizer (a no-op for a dense model):
+    the expert-bias update, and reading the statistics. (Sequence boundaries need nothing: the
+    layers read them from the meta the forward is given.)"""
     if not moe_layers(model):
-        return lambda: None, lambda: None
+        return lambda: None
 
     def after():
         update_expert_bias(model)
         moe_metrics(model)
 
-    num_tokens = int(cu_seqlens[-1])  # once, on the host, as a loop knows it
-    return lambda: set_moe_sequences(model, cu_seqlens, num_tokens), after
+    return after
 
 
 @dataclass
@@ -108,11 +109,10 @@ def baseline_side(cfg: ModelConfig, batch: StepInputs, compile_model: bool, accu
     model = build_model(cfg, seed=0).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     run = torch.compile(model) if compile_model else model
-    before, after = moe_step_hooks(model, batch.meta.cu_seqlens)
+    after = moe_after_step(model)
 
     def step():
         for _ in range(accum):
-            before()
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 logits = run(batch.tokens, batch.position_ids, batch.meta)
             loss = torch.nn.functional.cross_entropy(logits.float(), batch.labels) / accum

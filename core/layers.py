@@ -24,12 +24,21 @@ from core.kernels import fused
 
 @dataclass
 class AttentionMeta:
-    """What attention needs to know about the packed batch besides q, k, v."""
+    """What the layers need to know about a packed micro-batch besides its hidden states: the
+    document boundaries attention must not cross, which MoE layers also read to balance their
+    experts per sequence. Made once per micro-batch and handed to every layer as an argument of
+    its forward, so a recomputation or a pipeline schedule that runs micro-batches out of order
+    always sees the boundaries of the micro-batch it runs."""
 
     cu_seqlens: torch.Tensor  # int32 [segments + 1] over this rank's tokens
     max_seqlen: int
     extra: dict[str, Any] = field(default_factory=dict)  # context-parallel plans and the like
     doc_lengths: tuple[int, ...] | None = None  # cu_seqlens' segment lengths on the host, if known
+    total_tokens: int | None = None  # cu_seqlens[-1] on the host, if known: checks without a device sync
+
+    def __post_init__(self) -> None:
+        if self.total_tokens is None and self.doc_lengths is not None:
+            self.total_tokens = sum(self.doc_lengths)
 
 
 class RMSNorm(nn.Module):

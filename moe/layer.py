@@ -1,9 +1,10 @@
 """The MoE feed-forward layer: router -> dispatcher -> grouped experts -> combine (+ shared).
 
 `MoELayer(cfg, layer_id)` is what `core.train.model.TransformerBlock` puts in `feed_forward` on MoE
-layers; it is called as `layer(x)` with x [T, dim] and returns [T, dim]. It is a plain
-single-rank module until `moe.parallel.apply_ep` gives it an expert-parallel dispatcher and
-(with TP) its tensor-parallel mode.
+layers; it is called as `layer(x, meta)` with x [T, dim] and the micro-batch's
+`core.layers.AttentionMeta`, and returns [T, dim]. It is a plain single-rank module until
+`moe.parallel.apply_ep` gives it an expert-parallel dispatcher and (with TP) its
+tensor-parallel mode.
 
 Auxiliary losses without changing the model's signature. The balancing loss and z-loss are
 added to the objective through the backward pass: an autograd function passes the layer's
@@ -17,17 +18,24 @@ objective becomes
 where N = micro-batches per step x dp x cp ranks, and each local loss is that of one
 micro-batch on one data-parallel rank (the same as the single-process model computes on that
 micro-batch). Tensor parallelism needs no change to N: the layer divides the work itself.
-The loop states its N once: `set_moe_loss_scale(model, accum * dp * cp)`; the default
-N = 1 is right for one process and one micro-batch.
+N is a constant of the run (every rank runs the same number of micro-batches per step; the
+one layout where that varies, dynamic CP, refuses MoE), so the loop states it once:
+`set_moe_loss_scale(model, accum * dp * cp)`; the default N = 1 is right for one process and
+one micro-batch.
 
-Per-sequence balancing needs the sequence boundaries of the micro-batch this rank runs (the
-model's `meta.cu_seqlens`, also under sequence parallelism): the loop calls
-`set_moe_sequences(model, cu_seqlens)` before each forward (any boundaries it chooses: rows
-or documents).
+Per-batch data travels through `forward`. Per-sequence balancing needs the sequence
+boundaries of the micro-batch this rank runs: `meta.cu_seqlens` (over this rank's tokens:
+its context-parallel share; under sequence parallelism the whole micro-batch's, of which x
+is a shard), with `meta.total_tokens` their total on the host, so checking them costs no
+device sync. The meta is an argument, never state on the layer: recomputation in the
+backward and pipeline schedules that run several micro-batches' forwards before their
+backwards each see their own micro-batch's boundaries. Only the eager dispatch (`_route`)
+reads it, so its per-batch values are no guards of the compiled block.
 
-Metrics: `moe_metrics(model)` returns this rank's statistics since its last call and resets
-them (see its docstring); `update_expert_bias(model, mesh)` runs the auxiliary-loss-free
-balancing step once per optimizer step.
+Statistics: each layer counts, over its training forwards since the last read, its expert
+loads, drops and loss values (`take_stats`); `moe.stats` turns them into metrics, summed
+over every rank and pipeline stage. `update_expert_bias(model, mesh)` runs the
+auxiliary-loss-free balancing step once per optimizer step.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from torch import nn
 
 from core.config import ModelConfig
 from core.eager import eager_only
-from core.layers import FeedForward
+from core.layers import AttentionMeta, FeedForward
 from core.parallel.comm import (
     all_gather_tokens,
     all_reduce,
@@ -47,7 +55,6 @@ from core.parallel.comm import (
     reduce_scatter_tokens,
     split_tokens,
 )
-from moe.comm import ExchangeTimer
 from moe.dispatcher import build_dispatcher
 from moe.experts import GroupedExperts
 from moe.router import Routing, TopKRouter, balancing_loss_from_stats, balancing_stats, sequence_ids
@@ -92,19 +99,19 @@ class MoELayer(nn.Module):
         # the tokens, expert hidden sizes split).
         self.tp_mode, self.tp_group, self.tp_size, self.sequence_parallel = "none", None, 1, False
         self.aux_loss_divisor = 1.0
-        self.cu_seqlens: torch.Tensor | None = None
-        self.cu_total: int | None = None  # cu_seqlens[-1] known on the host: no sync to check it
         self.overlap_shared = True
         self._side_stream = None
         self.register_buffer("_bias_load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
         self._stats: dict[str, torch.Tensor | int] = {}
 
     # ----------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMeta | None = None) -> torch.Tensor:
+        """x [T, dim] -> [T, dim]. `meta`: the micro-batch's `AttentionMeta` (its sequence
+        boundaries), needed only with `aux_loss_per_sequence`."""
         x, token_offset = self._enter_tp(x)
         routing = self.router(x)
         shared = self._shared_start(x)
-        y, loss = self._route(x, routing, token_offset)
+        y, loss = self._route(x, routing, token_offset, meta)
         if shared is not None:
             y = y + self._shared_finish(*shared)
         if loss is not None and torch.is_grad_enabled() and loss.requires_grad:
@@ -116,18 +123,19 @@ class MoELayer(nn.Module):
     # Outside torch.compile, in one piece: the per-expert row counts change every batch, so
     # compiled, the dispatch recompiled on each new routing (and then ran with dynamic shapes);
     # its time is the opaque grouped GEMMs and the all-to-all, which compiling would not speed
-    # up. The per-sequence auxiliary loss depends on the batch's boundaries, and the statistics
-    # are a host-side dict whose state would be a guard. One eager piece, not three: each graph
+    # up. The per-sequence auxiliary loss depends on the batch's boundaries (the meta is read
+    # here only, so its per-batch values never become guards), and the statistics are a
+    # host-side dict whose state would be a guard. One eager piece, not three: each graph
     # break costs the host a compiled graph's entry and exit, forward and backward, per layer
     # and micro-batch. Router and shared experts stay in the block's compiled graphs.
     @eager_only
-    def _route(self, x: torch.Tensor, routing: Routing, token_offset: int):
+    def _route(self, x: torch.Tensor, routing: Routing, token_offset: int, meta: AttentionMeta | None):
         """(the routed experts' combined output, the auxiliary loss term to attach or None)."""
         expert_in, tokens_per_expert, row_weights = self.dispatcher.dispatch(x, routing)
         expert_out = self.experts(expert_in, tokens_per_expert, row_weights)
         # The balancing loss's small kernels after the expert GEMMs are queued: the host issues
         # them while the GPU runs the GEMMs, where issued first the GPU idled through them.
-        loss, parts = self._aux_loss(routing, token_offset, x.shape[0])
+        loss, parts = self._aux_loss(routing, token_offset, x.shape[0], meta)
         y = self.dispatcher.combine(expert_out)
         if self.training and not _in_recompute():
             self._record(routing, parts)
@@ -154,7 +162,7 @@ class MoELayer(nn.Module):
 
     # Runs inside `_route`, outside torch.compile: the per-sequence statistics are shaped by the
     # batch's document count (and check it on the host), so a compiled block recompiled per batch.
-    def _aux_loss(self, routing: Routing, token_offset: int, n: int):
+    def _aux_loss(self, routing: Routing, token_offset: int, n: int, meta: AttentionMeta | None):
         """(the loss term to attach or None, detached values for the metrics).
 
         In "split" TP mode x is one shard of the micro-batch: the counts (and, for the
@@ -170,7 +178,7 @@ class MoELayer(nn.Module):
         device = routing.probs.device
         if aux_on:
             if moe.aux_loss_per_sequence:
-                cu = self._boundaries(total).to(device)
+                cu = self._boundaries(meta, total).to(device)
                 nseq = cu.numel() - 1
                 counts, prob_sums = balancing_stats(routing.probs, routing.indices, sequence_ids(cu, token_offset, n), nseq)
                 lengths = cu[1:] - cu[:-1]
@@ -203,21 +211,20 @@ class MoELayer(nn.Module):
             loss = term if loss is None else loss + term
         return loss, parts
 
-    def _boundaries(self, total: int) -> torch.Tensor:
-        cu = self.cu_seqlens
-        if cu is None:
+    def _boundaries(self, meta: AttentionMeta | None, total: int) -> torch.Tensor:
+        if meta is None:
             raise ValueError(
                 f"MoE layer {self.layer_id}: model.moe.aux_loss_per_sequence needs the sequence boundaries; "
-                "call moe.layer.set_moe_sequences(model, cu_seqlens) before the forward"
+                "call the layer as layer(x, meta) with the micro-batch's AttentionMeta"
             )
-        cu = cu.to(dtype=torch.int64)
+        cu = meta.cu_seqlens.to(dtype=torch.int64)
         # Reading cu[-1] off the GPU is a host sync per layer (the GPU queue drains, then idles
-        # while the host catches up): callers that know the total pass it to set_moe_sequences.
-        covered = self.cu_total if self.cu_total is not None else int(cu[-1])
+        # while the host catches up): the training loop's metas carry the total on the host.
+        covered = meta.total_tokens if meta.total_tokens is not None else int(cu[-1])
         if covered != total:
             raise ValueError(
                 f"MoE layer {self.layer_id}: cu_seqlens covers {covered} tokens but the micro-batch has {total}; "
-                "pass the boundaries of this rank's micro-batch to set_moe_sequences"
+                "pass the AttentionMeta of this rank's micro-batch"
             )
         return cu
 
@@ -263,28 +270,11 @@ class MoELayer(nn.Module):
 
     def take_stats(self) -> dict:
         """This rank's raw statistics since the last call, copied towards the host without
-        waiting (`summarize_stats` reads them); resets them."""
+        waiting (`moe.stats` packs and reads them); resets them."""
         s, self._stats = self._stats, {}
         return {name: value.to("cpu", non_blocking=True) if isinstance(value, torch.Tensor) else value
                 for name, value in s.items()}
 
-    @staticmethod
-    def summarize_stats(s: dict) -> dict:
-        """The metrics of a `take_stats` (see `moe_metrics`), once its copies have landed."""
-        if not s:
-            return {}
-        forwards = float(s["forwards"])
-        counts = s["tokens_per_expert"].tolist()
-        mean = sum(counts) / len(counts)
-        out = {
-            "tokens_per_expert": counts,
-            "max_mean_load": (max(counts) / mean) if mean > 0 else 0.0,
-            "dropped_frac": float(s.get("dropped", 0)) / max(float(s["assignments"]), 1.0),
-        }
-        for name in ("aux_loss", "z_loss"):
-            if name in s:
-                out[name] = float(s[name]) / forwards
-        return out
 
 # --------------------------------------------------------------- model-level API
 def moe_layers(model: nn.Module) -> list[MoELayer]:
@@ -298,67 +288,6 @@ def set_moe_loss_scale(model: nn.Module, num_losses: int | float) -> None:
         raise ValueError(f"set_moe_loss_scale: num_losses must be > 0 (micro-batches x dp x cp), got {num_losses}")
     for layer in moe_layers(model):
         layer.aux_loss_divisor = float(num_losses)
-
-
-def set_moe_sequences(model: nn.Module, cu_seqlens: torch.Tensor | None, num_tokens: int | None = None) -> None:
-    """Sequence boundaries [S + 1] of the next micro-batch, for per-sequence balancing.
-
-    num_tokens: the micro-batch's token count (= cu_seqlens[-1]) when the caller knows it on
-    the host; without it each layer reads cu_seqlens[-1] from the device to check it."""
-    if num_tokens is None and cu_seqlens is not None and not cu_seqlens.is_cuda:
-        num_tokens = int(cu_seqlens[-1])
-    for layer in moe_layers(model):
-        layer.cu_seqlens, layer.cu_total = cu_seqlens, num_tokens
-
-
-def moe_metrics(model: nn.Module, exchange_timer: ExchangeTimer | None = None) -> dict:
-    """Per MoE layer, over the forwards since the last call, on this rank's tokens (no
-    collectives, so any rank may call it alone); the training loop merges the dict into
-    its metrics record each step:
-
-      moe/layer{i}/tokens_per_expert  list of assignments per expert (all E, before drops)
-      moe/layer{i}/max_mean_load      max / mean of that list (1.0 = perfectly balanced)
-      moe/layer{i}/aux_loss           balancing loss, mean over forwards (1.0 = balanced), without coeff
-      moe/layer{i}/z_loss             router z-loss, mean over forwards, without coeff
-      moe/layer{i}/dropped_frac       fraction of assignments dropped by capacity (0 dropless)
-      moe/max_mean_load               worst layer's max_mean_load
-      moe/aux_loss_term               sum over layers of aux_coeff*aux_loss + z_coeff*z_loss
-      moe/all_to_all_s                seconds in the token all-to-alls of all layers (with the
-                                      run's `exchange_timer`, which its dispatchers were built with)
-    """
-    taken = take_moe_stats(model, exchange_timer)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.current_stream().synchronize()  # the copies `take_moe_stats` started
-    return summarize_moe_stats(taken)
-
-
-def take_moe_stats(model: nn.Module, exchange_timer: ExchangeTimer | None = None) -> tuple:
-    """Every MoE layer's raw statistics (and `exchange_timer`'s events) since the last call,
-    on their way to the host without a sync: a training loop takes them at the end of a step
-    and summarises them once that step is done, while the next one already runs."""
-    layers = moe_layers(model)
-    taken = [(layer.layer_id, layer.moe, layer.take_stats()) for layer in layers]
-    exchange = exchange_timer.take() if exchange_timer is not None and layers else None
-    return taken, exchange
-
-
-def summarize_moe_stats(taken: tuple) -> dict:
-    """`moe_metrics` of a `take_moe_stats`, after its step has finished on the device."""
-    layers, exchange = taken
-    metrics, worst, term = {}, 0.0, 0.0
-    for layer_id, moe, raw in layers:
-        stats = MoELayer.summarize_stats(raw)
-        for name, value in stats.items():
-            metrics[f"moe/layer{layer_id}/{name}"] = value
-        if stats:
-            worst = max(worst, stats["max_mean_load"])
-            term += moe.aux_loss_coeff * stats.get("aux_loss", 0.0) + moe.z_loss_coeff * stats.get("z_loss", 0.0)
-    if metrics:
-        metrics["moe/max_mean_load"] = worst
-        metrics["moe/aux_loss_term"] = term
-    if exchange is not None:  # a pipeline stage without MoE layers has none to time
-        metrics["moe/all_to_all_s"] = ExchangeTimer.seconds(exchange)
-    return metrics
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from core.layers import AttentionMeta
 from core.train.model import build_model
 from core.parallel.recompute import apply_recompute
 from core.train.parallelize import COMPILE_BACKEND_ENV, compile_blocks
-from moe.layer import moe_metrics, set_moe_sequences
+from moe.stats import moe_metrics
 
 
 RECORDING_BACKEND = "tessera_record_graphs"
@@ -51,7 +51,6 @@ def _batch(seed: int, doc_lengths: list[int], vocab: int):
 
 def _loss_and_grads(model, batch):
     tokens, labels, positions, meta = batch
-    set_moe_sequences(model, meta.cu_seqlens)
     loss_sum, count = cross_entropy_sum(model(tokens, positions, meta), labels)
     loss = loss_sum / count
     loss.backward()
@@ -60,15 +59,19 @@ def _loss_and_grads(model, batch):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("with_moe", [False, True])
-def test_compiled_blocks_match_eager_without_recompiling(monkeypatch, with_moe):
+# mlp: the feed-forward and its norm recomputed under one checkpoint, which carries the MoE
+# layer's meta (the batch's boundaries) into the recomputation.
+@pytest.mark.parametrize("with_moe,recomputed", [(False, ()), (True, ()), (True, ("mlp",))],
+                         ids=["dense", "moe", "moe-mlp-recomputed"])
+def test_compiled_blocks_match_eager_without_recompiling(monkeypatch, with_moe, recomputed):
     import torch._dynamo
 
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
     cfg = _moe_config()
     if not with_moe:
         cfg.moe = MoEConfig()
-    eager, compiled = build_model(cfg, seed=5), build_model(cfg, seed=5)
+    eager = apply_recompute(build_model(cfg, seed=5), "none", recomputed)
+    compiled = apply_recompute(build_model(cfg, seed=5), "none", recomputed, compiled=True)
     torch._dynamo.reset()
     compile_blocks([compiled])
     # The same token count each micro-batch (the packer's contract), different documents,

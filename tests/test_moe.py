@@ -20,7 +20,8 @@ from core.layers import AttentionMeta
 from core.train.model import build_model
 from moe.dispatcher import AllGatherDispatcher, build_dispatcher, sort_by_expert
 from moe.experts import GroupedExperts, expert_mm, expert_mm_loop
-from moe.layer import MoELayer, moe_metrics, set_moe_loss_scale, set_moe_sequences, update_expert_bias
+from moe.layer import MoELayer, set_moe_loss_scale, update_expert_bias
+from moe.stats import MoEStatsLayout, moe_metrics, take_moe_stats
 from moe.router import (
     capacity_keep,
     expert_counts,
@@ -351,24 +352,53 @@ def test_aux_loss_gradient_is_coeff_over_num_losses():
         set_moe_loss_scale(torch.nn.ModuleList([layer]), 0)
 
 
+def _meta(*bounds: int, **fields) -> AttentionMeta:
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    return AttentionMeta(cu_seqlens=cu, max_seqlen=int(cu.diff().max()), **fields)
+
+
 def test_per_sequence_aux_loss_needs_and_uses_boundaries():
     layer = _layer(aux_loss_coeff=0.1, aux_loss_per_sequence=True)
     model = torch.nn.ModuleList([layer])
     x = torch.randn(30, 24, dtype=torch.float64)
-    with pytest.raises(ValueError, match="set_moe_sequences"):
+    with pytest.raises(ValueError, match=r"layer\(x, meta\)"):
         layer(x)
-    set_moe_sequences(model, torch.tensor([0, 12, 30], dtype=torch.int32))
-    layer(x)
+    layer(x, _meta(0, 12, 30))
     r = layer.router(x)
     expected = sequence_load_balancing_loss(r.probs, r.indices, torch.tensor([0, 12, 30]), 2)
     assert math.isclose(moe_metrics(model)["moe/layer1/aux_loss"], expected.item(), rel_tol=1e-9)
-    set_moe_sequences(model, torch.tensor([0, 29], dtype=torch.int32))
     with pytest.raises(ValueError, match="covers 29 tokens but the micro-batch has 30"):
-        layer(x)
-    # The count the caller states (the trainer's, known on the host) is the one checked.
-    set_moe_sequences(model, torch.tensor([0, 12, 30], dtype=torch.int32), num_tokens=28)
+        layer(x, _meta(0, 29))
+    # The total the meta states on the host (the trainer's: no device read) is the one checked,
+    # whether given or derived from the host's document lengths.
     with pytest.raises(ValueError, match="covers 28 tokens but the micro-batch has 30"):
-        layer(x)
+        layer(x, _meta(0, 12, 30, total_tokens=28))
+    with pytest.raises(ValueError, match="covers 27 tokens but the micro-batch has 30"):
+        layer(x, _meta(0, 12, 30, doc_lengths=(12, 15)))
+
+
+def test_each_micro_batch_in_a_model_balances_over_its_own_sequences():
+    """Two micro-batches of one step with different documents, through the whole model: each
+    forward's aux loss is that of its own boundaries (the per-sequence loss computed by hand
+    from the router's output on the hidden states the layer saw), not the other's."""
+    cfg = _cfg(aux_loss_coeff=0.1, aux_loss_per_sequence=True, first_k_dense=1)
+    model = build_model(cfg, seed=4).double()
+    layer = model.layers["1"].feed_forward
+    seen = []
+    layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    t = 30
+    metas = [_meta(0, 12, 30), _meta(0, 5, 9, 30)]
+    tokens = [torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for tok, meta in zip(tokens, metas):
+        model(tok, torch.arange(t), meta).sum().backward()
+    expected = []
+    for h, meta in zip(seen, metas):
+        r = layer.router(h)
+        cu = meta.cu_seqlens.long()
+        expected.append(sequence_load_balancing_loss(r.probs, r.indices, cu, 2).item())
+    assert expected[0] != pytest.approx(expected[1])  # the boundaries matter on these inputs
+    got = moe_metrics(model)["moe/layer1/aux_loss"]
+    assert math.isclose(got, sum(expected) / 2, rel_tol=1e-6), (got, expected)  # the statistics sum in fp32
 
 
 def test_moe_metrics_keys_values_and_reset():
@@ -392,6 +422,39 @@ def test_moe_metrics_keys_values_and_reset():
     model.eval()
     model(torch.randint(0, 64, (t,)), torch.arange(t), meta)
     assert moe_metrics(model) == {}  # evaluation forwards are not counted
+
+
+def test_statistics_summed_over_ranks_are_those_of_the_whole_batch():
+    """Two copies of a model each run part of a step's micro-batches (two data-parallel ranks,
+    in one process); their packed statistics, summed as the trainer sums them over ranks, read
+    as the metrics of one model that ran them all (reference: `moe_metrics` of that model): the
+    same loads, the same means (1e-6: fp32 sums). A rank holding some layers only (a pipeline
+    stage) leaves the others' slots empty; ranks recording the same tokens ("sharded" TP) are
+    divided out."""
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=3, num_heads=4, num_kv_heads=2, ffn_dim=64,
+                      moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=16, first_k_dense=1, aux_loss_coeff=0.01,
+                                    aux_loss_per_sequence=True, z_loss_coeff=1e-3))
+    ref, first, second = (build_model(cfg, seed=0) for _ in range(3))
+    t = 24
+    metas = [_meta(0, 24), _meta(0, 5, 24), _meta(0, 10, 16, 24)]
+    tokens = [torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for model, picked in ((ref, (0, 1, 2)), (first, (0, 1)), (second, (2,))):
+        for i in picked:
+            model(tokens[i], torch.arange(t), metas[i])
+    layout = MoEStatsLayout([(1, cfg.moe), (2, cfg.moe)])
+    summed = layout.pack(take_moe_stats(first)) + layout.pack(take_moe_stats(second))
+    got, want = layout.summarize(summed), moe_metrics(ref)
+    assert got.keys() == want.keys() and "moe/layer2/aux_loss" in want
+    for key, value in want.items():
+        assert got[key] == (value if isinstance(value, list) else pytest.approx(value, rel=1e-6)), key
+    assert layout.summarize(2 * summed) != got  # twice the tokens ...
+    assert MoEStatsLayout(layout.layers, copies=2).summarize(2 * summed) == got  # ... or each counted twice
+
+    stage = build_model(cfg, seed=0)
+    del stage.layers["1"]  # what a later pipeline stage holds
+    stage(tokens[0], torch.arange(t), metas[0])
+    alone = layout.summarize(layout.pack(take_moe_stats(stage)))
+    assert "moe/layer2/tokens_per_expert" in alone and not any(k.startswith("moe/layer1/") for k in alone)
 
 
 def test_aux_loss_free_bias_balances_skewed_input():
@@ -507,14 +570,15 @@ def test_layer_forward_and_backward_make_no_host_sync(per_sequence):
     layer = _layer(num_shared_experts=1, top_k=2, router="sigmoid", n_groups=4, topk_groups=2, aux_loss_coeff=1e-2,
                    z_loss_coeff=1e-3, aux_loss_per_sequence=per_sequence).to("cuda", torch.bfloat16)
     x = torch.randn(256, 24, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    if per_sequence:  # boundaries already on the device, their total known on the host
-        set_moe_sequences(layer, torch.tensor([0, 100, 256], device="cuda", dtype=torch.int32), 256)
+    # Boundaries already on the device, their total known on the host.
+    meta = AttentionMeta(cu_seqlens=torch.tensor([0, 100, 256], device="cuda", dtype=torch.int32), max_seqlen=156,
+                         total_tokens=256) if per_sequence else None
     layer.train()
-    layer(x).float().square().mean().backward()  # first call: lazy initialisation may sync
+    layer(x, meta).float().square().mean().backward()  # first call: lazy initialisation may sync
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        layer(x).float().square().mean().backward()
+        layer(x, meta).float().square().mean().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert x.grad is not None and torch.isfinite(x.grad.float()).all()

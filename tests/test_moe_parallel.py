@@ -8,8 +8,9 @@ count, aux losses scaled by 1 / (micro-batches x dp) through `set_moe_loss_scale
 accumulated. The parallel run: each rank runs only its own micro-batches, then
 `sync_sequence_parallel_grads` (TP) and `reduce_moe_grads` (expert grads over "edp", the
 rest over "dp_cp"); every gradient must equal the reference's slice for this rank (experts
-[ep_rank * E/ep, ...), TP shards along `tp_shard_dim`), and the all-reduced loss the
-reference loss.
+[ep_rank * E/ep, ...), TP shards along `tp_shard_dim`), the all-reduced loss the
+reference loss, and the MoE statistics summed over all ranks (`moe.stats`, as the trainer
+sums them) the reference's: the same expert loads, the same mean losses.
 
 Tolerance: everything is fp32 on CPU. Parallelism only changes summation order: an expert's
 GEMM sums the tokens of several ranks at once, gradients are summed by all-reduce, TP splits
@@ -31,9 +32,9 @@ from core.config import ModelConfig, MoEConfig
 from core.mesh import ParallelMesh
 from moe.comm import ExchangeTimer
 from moe.dispatcher import build_dispatcher
-from moe.layer import summarize_moe_stats, take_moe_stats
 from moe.parallel import apply_ep
 from moe.router import TopKRouter
+from moe.stats import MoEStatsLayout, take_moe_stats
 from tests.support.distributed import run_distributed
 from tests.support.moe_parity import parity_worker, report, parity_batch, parity_model, run_micro_batches
 
@@ -120,13 +121,13 @@ def _exchange_timer_worker(rank, world):
     apply_ep(timed, mesh, exchange_timer=timer)
     apply_ep(untimed, mesh)
     batch = [parity_batch(cfg.vocab_size, rank, 0)]
-    run_micro_batches(timed, batch, 1.0, None, False)
-    stats, exchange = take_moe_stats(timed, timer)
-    seconds = ExchangeTimer.seconds(exchange)
-    run_micro_batches(untimed, batch, 1.0, None, False)
+    run_micro_batches(timed, batch, 1.0, None)
+    taken = take_moe_stats(timed, timer)
+    seconds = ExchangeTimer.seconds(taken[1])
+    run_micro_batches(untimed, batch, 1.0, None)
     _, none = take_moe_stats(untimed)
-    return seconds > 0, none is None, timer.pop_seconds() == 0.0, "moe/all_to_all_s" in summarize_moe_stats(
-        (stats, exchange))
+    layout = MoEStatsLayout.of_model(timed, timed=True)
+    return seconds > 0, none is None, timer.pop_seconds() == 0.0, "moe/all_to_all_s" in layout.summarize(layout.pack(taken))
 
 
 @pytest.mark.slow

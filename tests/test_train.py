@@ -11,6 +11,7 @@ normaliser; DP sums gradients in another order), compounded over a few AdamW ste
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -114,12 +115,61 @@ def test_moe_layouts_match_single_process(tmp_path, dataset, moe_reference, name
     for step, loss in moe_reference.items():
         assert got[step] == pytest.approx(loss, rel=RTOL), (step, got, moe_reference)
     for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
-        # ep=2: every step spends some time in the token all-to-alls, and less than the step. The
-        # metrics are rank 0's: with pp=2 its stage holds only the dense first layer.
-        if name == "ep2xpp2":
-            assert "moe/all_to_all_s" not in record
-        else:
-            assert 0 < record["moe/all_to_all_s"] < record["step_s"], record
+        # ep=2: every step spends some time in the token all-to-alls, and less than the step
+        # (with pp=2 too: the metrics are every stage's, not rank 0's, whose holds no MoE layer).
+        assert 0 < record["moe/all_to_all_s"] < record["step_s"], record
+
+
+# Per-sequence balancing through the pipeline, and the MoE metrics of every rank and stage:
+# 4 layers (0 dense, 1-3 MoE), so each of two stages holds MoE layers. One row per micro-batch:
+# every layout then runs the reference's micro-batches (with two, dp=2 pairs other rows), and
+# the auxiliary losses, which are per micro-batch, are the same ones.
+PER_SEQUENCE = ["model.num_layers=4", "model.moe.aux_loss_per_sequence=true", "train.micro_batch_size=1"]
+MOE_METRIC_LAYOUTS = {
+    "pp2": (2, ["parallel.pp=2", "parallel.ep=1"]),
+    "pp2_interleaved_recompute": (2, ["parallel.pp=2", "parallel.ep=1", "parallel.pp_schedule=interleaved",
+                                      "parallel.pp_virtual_stages=2", "train.recompute=full"]),
+    "pp2xep2": (4, ["parallel.pp=2", "parallel.ep=2"]),
+    "dp2": (2, ["parallel.ep=1"]),
+}
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def per_sequence_reference(tmp_path_factory, train_dataset) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("moe-per-sequence-ref")
+    run_train(run_dir, train_dataset, 1, "parallel.ep=1", *PER_SEQUENCE, config=MOE_CONFIG)
+    return records(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MOE_METRIC_LAYOUTS)
+def test_moe_metrics_and_per_sequence_aux_match_single_process(tmp_path, dataset, per_sequence_reference, name):
+    """Per step, the loss and every logged MoE metric (each layer's loads, drops, aux and z
+    losses; the worst load, the aux term) equal the single-process run's: the loss to RTOL,
+    the MoE losses to 1e-5 relative (fp32 sums in another order; measured 2e-7), the loads
+    exactly (the same routing: weights that differ by rounding flip no choice on this data, and
+    a flip would fail loudly, not pass wrongly)."""
+    nproc, overrides = MOE_METRIC_LAYOUTS[name]
+    run_dir = tmp_path / "run"
+    run_train(run_dir, dataset, nproc, *overrides, *PER_SEQUENCE, config=MOE_CONFIG)
+    got, want = records(run_dir), per_sequence_reference
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=RTOL), (name, g["step"])
+        moe = {k for k in w if k.startswith("moe/")}
+        assert len([k for k in moe if k.endswith("/tokens_per_expert")]) == 3, sorted(moe)  # layers 1-3
+        assert {k for k in g if k.startswith("moe/")} - {"moe/all_to_all_s"} == moe, (name, sorted(g))
+        for key in moe:
+            if key.endswith("/tokens_per_expert"):
+                assert g[key] == w[key], (name, g["step"], key, g[key], w[key])
+            else:
+                assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-12), (name, g["step"], key, g[key], w[key])
+        if "parallel.ep=2" in overrides:  # both stages' exchanges, averaged over a stage's ranks
+            assert 0 < g["moe/all_to_all_s"] < g["step_s"], g
 
 
 @pytest.mark.slow

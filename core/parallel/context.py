@@ -145,7 +145,7 @@ def shard_for_cp(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch
     equal_docs = n if n and int(chunk.min()) == max_chunk else 0  # lets the ring use dense block kernels
     layout = CPLayout(cp_rank, cp_size, cu_local, cu_half, 2 * max_chunk, max_chunk, first,
                       first + torch.repeat_interleave(chunk, chunk, output_size=local // 2), equal_docs)
-    meta = AttentionMeta(cu_seqlens=cu_local, max_seqlen=layout.max_seqlen, extra={"cp": layout})
+    meta = AttentionMeta(cu_seqlens=cu_local, max_seqlen=layout.max_seqlen, extra={"cp": layout}, total_tokens=local)
     return CPInputs(local_tokens, local_labels, local_pos, meta, src)
 
 

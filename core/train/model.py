@@ -32,19 +32,24 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        if is_moe_layer(cfg, layer_id):
+        # An MoE layer reads the micro-batch's sequence boundaries (per-sequence balancing) from
+        # the meta it is handed; a dense FFN takes the hidden states alone.
+        self.routed = is_moe_layer(cfg, layer_id)
+        if self.routed:
             self.feed_forward = MoELayer(cfg, layer_id)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, meta)
+        args = (x, meta) if self.routed else (x,)
         if self.checkpoint_feed_forward:  # recomputed with its norm, the branch keeps only x
-            return x + checkpoint(self.feed_forward_branch, x, use_reentrant=False)
-        return x + self.feed_forward(self.ffn_norm(x))
+            return x + checkpoint(self.feed_forward_branch, *args, use_reentrant=False)
+        return x + self.feed_forward_branch(*args)
 
-    def feed_forward_branch(self, x: torch.Tensor) -> torch.Tensor:
-        return self.feed_forward(self.ffn_norm(x))
+    def feed_forward_branch(self, x: torch.Tensor, meta: AttentionMeta | None = None) -> torch.Tensor:
+        h = self.ffn_norm(x)
+        return self.feed_forward(h, meta) if self.routed else self.feed_forward(h)
 
 
 class GPT(nn.Module):

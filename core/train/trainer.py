@@ -51,7 +51,8 @@ from core.train.parallelize import parallelize
 from core.state.pretrained import load_weights
 from core.watchdog import Watchdog
 from moe.comm import ExchangeTimer
-from moe.layer import set_moe_loss_scale, set_moe_sequences, summarize_moe_stats, take_moe_stats
+from moe.layer import set_moe_loss_scale
+from moe.stats import MoEStatsLayout, take_moe_stats
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class StepResult:
     busy_marks: tuple = ()  # (start, end) of this rank's forward/backward: host times, or CUDA events
     step: int = 0
     host_values: torch.Tensor | None = None  # [loss_sum, grad_norm], copied to the host without waiting
-    moe_stats: tuple | None = None  # moe.layer.take_moe_stats at the step's end
+    moe_stats: tuple | None = None  # moe.stats.take_moe_stats at the step's end
     done: object = None  # the step's end: a CUDA event, or the host clock
 
 
@@ -101,8 +102,10 @@ class Trainer:
                                                                              self.plan, self.exchange_timer)
         self.accum = grad_accum_steps(config)
         self._shard = _context_sharder(config, self.mesh)
+        self.moe_stats = None  # where each MoE layer's statistics sit in the step's all-rank reduction
         if config.model.moe.num_experts:
             set_moe_loss_scale(self.model, self.accum * self.mesh.size("dp_cp"))
+            self.moe_stats = MoEStatsLayout.of_run(config.model, self.mesh, p.etp, self.exchange_timer is not None)
         self.tp_group = self.mesh.group("tp") if p.tp > 1 else None
         self.reduce_size = self.mesh.size("dp_cp")
         self.reduce_group = self.mesh.group("dp_cp") if self.reduce_size > 1 else None
@@ -178,7 +181,7 @@ class Trainer:
         self.grads.zero_grad()
         self.step_count += 1
         values = torch.stack([loss_sum.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
-        moe = take_moe_stats(self.model, self.exchange_timer) if self.config.model.moe.num_experts else None
+        moe = take_moe_stats(self.model, self.exchange_timer) if self.moe_stats is not None else None
         return StepResult(loss_sum, grad_norm, lr, global_labels, global_tokens, wait_sum, metrics, data_wait,
                           busy_marks, self.step_count, values.to("cpu", non_blocking=True), moe, self._mark())
 
@@ -205,8 +208,6 @@ class Trainer:
                     # the previous micro-batch's backward is done: its graphs' outputs may be
                     # overwritten (without this, replays wait for it and fall back to slow paths)
                     torch.compiler.cudagraph_mark_step_begin()
-                if self.config.model.moe.num_experts:
-                    set_moe_sequences(self.model, m.meta.cu_seqlens, m.tokens.numel())
                 with self.grads.sync_context(last=i == len(micro) - 1):
                     with self.autocast:
                         if self.fused_loss:
@@ -255,10 +256,10 @@ class Trainer:
             "mfu": (self.flops_per_token * result.global_tokens / elapsed / (peak * self.world)) if peak else None,
             "mem_gb": (torch.cuda.max_memory_allocated() / 2**30) if self.device.type == "cuda" else _rss_gb(),
         }
-        record.update(self._busy_over_ranks(result))
+        busy, moe = self._over_all_ranks(result)
+        record.update(busy)
         record.update(result.metrics)
-        if result.moe_stats is not None:
-            record.update(summarize_moe_stats(result.moe_stats))
+        record.update(moe)
         return record
 
     @staticmethod
@@ -270,24 +271,30 @@ class Trainer:
             return result.data_wait + result.busy_marks[0].elapsed_time(done) / 1e3
         return done - step_start
 
-    def _busy_over_ranks(self, result: StepResult) -> dict:
-        """Stragglers: each rank's own time in the step before it waits for its data-parallel
+    def _over_all_ranks(self, result: StepResult) -> tuple[dict, dict]:
+        """(stragglers, MoE statistics), from one all-reduce over every rank of host values.
+
+        Stragglers: each rank's own time in the step before it waits for its data-parallel
         peers (its data wait + its forward/backward), gathered over every rank: min, median, max
         and the slowest rank. Model-parallel peers (tp, cp, ep, pp) wait for each other inside
-        forward/backward, so a slow one raises its whole group."""
-        if not result.busy_marks:
-            return {}
-        start, end = result.busy_marks
-        busy = result.data_wait + (end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3)
-        times = [busy]
+        forward/backward, so a slow one raises its whole group.
+        MoE: every layer's statistics summed over all ranks and pipeline stages (`moe.stats`),
+        so they are the global batch's, not one rank's or one stage's."""
+        moe = self.moe_stats.pack(result.moe_stats) if result.moe_stats is not None else torch.zeros(0)
+        vector = torch.cat([torch.zeros(self.world, dtype=torch.float64), moe.double()])
+        if result.busy_marks:
+            start, end = result.busy_marks
+            vector[self.rank] = result.data_wait + (end - start if isinstance(start, float)
+                                                    else start.elapsed_time(end) / 1e3)
         if self.host_world is not None:
-            vector = torch.zeros(self.world, dtype=torch.float64)
-            vector[self.rank] = busy
             dist.all_reduce(vector, group=self.host_world)
-            times = vector.tolist()
-        slowest = max(range(len(times)), key=times.__getitem__)
-        return {"busy_s_min": min(times), "busy_s_median": statistics.median(times), "busy_s_max": times[slowest],
-                "slowest_rank": slowest}
+        busy = {}
+        if result.busy_marks:
+            times = vector[:self.world].tolist()
+            slowest = max(range(len(times)), key=times.__getitem__)
+            busy = {"busy_s_min": min(times), "busy_s_median": statistics.median(times), "busy_s_max": times[slowest],
+                    "slowest_rank": slowest}
+        return busy, (self.moe_stats.summarize(vector[self.world:]) if result.moe_stats is not None else {})
 
     def _sum_over_data_ranks(self, values: list[float]) -> list[float]:
         if self.host_reduce_group is None:
@@ -321,8 +328,6 @@ class Trainer:
             with torch.no_grad():
                 for m in self._eval_micro_batches(batches, e.steps):
                     self.watchdog.enter("evaluation")
-                    if self.config.model.moe.num_experts:
-                        set_moe_sequences(self.model, m.meta.cu_seqlens, m.tokens.numel())
                     with self.autocast:
                         logits = self.model(m.tokens, m.position_ids, m.meta)
                     sums[0] += cross_entropy_sum(logits, m.labels, self.tp_group)[0].double()

@@ -6,12 +6,14 @@ data-parallel rank's micro-batches one after another (the aux losses are per mic
 loss = sum(token CE) / global label count, aux losses scaled by 1 / (micro-batches x dp),
 gradients accumulated; the parallel model runs only this rank's micro-batches, then
 `sync_sequence_parallel_grads` (TP) and `reduce_moe_grads`; every gradient must equal the
-reference's slice for this rank. Tolerance (RTOL, with an absolute floor of 1e-6 x the
+reference's slice for this rank, and the MoE statistics summed over all ranks (`moe.stats`, as
+the trainer sums them) the reference's. Tolerance (RTOL, with an absolute floor of 1e-6 x the
 largest reference gradient of the tensor): tests/test_moe_parallel.py's docstring says why.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -21,8 +23,9 @@ from core.mesh import ParallelMesh
 from core.parallel.tensor import apply_tp, sync_sequence_parallel_grads
 from core.train.loss import cross_entropy_sum
 from core.train.model import build_model
-from moe.layer import moe_layers, set_moe_loss_scale, set_moe_sequences
+from moe.layer import moe_layers, set_moe_loss_scale
 from moe.parallel import apply_ep, reduce_moe_grads
+from moe.stats import MoEStatsLayout, moe_metrics, take_moe_stats
 
 RTOL = 1e-5
 T = 32  # tokens per micro-batch: divisible by tp (sequence parallelism) and by tp again (split)
@@ -49,11 +52,9 @@ def parity_model(cfg: ModelConfig):
     return model
 
 
-def run_micro_batches(model, batches, global_labels, tp_group, per_sequence):
+def run_micro_batches(model, batches, global_labels, tp_group):
     loss = torch.zeros(())
     for tokens, positions, labels, meta in batches:
-        if per_sequence:
-            set_moe_sequences(model, meta.cu_seqlens)
         part, _ = cross_entropy_sum(model(tokens, positions, meta), labels, tp_group)
         (part / global_labels).backward()
         loss += part.detach()
@@ -88,11 +89,10 @@ def parity_worker(rank, world, scenarios):
         tp_group = mesh.group("tp") if tp > 1 else None
         all_batches = [[parity_batch(cfg.vocab_size, d, m) for m in range(micro)] for d in range(dp)]
         global_labels = float(sum((b[2] != -100).sum() for bs in all_batches for b in bs))
-        per_seq = moe.aux_loss_per_sequence
 
         ref = parity_model(cfg)
         set_moe_loss_scale(ref, micro * dp)
-        ref_loss = sum(run_micro_batches(ref, bs, global_labels, None, per_seq) for bs in all_batches)
+        ref_loss = sum(run_micro_batches(ref, bs, global_labels, None) for bs in all_batches)
 
         model = parity_model(cfg)
         if tp > 1:
@@ -104,7 +104,7 @@ def parity_worker(rank, world, scenarios):
             rows.add_(args[0].shape[0])
 
         hooks = [m.experts.register_forward_hook(count_rows) for m in moe_layers(model)]
-        loss = run_micro_batches(model, all_batches[mesh.coordinate("dp")], global_labels, tp_group, per_seq)
+        loss = run_micro_batches(model, all_batches[mesh.coordinate("dp")], global_labels, tp_group)
         for h in hooks:
             h.remove()
         if tp > 1:
@@ -123,6 +123,12 @@ def parity_worker(rank, world, scenarios):
         else:
             assert 0 < int(rows) < assigned, f"{name}: capacity {moe.capacity_factor} dropped nothing"
 
+        # The statistics, summed over all ranks as the trainer sums them, are the reference's.
+        layout = MoEStatsLayout.of_run(cfg, mesh, etp=sc.get("etp", 1), timed=False)
+        stats = layout.pack(take_moe_stats(model))
+        dist.all_reduce(stats)
+        check_stats(layout.summarize(stats), moe_metrics(ref), name)
+
         ref_grads = dict(ref.named_parameters())
         worst = 0.0
         ep_rank, tp_rank = mesh.coordinate("ep"), mesh.coordinate("tp")
@@ -138,6 +144,17 @@ def parity_worker(rank, world, scenarios):
                 assert param.grad.abs().sum() > 0, f"{name}: router got no gradient"
         results[name] = worst
     return results
+
+
+def check_stats(got: dict, want: dict, name: str) -> None:
+    """MoE metrics of a parallel run against the single-process run's: the same keys, the same
+    loads (routing is the same: see the module docstring), the loss means to RTOL."""
+    assert got.keys() == want.keys() and want, f"{name}: {sorted(got)} vs {sorted(want)}"
+    for key, value in want.items():
+        if isinstance(value, list):
+            assert got[key] == value, f"{name} {key}: {got[key]} vs {value}"
+        else:
+            assert got[key] == pytest.approx(value, rel=RTOL, abs=1e-12), f"{name} {key}: {got[key]} vs {value}"
 
 
 def report(results):
