@@ -149,25 +149,31 @@ class MetricsWriter:
         return None
 
     def _plot(self) -> Path:
-        import matplotlib
+        return plot_losses(self.run_dir, self.history)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        steps = [r["step"] for r in self.history]
-        losses = [r["loss"] for r in self.history]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(steps, losses, marker="." if len(steps) < 100 else None, label="training")
-        evals = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
-        if evals:
-            ax.plot(*zip(*evals), marker="o", label="validation")
-            ax.legend()
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.set_title(f"Tessera: {self.run_dir.name}")
-        ax.grid(alpha=0.3)
-        path = self.run_dir / "loss.png"
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path
+def plot_losses(run_dir: Path, records: list[dict]) -> Path:
+    """RUN_DIR/loss.png: the training loss of `records` by step, and the validation loss where
+    they have one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    losses = [r["loss"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, losses, marker="." if len(steps) < 100 else None, label="training")
+    evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if evals:
+        ax.plot(*zip(*evals), marker="o", label="validation")
+        ax.legend()
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"Tessera: {Path(run_dir).name}")
+    ax.grid(alpha=0.3)
+    path = Path(run_dir) / "loss.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     if launch is not None:
         run_dir, ckpt_dir = _paths(config)
         if launch.rendezvous.multi_node:  # the workers' rank 0 takes the directory, wherever it runs
-            return launch_local(launch, worker_flags, run_dir, ckpt_dir)
+            return launch_local(launch, worker_flags, run_dir, ckpt_dir)  # rank 0 draws the plot
         try:
             lock = _take_run_dir(config, resume, args.overwrite, note, launch)
         except (ConfigError, RunDirError) as err:
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # The workers read the saved effective config: nothing is resolved twice.
             return launch_local(launch, ["--config", str(run_dir / CONFIG_NAME)] + (["--resume"] if resume else []),
-                                run_dir, ckpt_dir)
+                                run_dir, ckpt_dir, plot=config.train.plot)
         finally:
             lock.release()
     return _run_worker(config, resume, args.overwrite, note)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from core.state.checkpoint import latest_checkpoint, step_of
 from core.lifecycle import STOP_SIGNALS, become_subreaper, descendants_of, die_with_parent, signal_all
-from core.metrics import read_metrics
+from core.metrics import plot_losses, read_metrics
 from core.train.launch_shape import LAUNCH_ENV, Launch
 from core.train.rundir import LOCK_OWNER_ENV, METRICS_NAME, remove_partial_checkpoints
 
@@ -94,13 +94,28 @@ def _reap() -> None:
             return
 
 
-def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir: Path) -> int:
+def _plot_if_stale(run_dir: Path) -> None:
+    """loss.png of the steps in metrics.jsonl, unless rank 0 drew it after the last record."""
+    metrics, plot = run_dir / METRICS_NAME, run_dir / "loss.png"
+    if not metrics.exists() or (plot.exists() and plot.stat().st_mtime_ns >= metrics.stat().st_mtime_ns):
+        return
+    records = read_metrics(metrics)
+    if records:
+        try:
+            plot_losses(run_dir, records)
+        except Exception as err:  # never hides why the run ended
+            print(f"tessera-train: loss.png not drawn: {err}", file=sys.stderr, flush=True)
+
+
+def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir: Path, plot: bool = False) -> int:
     """Run `python -m core.train.cli WORKER_ARGV` on `launch.nproc_per_node` ranks of this node;
     returns the exit code.
 
     On one node the launcher holds the run directory for its workers and sweeps partial saves
     at the end; with several nodes the workers' rank 0 holds it (no launcher knows when the
-    others' workers are done) and saves the launch shape it is handed."""
+    others' workers are done) and saves the launch shape it is handed. `plot` (train.plot): after
+    a stop or a failure the launcher draws loss.png where rank 0 could not (torchrun may end it
+    mid-plot once another rank has gone)."""
     rendezvous = launch.rendezvous
     become_subreaper()
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun_args(),
@@ -152,6 +167,8 @@ def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir
         if not rendezvous.multi_node:
             # Every process of the run is gone: a save they were in the middle of is swept now.
             remove_partial_checkpoints(ckpt_dir)
+            if plot and (received or code != 0):
+                _plot_if_stale(run_dir)
         relay.join(timeout=5)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
