@@ -42,6 +42,7 @@ from core.train.model import build_model
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs, shard_for_cp
 from core.parallel.ring_attention import block_backward, block_forward, ring_attention
 from dataservice.cp_plan import CostModel, H200_COST, plan_static, plan_cp_step
+from dataservice.packing import IGNORE_INDEX
 
 
 def emit(record: dict, device) -> None:
@@ -192,7 +193,7 @@ def make_step(model_cfg, lengths, device, seed=0):
     starts = torch.repeat_interleave(cu[:-1].long(), torch.as_tensor(lengths))
     positions = torch.arange(total) - starts
     labels = torch.roll(tokens, -1)
-    labels[cu[1:].long() - 1] = -100
+    labels[cu[1:].long() - 1] = IGNORE_INDEX
     return [t.to(device) for t in (tokens, labels, positions, cu)]
 
 

@@ -36,6 +36,7 @@ from core.train.data import StepInputs
 from core.layers import AttentionMeta
 from core.train.model import build_model, count_params
 from core.train.trainer import Trainer
+from dataservice.packing import IGNORE_INDEX
 from interop.families import tensor_map
 
 EOS = 0  # the token that ends every document (TorchTitan finds boundaries by it)
@@ -310,7 +311,7 @@ def _plain_loop(model: torch.nn.Module, spec: Spec, feed: Feed, what: str) -> Bu
             micro = flat[id(feed.next())]
             with _autocast(spec):
                 logits = run(micro.tokens, micro.position_ids, micro.meta)
-            loss = torch.nn.functional.cross_entropy(logits.float(), micro.labels, ignore_index=-100,
+            loss = torch.nn.functional.cross_entropy(logits.float(), micro.labels, ignore_index=IGNORE_INDEX,
                                                      reduction="sum") / (micro.num_labels * spec.accum)
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
@@ -719,7 +720,7 @@ def megatron_core(spec: Spec, feed: Feed, weights) -> Built:
             shape = (1, -1) if spec.packed else micro.tokens.shape
             batch = {"input_ids": micro.tokens.reshape(shape), "position_ids": micro.positions.reshape(shape),
                      "labels": micro.targets.clamp(min=0).reshape(shape),
-                     "mask": (micro.targets != -100).reshape(-1).float()}
+                     "mask": (micro.targets != IGNORE_INDEX).reshape(-1).float()}
             batch["count"] = batch["mask"].sum().to(torch.int)
             if spec.packed:
                 batch["packed_seq_params"] = packing.PackedSeqParams(

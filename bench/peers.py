@@ -82,6 +82,7 @@ from core.config import FP8_RECIPES, ModelConfig, MoEConfig
 from core.rules import RECOMPUTE_MODULES
 from core.metrics import PEAK_FLOPS, flops_per_token
 from core.train.model import build_model
+from dataservice.packing import IGNORE_INDEX
 
 SYSTEMS = {"tessera": tessera, "megatron": megatron_core, "torchtitan": torchtitan,
            "torchao-rowwise": torchao_fp8("rowwise"), "torchao-tensorwise": torchao_fp8("tensorwise"), "hf": huggingface}
@@ -147,7 +148,7 @@ def make_pool(w: Workload, count: int, seed: int = 0) -> list[Micro]:
         rows_b = slice(b * spec.batch, (b + 1) * spec.batch)
         t = torch.from_numpy(tokens[rows_b]).to(spec.device)
         targets = torch.roll(t, -1, dims=1)
-        targets[:, -1] = -100
+        targets[:, -1] = IGNORE_INDEX
         docs = [n for row in lengths[rows_b] for n in row]
         cu = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), dtype=torch.int32, device=spec.device)
         pool.append(Micro(t, targets, torch.from_numpy(positions[rows_b]).to(spec.device), cu, max(docs),

@@ -22,6 +22,7 @@ from dataservice.client import DataClient, DataServiceError
 from dataservice.rpc import check_address, server_info
 from dataservice.server import MAX_MESSAGE_BYTES, MAX_SEQ_LEN, worst_case_message_bytes
 from dataservice.shards import MANIFEST_NAME, DatasetError, ShardedDataset
+from dataservice.packing import IGNORE_INDEX
 
 #: Seconds `check_data_source` waits for a data service's answer (a refused connection fails at once).
 PROBE_TIMEOUT_S = 5.0
@@ -188,5 +189,5 @@ def to_inputs(batch, device: torch.device) -> StepInputs:
         meta=AttentionMeta(cu_seqlens=batch.cu_seqlens.to(device, torch.int32, non_blocking=True), max_seqlen=max_seqlen,
                            doc_lengths=tuple(batch.cu_seqlens.diff().tolist())),  # the client's tensors are on the host
         num_tokens=int(batch.num_tokens),
-        num_labels=int((batch.labels != -100).sum()),
+        num_labels=int((batch.labels != IGNORE_INDEX).sum()),
     )

@@ -24,6 +24,7 @@ from core.config import Config
 from core.train.data import StepInputs
 from core.mesh import ParallelMesh
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs
+from dataservice.packing import IGNORE_INDEX
 
 __all__ = ["DynamicCP"]
 
@@ -79,4 +80,4 @@ class DynamicCP:
         # Every member of the group counts its own shard's labels: they sum to the entry's.
         return StepInputs(s.tokens, s.labels, s.position_ids, s.meta,
                           num_tokens=batch.num_tokens / batch.cp_group_size,
-                          num_labels=float((s.labels != -100).sum()))
+                          num_labels=float((s.labels != IGNORE_INDEX).sum()))

@@ -53,6 +53,7 @@ from core.watchdog import Watchdog
 from moe.comm import ExchangeTimer
 from moe.layer import set_moe_loss_scale
 from moe.stats import MoEStatsLayout, take_moe_stats
+from dataservice.packing import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +335,7 @@ class Trainer:
                     sums[1] += m.num_labels
                     for i, (low, high) in enumerate(zip(edges, edges[1:])):
                         outside = (m.position_ids < low) | (m.position_ids >= high)
-                        part, count = cross_entropy_sum(logits, m.labels.masked_fill(outside, -100), self.tp_group)
+                        part, count = cross_entropy_sum(logits, m.labels.masked_fill(outside, IGNORE_INDEX), self.tp_group)
                         sums[2 * i + 2] += part.double()
                         sums[2 * i + 3] += count.double()
         finally:
