@@ -10,6 +10,6 @@ offload to train a config with on N GPUs.
 - `measure`: the best plans run for a few steps by the real trainer (`--measure`);
 - `cli`: the command. Models, assumptions and example plans: docs/planner.md.
 
-Orchestration level: it reads `core.config`, `core.rules`, `core.validation` and `core.parallel.*`;
+A room above the foundation (docs/architecture.md section 3): it reads `core.config`, `core.rules`, `core.validation` and `core.parallel.*`;
 nothing below imports it.
 """
