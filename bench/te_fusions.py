@@ -168,9 +168,9 @@ def main() -> None:
     parser.add_argument("--host-ahead", action="store_true", help="the GPU's own time (bench.harness)")
     args = parser.parse_args()
     names = args.recipes.split(",")
-    bad = [n for n in names if n != "bf16" and n not in te_backend.FP8_RECIPES]
+    bad = [n for n in names if n != "bf16" and n not in te_backend.TE_FP8_RECIPES]
     if bad:
-        parser.error(f"--recipes: unknown {', '.join(bad)}; choose from bf16, {', '.join(te_backend.FP8_RECIPES)}")
+        parser.error(f"--recipes: unknown {', '.join(bad)}; choose from bf16, {', '.join(te_backend.TE_FP8_RECIPES)}")
     if args.tokens % args.seq or args.tokens % 16:
         parser.error("--tokens must be a multiple of --seq and of 16")
     reason = te_backend.unavailable_reason()

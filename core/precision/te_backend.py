@@ -51,7 +51,7 @@ from core.precision.te_fused import FP8_ALIGN, NormInNextLayer, TeCall, TeNormML
 
 log = logging.getLogger(__name__)
 
-FP8_RECIPES = ("blockwise", "tensorwise", "delayed")
+TE_FP8_RECIPES = ("blockwise", "tensorwise", "delayed")  # train.fp8_recipe with model.dense_backend = "te"
 
 
 def prefer_torch_cudnn() -> None:
@@ -115,7 +115,7 @@ def build_recipe(name: str | None):
         return recipes.DelayedScaling(reduce_amax=False)
     if name == "blockwise":
         return recipes.Float8BlockScaling()
-    raise ValueError(f"fp8 recipe {name!r} must be one of {', '.join(FP8_RECIPES)}")
+    raise ValueError(f"fp8 recipe {name!r} must be one of {', '.join(TE_FP8_RECIPES)}")
 
 
 def mark_accumulates_main_grad(param: nn.Parameter) -> None:
