@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pickle
 import shutil
 import typing
 import warnings
@@ -42,6 +41,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 
 from core.state.checkpoint import latest_checkpoint
+from core.state.safe_metadata import META_KEY, CheckpointRefused, decode_meta, read_dcp_metadata, safe_planner, \
+    safe_reader
 from core.config import Config, ConfigError, ModelConfig, load_config
 from core.validation import validate
 from core.state.layouts import FUSED_DIM, fused_shape, older_slices
@@ -372,7 +373,7 @@ class CheckpointWeights(TesseraWeights):
 
     def __init__(self, step_dir: Path):
         self.path = step_dir
-        metadata = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+        metadata = read_dcp_metadata(step_dir).state_dict_metadata
         self._names = {key[len("model."):]: (tuple(entry.size), entry.properties.dtype)
                        for key, entry in metadata.items() if key.startswith("model.") and hasattr(entry, "size")}
         # A checkpoint from before a fused tensor (the experts' w13) holds its slices: read as one.
@@ -383,14 +384,14 @@ class CheckpointWeights(TesseraWeights):
         self._parts = {key: self._names.pop(key) for keys in self._slices.values() for key in keys}
 
     def meta(self) -> dict:
-        state = {"meta": b""}
+        state = {META_KEY: b""}
         self._load(state)
-        return pickle.loads(state["meta"])
+        return decode_meta(state[META_KEY], self.path)
 
     def _load(self, state: dict) -> None:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
+            dcp.load(state, storage_reader=safe_reader(self.path), planner=safe_planner(), no_dist=True)
 
     def names(self):
         return dict(self._names)
@@ -432,8 +433,11 @@ def resolve_source(path: Path) -> tuple[TesseraWeights, ModelConfig, Path | None
     if step is None:
         raise ConversionError(f"'{path}' is neither a checkpoint (step_N folder, checkpoints folder or run folder with "
                               f"a complete checkpoint) nor a `tessera-convert from-hf` folder")
-    weights = CheckpointWeights(step)
-    extra = weights.meta().get("extra", {})
+    try:
+        weights = CheckpointWeights(step)
+        extra = weights.meta().get("extra", {})
+    except CheckpointRefused as err:
+        raise ConversionError(str(err)) from None
     run_config = step.parent.parent / CONFIG_NAME
     if "model" in extra:
         model = _from_dict(ModelConfig, extra["model"], str(step))

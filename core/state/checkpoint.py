@@ -7,9 +7,11 @@ What is saved (one flat DCP state dict, keys by parameter name, so any layout ca
 - `optim.<name>.{master,exp_avg,exp_avg_sq}`: fp32 DTensors on the (dp_cp, tp) mesh
   ((edp, ep, tp) for experts) with `Shard(zero_shard_dim)` over dp when the optimizer is
   distributed, `Replicate` otherwise. A different tp/dp layout (or plain vs ZeRO) reshards on load.
-- `meta` (one pickled blob from rank 0): step, optimizer step count, scheduler state, the
-  caller's `extra` dict (e.g. the data client's resume token; rank 0's value is kept and every
-  rank gets it back), and the layout it was saved with.
+- `meta` (one JSON blob from rank 0): step, optimizer step count, scheduler state, the
+  caller's `extra` dict (JSON values: e.g. the data client's resume token; rank 0's value is kept
+  and every rank gets it back), and the layout it was saved with. Loading runs no code from the
+  folder (`core.state.safe_metadata`: DCP's `.metadata` through an unpickler that admits only its
+  own classes, `meta` as JSON; a checkpoint with a pickled `meta` from before still loads).
 - `rng.pp{p}.dp{d}.cp{c}.tp{t}.{cpu,cuda}`: each rank's torch generator states, keyed by mesh
   coordinates. On load a rank restores the state saved at its own coordinates when that
   coordinate existed in the saved layout (same layout: everything; dp 2 -> 4: dp ranks 0-1), and
@@ -32,11 +34,11 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import re
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +48,7 @@ from torch import nn
 
 from core import placement
 from core.state.layouts import FUSED_DIM, older_parts, without_fused_dim
+from core.state.safe_metadata import META_KEY, decode_meta, encode_meta, read_dcp_metadata, safe_planner, safe_reader
 from core.lifecycle import stop_deferred
 from core.mesh import ParallelMesh
 from core.parallel.data import ParamSlot
@@ -235,7 +238,7 @@ def _state_to_save(step: int, model: nn.Module, optimizer, scheduler, mesh: Para
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "layout": {n: mesh.size(n) for n in ("pp", "dp", "cp", "tp", "ep")},
         }
-        state["meta"] = pickle.dumps(meta)
+        state[META_KEY] = encode_meta(meta)
     return state
 
 
@@ -433,14 +436,27 @@ def latest_checkpoint(directory) -> Path | None:
 
 
 # ---------------------------------------------------------------------------- load
+def read_meta(path) -> dict:
+    """The `meta` of a checkpoint folder, read in this one process without running anything
+    from it (`core.state.safe_metadata`); `CheckpointRefused` for a folder Tessera did not write.
+    The trainer's launcher calls it before `--resume` starts any worker."""
+    path = Path(path)
+    read_dcp_metadata(path)
+    state: dict = {META_KEY: b""}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        _dcp().load(state, storage_reader=safe_reader(path), planner=safe_planner(), no_dist=True)
+    return decode_meta(state[META_KEY], path)
+
+
 def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: ParallelMesh) -> tuple[int, dict]:
     """Collective: load a checkpoint saved at any tp/dp layout into this one; returns (step, extra)."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"'{path}' is not a complete checkpoint (no .metadata); latest_checkpoint(dir) finds one")
-    saved = _dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_dcp_metadata(path).state_dict_metadata
     meshes = _meshes(mesh)
-    state: dict = {"meta": b""}
+    state: dict = {META_KEY: b""}
     joins = []  # older checkpoints' slices of a fused tensor: copied in after the load
     for pname, param in model.named_parameters():
         key = f"model.{pname}"
@@ -473,9 +489,9 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     for kind in ("cpu", "cuda"):
         if f"{rng}.{kind}" in saved and (kind == "cpu" or torch.cuda.is_available()):
             state[f"{rng}.{kind}"] = torch.empty(saved[f"{rng}.{kind}"].size, dtype=torch.uint8)
-    _dcp().load(state, checkpoint_id=str(path))
+    _dcp().load(state, storage_reader=safe_reader(path), planner=safe_planner())
 
-    meta = pickle.loads(state["meta"])
+    meta = decode_meta(state[META_KEY], path)
     with torch.no_grad():
         for join in joins:
             join()

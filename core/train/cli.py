@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from core.precision import te_backend, torchao_fp8
 from core.precision.plan import resolve_precision_plan
-from core.state.checkpoint import latest_checkpoint
+from core.state.checkpoint import latest_checkpoint, read_meta
 from core.config import Config, ConfigError, load_config, reference
 from core.validation import validate
 from core.train.data import check_data_source
@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.print_config:
             check_inputs(config)
+            latest = latest_checkpoint(_paths(config)[1]) if args.resume is not None else None
+            if latest is not None:  # a crafted checkpoint is refused here, before any worker starts
+                read_meta(latest)
     except (ConfigError, RunDirError) as err:
         return _report(str(err), first)
     if args.print_config:
