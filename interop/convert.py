@@ -37,12 +37,10 @@ from typing import Callable, Iterable
 
 import tomli_w
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 
 from core.state.checkpoint import latest_checkpoint
-from core.state.safe_metadata import META_KEY, CheckpointRefused, decode_meta, read_dcp_metadata, safe_planner, \
-    safe_reader
+from core.state.safe_metadata import META_KEY, CheckpointRefused, decode_meta, read_dcp_metadata, safe_load
 from core.config import Config, ConfigError, ModelConfig, load_config
 from core.validation import validate
 from core.state.layouts import FUSED_DIM, fused_shape, older_slices
@@ -391,7 +389,7 @@ class CheckpointWeights(TesseraWeights):
     def _load(self, state: dict) -> None:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=safe_reader(self.path), planner=safe_planner(), no_dist=True)
+            safe_load(state, self.path, no_dist=True)
 
     def names(self):
         return dict(self._names)
@@ -497,6 +495,8 @@ def to_hf(source_path, out_dir, *, dtype: str = "auto", shard_bytes: int = SHARD
             (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
             if origin is not None:
                 _copy_files(origin, tmp, info.get("files", []))
+    except CheckpointRefused as err:  # a tensor entry of the checkpoint, met while writing
+        raise ConversionError(str(err)) from None
     finally:
         source.close()
     return Path(out_dir)

@@ -138,6 +138,27 @@ def test_a_meta_entry_with_code_is_refused(tmp_path, how):
     assert not marker.exists() and not (tmp_path / "hf").exists()
 
 
+def test_tensor_data_with_code_is_refused(tmp_path):
+    """DCP's metadata points the model's tensors at a file whose torch.save holds code."""
+    step = _saved(tmp_path)
+    marker = tmp_path / "ran"
+    buffer = io.BytesIO()
+    torch.save(_RunsShell(marker), buffer)
+    (step / "crafted.distcp").write_bytes(buffer.getvalue())
+    metadata = read_dcp_metadata(step)
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("model."):
+            info.relative_path, info.offset, info.length = "crafted.distcp", 0, len(buffer.getvalue())
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    model, _ = _model()
+    with pytest.raises(CheckpointRefused) as err:
+        load_checkpoint(step, model, None, None, ParallelMesh.build())
+    _assert_refused(str(err.value), step)
+    assert "posix.system" in str(err.value)
+    _assert_refused(assert_one_line(_to_hf(step, tmp_path / "hf")), step)
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
 def test_meta_is_json_and_an_older_pickled_meta_still_loads_bit_exact(tmp_path):
     step = _saved(tmp_path)
     meta = read_meta(step)

@@ -48,7 +48,7 @@ from torch import nn
 
 from core import placement
 from core.state.layouts import FUSED_DIM, older_parts, without_fused_dim
-from core.state.safe_metadata import META_KEY, decode_meta, encode_meta, read_dcp_metadata, safe_planner, safe_reader
+from core.state.safe_metadata import META_KEY, decode_meta, encode_meta, read_dcp_metadata, safe_load
 from core.lifecycle import stop_deferred
 from core.mesh import ParallelMesh
 from core.parallel.data import ParamSlot
@@ -445,7 +445,7 @@ def read_meta(path) -> dict:
     state: dict = {META_KEY: b""}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        _dcp().load(state, storage_reader=safe_reader(path), planner=safe_planner(), no_dist=True)
+        safe_load(state, path, no_dist=True)
     return decode_meta(state[META_KEY], path)
 
 
@@ -489,7 +489,7 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
     for kind in ("cpu", "cuda"):
         if f"{rng}.{kind}" in saved and (kind == "cpu" or torch.cuda.is_available()):
             state[f"{rng}.{kind}"] = torch.empty(saved[f"{rng}.{kind}"].size, dtype=torch.uint8)
-    _dcp().load(state, storage_reader=safe_reader(path), planner=safe_planner())
+    safe_load(state, path)
 
     meta = decode_meta(state[META_KEY], path)
     with torch.no_grad():

@@ -7,6 +7,8 @@ its parts are pickles, which can call any function while they load:
   only the classes DCP's own metadata is made of (`METADATA_CLASSES`: the dataclasses of
   `torch.distributed.checkpoint.metadata`, DCP's `_StorageInfo`, `torch.Size`, torch dtypes and
   layouts, `pathlib` paths; the set found by loading checkpoints of every layout the tests save).
+- Tensor data: DCP reads it with `torch.load(weights_only=True)`; `safe_load` turns a refusal
+  there into the same one line.
 - Tessera's own `meta` entry: written as JSON (`encode_meta`). DCP wraps every non-tensor entry in
   `torch.save` and would `torch.load` it with `weights_only=False`; `safe_planner` keeps the raw
   bytes instead and `decode_meta` opens them with `weights_only=True`. A checkpoint written before
@@ -132,6 +134,26 @@ def safe_planner():
 
     planner.load_bytes = load_bytes
     return planner
+
+
+def safe_load(state: dict, step_dir, **kwargs) -> None:
+    """`dcp.load(state)` from `step_dir` with `safe_reader` and `safe_planner` (`kwargs` go to
+    `dcp.load`); tensor data that `torch.load(weights_only=True)` refuses becomes one line."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=safe_reader(step_dir), planner=safe_planner(), **kwargs)
+    except CheckpointException as err:  # DCP gathers every rank's failure into one exception
+        for failure in err.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, CheckpointRefused):
+                raise cause from None
+            if isinstance(cause, pickle.UnpicklingError):
+                named = re.search(r"GLOBAL ([\w.]+)", str(cause))
+                what = f"asks for {named.group(1)}" if named else "is not a tensor"
+                raise CheckpointRefused(step_dir, f"a tensor entry {what}") from None
+        raise
 
 
 class _RawEntry(bytes):
