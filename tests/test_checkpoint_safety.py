@@ -121,6 +121,9 @@ def test_crafted_dcp_metadata_is_refused_by_load_and_to_hf(tmp_path, how):
     with pytest.raises(CheckpointRefused) as err:
         load_checkpoint(step, model, None, None, ParallelMesh.build())
     _assert_refused(str(err.value), path)
+    with pytest.raises(CheckpointRefused) as err:
+        read_meta(step)
+    _assert_refused(str(err.value), path)
     _assert_refused(assert_one_line(_to_hf(step, tmp_path / "hf")), path)
     assert not marker.exists() and not (tmp_path / "hf").exists()
 

@@ -441,7 +441,6 @@ def read_meta(path) -> dict:
     from it (`core.state.safe_metadata`); `CheckpointRefused` for a folder Tessera did not write.
     The trainer's launcher calls it before `--resume` starts any worker."""
     path = Path(path)
-    read_dcp_metadata(path)
     state: dict = {META_KEY: b""}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)

@@ -142,6 +142,7 @@ def safe_load(state: dict, step_dir, **kwargs) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    read_dcp_metadata(step_dir)  # refused here in one line; inside dcp.load it would come wrapped in DCP's tracebacks
     try:
         dcp.load(state, storage_reader=safe_reader(step_dir), planner=safe_planner(), **kwargs)
     except CheckpointException as err:  # DCP gathers every rank's failure into one exception
