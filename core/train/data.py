@@ -18,6 +18,7 @@ import torch.distributed as dist
 from core.config import Config, ConfigError
 from core.layers import AttentionMeta
 from core.mesh import ParallelMesh
+from dataservice.auth import AuthError, ClientAuth
 from dataservice.client import DataClient, DataServiceError
 from dataservice.rpc import check_address, server_info
 from dataservice.server import MAX_MESSAGE_BYTES, MAX_SEQ_LEN, worst_case_message_bytes
@@ -82,6 +83,18 @@ class LocalServer:
             os.unlink(self.log.name)  # the open handle still reads it
 
 
+def client_auth(config: Config) -> ClientAuth | None:
+    """The token and TLS files of `[data]` for a service at data.address; None for none (and for
+    the trainer's own loopback server, which asks for neither). ConfigError for an unusable file."""
+    d = config.data
+    if not d.address:
+        return None
+    try:
+        return ClientAuth.from_files(d.auth_token_file, d.tls_ca_file, d.tls_cert_file, d.tls_key_file)
+    except AuthError as err:
+        raise ConfigError(f"[data]: {err} (data.auth_token_file, data.tls_*_file)") from None
+
+
 def check_data_source(config: Config, timeout: float = PROBE_TIMEOUT_S) -> None:
     """The data the config names exists and fits the model; ConfigError saying what is wrong.
 
@@ -96,7 +109,7 @@ def check_data_source(config: Config, timeout: float = PROBE_TIMEOUT_S) -> None:
     if d.address:
         try:
             addresses = [check_address(a) for a in d.address.split(",")]
-            info = server_info(addresses, timeout)
+            info = server_info(addresses, timeout, client_auth(config))
         except ValueError as err:
             raise ConfigError(f"data.address: {err}") from None
         except DataServiceError as err:
@@ -174,6 +187,7 @@ def open_stream(config: Config, mesh: ParallelMesh, address: str, resume_token: 
         consumer=config.data.consumer,
         prefetch=config.data.prefetch,
         resume_token=resume_token,
+        auth=client_auth(config),
         **cp,
     )
 
