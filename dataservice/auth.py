@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import ssl
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,14 +145,32 @@ class ServerTLS:
 
     @classmethod
     def from_files(cls, cert: str, key: str, client_ca: str | None = None) -> "ServerTLS":
-        """Read the PEM files; AuthError naming a missing file or a world-readable key."""
-        return cls(_read_public(cert, "TLS certificate"), read_secret_file(key, "TLS key"),
-                   _read_public(client_ca, "client CA") if client_ca else None)
+        """Read the PEM files; AuthError naming a missing, malformed or mismatched file or a world-readable key."""
+        tls = cls(_read_public(cert, "TLS certificate"), read_secret_file(key, "TLS key"),
+                  _read_public(client_ca, "client CA") if client_ca else None)
+        check_pem(cert, key, client_ca or "")
+        return tls
 
     def credentials(self) -> grpc.ServerCredentials:
         """gRPC server credentials; a client CA makes a client certificate signed by it mandatory."""
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.client_ca,
                                            require_client_auth=self.client_ca is not None)
+
+
+def check_pem(cert: str = "", key: str = "", ca: str = "") -> None:
+    """AuthError unless `cert` and `key` are PEM and belong together and `ca` holds PEM
+    certificates: checked here, because gRPC only logs such faults and then fails to bind or connect."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for files, load in (((cert, key), lambda: context.load_cert_chain(cert, key)),
+                        ((ca,), lambda: context.load_verify_locations(cafile=ca))):
+        if not files[0]:
+            continue
+        try:
+            load()
+        except (ssl.SSLError, ValueError, OSError) as err:
+            what = f"{cert!r} with key {key!r}: not a PEM certificate and its private key" if len(files) == 2 \
+                else f"{ca!r}: not a PEM CA certificate"
+            raise AuthError(f"{what} ({getattr(err, 'reason', None) or err})") from None
 
 
 def _read_public(path: str, what: str) -> bytes:
@@ -181,12 +200,14 @@ class ClientAuth:
             raise AuthError("a client certificate needs TLS: give the CA file that signed the server's certificate too")
         if not (token_file or ca_file):
             return None
-        return cls(
+        auth = cls(
             token=read_token_file(token_file)[0] if token_file else "",
             ca=_read_public(ca_file, "TLS CA file") if ca_file else None,
             cert=_read_public(cert_file, "TLS certificate") if cert_file else None,
             key=read_secret_file(key_file, "TLS key") if key_file else None,
         )
+        check_pem(cert_file, key_file, ca_file)
+        return auth
 
     @property
     def tls(self) -> bool:

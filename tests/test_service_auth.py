@@ -215,12 +215,21 @@ def test_empty_token_secret_is_an_error_not_the_default(dataset, opened):
         start_server(opened, token_secret="")
 
 
-def test_tls_settings_that_do_not_go_together(dataset, certs):
+def test_tls_settings_that_do_not_go_together(dataset, certs, tmp_path):
     serve = ["dataservice.cli", "serve", "--data", dataset]
     assert_one_line(run_process(*serve, "--tls-cert", certs["server"].cert), "--tls-cert and --tls-key")
     assert_one_line(run_process(*serve, "--tls-client-ca", certs["ca"].cert), "--tls-client-ca needs TLS")
     assert_one_line(run_process(*serve, "--tls-cert", certs["server"].cert, "--tls-key", "/no/such.key"),
                     "TLS key", "/no/such.key")
+    # gRPC would only log these and fail to bind: refused in one line before.
+    assert_one_line(run_process(*serve, "--tls-cert", certs["ca"].cert, "--tls-key", certs["server"].key),
+                    "not a PEM certificate and its private key", "KEY_VALUES_MISMATCH")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    assert_one_line(run_process(*serve, "--tls-cert", certs["server"].cert, "--tls-key", certs["server"].key,
+                                "--tls-client-ca", garbage), "not a PEM CA certificate")
+    assert_one_line(run_process("dataservice.cli", "health", "--address", "127.0.0.1:1", "--tls-ca-file", garbage),
+                    "not a PEM CA certificate")
 
 
 # ---- the CLI's clients and the trainer ------------------------------------------------
@@ -270,6 +279,11 @@ def test_trainer_reads_through_an_authenticated_tls_service(dataset, certs, tmp_
         assert len(steps) == 3
         # The same run without the token is refused before training, in one line.
         assert_one_line(train(f"train.run_dir={tmp_path / 'run2'}"), "UNAUTHENTICATED")
+        shared = tmp_path / "shared-token"
+        shared.write_text("train-token\n")
+        os.chmod(shared, 0o644)
+        assert_one_line(train(f"train.run_dir={tmp_path / 'run3'}", f"data.auth_token_file={shared}"),
+                        "data.auth_token_file", "readable by every user")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
