@@ -65,6 +65,9 @@ def get_info(channels: "Channels", addresses: Sequence[str], timeout: float) -> 
         try:
             reply = pb2_grpc.DataServiceStub(channels.get(address)).GetInfo(pb2.InfoRequest(), timeout=timeout)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:  # replicas share their tokens: no use trying on
+                raise DataServiceError(f"data service at {address} refused this caller: UNAUTHENTICATED: {err.details()}",
+                                       err.code()) from None
             errors.append(f"{address} ({failure_reason(err, timeout)})")
             continue
         return {

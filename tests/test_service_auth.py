@@ -278,7 +278,8 @@ def test_trainer_reads_through_an_authenticated_tls_service(dataset, certs, tmp_
         steps = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
         assert len(steps) == 3
         # The same run without the token is refused before training, in one line.
-        assert_one_line(train(f"train.run_dir={tmp_path / 'run2'}"), "UNAUTHENTICATED")
+        assert_one_line(train(f"train.run_dir={tmp_path / 'run2'}"), "UNAUTHENTICATED", "requires a bearer token",
+                        "give data.auth_token_file")
         shared = tmp_path / "shared-token"
         shared.write_text("train-token\n")
         os.chmod(shared, 0o644)

@@ -12,6 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import grpc
 import torch
 import torch.distributed as dist
 
@@ -107,12 +108,16 @@ def check_data_source(config: Config, timeout: float = PROBE_TIMEOUT_S) -> None:
     where tessera-plan and tessera-convert validate configs that name none."""
     d, m, t = config.data, config.model, config.train
     if d.address:
+        auth = client_auth(config)
         try:
             addresses = [check_address(a) for a in d.address.split(",")]
-            info = server_info(addresses, timeout, client_auth(config))
+            info = server_info(addresses, timeout, auth)
         except ValueError as err:
             raise ConfigError(f"data.address: {err}") from None
         except DataServiceError as err:
+            if err.code == grpc.StatusCode.UNAUTHENTICATED:
+                raise ConfigError(f"data.address={d.address!r}: {err}; give data.auth_token_file a token of the "
+                                  "service's --auth-token-file") from None
             raise ConfigError(f"data.address={d.address!r}: {err}; start one with `tessera-data serve --data DIR` "
                               "or correct the address") from None
         source, vocab, max_seq_len, max_bytes = f"the data service at {d.address}", info["vocab_size"], \
