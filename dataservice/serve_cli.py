@@ -104,8 +104,8 @@ def add_serve(sub) -> None:
                    help="worker threads; each stream holds one (default: 128)")
     p.add_argument("--token-secret", default=os.environ.get("TESSERA_TOKEN_SECRET"),
                    help="HMAC secret of resume tokens; give every replica the same (default: "
-                        "$TESSERA_TOKEN_SECRET, which keeps it out of the process list; on loopback only, else "
-                        "a project-wide constant; required off loopback)")
+                        "$TESSERA_TOKEN_SECRET, which keeps it out of the process list; unset: a project-wide "
+                        "constant, accepted on loopback only)")
     p.add_argument("--auth-token-file", default=None, metavar="FILE",
                    help="bearer tokens, one per line ('#' comments; several while rotating); every call but the "
                         "health check must send 'authorization: Bearer TOKEN'; the file must not be world-readable")
