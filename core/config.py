@@ -268,6 +268,14 @@ class DataConfig:
     """Batches each rank's data client reads ahead."""
     consumer: str = "tessera-train"
     """The name this trainer gives the data service (its logs)."""
+    auth_token_file: str = ""
+    """With data.address (and eval.address): a file whose first line is the bearer token the service wants (not world-readable)."""
+    tls_ca_file: str = ""
+    """With data.address: talk TLS, trusting server certificates signed by this PEM CA; empty: plain gRPC."""
+    tls_cert_file: str = ""
+    """With data.tls_ca_file: this trainer's PEM client certificate, for a service that asks for one (mutual TLS)."""
+    tls_key_file: str = ""
+    """The PEM private key of data.tls_cert_file (not world-readable)."""
 
 
 @dataclass

@@ -40,6 +40,7 @@ from dataservice.rpc import (  # check_address, server_info: also for the traine
     MAX_RECEIVE_BYTES,
     RETRYABLE,
     Channels,
+    ClientAuth,
     DataServiceError,
     client_options,
     failure_reason,
@@ -180,6 +181,7 @@ class DataClient:
         dynamic_cp: bool = False,
         cp_token_budget: int = 0,
         rows_per_step: int = 0,
+        auth: ClientAuth | None = None,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
@@ -198,7 +200,7 @@ class DataClient:
         self._blend = dict(blend or {})
         self._settings = _Settings(tuple(self.addresses), self._request, prefetch, max_batches,
                                    max_retries, backoff, max_backoff)
-        self._channels = Channels(client_options(max_receive_bytes))
+        self._channels = Channels(client_options(max_receive_bytes), auth)  # auth: TLS and the bearer token
         self._delivered_token = resume_token or ""
         self._delivered = 0
         self._worker: _Prefetcher | None = None

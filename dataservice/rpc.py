@@ -1,6 +1,7 @@
 """The data service's gRPC plumbing on the caller's side, without torch: replica addresses,
-channels and their options, GetInfo, and the errors. `tessera-data serve`, `health` and `peek`
-use it directly (so they start without importing torch); `dataservice.client` builds on it.
+channels and their options (TLS and a bearer token when a `ClientAuth` is given), GetInfo, and
+the errors. `tessera-data serve`, `health` and `peek` use it directly (so they start without
+importing torch); `dataservice.client` builds on it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Sequence
 import grpc
 
 import protos
+from dataservice.auth import ClientAuth
 
 pb2, pb2_grpc = protos.load()
 
@@ -63,6 +65,9 @@ def get_info(channels: "Channels", addresses: Sequence[str], timeout: float) -> 
         try:
             reply = pb2_grpc.DataServiceStub(channels.get(address)).GetInfo(pb2.InfoRequest(), timeout=timeout)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:  # replicas share their tokens: no use trying on
+                raise DataServiceError(f"data service at {address} refused this caller: UNAUTHENTICATED: {err.details()}",
+                                       err.code()) from None
             errors.append(f"{address} ({failure_reason(err, timeout)})")
             continue
         return {
@@ -84,11 +89,12 @@ def get_info(channels: "Channels", addresses: Sequence[str], timeout: float) -> 
     raise DataServiceError("no data service answers at " + ", ".join(errors), grpc.StatusCode.UNAVAILABLE)
 
 
-def server_info(addresses: str | Sequence[str], timeout: float = 5.0) -> dict:
+def server_info(addresses: str | Sequence[str], timeout: float = 5.0, auth: ClientAuth | None = None) -> dict:
     """GetInfo of the first replica that answers within `timeout` seconds (a connection
-    refused fails at once); DataServiceError naming each replica's cause when none does."""
+    refused fails at once); DataServiceError naming each replica's cause when none does.
+    `auth`: the token and TLS files to present (None: a plain channel, no token)."""
     addresses = [addresses] if isinstance(addresses, str) else list(addresses)
-    channels = Channels(client_options(MAX_RECEIVE_BYTES))
+    channels = Channels(client_options(MAX_RECEIVE_BYTES), auth)
     try:
         return get_info(channels, addresses, timeout)
     finally:
@@ -117,15 +123,18 @@ def client_options(max_receive_bytes: int) -> list[tuple[str, int]]:
 
 
 class Channels:
-    """One gRPC channel per replica address, shared by the client and its prefetch thread."""
+    """One gRPC channel per replica address, shared by the client and its prefetch thread;
+    TLS and the bearer token of `auth` when given."""
 
-    def __init__(self, options: list[tuple[str, int]]) -> None:
+    def __init__(self, options: list[tuple[str, int]], auth: ClientAuth | None = None) -> None:
         self._options, self._lock, self._open = options, threading.Lock(), {}
+        self._auth = auth
 
     def get(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._open:
-                self._open[address] = grpc.insecure_channel(address, options=self._options)
+                self._open[address] = (self._auth.channel(address, self._options) if self._auth is not None
+                                       else grpc.insecure_channel(address, options=self._options))
             return self._open[address]
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import protos
+from dataservice.auth import AuthError, ClientAuth, ServerTLS, is_loopback, read_token_file
 from dataservice.cp_plan import H200_COST, CostModel
 from dataservice.heap import release_free_heap
 from dataservice.rpc import (
@@ -103,7 +104,17 @@ def add_serve(sub) -> None:
                    help="worker threads; each stream holds one (default: 128)")
     p.add_argument("--token-secret", default=os.environ.get("TESSERA_TOKEN_SECRET"),
                    help="HMAC secret of resume tokens; give every replica the same (default: "
-                        "$TESSERA_TOKEN_SECRET, which keeps it out of the process list, else project-wide)")
+                        "$TESSERA_TOKEN_SECRET, which keeps it out of the process list; unset: a project-wide "
+                        "constant, accepted on loopback only)")
+    p.add_argument("--auth-token-file", default=None, metavar="FILE",
+                   help="bearer tokens, one per line ('#' comments; several while rotating); every call but the "
+                        "health check must send 'authorization: Bearer TOKEN'; the file must not be world-readable")
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="the PEM private key of --tls-cert (not world-readable)")
+    p.add_argument("--tls-client-ca", default=None, metavar="FILE",
+                   help="mutual TLS: accept only clients with a certificate signed by this PEM CA")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without authentication (no token file, no client CA)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds streams get to end on shutdown (default: 5)")
     p.add_argument("--cp-cost", default=None, metavar="FILE.json",
@@ -115,7 +126,7 @@ def add_serve(sub) -> None:
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default: off)")
     p.add_argument("--metrics-host", default=None,
-                   help="address of the metrics endpoint (default: --host)")
+                   help="address of the metrics endpoint, which has no authentication (default: 127.0.0.1)")
     p.add_argument("--trim-every", type=float, default=5.0, metavar="S",
                    help="every S seconds give the memory freed by finished messages back to the OS (glibc "
                         "malloc_trim), so the server's memory stays flat under load and falls when streams "
@@ -138,6 +149,31 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, target)
 
 
+def security_settings(args) -> tuple[list[str], ServerTLS | None]:
+    """The bearer tokens and TLS of `serve`'s arguments; ValueError (one sentence) for a setting
+    that is missing, unsafe for the bind address, or a file that cannot be used."""
+    if args.token_secret is not None and not args.token_secret:
+        raise ValueError("--token-secret (or $TESSERA_TOKEN_SECRET) is empty; give a secret, or unset it on loopback")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together; give both")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("--tls-client-ca needs TLS: give --tls-cert and --tls-key too")
+    loopback = is_loopback(args.host)
+    if not loopback and not args.token_secret:
+        # The default secret is in the source: anyone could mint resume tokens for this replica.
+        raise ValueError(f"--host {args.host} is not loopback: give every replica the same --token-secret "
+                         "(or $TESSERA_TOKEN_SECRET)")
+    if not loopback and not (args.auth_token_file or args.tls_client_ca) and not args.insecure:
+        raise ValueError(f"--host {args.host} is not loopback and no client is authenticated: give --auth-token-file "
+                         "and/or --tls-client-ca (docs/security.md), or --insecure to serve anyone who can reach it")
+    try:
+        tokens = read_token_file(args.auth_token_file) if args.auth_token_file else []
+        tls = ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    except AuthError as err:
+        raise ValueError(str(err)) from None
+    return tokens, tls
+
+
 def run_serve(args) -> int:
     """Serve until SIGTERM/SIGINT, then shut down gracefully and return 0."""
     prog = "tessera-data serve"
@@ -153,9 +189,15 @@ def run_serve(args) -> int:
         return _fail(prog, f"--metrics-port {args.metrics_port} must be in [0, 65535]")
     if args.address_file and not Path(args.address_file).absolute().parent.is_dir():
         return _fail(prog, f"--address-file {args.address_file!r}: its folder does not exist")
+    metrics_host = args.metrics_host or "127.0.0.1"  # the endpoint has no authentication
     problem = check_listen(args.host, args.port)
+    if not problem:
+        try:
+            tokens, tls = security_settings(args)
+        except ValueError as err:
+            problem = str(err)
     if not problem and args.metrics_port:
-        problem = check_listen(args.metrics_host or args.host, args.metrics_port)
+        problem = check_listen(metrics_host, args.metrics_port)
         problem = problem and problem.replace("(--port 0", "(--metrics-port 0")
     if problem:
         return _fail(prog, problem)
@@ -165,7 +207,7 @@ def run_serve(args) -> int:
         datasets = open_datasets(specs)
         server, port = serve(datasets, args.host, args.port, workers=args.workers,
                              token_secret=args.token_secret, cp_cost=cp_cost, metrics_port=args.metrics_port,
-                             metrics_host=args.metrics_host)
+                             metrics_host=metrics_host, auth_tokens=tokens, tls=tls)
     except (ValueError, FileNotFoundError, DatasetError, OSError) as err:
         return _fail(prog, str(err))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -173,9 +215,11 @@ def run_serve(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if tokens and tls is None and not is_loopback(args.host):
+        sys.stderr.write(f"{prog}: warning: bearer tokens cross the network in clear text without --tls-cert\n")
     print(f"serving on {args.host}:{port}", flush=True)
     if server.metrics_port is not None:
-        print(f"metrics on http://{args.metrics_host or args.host}:{server.metrics_port}/metrics", flush=True)
+        print(f"metrics on http://{metrics_host}:{server.metrics_port}/metrics", flush=True)
     if args.address_file:
         _write_atomically(args.address_file, f"{advertised_host(args.host)}:{port}\n")
     parent = os.getppid()
@@ -209,12 +253,32 @@ def add_health(sub) -> None:
     p.add_argument("--timeout", type=float, default=3.0, help="seconds per check (default: 3)")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="keep asking until every replica is SERVING or S seconds pass (default: 0, ask once)")
+    add_client_auth(p, token=False)
     p.set_defaults(func=run_health)
 
 
-def health_status(address: str, timeout: float) -> str:
+def add_client_auth(p, token: bool = True) -> None:
+    """The client's TLS (and token) options, as the trainer's data.tls_* / data.auth_token_file keys."""
+    if token:
+        p.add_argument("--auth-token-file", default="", metavar="FILE",
+                       help="send the first token of FILE as 'authorization: Bearer TOKEN'")
+    p.add_argument("--tls-ca-file", default="", metavar="FILE", help="use TLS, trusting the server certificates this PEM CA signed")
+    p.add_argument("--tls-cert-file", default="", metavar="FILE", help="mutual TLS: this client's PEM certificate")
+    p.add_argument("--tls-key-file", default="", metavar="FILE", help="mutual TLS: the PEM key of --tls-cert-file")
+
+
+def client_auth(args) -> ClientAuth | None:
+    """The ClientAuth of `add_client_auth`'s options; ValueError (one sentence) for an unusable file."""
+    try:
+        return ClientAuth.from_files(getattr(args, "auth_token_file", ""), args.tls_ca_file, args.tls_cert_file,
+                                     args.tls_key_file)
+    except AuthError as err:
+        raise ValueError(str(err)) from None
+
+
+def health_status(address: str, timeout: float, auth: ClientAuth | None = None) -> str:
     """SERVING, NOT_SERVING, ... or UNREACHABLE (why the replica did not answer)."""
-    with grpc.insecure_channel(address) as channel:
+    with (auth.channel(address, []) if auth is not None else grpc.insecure_channel(address)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                               timeout=timeout)
@@ -229,11 +293,12 @@ def run_health(args) -> int:
         return _fail(prog, "--timeout must be > 0 and --wait >= 0")
     try:
         addresses = [check_address(a) for item in args.address for a in item.split(",") if a.strip()]
+        auth = client_auth(args)
     except ValueError as err:
         return _fail(prog, str(err))
     deadline = time.monotonic() + args.wait
     while True:
-        statuses = {a: health_status(a, args.timeout) for a in addresses}
+        statuses = {a: health_status(a, args.timeout, auth) for a in addresses}
         healthy = all(status == "SERVING" for status in statuses.values())
         if healthy or time.monotonic() >= deadline:
             break
@@ -259,6 +324,7 @@ def add_peek(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume-token", default="")
     p.add_argument("--blend", default=None, metavar="NAME=W,...", help="override the server's blend")
+    add_client_auth(p)
     p.set_defaults(func=run_peek)
 
 
@@ -313,14 +379,15 @@ def run_peek(args) -> int:
     try:
         blend = _parse_blend(args.blend) if args.blend else {}
         addresses = [check_address(a) for a in args.address]
+        auth = client_auth(args)
     except ValueError as err:
         return _fail(prog, str(err))
     try:  # nothing listening there is a wrong address (2), not a service that failed (1)
-        server_info(addresses, timeout=5.0)
+        server_info(addresses, timeout=5.0, auth=auth)
     except DataServiceError as err:
         return _fail(prog, f"{err}; check --address (`tessera-data serve` prints 'serving on HOST:PORT')")
     token, left, tried = args.resume_token, args.steps, []
-    channels = Channels(client_options(MAX_RECEIVE_BYTES))
+    channels = Channels(client_options(MAX_RECEIVE_BYTES), auth)
     try:
         for address in addresses * 2:  # each replica twice, then give up
             request = pb2.StreamRequest(

@@ -13,6 +13,7 @@ entries of each global step's CP plan instead of fixed micro-batches (dataservic
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -29,6 +30,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import protos
+from dataservice.auth import ServerTLS, TokenInterceptor
 from dataservice.cp_plan import H200_COST, CostModel
 from dataservice.cp_stream import CPRequest, StepCache, check_cp_request, cp_messages
 from dataservice.metrics import ServiceMetrics
@@ -496,36 +498,46 @@ def serve(
     cp_cost: CostModel = H200_COST,
     metrics_port: int | None = None,
     metrics_host: str | None = None,
+    auth_tokens: Sequence[str] = (),
+    tls: ServerTLS | None = None,
 ) -> tuple[DataServer, int]:
     """Start a data service in this process; returns (server, bound port). Port 0 picks a free one.
 
     `datasets`: paths, (path, weight) pairs, or already opened (ShardedDataset, path, weight).
     `cp_cost`: the cost model of dynamic-CP plans (the trainer's model on its GPUs).
     `metrics_port`: serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: a free
-    port, None: no endpoint; `DataServer.metrics_port` has the bound one); host default `host`.
+    port, None: no endpoint; `DataServer.metrics_port` has the bound one); host default loopback.
+    `token_secret`: the resume tokens' HMAC secret (None: the project-wide default, fit for loopback
+    only; empty is an error). `auth_tokens`: bearer tokens of which every call but health must
+    carry one (none: no token asked). `tls`: serve TLS, mutual when it has a client CA.
     """
     if workers < _RESERVED_WORKERS + 1:
         raise ValueError(f"workers is {workers}; it must be at least {_RESERVED_WORKERS + 1}")
+    if token_secret is not None and not token_secret:
+        raise ValueError("the resume-token secret is empty; give a non-empty one or none (the loopback default)")
     specs = list(datasets)
     opened = specs if specs and isinstance(specs[0], tuple) and isinstance(specs[0][0], ShardedDataset) \
         else open_datasets(specs)
     servicer = DataServicer(
         opened,
-        token_secret=token_secret or DEFAULT_TOKEN_SECRET,
+        token_secret=DEFAULT_TOKEN_SECRET if token_secret is None else token_secret,
         max_message_bytes=max_message_bytes,
         max_streams=workers - _RESERVED_WORKERS,
         cp_cost=cp_cost,
         metrics=ServiceMetrics(),
     )
+    refused = functools.partial(servicer.metrics.error, grpc.StatusCode.UNAUTHENTICATED)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dataservice"),
         options=server_options(max_message_bytes),
+        interceptors=[TokenInterceptor(auth_tokens, refused)] if auth_tokens else None,
     )
     pb2_grpc.add_DataServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_secure_port(f"{host}:{port}", tls.credentials()) if tls is not None
+                 else server.add_insecure_port(f"{host}:{port}"))
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -533,10 +545,10 @@ def serve(
     bound_metrics = None
     if metrics_port is not None:
         try:
-            bound_metrics = servicer.metrics.serve_http(metrics_host or host, metrics_port)
+            bound_metrics = servicer.metrics.serve_http(metrics_host or "127.0.0.1", metrics_port)
         except OSError as err:
             server.stop(0)
-            raise OSError(f"could not serve metrics on {metrics_host or host}:{metrics_port}: {err.strerror or err}") \
+            raise OSError(f"could not serve metrics on {metrics_host or '127.0.0.1'}:{metrics_port}: {err.strerror or err}") \
                 from None
     server.start()
     for name in ("", SERVICE_NAME):

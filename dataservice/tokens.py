@@ -9,8 +9,9 @@ that resuming costs O(1) instead of a rescan from the start of the epoch.
 Wire form: ``base64url(compact JSON) "." base64url(HMAC-SHA256(secret, JSON))``. The
 token is stateless: every replica that holds the same shards and the same secret
 serves the same stream from it. The default secret is a project-wide constant, so
-replicas started without `--token-secret` accept each other's tokens; deployments that
-must reject tokens from elsewhere pass their own secret to every replica.
+replicas started without `--token-secret` accept each other's tokens; being public, it is
+for loopback only: `tessera-data serve` off loopback requires a secret of its own, the same
+on every replica (docs/security.md).
 """
 
 from __future__ import annotations

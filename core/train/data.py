@@ -12,12 +12,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import grpc
 import torch
 import torch.distributed as dist
 
 from core.config import Config, ConfigError
 from core.layers import AttentionMeta
 from core.mesh import ParallelMesh
+from dataservice.auth import AuthError, ClientAuth
 from dataservice.client import DataClient, DataServiceError
 from dataservice.rpc import check_address, server_info
 from dataservice.server import MAX_MESSAGE_BYTES, MAX_SEQ_LEN, worst_case_message_bytes
@@ -82,6 +84,18 @@ class LocalServer:
             os.unlink(self.log.name)  # the open handle still reads it
 
 
+def client_auth(config: Config) -> ClientAuth | None:
+    """The token and TLS files of `[data]` for a service at data.address; None for none (and for
+    the trainer's own loopback server, which asks for neither). ConfigError for an unusable file."""
+    d = config.data
+    if not d.address:
+        return None
+    try:
+        return ClientAuth.from_files(d.auth_token_file, d.tls_ca_file, d.tls_cert_file, d.tls_key_file)
+    except AuthError as err:
+        raise ConfigError(f"[data]: {err} (data.auth_token_file, data.tls_*_file)") from None
+
+
 def check_data_source(config: Config, timeout: float = PROBE_TIMEOUT_S) -> None:
     """The data the config names exists and fits the model; ConfigError saying what is wrong.
 
@@ -94,12 +108,16 @@ def check_data_source(config: Config, timeout: float = PROBE_TIMEOUT_S) -> None:
     where tessera-plan and tessera-convert validate configs that name none."""
     d, m, t = config.data, config.model, config.train
     if d.address:
+        auth = client_auth(config)
         try:
             addresses = [check_address(a) for a in d.address.split(",")]
-            info = server_info(addresses, timeout)
+            info = server_info(addresses, timeout, auth)
         except ValueError as err:
             raise ConfigError(f"data.address: {err}") from None
         except DataServiceError as err:
+            if err.code == grpc.StatusCode.UNAUTHENTICATED:
+                raise ConfigError(f"data.address={d.address!r}: {err}; give data.auth_token_file a token of the "
+                                  "service's --auth-token-file") from None
             raise ConfigError(f"data.address={d.address!r}: {err}; start one with `tessera-data serve --data DIR` "
                               "or correct the address") from None
         source, vocab, max_seq_len, max_bytes = f"the data service at {d.address}", info["vocab_size"], \
@@ -174,6 +192,7 @@ def open_stream(config: Config, mesh: ParallelMesh, address: str, resume_token: 
         consumer=config.data.consumer,
         prefetch=config.data.prefetch,
         resume_token=resume_token,
+        auth=client_auth(config),
         **cp,
     )
 

@@ -55,7 +55,7 @@ NEUTRAL_KEYS = {
     "train.stop_at_step", "train.run_dir", "train.log_interval", "train.tensorboard", "train.plot", "train.device",
     "train.hang_timeout_s",
     "train.compile", "train.recompute", "train.fp8_weight_cache", "data.prefetch", "data.consumer", "data.address",
-    "data.cp_cost", "train.micro_batch_size",
+    "data.cp_cost", "data.auth_token_file", "data.tls_ca_file", "data.tls_cert_file", "data.tls_key_file", "train.micro_batch_size",
 }
 
 

@@ -315,12 +315,13 @@ class Trainer:
         auxiliary loss. Every rank must call it; every rank gets the same dict."""
         e = self.config.eval
         self.watchdog.enter("evaluation")
+        data = dataclasses.replace(self.config.data, address=e.address, dataset=e.dataset, cp_cost="")
         if self._eval_address is None:
-            data = dataclasses.replace(self.config.data, address=e.address, dataset=e.dataset, cp_cost="")
             self._eval_address, self._eval_server = resolve_address(dataclasses.replace(self.config, data=data))
         edges = position_buckets(self.config.train.seq_len)
         sums = torch.zeros(2 * (len(edges) + 1), dtype=torch.float64, device=self.device)  # (sum, count) pairs
-        stream_config = dataclasses.replace(self.config, train=dataclasses.replace(self.config.train, seed=e.seed))
+        # data: eval's source, so a loopback eval server gets no TLS or token meant for data.address
+        stream_config = dataclasses.replace(self.config, data=data, train=dataclasses.replace(self.config.train, seed=e.seed))
         stream = open_stream(stream_config, self.mesh, self._eval_address)
         was_training = self.model.training
         self.model.train(False)

@@ -21,6 +21,7 @@ SERVICE_REPLICAS=${SERVICE_REPLICAS:-1}           # replicas of each data servic
 SERVICE_PORT=${SERVICE_PORT:-0}                   # 0: a free port each (the address file tells the ranks)
 METRICS_PORT=${METRICS_PORT:-0}                   # Prometheus /metrics; fixed ports go up by one per replica
 SERVICE_START_S=${SERVICE_START_S:-600}           # a large mix may take minutes to open
+SERVICE_TLS=${SERVICE_TLS:-1}                     # 1: TLS with a CA of the job's own; 0: bearer token only
 mkdir -p "$JOB_DIR/logs"
 SERVICE_PIDS=()
 
@@ -60,6 +61,47 @@ requeue() {
 trap requeue USR1
 trap stop_services EXIT
 
+# The job's secrets in JOB_DIR/secrets (0700), made once, so a requeued start reuses them (its
+# checkpoints' resume tokens are signed with the same secret): the resume-token secret (unless
+# TESSERA_TOKEN_SECRET is given), the bearer token every rank sends, and with SERVICE_TLS=1 a CA of
+# the job that signs each replica's certificate (for its node's names: the address file names its host).
+SECRETS=$JOB_DIR/secrets
+secret_openssl() { openssl "$@" 2>>"$JOB_DIR/logs/secrets.log"; }
+(
+  umask 077 && mkdir -p "$SECRETS"
+  [ -s "$SECRETS/resume.secret" ] || secret_openssl rand -hex 32 > "$SECRETS/resume.secret"
+  [ -s "$SECRETS/data.token" ] || secret_openssl rand -hex 32 > "$SECRETS/data.token"
+  if [ "$SERVICE_TLS" = 1 ] && [ ! -s "$SECRETS/ca.pem" ]; then
+    secret_openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 30 \
+      -subj "/CN=tessera-job-$SLURM_JOB_ID" -keyout "$SECRETS/ca.key" -out "$SECRETS/ca.pem" \
+      -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign
+  fi
+)
+export TESSERA_TOKEN_SECRET=${TESSERA_TOKEN_SECRET:-$(cat "$SECRETS/resume.secret")}
+# What every rank needs to read from the job's services (train() passes it on).
+DATA_CLIENT_ARGS=(--set data.auth_token_file="$SECRETS/data.token")
+[ "$SERVICE_TLS" = 1 ] && DATA_CLIENT_ARGS+=(--set data.tls_ca_file="$SECRETS/ca.pem")
+HEALTH_ARGS=()
+[ "$SERVICE_TLS" = 1 ] && HEALTH_ARGS=(--tls-ca-file "$SECRETS/ca.pem")
+
+# server_tls NODE: the serve arguments of TLS for a replica on NODE (its certificate made once).
+server_tls() {
+  [ "$SERVICE_TLS" = 1 ] || return 0
+  local node=$1 pem="$SECRETS/server-$1.pem" key="$SECRETS/server-$1.key"
+  if [ ! -s "$pem" ]; then
+    # The address file names the node by its host name (gethostname), which may differ from NODE.
+    local host
+    host=$(srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" hostname)
+    ( umask 077
+      secret_openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj "/CN=$node" \
+        -keyout "$key" -out "$SECRETS/server-$node.csr"
+      printf 'subjectAltName=DNS:%s,DNS:%s\nextendedKeyUsage=serverAuth\n' "$node" "$host" > "$SECRETS/server-$node.ext"
+      secret_openssl x509 -req -in "$SECRETS/server-$node.csr" -CA "$SECRETS/ca.pem" -CAkey "$SECRETS/ca.key" \
+        -CAcreateserial -days 30 -extfile "$SECRETS/server-$node.ext" -out "$pem" )
+  fi
+  echo --tls-cert "$pem" --tls-key "$key"
+}
+
 # start_service NAME tessera-data-serve-arguments...: SERVICE_REPLICAS replicas, each a job step of
 # its own on the first nodes in turn; sets SERVICE_ADDRESS (HOST:PORT,...) once every one is SERVING.
 # Replicas over the same shards send identical streams, and any of them continues another's.
@@ -71,9 +113,12 @@ start_service() {
     (( metrics == 0 )) || metrics=$(( METRICS_PORT + i ))
     (( port == 0 )) || port=$(( SERVICE_PORT + i ))
     rm -f "$file"
+    local tls
+    read -r -a tls <<< "$(server_tls "$node")"
     srun --overlap --job-name="tessera-data-$name-$i" --nodes=1 --ntasks=1 --cpus-per-task="$CPUS_ON_NODE" \
       --nodelist="$node" --kill-on-bad-exit=1 --output="$JOB_DIR/logs/$name-$i.log" \
-      tessera-data serve --host 0.0.0.0 --port "$port" --metrics-port "$metrics" --address-file "$file" "$@" &
+      tessera-data serve --host 0.0.0.0 --port "$port" --metrics-port "$metrics" --address-file "$file" \
+      --auth-token-file "$SECRETS/data.token" "${tls[@]}" "$@" &
     SERVICE_PIDS+=($!)
     files+=("$file")
   done
@@ -88,7 +133,7 @@ start_service() {
     addresses+=("$(cat "${files[i]}")")
   done
   SERVICE_ADDRESS=$(IFS=,; echo "${addresses[*]}")
-  tessera-data health --address "$SERVICE_ADDRESS" --wait 60 >&2 || { log "data service '$name' is not SERVING"; exit 1; }
+  tessera-data health --address "$SERVICE_ADDRESS" "${HEALTH_ARGS[@]}" --wait 60 >&2 || { log "data service '$name' is not SERVING"; exit 1; }
   log "data service '$name' at $SERVICE_ADDRESS (logs $JOB_DIR/logs/$name-*.log)"
 }
 
@@ -103,7 +148,7 @@ train() {
   srun --overlap --nodes="$NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_ON_NODE" --kill-on-bad-exit=0 \
     --output="$JOB_DIR/logs/train-node%n.log" \
     tessera-train --nproc-per-node "$NPROC_PER_NODE" "${nodes[@]}" --max-restarts "$MAX_RESTARTS" --auto-resume \
-    --set train.run_dir="$RUN_DIR" --set checkpoint.async_save=true "$@" &
+    --set train.run_dir="$RUN_DIR" --set checkpoint.async_save=true "${DATA_CLIENT_ARGS[@]}" "$@" &
   local pid=$! code=0
   # `wait` returns early when a signal (USR1) arrives: wait again until the step has ended.
   while :; do
