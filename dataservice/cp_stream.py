@@ -169,6 +169,12 @@ class StepCache:
                 fut.set_exception(err)
         return fut.result()
 
+    def forget(self, plan_fingerprint: str) -> None:
+        """Drop the cached steps of one plan (when no stream reads it any more)."""
+        with self._lock:
+            for key in [k for k in self._steps if k[0] == plan_fingerprint]:
+                del self._steps[key]
+
     def _build(self, plan: StreamPlan, step: int, anchor: Anchor, cp: CPRequest) -> PlannedStep:
         first_row = step * cp.rows_per_step
         first_anchor = plan.seek(first_row, anchor)  # a pure function of the row: tokens stay reproducible
