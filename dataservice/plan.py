@@ -136,7 +136,7 @@ class StreamPlan:
     _CHAIN_CAP = 4096  # anchors kept to speed up seek; the stride doubles when full
 
     def __init__(self, datasets: Sequence[Any], weights: Sequence[float], seed: int, seq_len: int,
-                 window_tokens: int | None = None, cache_windows: int = 64):
+                 window_tokens: int | None = None, cache_windows: int = 64, max_scan_windows: int | None = None):
         datasets = list(datasets)
         if not datasets:
             raise ValueError("no datasets given; a stream plan needs at least one dataset")
@@ -175,6 +175,8 @@ class StreamPlan:
         self.fingerprint: str = xxhash.xxh3_128_hexdigest(json.dumps(ident).encode())
 
         self._cache_size = max(1, int(cache_windows))
+        # Every seek's bound, also those inside `rows`: windows of a forged anchor may hold no rows.
+        self.max_scan_windows = max_scan_windows
         self._cache: OrderedDict[Anchor, Future] = OrderedDict()
         self._lock = threading.Lock()
         # Anchors known to lie on the chain from start_anchor: every `_stride`-th window, plus recent ones.
@@ -268,7 +270,7 @@ class StreamPlan:
 
         Raises ValueError if `anchor` starts after `row`. Known anchors on the chain from the
         start let a scan skip ahead; that gives the same answer, only sooner. A scan that would
-        build more than `max_windows` windows raises ScanLimitError; one whose `active()` turns
+        build more than `max_windows` windows (default: the plan's `max_scan_windows`) raises ScanLimitError; one whose `active()` turns
         False raises ScanCancelled (both checked once per window).
         """
         row = _check_int("row", row, 0, 1 << 62)
@@ -289,6 +291,8 @@ class StreamPlan:
                 self._recent[anchor] = None
                 self._recent.move_to_end(anchor)
         scanned = 0
+        if max_windows is None:
+            max_windows = self.max_scan_windows
         while True:
             win = self.window(anchor)
             if row < win.next_anchor.first_row:

@@ -174,7 +174,8 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         self._default_blend = self._normalise([(n, d.weight) for n, d in self._datasets.items()])
         self._plans: OrderedDict[tuple, _PlanEntry] = OrderedDict()
         self._plans_lock = threading.Lock()
-        self._cp_steps = StepCache(cp_cost)
+        # Two of the largest steps: the ranks of a job read the same step and at most the next.
+        self._cp_steps = StepCache(cp_cost, max_tokens=2 * limits.max_step_tokens)
         self._stream_slots = threading.BoundedSemaphore(max_streams)
         self._max_streams = max_streams
         self.limits = limits
@@ -253,6 +254,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                         [weight for _, weight in blend],
                         seed=seed,
                         seq_len=seq_len,
+                        max_scan_windows=self.limits.max_scan_windows,
                     )
                 except ValueError as err:
                     with self._plans_lock:
@@ -330,14 +332,17 @@ class DataServicer(pb2_grpc.DataServiceServicer):
             )
         try:
             anchor = Anchor.from_dict(token.anchor, len(plan.datasets))
-            anchor = plan.seek(token.row, anchor, max_windows=self.limits.max_scan_windows,
-                               active=context.is_active if context is not None else None)
+            anchor = plan.seek(token.row, anchor, active=context.is_active if context is not None else None)
         except (ValueError, KeyError, TypeError) as err:
             raise RequestError(f"resume token's anchor does not fit this plan: {err}") from None
         return _Stream(plan, request.dp_rank, request.dp_size, request.micro_batch_size,
                        request.seq_len, token.row // per_step, anchor, identity, cp)
 
     # ---- RPCs -------------------------------------------------------------------------
+
+    def _abort_scan(self, context, err: ScanLimitError) -> None:
+        self.metrics.error(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
 
     def _refuse(self, context, who: str, code: grpc.StatusCode, err) -> None:
         log.info("refused %s: %s", who, printable(str(err), 400))
@@ -422,6 +427,8 @@ class DataServicer(pb2_grpc.DataServiceServicer):
             rows = rows_for(step, stream.dp_rank, n, b)
             try:
                 batch, anchor = stream.plan.rows(rows, anchor)
+            except ScanLimitError as err:  # a forged anchor whose windows hold no rows
+                self._abort_scan(context, err)
             except Exception as err:  # a bug or a broken shard: say so, keep the server up
                 log.exception("building step %d for dp_rank %d/%d failed", step, stream.dp_rank, n)
                 failure = f"building step {step} for dp_rank {stream.dp_rank} failed: {err!r}"
@@ -449,6 +456,8 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                 return
             try:
                 planned = self._cp_steps.get(stream.plan, step, anchor, cp)
+            except ScanLimitError as err:  # a forged anchor whose windows hold no rows
+                self._abort_scan(context, err)
             except Exception as err:  # a bug or a broken shard: say so, keep the server up
                 log.exception("building dynamic-CP step %d failed", step)
                 failure = f"building dynamic-CP step {step} for dp_cp rank {cp.index}/{cp.num_ranks} failed: {err!r}"

@@ -15,7 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import protos
 from dataservice.build import build_dataset, make_corpus
+from dataservice.cp_plan import H200_COST
+from dataservice.cp_stream import CPRequest, StepCache, min_token_budget
 from dataservice.limits import DEFAULT_LIMITS, RequestLimits
+from dataservice.plan import StreamPlan
 from dataservice.server import SERVICE_NAME
 from dataservice.shards import ShardedDataset
 from dataservice.tokens import ResumeToken
@@ -110,6 +113,27 @@ def test_forged_anchor_is_cut_off_after_the_scan_bound(served):
     assert "max_scan_windows" in err.details()
     assert srv.active_streams() == 0
     healthy(address)
+
+
+def test_an_anchor_of_empty_windows_is_cut_off(served):
+    srv, address = served
+    genuine = ResumeToken.decode(fetch(address, 1)[0].resume_token)
+    # A carry beyond any window's quota: every window from it holds no rows, so no scan ends.
+    empty = {"window": 0, "first_row": 0, "positions": [0], "carries": [1 << 60]}
+    token = dataclasses.replace(genuine, row=genuine.row, anchor=empty).encode()
+    err = refused(address, within=10.0, resume_token=token)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+    healthy(address)
+
+
+def test_the_dynamic_cp_step_cache_keeps_a_bounded_number_of_tokens(data):
+    plan = StreamPlan([data[0][0]], [1.0], seed=0, seq_len=256)
+    cp = CPRequest(index=0, num_ranks=2, token_budget=min_token_budget(256, 2), rows_per_step=8)
+    for max_tokens, kept in ((3000, 1), (None, 4)):  # a step of 8 rows of 256 holds ~2000 tokens
+        cache, anchor = StepCache(H200_COST, size=8, max_tokens=max_tokens), plan.start_anchor()
+        for step in range(4):
+            anchor = cache.get(plan, step, anchor, cp).last_anchor
+        assert len(cache._steps) == kept
 
 
 def test_a_scan_stops_when_its_client_cancels(data):
