@@ -23,7 +23,7 @@ from dataservice.server import SERVICE_NAME
 from dataservice.shards import ShardedDataset
 from dataservice.tokens import ResumeToken
 from tests.support.cli import assert_one_line, run_entry_point
-from tests.support.service import fetch, request, start_server, stub
+from tests.support.service import fetch, request, start_server, start_server_process, stub
 
 pb2, pb2_grpc = protos.load()
 pytestmark = pytest.mark.timeout(120)
@@ -243,3 +243,18 @@ def test_a_plan_keeps_no_windows_once_its_streams_end(served):
 def test_serve_refuses_bad_limit_flags(tmp_path, data, flag, value, words):
     proc = run_entry_point("dataservice.cli", "serve", "--data", str(Path(data[0][1])), flag, value)
     assert_one_line(proc, *words)
+
+
+def test_serve_flags_set_the_limits_it_states(data):
+    proc, address, _ = start_server_process([data[0][1]], "--max-dp-size", "4", "--max-scan-windows", "2",
+                                            "--stream-send-timeout", "30")
+    try:
+        limits = stub(address).GetInfo(pb2.InfoRequest(), timeout=10).limits
+        assert (limits.max_dp_size, limits.max_scan_windows, limits.stream_send_timeout_s) == (4, 2, 30.0)
+        assert limits.max_rows_per_step == DEFAULT_LIMITS.max_rows_per_step
+        err = refused(address, dp_size=5)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit of 4 (max_dp_size)" in err.details()
+        healthy(address)
+    finally:
+        proc.terminate()
+        proc.wait(30)
