@@ -141,8 +141,10 @@ class PlannedStep:
 class StepCache:
     """Planned steps shared by all streams of a server, LRU, each built once (like plans)."""
 
-    def __init__(self, cost: CostModel, size: int = _STEP_CACHE_SIZE) -> None:
+    def __init__(self, cost: CostModel, size: int = _STEP_CACHE_SIZE, max_tokens: int | None = None) -> None:
+        """At most `size` steps, and (beyond the newest) at most `max_tokens` tokens in all."""
         self.cost, self._size = cost, max(1, int(size))
+        self._max_tokens = max_tokens
         self._steps: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -167,7 +169,29 @@ class StepCache:
                     if self._steps.get(key) is fut:
                         del self._steps[key]
                 fut.set_exception(err)
+            else:
+                self._trim(key)
         return fut.result()
+
+    def _trim(self, newest: tuple) -> None:
+        """Evict the oldest built steps while all of them hold more than `max_tokens` tokens."""
+        if self._max_tokens is None:
+            return
+        with self._lock:
+            built = [(k, f.result().tokens.size) for k, f in self._steps.items() if f.done() and not f.exception()]
+            total = sum(n for _, n in built)
+            for k, n in built:
+                if total <= self._max_tokens:
+                    break
+                if k != newest:
+                    del self._steps[k]
+                    total -= n
+
+    def forget(self, plan_fingerprint: str) -> None:
+        """Drop the cached steps of one plan (when no stream reads it any more)."""
+        with self._lock:
+            for key in [k for k in self._steps if k[0] == plan_fingerprint]:
+                del self._steps[key]
 
     def _build(self, plan: StreamPlan, step: int, anchor: Anchor, cp: CPRequest) -> PlannedStep:
         first_row = step * cp.rows_per_step

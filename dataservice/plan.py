@@ -16,7 +16,7 @@ import json
 import threading
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +28,8 @@ from dataservice.packing import IGNORE_INDEX, MicroBatch, RowStats, build_microb
 from dataservice.sampling import DocumentStream, blend_window, normalise_weights, stable_permutation, window_quotas
 
 __all__ = [
-    "ALGORITHM_VERSION", "MAX_SEQ_LEN", "Anchor", "PackedWindow", "StreamPlan", "rows_for", "default_window_tokens",
+    "ALGORITHM_VERSION", "MAX_SEQ_LEN", "Anchor", "PackedWindow", "ScanCancelled", "ScanLimitError", "StreamPlan",
+    "rows_for", "default_window_tokens",
 ]
 
 ALGORITHM_VERSION = 2  # bump on any change that alters the row stream (2: NumPy-independent shuffles)
@@ -55,6 +56,14 @@ def rows_for(step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> np
         raise ValueError(f"dp_rank={dp_rank} must be < dp_size={dp_size}")
     n, B = int(dp_size), int(micro_batch_size)
     return int(step) * B * n + int(dp_rank) + np.arange(B, dtype=np.int64) * n
+
+
+class ScanLimitError(RuntimeError):
+    """A seek would build more windows than its caller allows (the server's RESOURCE_EXHAUSTED)."""
+
+
+class ScanCancelled(RuntimeError):
+    """A seek stopped because its caller no longer wants the answer (a cancelled stream)."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +136,7 @@ class StreamPlan:
     _CHAIN_CAP = 4096  # anchors kept to speed up seek; the stride doubles when full
 
     def __init__(self, datasets: Sequence[Any], weights: Sequence[float], seed: int, seq_len: int,
-                 window_tokens: int | None = None, cache_windows: int = 64):
+                 window_tokens: int | None = None, cache_windows: int = 64, max_scan_windows: int | None = None):
         datasets = list(datasets)
         if not datasets:
             raise ValueError("no datasets given; a stream plan needs at least one dataset")
@@ -166,6 +175,8 @@ class StreamPlan:
         self.fingerprint: str = xxhash.xxh3_128_hexdigest(json.dumps(ident).encode())
 
         self._cache_size = max(1, int(cache_windows))
+        # Every seek's bound, also those inside `rows`: windows of a forged anchor may hold no rows.
+        self.max_scan_windows = max_scan_windows
         self._cache: OrderedDict[Anchor, Future] = OrderedDict()
         self._lock = threading.Lock()
         # Anchors known to lie on the chain from start_anchor: every `_stride`-th window, plus recent ones.
@@ -210,6 +221,11 @@ class StreamPlan:
                 fut.set_exception(e)
         return fut.result()
 
+    def release_windows(self) -> None:
+        """Drop the cached windows (rebuilt on demand): what a plan no stream reads should not keep."""
+        with self._lock:
+            self._cache.clear()
+
     def _build_window(self, anchor: Anchor) -> PackedWindow:
         w = anchor.window
         quotas = window_quotas(self._shares, w)
@@ -248,11 +264,14 @@ class StreamPlan:
         self._chain_windows = [a.window for a in self._chain]
         self._chain_rows = [a.first_row for a in self._chain]
 
-    def seek(self, row: int, anchor: Anchor | None = None) -> Anchor:
+    def seek(self, row: int, anchor: Anchor | None = None, *, max_windows: int | None = None,
+             active: Callable[[], bool] | None = None) -> Anchor:
         """Anchor of the window holding global row `row`, scanning forward from `anchor` (or the start).
 
         Raises ValueError if `anchor` starts after `row`. Known anchors on the chain from the
-        start let a scan skip ahead; that gives the same answer, only sooner.
+        start let a scan skip ahead; that gives the same answer, only sooner. A scan that would
+        build more than `max_windows` windows (default: the plan's `max_scan_windows`) raises ScanLimitError; one whose `active()` turns
+        False raises ScanCancelled (both checked once per window).
         """
         row = _check_int("row", row, 0, 1 << 62)
         if anchor is None:
@@ -271,10 +290,21 @@ class StreamPlan:
                     anchor = self._chain[best]
                 self._recent[anchor] = None
                 self._recent.move_to_end(anchor)
+        scanned = 0
+        if max_windows is None:
+            max_windows = self.max_scan_windows
         while True:
             win = self.window(anchor)
             if row < win.next_anchor.first_row:
                 return anchor
+            scanned += 1
+            if max_windows is not None and scanned > max_windows:
+                raise ScanLimitError(
+                    f"row {row} lies more than {max_windows} windows after window {anchor.window - scanned + 1} "
+                    f"(max_scan_windows); a genuine resume token lands within a few windows of its anchor"
+                )
+            if active is not None and not active():
+                raise ScanCancelled(f"seek to row {row} cancelled at window {anchor.window}")
             anchor = self.next_anchor(anchor)
 
     def rows(self, row_ids: Sequence[int], anchor: Anchor) -> tuple[MicroBatch, Anchor]:

@@ -37,7 +37,8 @@ from dataservice.rpc import (
     failure_reason,
     server_info,
 )
-from dataservice.server import open_datasets, serve
+from dataservice.limits import DEFAULT_LIMITS, RequestLimits
+from dataservice.server import DEFAULT_SEND_TIMEOUT_S, open_datasets, serve
 from dataservice.shards import DatasetError
 
 pb2, pb2_grpc = protos.load()
@@ -134,7 +135,46 @@ def add_serve(sub) -> None:
     p.add_argument("--address-file", default=None, metavar="FILE",
                    help="once listening, write HOST:PORT to FILE (atomically; the host name of this machine when "
                         "--host is a wildcard): how batch jobs hand the address to their ranks")
+    add_limit_flags(p)
     p.set_defaults(func=run_serve)
+
+
+#: `serve`'s flags for the caps on one request: (flag, RequestLimits field, what it bounds).
+LIMIT_FLAGS = (
+    ("--max-dp-size", "max_dp_size", "data-parallel ranks of a request"),
+    ("--max-seq-len", "max_seq_len", "tokens per row"),
+    ("--max-micro-batch-size", "max_micro_batch_size", "rows per message"),
+    ("--max-rows-per-step", "max_rows_per_step", "rows of one global step (micro_batch_size x dp_size, "
+                                                 "or dynamic CP's rows_per_step)"),
+    ("--max-step-tokens", "max_step_tokens", "tokens of one dynamic-CP step (rows_per_step x seq_len), "
+                                             "held in memory whole"),
+    ("--max-cp-size", "max_cp_size", "CP ranks per data-parallel rank"),
+    ("--max-batches", "max_batches", "batches one request may ask for (0, unbounded, is always accepted)"),
+    ("--max-scan-windows", "max_scan_windows", "windows a resume may scan to reach its row "
+                                               "(beyond: RESOURCE_EXHAUSTED)"),
+)
+
+
+def add_limit_flags(p) -> None:
+    """The request caps (dataservice.limits; the defaults fit the largest real jobs)."""
+    for flag, field, what in LIMIT_FLAGS:
+        default = getattr(DEFAULT_LIMITS, field)
+        p.add_argument(flag, type=int, default=default, metavar="N",
+                       help=f"most {what} (default: {default})")
+    p.add_argument("--stream-send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT_S, metavar="S",
+                   help="drop a stream whose client has read nothing for S seconds; it reconnects from its "
+                        f"last resume token when it reads again (default: {DEFAULT_SEND_TIMEOUT_S:g})")
+
+
+def limits_from_args(args) -> RequestLimits:
+    """RequestLimits from `serve`'s flags; ValueError names the flag that is out of range."""
+    for flag, field, _ in LIMIT_FLAGS:
+        if getattr(args, field) < 1:
+            raise ValueError(f"{flag} {getattr(args, field)} must be at least 1")
+    try:
+        return RequestLimits(**{field: getattr(args, field) for _, field, _ in LIMIT_FLAGS})
+    except ValueError as err:
+        raise ValueError(str(err).replace("max_seq_len is", "--max-seq-len is")) from None
 
 
 def advertised_host(host: str) -> str:
@@ -187,6 +227,12 @@ def run_serve(args) -> int:
         return _fail(prog, f"--trim-every {args.trim_every} must be a number of seconds >= 0 (0: never)")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         return _fail(prog, f"--metrics-port {args.metrics_port} must be in [0, 65535]")
+    if not (math.isfinite(args.stream_send_timeout) and args.stream_send_timeout > 0):
+        return _fail(prog, f"--stream-send-timeout {args.stream_send_timeout} must be a number of seconds > 0")
+    try:
+        limits = limits_from_args(args)
+    except ValueError as err:
+        return _fail(prog, str(err))
     if args.address_file and not Path(args.address_file).absolute().parent.is_dir():
         return _fail(prog, f"--address-file {args.address_file!r}: its folder does not exist")
     metrics_host = args.metrics_host or "127.0.0.1"  # the endpoint has no authentication
@@ -207,7 +253,8 @@ def run_serve(args) -> int:
         datasets = open_datasets(specs)
         server, port = serve(datasets, args.host, args.port, workers=args.workers,
                              token_secret=args.token_secret, cp_cost=cp_cost, metrics_port=args.metrics_port,
-                             metrics_host=metrics_host, auth_tokens=tokens, tls=tls)
+                             metrics_host=metrics_host, auth_tokens=tokens, tls=tls, limits=limits,
+                             send_timeout=args.stream_send_timeout)
     except (ValueError, FileNotFoundError, DatasetError, OSError) as err:
         return _fail(prog, str(err))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

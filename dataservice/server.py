@@ -33,8 +33,10 @@ import protos
 from dataservice.auth import ServerTLS, TokenInterceptor
 from dataservice.cp_plan import H200_COST, CostModel
 from dataservice.cp_stream import CPRequest, StepCache, check_cp_request, cp_messages
+from dataservice.limits import DEFAULT_LIMITS, RequestLimits, check_request
 from dataservice.metrics import ServiceMetrics
-from dataservice.plan import Anchor, StreamPlan, rows_for
+from dataservice.plan import Anchor, ScanCancelled, ScanLimitError, StreamPlan, rows_for
+from dataservice.send_watch import SendWatch
 from dataservice.shards import ShardedDataset
 from dataservice.tokens import (
     DEFAULT_TOKEN_SECRET,
@@ -47,10 +49,17 @@ pb2, pb2_grpc = protos.load()
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tessera.dataservice.v1.DataService"
-MAX_SEQ_LEN = 1 << 20
-MAX_MICRO_BATCH_SIZE = 4096
+MAX_SEQ_LEN = DEFAULT_LIMITS.max_seq_len
+MAX_MICRO_BATCH_SIZE = DEFAULT_LIMITS.max_micro_batch_size
 MAX_MESSAGE_BYTES = 128 << 20
 DEFAULT_WORKERS = 128
+#: Seconds a stream may wait on a client that reads nothing before it is dropped. A dropped
+#: trainer reconnects from its last token when it reads again (CANCELLED is retryable), so this
+#: only has to outlast ordinary gaps between reads while freeing a stuck stream's thread and
+#: message (up to max_message_bytes) within two minutes.
+DEFAULT_SEND_TIMEOUT_S = 120.0
+#: Longest client-supplied text (e.g. `consumer`) that reaches the log.
+_LOG_TEXT_CHARS = 80
 #: Worker threads kept free of streams so that GetInfo and health checks always get one.
 _RESERVED_WORKERS = 4
 _PLAN_CACHE_SIZE = 16
@@ -65,6 +74,30 @@ def worst_case_message_bytes(micro_batch_size: int, seq_len: int) -> int:
 
 class RequestError(ValueError):
     """A request the service cannot serve; the message goes to the client as INVALID_ARGUMENT."""
+
+
+class _Malformed:
+    """Stands in for a request whose bytes do not parse, so that it gets INVALID_ARGUMENT."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+
+def _lenient(message_class):
+    """A request deserializer that never raises: gRPC would answer a parse failure INTERNAL."""
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except Exception:  # any parse failure: a malformed message from the client
+            return _Malformed(message_class.__name__)
+    return parse
+
+
+def printable(text: str, limit: int = _LOG_TEXT_CHARS) -> str:
+    """Client-supplied `text` made safe for one log line: control characters (newlines
+    included) become '?', and it is cut to `limit` characters."""
+    clean = "".join(c if c.isprintable() else "?" for c in text[: limit + 1])
+    return clean if len(clean) <= limit else clean[: limit - 3] + "..."
 
 
 @dataclass
@@ -88,11 +121,16 @@ class _Stream:
     identity: dict  # the fields a resume token carries besides row and anchor
     cp: CPRequest | None = None  # dynamic CP: the stream carries plan entries, one step at a time
 
+    @property
+    def plan_key(self) -> tuple:
+        return (self.identity["blend"], self.identity["seed"], self.identity["seq_len"])
+
 
 class _PlanEntry:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.plan: StreamPlan | None = None
+        self.users = 0  # open streams reading this plan (under the servicer's plans lock)
 
 
 class DataServicer(pb2_grpc.DataServiceServicer):
@@ -107,6 +145,9 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         max_streams: int = DEFAULT_WORKERS - _RESERVED_WORKERS,
         cp_cost: CostModel = H200_COST,
         metrics: ServiceMetrics | None = None,
+        limits: RequestLimits = DEFAULT_LIMITS,
+        send_timeout: float = DEFAULT_SEND_TIMEOUT_S,
+        max_concurrent_rpcs: int = DEFAULT_WORKERS,
     ) -> None:
         if not datasets:
             raise ValueError("the data service needs at least one dataset")
@@ -135,11 +176,15 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         self._default_blend = self._normalise([(n, d.weight) for n, d in self._datasets.items()])
         self._plans: OrderedDict[tuple, _PlanEntry] = OrderedDict()
         self._plans_lock = threading.Lock()
-        self._cp_steps = StepCache(cp_cost)
+        # Two of the largest steps: the ranks of a job read the same step and at most the next.
+        self._cp_steps = StepCache(cp_cost, max_tokens=2 * limits.max_step_tokens)
         self._stream_slots = threading.BoundedSemaphore(max_streams)
         self._max_streams = max_streams
+        self.limits = limits
+        self._max_concurrent_rpcs = int(max_concurrent_rpcs)
         self.stopping = threading.Event()
         self.metrics = metrics or ServiceMetrics()
+        self.send_watch = SendWatch(send_timeout, lambda who: self.metrics.error(grpc.StatusCode.CANCELLED))
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -168,15 +213,40 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         return self._normalise(list(seen.items()))
 
     def _plan(self, blend: tuple[tuple[str, float], ...], seed: int, seq_len: int) -> StreamPlan:
+        """The plan of (blend, seed, seq_len), counted as used by one more stream until `_release`."""
         key = (blend, seed, seq_len)
         with self._plans_lock:
             entry = self._plans.get(key)
             if entry is None:
                 entry = self._plans[key] = _PlanEntry()
-                while len(self._plans) > _PLAN_CACHE_SIZE:
-                    self._plans.popitem(last=False)
+                # Evict the least recently used plans that no stream reads; plans in use stay.
+                for old in [k for k, e in self._plans.items() if e.users == 0 and k != key]:
+                    if len(self._plans) <= _PLAN_CACHE_SIZE:
+                        break
+                    del self._plans[old]
             else:
                 self._plans.move_to_end(key)
+            entry.users += 1
+        try:
+            return self._build_plan(key, entry)
+        except BaseException:
+            self._release(key)
+            raise
+
+    def _release(self, key: tuple) -> None:
+        """A stream of plan `key` ended: with no stream left on it, free its windows and CP steps."""
+        with self._plans_lock:
+            entry = self._plans.get(key)
+            if entry is None:
+                return
+            entry.users -= 1
+            idle = entry.users == 0 and entry.plan is not None
+        if idle:
+            entry.plan.release_windows()
+            self._cp_steps.forget(entry.plan.fingerprint)
+
+    def _build_plan(self, key: tuple, entry: _PlanEntry) -> StreamPlan:
+        blend, seed, seq_len = key
         # One lock per key: a slow build blocks only the streams that wait for that plan.
         with entry.lock:
             if entry.plan is None:
@@ -186,6 +256,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                         [weight for _, weight in blend],
                         seed=seed,
                         seq_len=seq_len,
+                        max_scan_windows=self.limits.max_scan_windows,
                     )
                 except ValueError as err:
                     with self._plans_lock:
@@ -194,17 +265,15 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                     raise RequestError(str(err)) from err
             return entry.plan
 
-    def resolve(self, request) -> _Stream:
-        """Validate a StreamRequest and find where its stream starts; RequestError if it cannot."""
-        if request.seq_len < 2 or request.seq_len > MAX_SEQ_LEN:
-            raise RequestError(
-                f"seq_len is {request.seq_len}; it must be between 2 and {MAX_SEQ_LEN} (max_seq_len)"
-            )
-        if request.micro_batch_size < 1 or request.micro_batch_size > MAX_MICRO_BATCH_SIZE:
-            raise RequestError(
-                f"micro_batch_size is {request.micro_batch_size}; it must be between 1 and "
-                f"{MAX_MICRO_BATCH_SIZE}"
-            )
+    def check(self, request) -> CPRequest | None:
+        """The cheap checks of a StreamRequest (no plan, no scan): RequestError if it cannot be
+        served; its dynamic-CP part (None without dynamic_cp)."""
+        if isinstance(request, _Malformed):
+            raise RequestError(f"the request is not a valid {request.kind} message")
+        try:
+            check_request(request, self.limits)
+        except ValueError as err:
+            raise RequestError(str(err)) from None
         if request.dp_size < 1:
             raise RequestError(f"dp_size is {request.dp_size}; it must be at least 1")
         if request.dp_rank >= request.dp_size:
@@ -223,8 +292,24 @@ class DataServicer(pb2_grpc.DataServiceServicer):
             cp = check_cp_request(request, self._max_message_bytes)
         except ValueError as err:
             raise RequestError(str(err)) from None
+        self._blend(request)
+        return cp
+
+    def resolve(self, request, context=None) -> _Stream:
+        """Validate a StreamRequest and find where its stream starts; RequestError if it cannot,
+        ScanLimitError if its resume point lies too far from its anchor, ScanCancelled if
+        `context` ends during the scan. The stream holds its plan until `_release(stream.plan_key)`."""
+        cp = self.check(request)
         blend = self._blend(request)
         plan = self._plan(blend, request.seed, request.seq_len)
+        key = (blend, request.seed, request.seq_len)
+        try:
+            return self._locate(request, plan, blend, cp, context)
+        except BaseException:
+            self._release(key)
+            raise
+
+    def _locate(self, request, plan: StreamPlan, blend, cp: CPRequest | None, context) -> _Stream:
         identity = dict(
             plan=plan.fingerprint, datasets=self._datasets_fp, blend=blend,
             seed=request.seed, seq_len=request.seq_len,
@@ -248,7 +333,8 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                 f"{layout}; pick a layout whose rows per step divide {token.row}"
             )
         try:
-            anchor = plan.seek(token.row, Anchor.from_dict(token.anchor, len(plan.datasets)))
+            anchor = Anchor.from_dict(token.anchor, len(plan.datasets))
+            anchor = plan.seek(token.row, anchor, active=context.is_active if context is not None else None)
         except (ValueError, KeyError, TypeError) as err:
             raise RequestError(f"resume token's anchor does not fit this plan: {err}") from None
         return _Stream(plan, request.dp_rank, request.dp_size, request.micro_batch_size,
@@ -256,19 +342,30 @@ class DataServicer(pb2_grpc.DataServiceServicer):
 
     # ---- RPCs -------------------------------------------------------------------------
 
+    def _abort_scan(self, context, err: ScanLimitError) -> None:
+        self.metrics.error(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+
+    def _refuse(self, context, who: str, code: grpc.StatusCode, err) -> None:
+        log.info("refused %s: %s", who, printable(str(err), 400))
+        self.metrics.error(code)
+        context.abort(code, str(err))
+
     def StreamBatches(self, request, context):
-        who = f"{request.consumer or '?'}@{context.peer()} dp {request.dp_rank}/{request.dp_size}"
+        if isinstance(request, _Malformed):
+            who = f"?@{context.peer()}"
+        else:
+            who = f"{printable(request.consumer or '?')}@{context.peer()} dp {request.dp_rank}/{request.dp_size}"
         started = time.perf_counter()
         metrics = self.metrics
         if self.stopping.is_set():  # draining: new streams go to another replica at once
             metrics.error(grpc.StatusCode.UNAVAILABLE)
             context.abort(grpc.StatusCode.UNAVAILABLE, "data service is draining; use another replica")
         try:
-            stream = self.resolve(request)
+            self.check(request)
         except RequestError as err:
-            log.info("refused %s: %s", who, err)
-            metrics.error(grpc.StatusCode.INVALID_ARGUMENT)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            self._refuse(context, who, grpc.StatusCode.INVALID_ARGUMENT, err)
+        # The slot comes before the plan and the scan: a flood of requests cannot pin more workers.
         if not self._stream_slots.acquire(blocking=False):
             log.warning("refused %s: all %d stream slots busy", who, self._max_streams)
             metrics.error(grpc.StatusCode.UNAVAILABLE)
@@ -277,13 +374,22 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                 f"this replica already serves {self._max_streams} streams (its limit); retry on "
                 "another replica or start this one with more --workers",
             )
-        log.info("stream %s: B %d, seq_len %d, seed %d, from step %d", who, stream.micro_batch_size,
-                 stream.seq_len, request.seed, stream.start_step)
-        metrics.streams.inc()
         metrics.streams_active.inc()
-        sent = 0
-        rows = 0 if stream.cp is not None else stream.micro_batch_size
+        sent, stream = 0, None
         try:
+            try:
+                stream = self.resolve(request, context)
+            except RequestError as err:
+                self._refuse(context, who, grpc.StatusCode.INVALID_ARGUMENT, err)
+            except ScanLimitError as err:
+                self._refuse(context, who, grpc.StatusCode.RESOURCE_EXHAUSTED, err)
+            except ScanCancelled:
+                log.info("stream %s cancelled by its client while finding its resume point", who)
+                return
+            log.info("stream %s: B %d, seq_len %d, seed %d, from step %d", who, stream.micro_batch_size,
+                     stream.seq_len, request.seed, stream.start_step)
+            metrics.streams.inc()
+            rows = 0 if stream.cp is not None else stream.micro_batch_size
             messages = self._batches(stream, request.max_batches, context)
             while True:
                 t0 = time.perf_counter()
@@ -292,12 +398,18 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                     break
                 now = time.perf_counter()
                 metrics.sent(now - (started if sent == 0 else t0), rows, message.num_tokens, sent == 0)
-                yield message
+                ticket = self.send_watch.sending(context, who)
+                try:
+                    yield message  # returns once gRPC has taken the message (flow control permitting)
+                finally:
+                    self.send_watch.sent(ticket)
                 sent += 1
         finally:
             metrics.streams_active.dec()
             self._stream_slots.release()
-            log.info("stream %s ended after %d batches", who, sent)
+            if stream is not None:
+                self._release(stream.plan_key)
+                log.info("stream %s ended after %d batches", who, sent)
 
     def _batches(self, stream: _Stream, max_batches: int, context) -> Iterable:
         if stream.cp is not None:
@@ -317,6 +429,8 @@ class DataServicer(pb2_grpc.DataServiceServicer):
             rows = rows_for(step, stream.dp_rank, n, b)
             try:
                 batch, anchor = stream.plan.rows(rows, anchor)
+            except ScanLimitError as err:  # a forged anchor whose windows hold no rows
+                self._abort_scan(context, err)
             except Exception as err:  # a bug or a broken shard: say so, keep the server up
                 log.exception("building step %d for dp_rank %d/%d failed", step, stream.dp_rank, n)
                 failure = f"building step {step} for dp_rank {stream.dp_rank} failed: {err!r}"
@@ -344,6 +458,8 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                 return
             try:
                 planned = self._cp_steps.get(stream.plan, step, anchor, cp)
+            except ScanLimitError as err:  # a forged anchor whose windows hold no rows
+                self._abort_scan(context, err)
             except Exception as err:  # a bug or a broken shard: say so, keep the server up
                 log.exception("building dynamic-CP step %d failed", step)
                 failure = f"building dynamic-CP step {step} for dp_cp rank {cp.index}/{cp.num_ranks} failed: {err!r}"
@@ -381,6 +497,9 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         )
 
     def GetInfo(self, request, context):
+        if isinstance(request, _Malformed):
+            self.metrics.error(grpc.StatusCode.INVALID_ARGUMENT)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {request.kind} message")
         first = next(iter(self._datasets.values())).data
         tokenizer = first.manifest.get("tokenizer", {})
         kind, name = tokenizer.get("kind", ""), tokenizer.get("name", "")
@@ -394,7 +513,13 @@ class DataServicer(pb2_grpc.DataServiceServicer):
             bos_id=first.bos_id,
             fingerprint=blend_fingerprint(self._datasets_fp, self._default_blend),
             max_message_bytes=self._max_message_bytes,
-            max_seq_len=MAX_SEQ_LEN,
+            max_seq_len=self.limits.max_seq_len,
+            limits=pb2.RequestLimits(
+                **self.limits.as_dict(),
+                max_concurrent_rpcs=self._max_concurrent_rpcs,
+                max_streams=self._max_streams,
+                stream_send_timeout_s=self.send_watch.timeout,
+            ),
         )
         for name, entry in self._datasets.items():
             reply.datasets.add(
@@ -406,6 +531,18 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                 weight=weights[name],
             )
         return reply
+
+
+def _service_handler(servicer: DataServicer):
+    """The DataService's methods, with deserializers that turn malformed bytes into INVALID_ARGUMENT."""
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "StreamBatches": grpc.unary_stream_rpc_method_handler(
+            servicer.StreamBatches, request_deserializer=_lenient(pb2.StreamRequest),
+            response_serializer=pb2.PackedBatch.SerializeToString),
+        "GetInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetInfo, request_deserializer=_lenient(pb2.InfoRequest),
+            response_serializer=pb2.InfoReply.SerializeToString),
+    })
 
 
 def blend_fingerprint(datasets_fp: str, blend: Sequence[tuple[str, float]]) -> str:
@@ -468,6 +605,7 @@ class DataServer:
         """Drain (see `drain`), then stop the gRPC server and the metrics endpoint."""
         self.drain(grace)
         self.server.stop(0).wait()
+        self.servicer.send_watch.close()
         self.metrics.close()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -500,6 +638,8 @@ def serve(
     metrics_host: str | None = None,
     auth_tokens: Sequence[str] = (),
     tls: ServerTLS | None = None,
+    limits: RequestLimits = DEFAULT_LIMITS,
+    send_timeout: float = DEFAULT_SEND_TIMEOUT_S,
 ) -> tuple[DataServer, int]:
     """Start a data service in this process; returns (server, bound port). Port 0 picks a free one.
 
@@ -510,6 +650,9 @@ def serve(
     `token_secret`: the resume tokens' HMAC secret (None: the project-wide default, fit for loopback
     only; empty is an error). `auth_tokens`: bearer tokens of which every call but health must
     carry one (none: no token asked). `tls`: serve TLS, mutual when it has a client CA.
+    `limits`: the caps on one request (dataservice.limits); `send_timeout`: seconds a stream may
+    wait on a client that reads nothing before it is dropped. At most `workers` RPCs run at
+    once; beyond that gRPC answers RESOURCE_EXHAUSTED at once instead of queueing them.
     """
     if workers < _RESERVED_WORKERS + 1:
         raise ValueError(f"workers is {workers}; it must be at least {_RESERVED_WORKERS + 1}")
@@ -525,14 +668,18 @@ def serve(
         max_streams=workers - _RESERVED_WORKERS,
         cp_cost=cp_cost,
         metrics=ServiceMetrics(),
+        limits=limits,
+        send_timeout=send_timeout,
+        max_concurrent_rpcs=workers,
     )
     refused = functools.partial(servicer.metrics.error, grpc.StatusCode.UNAUTHENTICATED)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dataservice"),
         options=server_options(max_message_bytes),
         interceptors=[TokenInterceptor(auth_tokens, refused)] if auth_tokens else None,
+        maximum_concurrent_rpcs=workers,  # one thread each; more would queue behind streams that last hours
     )
-    pb2_grpc.add_DataServiceServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((_service_handler(servicer),))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:

@@ -165,7 +165,7 @@ def _plain_token(server, micro_steps):
     (dict(rows_per_step=6), "rows_per_step is 6; it must be a multiple of micro_batch_size x dp_size = 2 x 2 = 4"),
     (dict(cp_token_budget=63), "cp_token_budget is 63; a document piece can have seq_len=256 tokens"),
     (dict(cp_token_budget=0), "give cp_token_budget >= 64"),
-    (dict(cp_token_budget=1 << 30, rows_per_step=1 << 20), "bytes per message, over this server's max message size"),
+    (dict(cp_token_budget=1 << 30, rows_per_step=1 << 16), "bytes per message, over this server's max message size"),
     (dict(resume_token="row4"), "not a step boundary for rows_per_step 8"),
 ])
 def test_bad_request_gets_invalid_argument_and_server_keeps_serving(server, bad, message):
