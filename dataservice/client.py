@@ -5,7 +5,9 @@ A background thread reads the gRPC stream into a bounded queue, so the training 
 deadline) the thread reconnects with exponential backoff, trying the given replica
 addresses in turn, and asks for the stream from the resume token of the last batch it
 RECEIVED: batches already queued stay valid, and nothing is served twice or skipped.
-Requests the server refuses (INVALID_ARGUMENT, ...) surface at the caller's `next()`.
+Requests the server refuses (INVALID_ARGUMENT, DATA_LOSS, ...) surface at the caller's `next()`
+as a DataServiceError with the status and message; so does a batch with a token id outside the
+vocabulary (DATA_LOSS), checked on every message against the vocabulary the replica states.
 
 An outage is logged (logger `dataservice.client`, warnings): one line when an open stream is
 lost, one when it is back, with how long it took.
@@ -134,6 +136,19 @@ def to_batch(msg) -> Batch:
     )
 
 
+def check_token_range(msg, vocab_size: int, address: str) -> None:
+    """DataServiceError (DATA_LOSS) if a message carries a token id outside [0, vocab_size):
+    a damaged shard or replica must not reach the embedding lookup. vocab_size 0: unknown."""
+    tokens = np.frombuffer(msg.tokens, dtype="<i4")
+    if not (vocab_size and tokens.size):
+        return
+    high, low = int(tokens.max()), int(tokens.min())
+    if high >= vocab_size or low < 0:
+        bad = high if high >= vocab_size else low
+        raise DataServiceError(f"data service at {address} sent token id {bad} in step {msg.step}, outside the "
+                               f"vocabulary of {vocab_size} ids: its data is damaged", grpc.StatusCode.DATA_LOSS)
+
+
 _END = object()
 
 
@@ -149,6 +164,7 @@ class _Settings:
     max_retries: int
     backoff: float
     max_backoff: float
+    vocab_size: int  # 0: ask each replica (GetInfo) before its first stream
 
 
 class DataClient:
@@ -182,6 +198,7 @@ class DataClient:
         cp_token_budget: int = 0,
         rows_per_step: int = 0,
         auth: ClientAuth | None = None,
+        vocab_size: int = 0,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
@@ -198,8 +215,10 @@ class DataClient:
             rows_per_step=rows_per_step,
         )
         self._blend = dict(blend or {})
+        if vocab_size < 0:
+            raise ValueError(f"vocab_size is {vocab_size}; it must be >= 0 (0: as the server says)")
         self._settings = _Settings(tuple(self.addresses), self._request, prefetch, max_batches,
-                                   max_retries, backoff, max_backoff)
+                                   max_retries, backoff, max_backoff, vocab_size)
         self._channels = Channels(client_options(max_receive_bytes), auth)  # auth: TLS and the bearer token
         self._delivered_token = resume_token or ""
         self._delivered = 0
@@ -304,6 +323,7 @@ class _Prefetcher:
         # step from its start, and these entries are dropped.
         self._partial: tuple[int, int] | None = None
         self._remaining = settings.max_batches - delivered if settings.max_batches else 0
+        self._vocab: dict[str, int] = {}
         self._thread = None
         if settings.max_batches and self._remaining <= 0:
             self._queue.put(_END)
@@ -341,12 +361,14 @@ class _Prefetcher:
             address = c.addresses[index % len(c.addresses)]
             request = pb2.StreamRequest(resume_token=self._token, max_batches=self._remaining, **c.request)
             try:
+                vocab = c.vocab_size or self._vocab_of(address)
                 with self._lock:
                     if self._stopped.is_set():
                         return
                     self._call = pb2_grpc.DataServiceStub(self._channels.get(address)).StreamBatches(request)
                     self.address = address
                 for msg in self._call:
+                    check_token_range(msg, vocab, address)
                     if lost_at is not None:
                         log.warning("data stream of %s back from %s after %.1f s (%d reconnect attempt(s))", who,
                                     address, time.monotonic() - lost_at, failures)
@@ -393,6 +415,13 @@ class _Prefetcher:
             except Exception as err:  # a malformed message, a bug: give it to the caller
                 self._put(err)
                 return
+
+    def _vocab_of(self, address: str) -> int:
+        """The vocabulary size `address` serves, asked once per replica (grpc.RpcError if unreachable)."""
+        if address not in self._vocab:
+            reply = pb2_grpc.DataServiceStub(self._channels.get(address)).GetInfo(pb2.InfoRequest(), timeout=30)
+            self._vocab[address] = int(reply.vocab_size)
+        return self._vocab[address]
 
     def stop(self, wait: bool = True) -> None:
         with self._lock:

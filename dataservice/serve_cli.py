@@ -132,6 +132,9 @@ def add_serve(sub) -> None:
                    help="every S seconds give the memory freed by finished messages back to the OS (glibc "
                         "malloc_trim), so the server's memory stays flat under load and falls when streams "
                         "close; 0: never (default: 5)")
+    p.add_argument("--skip-verify", action="store_true",
+                   help="do not check shard checksums at start (reading every shard once); sizes and each "
+                        "document's hash are still checked, and damage answers DATA_LOSS")
     p.add_argument("--address-file", default=None, metavar="FILE",
                    help="once listening, write HOST:PORT to FILE (atomically; the host name of this machine when "
                         "--host is a wildcard): how batch jobs hand the address to their ranks")
@@ -247,18 +250,22 @@ def run_serve(args) -> int:
         problem = problem and problem.replace("(--port 0", "(--metrics-port 0")
     if problem:
         return _fail(prog, problem)
+    # Before the datasets open: their verification reports its cost and any damaged shard.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.skip_verify:
+        sys.stderr.write(f"{prog}: warning: --skip-verify: shard checksums are not checked; a damaged shard "
+                         "is found only when a document read from it fails its hash (DATA_LOSS)\n")
     try:
         cp_cost = CostModel.from_json(args.cp_cost) if args.cp_cost else H200_COST
         specs = [parse_data_spec(s) for s in args.data]
-        datasets = open_datasets(specs)
+        datasets = open_datasets(specs, verify=not args.skip_verify)
         server, port = serve(datasets, args.host, args.port, workers=args.workers,
                              token_secret=args.token_secret, cp_cost=cp_cost, metrics_port=args.metrics_port,
                              metrics_host=metrics_host, auth_tokens=tokens, tls=tls, limits=limits,
                              send_timeout=args.stream_send_timeout)
     except (ValueError, FileNotFoundError, DatasetError, OSError) as err:
         return _fail(prog, str(err))
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -37,7 +37,7 @@ from dataservice.limits import DEFAULT_LIMITS, RequestLimits, check_request
 from dataservice.metrics import ServiceMetrics
 from dataservice.plan import Anchor, ScanCancelled, ScanLimitError, StreamPlan, rows_for
 from dataservice.send_watch import SendWatch
-from dataservice.shards import ShardedDataset
+from dataservice.shards import DataLossError, DatasetError, ShardedDataset, verify_dataset
 from dataservice.tokens import (
     DEFAULT_TOKEN_SECRET,
     ResumeToken,
@@ -171,6 +171,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                         "must share one tokenizer"
                     )
         self._secret = token_secret
+        self._vocab_size = first.vocab_size
         self._max_message_bytes = int(max_message_bytes)
         self._datasets_fp = datasets_fingerprint([(n, d.data.fingerprint) for n, d in self._datasets.items()])
         self._default_blend = self._normalise([(n, d.weight) for n, d in self._datasets.items()])
@@ -427,18 +428,21 @@ class DataServicer(pb2_grpc.DataServiceServicer):
             if not context.is_active():
                 return
             rows = rows_for(step, stream.dp_rank, n, b)
+            code, failure = grpc.StatusCode.INTERNAL, None
             try:
                 batch, anchor = stream.plan.rows(rows, anchor)
+                self._check_vocab(batch.tokens)
             except ScanLimitError as err:  # a forged anchor whose windows hold no rows
                 self._abort_scan(context, err)
-            except Exception as err:  # a bug or a broken shard: say so, keep the server up
+            except DataLossError as err:
+                log.error("step %d for dp_rank %d/%d: %s", step, stream.dp_rank, n, err)
+                code, failure = grpc.StatusCode.DATA_LOSS, str(err)
+            except Exception as err:  # a bug: say so, keep the server up
                 log.exception("building step %d for dp_rank %d/%d failed", step, stream.dp_rank, n)
                 failure = f"building step {step} for dp_rank {stream.dp_rank} failed: {err!r}"
-            else:
-                failure = None
             if failure:
-                self.metrics.error(grpc.StatusCode.INTERNAL)
-                context.abort(grpc.StatusCode.INTERNAL, failure)
+                self.metrics.error(code)
+                context.abort(code, failure)
             token = ResumeToken(row=(step + 1) * b * n, anchor=anchor.to_dict(), **stream.identity)
             yield self._message(batch, step, b, stream.seq_len, token.encode(self._secret))
             step += 1
@@ -456,18 +460,21 @@ class DataServicer(pb2_grpc.DataServiceServicer):
                 )
             if not context.is_active():
                 return
+            code, failure = grpc.StatusCode.INTERNAL, None
             try:
                 planned = self._cp_steps.get(stream.plan, step, anchor, cp)
+                self._check_vocab(planned.tokens)
             except ScanLimitError as err:  # a forged anchor whose windows hold no rows
                 self._abort_scan(context, err)
-            except Exception as err:  # a bug or a broken shard: say so, keep the server up
+            except DataLossError as err:
+                log.error("dynamic-CP step %d: %s", step, err)
+                code, failure = grpc.StatusCode.DATA_LOSS, str(err)
+            except Exception as err:  # a bug: say so, keep the server up
                 log.exception("building dynamic-CP step %d failed", step)
                 failure = f"building dynamic-CP step {step} for dp_cp rank {cp.index}/{cp.num_ranks} failed: {err!r}"
-            else:
-                failure = None
             if failure:
-                self.metrics.error(grpc.StatusCode.INTERNAL)
-                context.abort(grpc.StatusCode.INTERNAL, failure)
+                self.metrics.error(code)
+                context.abort(code, failure)
             anchor = planned.last_anchor
             # Mid-step messages resume at their step's first row: streams restart at step boundaries.
             again = ResumeToken(row=step * cp.rows_per_step, anchor=planned.first_anchor.to_dict(),
@@ -477,6 +484,14 @@ class DataServicer(pb2_grpc.DataServiceServicer):
             yield from cp_messages(planned, cp, stream.seq_len, again, done)
             step += 1
             sent += 1
+
+    def _check_vocab(self, tokens: np.ndarray) -> None:
+        """DataLossError unless every token id lies in [0, vocab_size): the last guard against
+        damaged bytes that slipped past the checksums (e.g. with --skip-verify)."""
+        if tokens.size and (int(tokens.max()) >= self._vocab_size or int(tokens.min()) < 0):
+            bad = int(tokens.max()) if int(tokens.max()) >= self._vocab_size else int(tokens.min())
+            raise DataLossError(f"token id {bad} lies outside the vocabulary of {self._vocab_size} ids; "
+                                "a shard is damaged (run tessera-data inspect on the datasets)", "")
 
     @staticmethod
     def _message(batch, step: int, micro_batch_size: int, seq_len: int, token: str):
@@ -613,15 +628,35 @@ class DataServer:
         return self.server.wait_for_termination(timeout)
 
 
-def open_datasets(specs: Iterable[str | Path | tuple[str | Path, float]]) -> list[tuple[ShardedDataset, str, float]]:
-    """Open each dataset folder; a spec is a path or (path, weight) with weight 1 by default."""
+def open_datasets(specs: Iterable[str | Path | tuple[str | Path, float]],
+                  verify: bool = True) -> list[tuple[ShardedDataset, str, float]]:
+    """Open each dataset folder; a spec is a path or (path, weight) with weight 1 by default.
+
+    With `verify` every shard's checksum is checked (the cost of reading the shards once);
+    either way shard sizes are. A damaged shard does not stop the server: it is logged, and
+    the requests that read it get DATA_LOSS naming it.
+    """
     opened = []
     for spec in specs:
         path, weight = (spec, 1.0) if isinstance(spec, (str, Path)) else spec
         folder = Path(path)
         if not folder.is_dir():
             raise FileNotFoundError(f"dataset folder {str(folder)!r} does not exist")
-        opened.append((ShardedDataset.open(folder), str(folder), float(weight)))
+        data = ShardedDataset.open(folder)
+        if verify:
+            # The index, targets and manifest map every shard: without them nothing can be served.
+            problems = verify_dataset(folder, data.manifest, shards=False)
+            if problems:
+                data.close()
+                raise DatasetError(f"dataset {str(folder)!r} failed verification: {problems[0]}")
+        started = time.perf_counter()
+        for problem in data.verify_shards() if verify else data.damage():
+            log.warning("dataset %r: shard %s; requests that read it get DATA_LOSS", data.name, problem)
+        if verify:
+            size = sum(int(s.get("bytes", 0)) for s in data.manifest["shards"])
+            log.info("dataset %r: %d shards (%.1f MiB) verified in %.2f s", data.name,
+                     len(data.manifest["shards"]), size / (1 << 20), time.perf_counter() - started)
+        opened.append((data, str(folder), float(weight)))
     return opened
 
 

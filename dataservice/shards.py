@@ -19,11 +19,19 @@ A dataset without the targets files trains on every token. Checksums are xxh3_12
 of file bytes. The fingerprint is xxh3_128 over the tokenizer identity, the token layout, every
 shard checksum, the index checksum and the targets' checksums (see `dataset_fingerprint`), so
 equal fingerprints mean equal token streams and equal loss masks.
+
+Reading defends against damage (`DataLossError`, naming the shard): every shard is opened when
+the dataset is, its size checked against the manifest and its file kept open, so a dataset
+rebuilt in place (renamed over this one) keeps serving the files opened; a shard found shorter
+than the manifest says, a failed LMDB read or a document whose bytes do not match its index
+hash is refused, never served (a truncated memory map would otherwise kill the process with
+SIGBUS). `verify_shards` re-checks the checksums of the open files.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import pathlib
 import threading
@@ -46,6 +54,14 @@ class DatasetError(Exception):
     """A dataset folder is missing, incomplete, of an unknown format or fails verification."""
 
 
+class DataLossError(DatasetError):
+    """Stored bytes of a dataset are damaged; `shard` names the shard folder."""
+
+    def __init__(self, message: str, shard: str) -> None:
+        super().__init__(message)
+        self.shard = shard
+
+
 def shard_name(i: int) -> str:
     """Folder name of shard number `i`."""
     return f"shard-{i:05d}"
@@ -58,10 +74,25 @@ def encode_key(k: int) -> bytes:
 
 def file_checksum(path: str | os.PathLike) -> str:
     """xxh3_128 hex digest of a file's bytes, read in large chunks."""
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return fd_checksum(fd)
+    finally:
+        os.close(fd)
+
+
+def fd_checksum(fd: int, h=None) -> str:
+    """Hex digest (xxh3_128 unless hash object `h` is given) of the bytes of open file `fd`."""
+    # Read into an anonymous map, not malloc'd memory: freeing an 8 MiB malloc'd chunk raises
+    # glibc's mmap threshold, and a server's message buffers would then stay in its arenas.
+    h = xxhash.xxh3_128() if h is None else h
+    with mmap.mmap(-1, 8 << 20) as chunk:
+        view = memoryview(chunk)
+        offset = 0
+        while n := os.preadv(fd, [view], offset):
+            h.update(view[:n])
+            offset += n
+        view.release()
     return h.hexdigest()
 
 
@@ -303,8 +334,9 @@ def load_manifest(path: pathlib.Path) -> dict:
 class ShardedDataset:
     """A built dataset folder, opened read-only.
 
-    Safe to read from many threads: each shard has one lazily opened read-only LMDB
-    environment, and every `read`/`read_many` call uses its own read transaction.
+    Safe to read from many threads: every shard's read-only LMDB environment and file are
+    opened with the dataset, and every `read`/`read_many` call uses its own read transaction.
+    `damaged` maps shard numbers to why they are refused (reads from them raise DataLossError).
     """
 
     def __init__(self, path: pathlib.Path, manifest: dict, index: np.ndarray):
@@ -312,9 +344,10 @@ class ShardedDataset:
         self.name = path.name
         self.manifest = manifest
         self.fingerprint: str = manifest["fingerprint"]
-        self._index = index
-        self.lengths: np.ndarray = np.ascontiguousarray(index["length"])
-        self.hashes: np.ndarray = np.ascontiguousarray(index["hash"])
+        # Copied out of the memory map: a later change to index.npy cannot reach the reader.
+        self._index = np.array(index)
+        self.lengths: np.ndarray = np.ascontiguousarray(self._index["length"])
+        self.hashes: np.ndarray = np.ascontiguousarray(self._index["hash"])
         self.num_documents = int(index.shape[0])
         self.num_tokens = int(manifest.get("total_tokens", int(self.lengths.sum(dtype=np.uint64))))
         tok = manifest["tokenizer"]
@@ -323,9 +356,44 @@ class ShardedDataset:
         self.token_dtype = np.dtype(manifest["token_dtype"]).newbyteorder("<")
         self._shard_names = [s["name"] for s in manifest["shards"]]
         self._target_runs, self._target_ptr = _load_targets(path, manifest, self.num_documents)
+        # A document's hash is checked the first time it is read (the file is held open after).
+        # Examples built without a loss mask were hashed with target runs that were not stored:
+        # their hashes cannot be recomputed, so only the shard checksums cover them.
+        records = manifest.get("records") or {}
+        unverifiable = bool(records.get("prompt_completion") or records.get("messages")) and self._target_runs is None
+        self._checked = np.full(self.num_documents, unverifiable, bool)
+        self.damaged: dict[int, str] = {}
         self._envs: list[lmdb.Environment | None] = [None] * len(self._shard_names)
+        self._fds: list[int | None] = [None] * len(self._shard_names)
+        self._sizes = [int(s.get("bytes", 0)) for s in manifest["shards"]]
         self._lock = threading.Lock()
         self._closed = False
+        for i in range(len(self._shard_names)):
+            self._open_shard(i)
+
+    def _open_shard(self, shard: int) -> None:
+        spath = self.path / self._shard_names[shard]
+        try:
+            fd = os.open(spath / "data.mdb", os.O_RDONLY)
+        except OSError as e:
+            self.damaged[shard] = f"cannot open data.mdb: {e.strerror or e}"
+            return
+        size = os.fstat(fd).st_size
+        if size != self._sizes[shard]:
+            os.close(fd)
+            self.damaged[shard] = f"data.mdb is {size} bytes, the manifest says {self._sizes[shard]}"
+            return
+        try:
+            self._envs[shard] = open_shard_reader(spath)
+        except lmdb.Error as e:
+            os.close(fd)
+            if "already open" in str(e):  # a misuse, not damage
+                self.close()
+                raise DatasetError(f"dataset {str(self.path)!r} is already open in this process (LMDB allows one "
+                                   "environment per folder): share the opened ShardedDataset") from None
+            self.damaged[shard] = f"cannot open it as LMDB: {e}"
+            return
+        self._fds[shard] = fd
 
     @classmethod
     def open(cls, path: str | os.PathLike, verify: bool = False) -> "ShardedDataset":
@@ -350,6 +418,21 @@ class ShardedDataset:
             raise DatasetError(f"{str(ipath)!r} holds {index.shape[0]} documents, manifest says {expected}")
         return cls(path, manifest, index)
 
+    def verify_shards(self) -> list[str]:
+        """Check every open shard file against its manifest checksum; a shard that fails is
+        marked damaged. Returns one line per damaged shard (empty: all good)."""
+        for i, fd in enumerate(self._fds):
+            if fd is None or i in self.damaged:
+                continue
+            got = fd_checksum(fd)  # the bytes this reader maps, not whatever the path holds now
+            if got != self.manifest["shards"][i]["checksum"]:
+                self.damaged[i] = f"data.mdb checksum {got} does not match the manifest's"
+        return self.damage()
+
+    def damage(self) -> list[str]:
+        """One line per shard known to be damaged: its name and why."""
+        return [f"{self._shard_names[i]}: {why}" for i, why in sorted(self.damaged.items())]
+
     def __len__(self) -> int:
         return self.num_documents
 
@@ -359,21 +442,55 @@ class ShardedDataset:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _env(self, shard: int) -> lmdb.Environment:
-        env = self._envs[shard]
-        if env is None:
-            with self._lock:  # one env per shard even when threads race to open it
-                if self._closed:
-                    raise DatasetError(f"dataset {str(self.path)!r} is closed")
-                env = self._envs[shard]
-                if env is None:
-                    spath = self.path / self._shard_names[shard]
-                    try:
-                        env = open_shard_reader(spath)
-                    except lmdb.Error as e:
-                        raise DatasetError(f"cannot open shard {str(spath)!r}: {e}") from None
-                    self._envs[shard] = env
-        return env
+    def _loss(self, shard: int, why: str) -> DataLossError:
+        name = self._shard_names[shard]
+        return DataLossError(f"dataset {self.name!r} shard {name} is damaged: {why}", name)
+
+    def _begin(self, shard: int) -> lmdb.Transaction:
+        """A read transaction on `shard`, after checking it is still whole (no SIGBUS)."""
+        if self._closed:
+            raise DatasetError(f"dataset {str(self.path)!r} is closed")
+        if shard in self.damaged:
+            raise self._loss(shard, self.damaged[shard])
+        env, fd = self._envs[shard], self._fds[shard]
+        if env is None or fd is None:
+            raise DatasetError(f"dataset {str(self.path)!r} is closed")
+        size = os.fstat(fd).st_size
+        if size < self._sizes[shard]:  # truncated under us: touching the map past the end is SIGBUS
+            self.damaged[shard] = f"data.mdb shrank to {size} bytes, the manifest says {self._sizes[shard]}"
+            raise self._loss(shard, self.damaged[shard])
+        try:
+            return env.begin(buffers=True)
+        except lmdb.Error as e:
+            raise self._loss(shard, f"LMDB: {e}") from None
+
+    def _value(self, txn: lmdb.Transaction, doc: int, shard: int, key: int):
+        """Document `doc`'s stored bytes, its hash checked on first read."""
+        try:
+            buf = txn.get(encode_key(key))
+        except lmdb.Error as e:  # MDB_CORRUPTED, MDB_PAGE_NOTFOUND, ...: a damaged page
+            raise self._loss(shard, f"LMDB cannot read document {doc}: {e}") from None
+        if buf is None:
+            raise self._loss(shard, f"document {doc} (key {key}) is missing")
+        if not self._checked[doc]:
+            if len(buf) != int(self.lengths[doc]) * self.token_dtype.itemsize or not self._hash_ok(doc, buf):
+                raise self._loss(shard, f"document {doc} does not match its hash in index.npy")
+            self._checked[doc] = True
+        return buf
+
+    def _hash_ok(self, doc: int, buf) -> bool:
+        want = int(self.hashes[doc])
+        if xxhash.xxh3_64_intdigest(buf) == want:
+            return True
+        if self._target_runs is None:
+            return False
+        # A fine-tuning example's identity includes its target runs (dataservice.build).
+        runs = np.ascontiguousarray(self._target_runs[int(self._target_ptr[doc]):int(self._target_ptr[doc + 1])],
+                                    np.uint32)
+        h = xxhash.xxh3_64()
+        h.update(buf)
+        h.update(runs.tobytes())
+        return h.intdigest() == want
 
     def _check_doc(self, doc: int) -> int:
         d = int(doc)
@@ -382,18 +499,15 @@ class ShardedDataset:
         return d
 
     def _get(self, txn: lmdb.Transaction, doc: int, shard: int, key: int) -> np.ndarray:
-        buf = txn.get(encode_key(key))
-        if buf is None:
-            raise DatasetError(f"document {doc} (key {key}) is missing from {self._shard_names[shard]}")
         # The buffer is only valid inside the transaction, so copy it out once.
-        return np.frombuffer(buf, dtype=self.token_dtype).copy()
+        return np.frombuffer(self._value(txn, doc, shard, key), dtype=self.token_dtype).copy()
 
     def read(self, doc: int) -> np.ndarray:
         """Tokens of document `doc` (eos included), a fresh writable array."""
         d = self._check_doc(doc)
         rec = self._index[d]
         shard, key = int(rec["shard"]), int(rec["key"])
-        with self._env(shard).begin(buffers=True) as txn:
+        with self._begin(shard) as txn:
             return self._get(txn, d, shard, key)
 
     def read_many(self, docs: Sequence[int] | np.ndarray) -> list[np.ndarray]:
@@ -409,14 +523,15 @@ class ShardedDataset:
         out: list[np.ndarray | None] = [None] * docs.size
         for shard in np.unique(shards):
             positions = np.flatnonzero(shards == shard)
-            with self._env(int(shard)).begin(buffers=True) as txn:
+            with self._begin(int(shard)) as txn:
                 for p in positions.tolist():
                     out[p] = self._get(txn, int(docs[p]), int(shard), int(keys[p]))
         return out  # type: ignore[return-value]
 
     def read_spans(self, docs: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
         """Tokens [start, stop) of each document, copied out of LMDB's memory map without
-        touching the rest: a piece of a long document costs its own length, not the document's."""
+        touching the rest: a piece of a long document costs its own length, not the document's
+        (after the document's first read, which checks its hash)."""
         docs = np.asarray(docs, dtype=np.int64).reshape(-1)
         if docs.size == 0:
             return []
@@ -431,11 +546,9 @@ class ShardedDataset:
         out: list[np.ndarray | None] = [None] * docs.size
         for shard in np.unique(recs["shard"]):
             positions = np.flatnonzero(recs["shard"] == shard)
-            with self._env(int(shard)).begin(buffers=True) as txn:
+            with self._begin(int(shard)) as txn:
                 for p in positions.tolist():
-                    buf = txn.get(encode_key(int(recs["key"][p])))
-                    if buf is None:
-                        raise DatasetError(f"document {int(docs[p])} is missing from {self._shard_names[int(shard)]}")
+                    buf = self._value(txn, int(docs[p]), int(shard), int(recs["key"][p]))
                     out[p] = np.frombuffer(buf, dtype=self.token_dtype, count=int(stops[p] - starts[p]),
                                            offset=int(starts[p]) * item).copy()
         return out  # type: ignore[return-value]
@@ -467,13 +580,23 @@ class ShardedDataset:
         return verify_dataset(self.path, self.manifest)
 
     def close(self) -> None:
-        """Close every open shard environment; later reads raise DatasetError."""
+        """Close every shard environment and file; later reads raise DatasetError."""
         with self._lock:
             self._closed = True
             envs, self._envs = self._envs, [None] * len(self._envs)
+            fds, self._fds = self._fds, [None] * len(self._fds)
         for env in envs:
             if env is not None:
                 env.close()
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
+
+    def __del__(self) -> None:
+        try:  # the files this dataset holds open, for callers that never close it
+            self.close()
+        except Exception:
+            pass
 
 
 def _load_targets(path: pathlib.Path, manifest: dict, num_documents: int):
@@ -491,11 +614,12 @@ def _load_targets(path: pathlib.Path, manifest: dict, num_documents: int):
     return runs, ptr
 
 
-def verify_dataset(path: pathlib.Path, manifest: dict) -> list[str]:
+def verify_dataset(path: pathlib.Path, manifest: dict, shards: bool = True) -> list[str]:
     """Problems with dataset folder `path`: missing files, checksum mismatches, a fingerprint
-    that does not match the recorded checksums. Each message names the file."""
+    that does not match the recorded checksums. Each message names the file. `shards=False`
+    leaves the shard files out (ShardedDataset.verify_shards checks the open ones)."""
     problems: list[str] = []
-    for s in manifest["shards"]:
+    for s in manifest["shards"] if shards else ():
         f = path / s["name"] / "data.mdb"
         if not f.is_file():
             problems.append(f"{f}: missing")
@@ -524,7 +648,11 @@ def verify_dataset(path: pathlib.Path, manifest: dict) -> list[str]:
         if tpath.is_file():
             import hashlib
 
-            got = hashlib.sha256(tpath.read_bytes()).hexdigest()
+            fd = os.open(tpath, os.O_RDONLY)
+            try:
+                got = fd_checksum(fd, hashlib.sha256())
+            finally:
+                os.close(fd)
             if got != tok.get("sha256"):
                 problems.append(f"{tpath}: sha256 {got} does not match the manifest's {tok.get('sha256')}")
     if "manifest_checksum" in manifest and manifest_checksum(manifest) != manifest["manifest_checksum"]:
