@@ -592,9 +592,12 @@ class DataServer:
     """A running data service: the gRPC server, its servicer and its health status."""
 
     def __init__(self, server: grpc.Server, servicer: DataServicer, health_servicer, port: int,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, owned: Sequence[ShardedDataset] = ()) -> None:
         self.server, self.servicer, self.health, self.port = server, servicer, health_servicer, port
         self.metrics_port = metrics_port
+        # Datasets `serve` opened from paths: closed with the server, since every shard is held
+        # open and LMDB allows one environment per folder in a process.
+        self.owned = list(owned)
 
     @property
     def metrics(self) -> ServiceMetrics:
@@ -622,6 +625,8 @@ class DataServer:
         self.server.stop(0).wait()
         self.servicer.send_watch.close()
         self.metrics.close()
+        for data in self.owned:
+            data.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server has stopped (or timeout); True if it stopped."""
@@ -694,8 +699,8 @@ def serve(
     if token_secret is not None and not token_secret:
         raise ValueError("the resume-token secret is empty; give a non-empty one or none (the loopback default)")
     specs = list(datasets)
-    opened = specs if specs and isinstance(specs[0], tuple) and isinstance(specs[0][0], ShardedDataset) \
-        else open_datasets(specs)
+    given = bool(specs) and isinstance(specs[0], tuple) and isinstance(specs[0][0], ShardedDataset)
+    opened = specs if given else open_datasets(specs)
     servicer = DataServicer(
         opened,
         token_secret=DEFAULT_TOKEN_SECRET if token_secret is None else token_secret,
@@ -736,4 +741,5 @@ def serve(
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("data service on %s:%d with datasets %s", host, bound, list(servicer._datasets))
-    return DataServer(server, servicer, health_servicer, bound, bound_metrics), bound
+    return DataServer(server, servicer, health_servicer, bound, bound_metrics,
+                      owned=() if given else [data for data, _, _ in opened]), bound
