@@ -137,6 +137,18 @@ class ModelConfig:
     """Scaling of the rotary frequencies for long contexts ([model.rope_scaling])."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """The mixture-of-experts layers ([model.moe])."""
+    attention: Literal["gqa", "mla"] = "gqa"
+    """gqa (grouped-query: num_kv_heads, head_dim) or mla (multi-head latent, DeepSeek-V3: the *_lora_rank, *_head_dim keys)."""
+    q_lora_rank: int = 0
+    """mla: width of the compressed query latent; 0: one uncompressed query projection (DeepSeek-V2-Lite, Moonlight)."""
+    kv_lora_rank: int = 0
+    """mla: width of the compressed key/value latent (> 0)."""
+    qk_nope_head_dim: int = 0
+    """mla: features of each query and key head without rotary positions (> 0)."""
+    qk_rope_head_dim: int = 0
+    """mla: features of each query head and of the shared key that carry rotary positions (> 0, even)."""
+    v_head_dim: int = 0
+    """mla: features of each value head (> 0; may differ from the query/key head)."""
     dense_backend: Literal["torch", "te"] = "torch"
     """GEMMs of the blocks' linear layers: torch (F.linear, or Tessera's FP8 kernels) or te (Transformer Engine, GPU only)."""
     te_norm_fusion: bool = True
@@ -144,8 +156,21 @@ class ModelConfig:
 
     @property
     def attention_head_dim(self) -> int:
-        """The head size in use: model.head_dim, or model.dim // model.num_heads when it is 0."""
+        """The query/key head size in use: gqa: model.head_dim, or model.dim // model.num_heads when it
+        is 0; mla: qk_nope_head_dim + qk_rope_head_dim."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.dim // self.num_heads
+
+    @property
+    def value_head_dim(self) -> int:
+        """The value (and attention output) head size: mla's v_head_dim, else the query/key head size."""
+        return self.v_head_dim if self.attention == "mla" else self.attention_head_dim
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Features of a head that carry rotary positions: mla's qk_rope_head_dim, else the whole head."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.attention_head_dim
 
 
 @dataclass
@@ -511,7 +536,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 RANGES = {
     "model.vocab_size": ">= 1", "model.dim": ">= 1", "model.num_layers": ">= 1", "model.num_heads": ">= 1",
     "model.num_kv_heads": ">= 1", "model.ffn_dim": ">= 1", "model.rope_theta": "> 0", "model.norm_eps": "> 0",
-    "model.init_std": "> 0", "model.head_dim": ">= 0",
+    "model.init_std": "> 0", "model.head_dim": ">= 0", "model.q_lora_rank": ">= 0", "model.kv_lora_rank": ">= 0",
+    "model.qk_nope_head_dim": ">= 0", "model.qk_rope_head_dim": ">= 0", "model.v_head_dim": ">= 0",
     "model.rope_scaling.factor": "> 0", "model.rope_scaling.original_max_position_embeddings": ">= 0",
     "model.rope_scaling.low_freq_factor": "> 0", "model.rope_scaling.high_freq_factor": "> 0",
     "model.rope_scaling.beta_fast": "> 0", "model.rope_scaling.beta_slow": "> 0",

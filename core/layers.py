@@ -67,7 +67,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
       beta_slow rotations; cos and sin scaled by `attention_factor` (0: 0.1*ln(factor)+1, or
       the ratio of the two mscale terms when mscale and mscale_all_dim are set).
     """
-    r, d, theta = cfg.rope_scaling, cfg.attention_head_dim, cfg.rope_theta
+    r, d, theta = cfg.rope_scaling, cfg.rope_head_dim, cfg.rope_theta
     exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
     inv_freq = 1.0 / theta ** exponents
     if r.type == "none":

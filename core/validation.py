@@ -97,8 +97,33 @@ def check_moe(moe: MoEConfig, where: str = "model.moe") -> None:
         )
 
 
+def _check_mla(m: ModelConfig) -> None:
+    needed = {"kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+              "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim}
+    unset = [f"model.{k}" for k, v in needed.items() if v <= 0]
+    if unset:
+        raise ConfigError(f"model.attention='mla' needs {', '.join(unset)} > 0 (DeepSeek-V3: kv_lora_rank=512, "
+                          f"qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)")
+    if m.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary embeddings turn pairs of features)")
+    if m.qk_norm:
+        raise ConfigError("model.qk_norm with model.attention='mla' is not supported: MLA normalises its latents "
+                          "(kv_norm, q_norm), not each head; set model.qk_norm=false")
+    if m.head_dim:
+        raise ConfigError(f"model.head_dim={m.head_dim} has no effect with model.attention='mla' (the heads are "
+                          f"qk_nope_head_dim + qk_rope_head_dim and v_head_dim); set it to 0")
+
+
 def _check_model(m: ModelConfig) -> None:
-    if not m.head_dim and m.dim % m.num_heads:
+    if m.attention == "mla":
+        _check_mla(m)
+    else:
+        unused = [k for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                  if getattr(m, k)]
+        if unused:
+            raise ConfigError(f"model.{unused[0]}={getattr(m, unused[0])} is an MLA key but model.attention="
+                              f"'{m.attention}'; set model.attention='mla' or remove it")
+    if not m.head_dim and m.dim % m.num_heads and m.attention != "mla":
         raise ConfigError(f"model.dim={m.dim} must be divisible by model.num_heads={m.num_heads} "
                           f"(or give the head size as model.head_dim)")
     if m.num_heads % m.num_kv_heads:
@@ -107,7 +132,7 @@ def _check_model(m: ModelConfig) -> None:
         )
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even (rotary embeddings turn pairs of features)")
-    if m.attention_head_dim % 2:
+    if m.attention != "mla" and m.attention_head_dim % 2:
         raise ConfigError(f"model.dim / model.num_heads = {m.dim} / {m.num_heads} = {m.attention_head_dim} must be even "
                           f"(rotary embeddings turn pairs of features); change model.dim or model.num_heads, "
                           f"or set model.head_dim")
@@ -262,7 +287,9 @@ def _check_split(config: Config, world_size: int) -> int:
     pipeline split; sets and returns parallel.dp."""
     m, p, t = config.model, config.parallel, config.train
     moe = m.moe
-    if m.num_heads % p.tp or m.num_kv_heads % p.tp:
+    if m.attention == "mla" and m.num_heads % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide model.num_heads={m.num_heads} (MLA splits its heads over tp)")
+    if m.attention != "mla" and (m.num_heads % p.tp or m.num_kv_heads % p.tp):
         raise ConfigError(
             f"parallel.tp={p.tp} must divide model.num_heads={m.num_heads} and "
             f"model.num_kv_heads={m.num_kv_heads}"

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from core.config import ModelConfig
 from core.rules import moe_layer_rule
 from core.layers import Attention, AttentionMeta, FeedForward, RMSNorm, rope_frequencies, rotary_tables
+from core.mla import MLAttention
 from moe.layer import MoELayer, moe_layers
 
 __all__ = ["GPT", "TransformerBlock", "build_model", "count_params", "is_moe_layer", "AttentionMeta"]
@@ -30,7 +31,7 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.checkpoint_feed_forward = False  # set by recompute "mlp" (core.parallel.recompute)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # An MoE layer reads the micro-batch's sequence boundaries (per-sequence balancing) from
         # the meta it is handed; a dense FFN takes the hidden states alone.
