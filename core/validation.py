@@ -358,9 +358,6 @@ def _check_train_layout(config: Config) -> None:
     if t.cuda_graphs and p.pp > 1:
         raise ConfigError(f"train.cuda_graphs=true runs at parallel.pp=1 only (now {p.pp}): a pipeline "
                           "schedule keeps several micro-batches in flight, whose graph outputs a replay would overwrite")
-    if t.fused_loss and (p.tp > 1 or p.pp > 1):
-        raise ConfigError(f"train.fused_loss=true runs at parallel.tp=1 and pp=1 (now tp={p.tp}, "
-                          f"pp={p.pp}): sharded vocabularies and pipelines keep their own loss")
 
 
 def _check_dynamic_cp(config: Config, dp: int) -> None:

@@ -228,8 +228,6 @@ LAYOUT_ERRORS = [
      "train.fp8_recipe='tensorwise' with the torch backend (torchao) runs at parallel.tp=1 only (now 2)"),
     (["train.compile=true", "train.cuda_graphs=true", "parallel.pp=2"], 2,
      "train.cuda_graphs=true runs at parallel.pp=1 only (now 2)"),
-    (["train.fused_loss=true", "parallel.tp=2"], 2, "train.fused_loss=true runs at parallel.tp=1 and pp=1 (now tp=2, "
-                                                    "pp=1)"),
     (["parallel.cp=2", "parallel.dynamic_cp=true", "model.moe.num_experts=4"], 2,
      "parallel.dynamic_cp with MoE (model.moe.num_experts > 0) is not supported yet"),
     (["eval.interval=2", "eval.address=h:1", "parallel.pp=2"], 2,

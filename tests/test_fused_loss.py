@@ -24,7 +24,7 @@ from core.train.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh
 from core.train.model import build_model
 from core.parallel.data import apply_data_parallel
-from tests.support.runs import losses, run_train
+from tests.support.runs import RTOL, losses, run_train
 
 CFG = ModelConfig(vocab_size=96, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
 
@@ -92,8 +92,35 @@ def test_training_with_the_fused_loss_follows_the_plain_run(tmp_path, dataset, r
         assert got[step] == pytest.approx(reference[step], rel=1e-5), (step, got, reference)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["parallel.tp=2"],  # vocab-parallel chunks, sequence parallel (the head's input all-gathered)
+    ["parallel.tp=2", "parallel.sequence_parallel=false"],  # the head's input replicated
+    ["parallel.pp=2"],  # the last stage stops at its norm and the loss applies the head
+], ids=["tp2-sp", "tp2", "pp2"])
+def test_fused_loss_at_tp_and_pp_follows_the_single_process(tmp_path, dataset, reference, layout):
+    """Reference: the single-process unfused run of the same data (RTOL: reduction order only)."""
+    run_train(tmp_path / "run", dataset, 2, "train.fused_loss=true", *layout)
+    got = losses(tmp_path / "run")
+    assert got.keys() == reference.keys() and len(got) == 4
+    for step in reference:
+        assert got[step] == pytest.approx(reference[step], rel=RTOL), (step, got, reference)
+
+
+@pytest.mark.slow
+def test_fused_loss_with_a_tied_head_across_stages(tmp_path, dataset):
+    """Tied embedding and head on the first and last stage: the head's gradient, written straight
+    into its main grad by the fused loss, is summed with the embedding's as the unfused run's is."""
+    tied = ["model.tie_embeddings=true"]
+    run_train(tmp_path / "one", dataset, 1, *tied)
+    run_train(tmp_path / "pp", dataset, 2, "train.fused_loss=true", "parallel.pp=2", *tied)
+    want, got = losses(tmp_path / "one"), losses(tmp_path / "pp")
+    assert got.keys() == want.keys() and len(got) == 4
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=RTOL), (step, got, want)
+
+
 @pytest.mark.parametrize("settings, message", [
-    (["parallel.tp=2"], "train.fused_loss=true runs at parallel.tp=1 and pp=1"),
     (["model.dense_backend=te"], "train.fused_loss=true needs model.dense_backend"),
     (["parallel.gradient_accumulation_fusion=false"], "it needs parallel.gradient_accumulation_fusion=true"),
 ])

@@ -268,6 +268,7 @@ def run_pipeline_step(
     loss_divisor: float,
     forward_context: Callable[[], ContextManager] | None = None,
     backward_context: Callable[[int, bool], ContextManager] | None = None,
+    head_in_loss: bool = False,
 ) -> PipelineStepResult:
     """Forward and backward every micro-batch through the pipeline; gradients accumulate in
     `.grad` (the caller zeroes them between optimizer steps and reduces them over dp after).
@@ -278,9 +279,11 @@ def run_pipeline_step(
     micro-batch's sum is divided by `loss_divisor` (the global label count) before backward.
     forward_context: wraps each forward (e.g. autocast). backward_context(chunk, last):
     wraps each backward; `last` marks a chunk's final backward of the step (e.g. to let a
-    data-parallel wrapper start its reduction only then).
+    data-parallel wrapper start its reduction only then). head_in_loss: the last stage stops at
+    its final norm (`hidden_states`) and `loss_fn` applies the output head itself (a fused loss).
     Collective over the pipeline group; one call per optimizer step is the intended use."""
     run = _StepRun(stage, micro_batches, loss_fn, mesh, config, loss_divisor, forward_context, backward_context)
+    run.head_in_loss = head_in_loss
     for item in run.program:
         if isinstance(item, Post):
             run.post(item)
@@ -316,6 +319,7 @@ class _StepRun:
         self.saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self.clock = _Clock(self.device)
+        self.head_in_loss = False
 
     def _received(self, message) -> torch.Tensor:
         buffer, batch = self.recv_work.pop(message)
@@ -346,7 +350,10 @@ class _StepRun:
         chunk = self.stage.chunks[item.chunk]
         x = micro.tokens if s == 0 else self._received(Message("act", s, item.micro)).requires_grad_()
         with self.clock.span(), self.forward_context():
-            out = chunk(x, micro.position_ids, micro.meta)
+            if s == self.last_stage and self.head_in_loss:
+                out = chunk.hidden_states(x, micro.position_ids, micro.meta)
+            else:
+                out = chunk(x, micro.position_ids, micro.meta)
             if s == self.last_stage:
                 part = self.loss_fn(out, micro)
                 part = part[0] if isinstance(part, tuple) else part

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from core.rules import FUSED_CHUNK_ELEMENTS
 from core.kernels import cross_entropy as rows_ce
-from core.parallel.comm import group_rank, group_size
+from core.parallel.comm import all_gather_tokens, copy_to_group, group_rank, group_size
 from core.parallel.wgrad import matmul_into_
 from dataservice.packing import IGNORE_INDEX
 
@@ -150,6 +150,31 @@ def _compiled_chunk_loss_and_grad():
     return torch.compile(_chunk_loss_and_grad)  # two fused row passes over the bf16 chunk
 
 
+def _vocab_parallel_chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor,
+                                        group: dist.ProcessGroup):
+    """`_chunk_loss_and_grad` of one chunk whose logits are this rank's vocab shard: the row max,
+    the sum of exponentials and the target logit are combined over `group` (two all-reduces of
+    the chunk's rows), so every rank gets the whole loss and its own shard's logit gradient."""
+    x = logits.float()
+    vocab_local = x.shape[-1]
+    labelled = labels != IGNORE_INDEX
+    local = labels.long() - group_rank(group) * vocab_local
+    mine = labelled & (local >= 0) & (local < vocab_local)  # out of range everywhere: zero target logit
+    local = local.masked_fill(~mine, 0)
+    row_max = x.max(dim=-1).values
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    exp = (x - row_max.unsqueeze(-1)).exp()
+    target = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+    stats = torch.stack((exp.sum(dim=-1), target))
+    dist.all_reduce(stats, group=group)
+    sum_exp, target = stats
+    loss = (sum_exp.log() + row_max - target).masked_fill(~labelled, 0.0).sum()
+    one_hot = (torch.arange(vocab_local, device=x.device) == local.unsqueeze(-1)) & mine.unsqueeze(-1)
+    coef = (labelled.to(x.dtype) * grad_scale).unsqueeze(-1)
+    grad = (exp / sum_exp.unsqueeze(-1) - one_hot.to(x.dtype)) * coef
+    return loss, grad.to(logits.dtype)
+
+
 class _FusedOutputCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of `hidden @ weight.T`, chunk by chunk over the tokens, with both
     gradients computed in the forward: no [T, V] logits or logit gradients are ever whole.
@@ -160,12 +185,15 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
     backward and scaled there by grad_loss / grad_scale, so it is exact for any incoming grad."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, grad_scale, compute_dtype, compiled):
+    def forward(ctx, hidden, weight, labels, grad_scale, compute_dtype, compiled, tp_group):
         tokens, vocab = hidden.shape[0], weight.shape[0]
-        chunk = max(1, min(tokens, FUSED_CHUNK_ELEMENTS // vocab))
+        chunk = max(1, min(tokens, FUSED_CHUNK_ELEMENTS // vocab))  # the same on every TP rank: equal shards
         h = hidden.to(compute_dtype)
         w = weight.to(compute_dtype)
-        loss_and_grad = _compiled_chunk_loss_and_grad() if compiled else _chunk_loss_and_grad
+        if group_size(tp_group) > 1:  # eager: its all-reduces sit between the chunk's row passes
+            loss_and_grad = functools.partial(_vocab_parallel_chunk_loss_and_grad, group=tp_group)
+        else:
+            loss_and_grad = _compiled_chunk_loss_and_grad() if compiled else _chunk_loss_and_grad
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty(hidden.shape, dtype=compute_dtype, device=hidden.device)
         sink = weight.main_grad_sink
@@ -184,12 +212,12 @@ class _FusedOutputCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_hidden, grad_scale = ctx.saved_tensors
         grad_hidden = (grad_hidden.float() * (grad_loss / grad_scale)).to(ctx.hidden_dtype)
-        return grad_hidden, ctx.sink.stand_in(), None, None, None, None
+        return grad_hidden, ctx.sink.stand_in(), None, None, None, None, None
 
 
 def fused_output_cross_entropy_sum(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor,
-    compute_dtype: torch.dtype | None = None, compiled: bool = False,
+    compute_dtype: torch.dtype | None = None, compiled: bool = False, tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """cross_entropy_sum(hidden @ weight.T, labels)[0] without materialising the logits.
 
@@ -197,7 +225,12 @@ def fused_output_cross_entropy_sum(
     gradient is written into the fp32 main grad during this call, already multiplied by
     `grad_scale`, a 0-dim fp32 tensor: the gradient the caller sends into the returned sum).
     Peak extra memory: one chunk of ~FUSED_CHUNK_ELEMENTS logits and their gradient, plus
-    [T, d] for the hidden state's gradient, where the unfused loss holds [T, V] twice."""
+    [T, d] for the hidden state's gradient, where the unfused loss holds [T, V] twice.
+
+    With `tp_group`, `weight` is this rank's vocab shard [V/tp, d] (rank r: ids [r*V/tp,
+    (r+1)*V/tp)) and `hidden` the whole [T, d] on every rank (after the head's input
+    collective: `head_input`); the loss is the whole one on every rank, and the hidden state's
+    gradient this shard's part, which that collective's backward sums over the group."""
     if getattr(weight, "main_grad_sink", None) is None:
         raise ValueError("fused_output_cross_entropy_sum needs a weight whose gradient goes to a fp32 main grad "
                          "(a DataParallel parameter with gradient_accumulation_fusion)")
@@ -206,4 +239,26 @@ def fused_output_cross_entropy_sum(
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(labels.shape)}")
     dtype = compute_dtype or weight.dtype
     return _FusedOutputCrossEntropy.apply(hidden, weight, labels, grad_scale, dtype,
-                                          compiled and hidden.is_cuda)
+                                          compiled and hidden.is_cuda, tp_group)
+
+
+def head_input(head, hidden: torch.Tensor) -> torch.Tensor:
+    """What `head` (the output projection) would multiply: `hidden` after a tensor-parallel head's
+    input collective (all-gather of the token shards under sequence parallelism, else a copy whose
+    backward sums over the group); `hidden` itself for a plain linear."""
+    comm = getattr(head, "input_comm", "none")
+    if comm == "gather":
+        return all_gather_tokens(hidden, head.group)
+    if comm == "copy":
+        return copy_to_group(hidden, head.group)
+    return hidden
+
+
+def fused_head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor,
+                    compute_dtype: torch.dtype | None = None, compiled: bool = False) -> torch.Tensor:
+    """The model's output head and the loss fused (`fused_output_cross_entropy_sum`), on a plain or
+    a tensor-parallel head: the summed loss of `hidden` (what `model.hidden_states` returns)."""
+    head = model.output
+    tp_group = head.group if getattr(head, "input_comm", "none") != "none" else None
+    return fused_output_cross_entropy_sum(head_input(head, hidden), head.weight, labels, grad_scale,
+                                          compute_dtype, compiled, tp_group)

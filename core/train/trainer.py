@@ -40,7 +40,7 @@ from core.validation import validate
 from core.train.data import StepInputs, open_stream, resolve_address, to_inputs
 from core.lifecycle import stop_deferred
 from core.train.dynamic_cp import DynamicCP
-from core.train.loss import cross_entropy_sum, fused_output_cross_entropy_sum
+from core.train.loss import cross_entropy_sum, fused_head_loss
 from core.mesh import ParallelMesh, init_distributed
 from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
 from core.train.model import build_model, count_params
@@ -213,9 +213,8 @@ class Trainer:
                     with self.autocast:
                         if self.fused_loss:
                             scale = torch.full((), 1.0 / max(global_labels, 1.0), device=self.device)
-                            part = fused_output_cross_entropy_sum(
-                                self.model.hidden_states(m.tokens, m.position_ids, m.meta), self.model.output.weight,
-                                m.labels, scale, self.loss_dtype, compiled=compiled)
+                            part = fused_head_loss(self.model, self.model.hidden_states(m.tokens, m.position_ids, m.meta),
+                                                   m.labels, scale, self.loss_dtype, compiled=compiled)
                         else:
                             logits = self.model(m.tokens, m.position_ids, m.meta)
                             part, _ = cross_entropy_sum(logits, m.labels, self.tp_group, compiled=compiled)
@@ -226,13 +225,21 @@ class Trainer:
     def _pipeline_forward_backward(self, micro: list[StepInputs], global_labels: float):
         compiled = self.config.train.compile
 
-        def loss_fn(out, mb):
-            return cross_entropy_sum(out, mb.labels, self.tp_group, compiled=compiled)
+        if self.fused_loss:  # the last stage's hidden states through the head and the loss in chunks
+            head_chunk = next(c for c in self.grads.pipeline.chunks if c.output is not None) \
+                if self.mesh.coordinate("pp") == self.mesh.size("pp") - 1 else None
+            scale = torch.full((), 1.0 / max(global_labels, 1.0), device=self.device)
+
+            def loss_fn(out, mb):
+                return fused_head_loss(head_chunk, out, mb.labels, scale, self.loss_dtype, compiled=compiled)
+        else:
+            def loss_fn(out, mb):
+                return cross_entropy_sum(out, mb.labels, self.tp_group, compiled=compiled)
 
         # The schedule interleaves micro-batches' backwards: reduce once, at the end.
         with self.grads.dp.no_sync():
             result = run_pipeline_step(self.grads.pipeline, micro, loss_fn, self.mesh, self.config, global_labels,
-                                       forward_context=lambda: self.autocast)
+                                       forward_context=lambda: self.autocast, head_in_loss=self.fused_loss)
         return result.loss_sum, result.metrics()
 
     def record(self, result: StepResult, step_start: float, previous: StepResult | None = None) -> dict:
