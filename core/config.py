@@ -203,6 +203,10 @@ class ParallelConfig:
     """Layers of the first pipeline stage; 0: an even split."""
     pp_last_stage_layers: int = 0
     """Layers of the last pipeline stage; 0: an even split."""
+    cp_comm: Literal["ring", "a2a", "a2a+ring"] = "ring"
+    """How CP ranks attend: ring (K/V passed round), a2a (all-to-all over heads, Ulysses) or a2a+ring (a2a in groups of cp_a2a)."""
+    cp_a2a: int = 0
+    """cp_comm a2a+ring: CP ranks of each all-to-all group (neighbours, inside a node; divides parallel.cp)."""
     dynamic_cp: bool = False
     """Per step, a CP group size per micro-batch, planned by the data service (docs/dynamic_cp.md)."""
     cp_token_budget: int = 0
@@ -550,7 +554,7 @@ RANGES = {
     "model.moe.routed_scaling_factor": "> 0", "model.moe.shared_ffn_dim": ">= 0",
     "parallel.tp": ">= 1", "parallel.pp": ">= 1", "parallel.cp": ">= 1", "parallel.ep": ">= 1", "parallel.etp": ">= 1",
     "parallel.bucket_mb": "> 0", "parallel.pp_virtual_stages": ">= 1", "parallel.pp_first_stage_layers": ">= 0",
-    "parallel.pp_last_stage_layers": ">= 0", "parallel.cp_token_budget": ">= 0", "parallel.dp": ">= 0",
+    "parallel.pp_last_stage_layers": ">= 0", "parallel.cp_token_budget": ">= 0", "parallel.cp_a2a": ">= 0", "parallel.dp": ">= 0",
     "train.max_steps": ">= 1", "train.stop_at_step": ">= 0", "train.seed": "[0, 9223372036854775807]",
     "train.seq_len": ">= 2", "train.micro_batch_size": ">= 1", "train.global_batch_size": ">= 1", "train.lr": "> 0",
     "train.min_lr": ">= 0", "train.warmup_steps": ">= 0", "train.weight_decay": ">= 0", "train.beta1": "[0, 1)",

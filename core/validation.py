@@ -24,6 +24,8 @@ torchao being there, the folders the run writes, the data service's answer
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 from core.config import Config, ConfigError, ModelConfig, MoEConfig, RopeScalingConfig, TrainConfig, check_fields
@@ -67,6 +69,7 @@ def check_layout(config: Config, world_size: int) -> int:
         raise ConfigError(f"the world size must be >= 1, got {world_size}")
     dp = _check_split(config, world_size)
     _check_train_layout(config)
+    _check_cp_comm(config)
     if config.parallel.dynamic_cp:
         _check_dynamic_cp(config, dp)
     if config.eval.interval and config.parallel.pp > 1:
@@ -358,6 +361,39 @@ def _check_train_layout(config: Config) -> None:
     if t.cuda_graphs and p.pp > 1:
         raise ConfigError(f"train.cuda_graphs=true runs at parallel.pp=1 only (now {p.pp}): a pipeline "
                           "schedule keeps several micro-batches in flight, whose graph outputs a replay would overwrite")
+
+
+def cp_a2a_size(config: Config) -> int:
+    """The all-to-all group of all-to-all CP: cp for "a2a", cp_a2a for "a2a+ring", 1 for the ring."""
+    p = config.parallel
+    return {"ring": 1, "a2a": p.cp, "a2a+ring": p.cp_a2a}[p.cp_comm]
+
+
+def _check_cp_comm(config: Config) -> None:
+    """All-to-all CP: the group sizes, and heads that split over them (core/parallel/ulysses.py)."""
+    p, m = config.parallel, config.model
+    if p.cp_a2a and p.cp_comm != "a2a+ring":
+        raise ConfigError(f"parallel.cp_a2a={p.cp_a2a} is read only with parallel.cp_comm='a2a+ring' (now "
+                          f"{p.cp_comm!r}); set cp_comm='a2a+ring' or remove it")
+    if p.cp_comm == "ring" or p.cp == 1:
+        return
+    if p.cp_comm == "a2a+ring" and not (1 < p.cp_a2a < p.cp and p.cp % p.cp_a2a == 0):
+        raise ConfigError(f"parallel.cp_comm='a2a+ring' needs parallel.cp_a2a, the all-to-all group inside a node, "
+                          f"between 2 and cp/2 and dividing parallel.cp={p.cp} (now {p.cp_a2a}); or use cp_comm='a2a'")
+    if p.dynamic_cp:
+        raise ConfigError(f"parallel.dynamic_cp with parallel.cp_comm={p.cp_comm!r} is not supported: dynamic CP "
+                          "plans ring groups; use cp_comm='ring'")
+    k = cp_a2a_size(config)
+    q_heads = m.num_heads // p.tp
+    kv_heads = q_heads if m.attention == "mla" else m.num_kv_heads // p.tp
+    if q_heads % k:
+        raise ConfigError(f"parallel.cp_comm={p.cp_comm!r} splits each rank's {q_heads} query heads (model.num_heads="
+                          f"{m.num_heads} / tp={p.tp}) over {k} ranks, which does not divide them; choose an "
+                          f"all-to-all group (parallel.cp or cp_a2a) that divides {q_heads}, or cp_comm='ring'")
+    if kv_heads % k and q_heads % math.lcm(kv_heads, k):
+        raise ConfigError(f"parallel.cp_comm={p.cp_comm!r}: {kv_heads} key/value heads per rank cannot be repeated to "
+                          f"a multiple of the all-to-all group {k} that divides the {q_heads} query heads; choose a "
+                          f"group that divides or is a multiple of {kv_heads}")
 
 
 def _check_dynamic_cp(config: Config, dp: int) -> None:

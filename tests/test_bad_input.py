@@ -142,6 +142,17 @@ def test_moe_settings_are_checked_by_the_config(tmp_path, dataset):
     assert_one_line(train(tmp_path, dataset, "parallel.etp=3", "parallel.ep=1", config=MOE), "parallel.etp=3 must be 1")
 
 
+@pytest.mark.parametrize("items, words", [
+    (["parallel.cp=2", "parallel.cp_comm=a2a", "model.num_heads=2", "model.num_kv_heads=2", "parallel.cp=4"],
+     ["parallel.cp_comm='a2a' splits each rank's 2 query heads", "over 4 ranks"]),
+    (["parallel.cp=4", "parallel.cp_comm=a2a+ring"], ["parallel.cp_comm='a2a+ring' needs parallel.cp_a2a"]),
+    (["parallel.cp_a2a=2"], ["parallel.cp_a2a=2 is read only with parallel.cp_comm='a2a+ring'"]),
+])
+def test_all_to_all_cp_layouts_it_cannot_run(tmp_path, dataset, items, words):
+    assert_one_line(train(tmp_path, dataset, *items, extra=("--nproc-per-node", "4")), *words)
+    assert not (tmp_path / "run").exists()
+
+
 def test_command_line_misuse(tmp_path):
     assert_one_line(run("core.train.cli", "--config", DENSE, "--nproc-per-node", "four"), "--nproc-per-node",
                     "invalid int value")

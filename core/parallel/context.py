@@ -71,18 +71,22 @@ def _iota(lengths: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def shard_for_cp(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                 cp_rank: int, cp_size: int, *, pad_token: int = 0, multiple_of: int = 1) -> CPInputs:
+                 cp_rank: int, cp_size: int, *, pad_token: int = 0, multiple_of: int = 1,
+                 chunk_multiple: int = 1) -> CPInputs:
     """This CP rank's zigzag share of a packed micro-batch (see the module docstring).
 
     tokens/labels/position_ids: [T] (a flattened micro-batch); cu_seqlens: [segments + 1]
     document boundaries over them (padding segments count as documents, labels -100).
     `multiple_of`: make the local token count a multiple of it (tensor-parallel sequence
     parallelism needs tp) by one extra all-padding document at the end.
-    With cp_size 1 nothing is split (no layout in the meta; empty segments dropped).
+    `chunk_multiple`: make every chunk a multiple of it (all-to-all CP cuts each rank's share of a
+    document into that many pieces: `core.parallel.ulysses`); then cp_size 1 pads too.
+    With cp_size 1 (and chunk_multiple 1) nothing is split (no layout in the meta; empty segments dropped).
     """
     cp_size = _check("cp_size", cp_size, 1)
     cp_rank = _check("cp_rank", cp_rank, 0, cp_size - 1)
     multiple_of = _check("multiple_of", multiple_of, 1)
+    chunk_multiple = _check("chunk_multiple", chunk_multiple, 1)
     total = tokens.shape[0]
     if tokens.dim() != 1 or labels.shape != tokens.shape or position_ids.shape != tokens.shape:
         raise ValueError(f"tokens, labels, position_ids must be flat [T] tensors of one length; got shapes "
@@ -94,7 +98,7 @@ def shard_for_cp(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch
     starts = cu[:-1][lens > 0]
     lens = lens[lens > 0]
     dev = tokens.device
-    if cp_size == 1:  # nothing to split; at most one padding document for `multiple_of`
+    if cp_size == 1 and chunk_multiple == 1:  # nothing to split; at most one padding document for `multiple_of`
         extra = -total % multiple_of
         source = torch.arange(total + extra, device=dev)
         if extra:
@@ -109,7 +113,7 @@ def shard_for_cp(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch
         return CPInputs(tokens, labels, position_ids, meta, source)
 
     two = 2 * cp_size
-    chunk = (lens + two - 1) // two  # c_d: tokens per chunk of document d
+    chunk = (lens + two * chunk_multiple - 1) // (two * chunk_multiple) * chunk_multiple  # c_d: tokens per chunk of document d
     local = 2 * int(chunk.sum())
     extra = 0
     while (local + 2 * extra) % multiple_of:  # one all-padding document fixes the count

@@ -24,13 +24,14 @@ from torch import nn
 from core.precision import blockwise, te_backend, torchao_fp8
 from core.config import Config
 from core import rules
-from core.validation import check_split_masters
+from core.validation import check_split_masters, cp_a2a_size
 from core.precision.plan import PrecisionPlan
 from core.precision.te_fused import WeightVersion
 from core.precision.weight_cache import Fp8WeightCache
 from core.mesh import ParallelMesh
 from core.train.optim import build_optimizer, clip_grad_norm_
 from core.parallel.context import apply_cp
+from core.parallel.ulysses import A2AGroups, apply_a2a_cp
 from core.parallel.data import DataParallel, apply_data_parallel
 from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_data_parallel
 from core.parallel.recompute import apply_recompute, compile_inside_checkpoint
@@ -135,8 +136,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         apply_tp(model, mesh, sequence_parallel=p.sequence_parallel)
     if config.model.moe.num_experts:
         apply_ep(model, mesh, etp=p.etp, sequence_parallel=p.sequence_parallel, exchange_timer=exchange_timer)
-    if mesh.cp > 1:
+    if mesh.cp > 1 and p.cp_comm == "ring":
         apply_cp(model, mesh)
+    elif mesh.cp > 1:
+        apply_a2a_cp(model, A2AGroups(mesh, cp_a2a_size(config)))
     weight_cache = Fp8WeightCache() if plan.weight_cache else None
     # Transformer Engine's linears keep their own FP8 weights from a step's first micro-batch.
     te_weights = WeightVersion() if plan.weight_cache and plan.linears == "te" else None

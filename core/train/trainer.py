@@ -36,7 +36,7 @@ import torch.distributed as dist
 from core.state.checkpoint import AsyncCheckpointer, latest_checkpoint, load_checkpoint, save_checkpoint
 from core.config import Config
 from core.rules import grad_accum_steps
-from core.validation import validate
+from core.validation import cp_a2a_size, validate
 from core.train.data import StepInputs, open_stream, resolve_address, to_inputs
 from core.lifecycle import stop_deferred
 from core.train.dynamic_cp import DynamicCP
@@ -45,6 +45,7 @@ from core.mesh import ParallelMesh, init_distributed
 from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
 from core.train.model import build_model, count_params
 from core.parallel.context import shard_for_cp
+from core.parallel.ulysses import shard_for_a2a
 from core.parallel.pipeline import run_pipeline_step
 from core.precision.plan import resolve_precision_plan
 from core.train.parallelize import parallelize
@@ -556,9 +557,16 @@ def _context_sharder(config: Config, mesh: ParallelMesh):
     tp = mesh.size("tp")
     multiple_of = tp if config.parallel.sequence_parallel and tp > 1 else 1
     rank = mesh.coordinate("cp")
+    a2a = cp_a2a_size(config)  # all-to-all CP: a2a rank rank % a2a of ring rank rank // a2a
+
+    def split(m):
+        if a2a == 1:
+            return shard_for_cp(m.tokens, m.labels, m.position_ids, m.meta.cu_seqlens, rank, cp, multiple_of=multiple_of)
+        return shard_for_a2a(m.tokens, m.labels, m.position_ids, m.meta.cu_seqlens, rank // a2a, cp // a2a,
+                             rank % a2a, a2a, multiple_of=multiple_of)
 
     def shard(m):
-        s = shard_for_cp(m.tokens, m.labels, m.position_ids, m.meta.cu_seqlens, rank, cp, multiple_of=multiple_of)
+        s = split(m)
         # Counts are summed over dp x cp ranks, and the cp ranks of a data-parallel rank share
         # one micro-batch: each counts 1/cp of it (exact in floating point: cp is small).
         return dataclasses.replace(m, tokens=s.tokens, labels=s.labels, position_ids=s.position_ids, meta=s.meta,
