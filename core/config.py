@@ -263,6 +263,8 @@ class TrainConfig:
     """Modules recomputed in the backward besides train.recompute: norms, swiglu, moe_experts, attention_core, attention, mlp, block."""
     offload_modules: list[str] = field(default_factory=list)
     """Modules whose saved activations wait in host memory until the backward (copies overlap compute); the same names."""
+    mlp_chunk_tokens: int = 0
+    """> 0: tiled MLP, the dense SwiGLU layers run this many tokens at a time each way (memory flat in the sequence); 0: off."""
     recompute_num_layers: int = 0
     """Recompute only in the first N blocks of each model chunk (pipeline stage); 0: in every block."""
     run_dir: str = "runs/default"
@@ -559,7 +561,7 @@ RANGES = {
     "train.seq_len": ">= 2", "train.micro_batch_size": ">= 1", "train.global_batch_size": ">= 1", "train.lr": "> 0",
     "train.min_lr": ">= 0", "train.warmup_steps": ">= 0", "train.weight_decay": ">= 0", "train.beta1": "[0, 1)",
     "train.beta2": "[0, 1)", "train.eps": ">= 0", "train.grad_clip": ">= 0", "train.log_interval": ">= 1",
-    "train.hang_timeout_s": ">= 0",
+    "train.hang_timeout_s": ">= 0", "train.mlp_chunk_tokens": ">= 0",
     "data.prefetch": ">= 1",
     "checkpoint.interval": ">= 0", "checkpoint.keep": ">= 1",
     "eval.interval": ">= 0", "eval.steps": ">= 1", "eval.seed": "[0, 9223372036854775807]",

@@ -225,7 +225,11 @@ class _WeightedSwiGLU(torch.autograd.Function):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x).
+
+    `chunk_tokens` > 0 (`train.mlp_chunk_tokens`): tiled, `tiled_swiglu` over that many tokens at a
+    time, so the [tokens, hidden] intermediates never exist for the whole sequence. A
+    tensor-parallel w2 then reduces the tiled partial sums once (`w2.reduce_partial`)."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -234,8 +238,73 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.act = SwiGLU()
         self.fused = None  # the whole FFN (and the norm before it) in one call: core.precision.te_fused.TeNormMLP
+        self.chunk_tokens = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
             return self.fused(x)
+        if self.chunk_tokens and x.shape[0] > self.chunk_tokens:
+            out = tiled_swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight, self.chunk_tokens)
+            reduce = getattr(self.w2, "reduce_partial", None)
+            return reduce(out) if reduce is not None else out
         return self.w2(self.act(self.w1(x), self.w3(x)))
+
+
+def _weight_grad(weight: torch.Tensor, acc: dict, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
+    """Add grad_out^T @ inputs to the weight's gradient: into its fp32 main grad where data
+    parallelism gave it a sink (gradient-accumulation fusion), else into an fp32 sum in `acc`."""
+    sink = getattr(weight, "main_grad_sink", None)
+    if sink is not None:
+        sink.write(lambda main_grad, accumulate: fused.matmul_into_(main_grad, grad_out.t(), inputs, accumulate))
+    else:
+        part = torch.mm(grad_out.t(), inputs).to(torch.promote_types(inputs.dtype, torch.float32))
+        acc[weight] = acc[weight].add_(part) if weight in acc else part
+
+
+class _TiledSwiGLU(torch.autograd.Function):
+    """w2(silu(w1 x) * w3 x) chunk by chunk over the tokens; saves x and the weights only. The
+    backward recomputes each chunk's two projections and takes the three weight gradients and the
+    chunk's input gradient by hand (no autograd inside: a weight's gradient arrives once)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, w1, w3, w2, chunk):
+        out = x.new_empty(x.shape[0], w2.shape[0])
+        for start in range(0, x.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            out[rows] = F.linear(F.silu(F.linear(x[rows], w1)) * F.linear(x[rows], w3), w2)
+        ctx.save_for_backward(x, w1, w3, w2)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_out):
+        x, w1, w3, w2 = ctx.saved_tensors
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        x_c, w1_c, w3_c, w2_c = (t.to(dtype) for t in (x, w1, w3, w2))
+        grad_x = torch.empty(x.shape, dtype=dtype, device=x.device)
+        wide = torch.promote_types(dtype, torch.float32)  # the elementwise part in at least fp32
+        sums: dict = {}
+        for start in range(0, x.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            xs, g = x_c[rows], grad_out[rows].to(dtype)
+            a, b = (xs @ w1_c.t()).to(wide), (xs @ w3_c.t()).to(wide)
+            sig = torch.sigmoid(a)
+            silu = a * sig
+            _weight_grad(w2, sums, g, (silu * b).to(dtype))
+            dh = (g @ w2_c).to(wide)
+            da = (dh * b * sig * (1 + a * (1 - sig))).to(dtype)
+            db = (dh * silu).to(dtype)
+            torch.mm(da, w1_c, out=grad_x[rows])
+            grad_x[rows] += db @ w3_c
+            _weight_grad(w1, sums, da, xs)
+            _weight_grad(w3, sums, db, xs)
+        grads = [sums[w].to(w.dtype) if w in sums else w.main_grad_sink.stand_in() for w in (w1, w3, w2)]
+        return grad_x.to(x.dtype), *grads, None
+
+
+def tiled_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, chunk: int) -> torch.Tensor:
+    """F.linear(silu(x w1^T) * (x w3^T), w2) over `chunk` tokens at a time: the forward and the
+    backward hold one chunk's [chunk, hidden] intermediates, never the sequence's."""
+    return _TiledSwiGLU.apply(x, w1, w3, w2, chunk)

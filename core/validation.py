@@ -200,6 +200,20 @@ def _check_train(config: Config) -> None:
                           "forward: it needs parallel.gradient_accumulation_fusion=true")
     if t.fused_loss and config.model.dense_backend != "torch":
         raise ConfigError("train.fused_loss=true needs model.dense_backend=\"torch\" (the head is a plain linear)")
+    _check_mlp_chunks(config)
+
+
+def _check_mlp_chunks(config: Config) -> None:
+    t, n = config.train, config.train.mlp_chunk_tokens
+    if not n:
+        return
+    tokens = t.micro_batch_size * t.seq_len
+    if tokens % n:
+        raise ConfigError(f"train.mlp_chunk_tokens={n} must divide the tokens of a micro-batch, train.micro_batch_size "
+                          f"x train.seq_len = {tokens} (e.g. {max(d for d in range(1, min(n, tokens) + 1) if tokens % d == 0)})")
+    if config.model.dense_backend != "torch" or t.precision == "fp8":
+        raise ConfigError("train.mlp_chunk_tokens > 0 runs the dense SwiGLU in plain GEMMs: it needs "
+                          "model.dense_backend='torch' and train.precision other than fp8")
 
 
 def check_split_masters(config: Config, precision: str) -> None:

@@ -48,6 +48,17 @@ _ROW_BLOCK = 1024  # elements of a row per program: 2 KB of bf16, 16-byte loads 
 _FLAT_BLOCK = 4096
 
 
+def matmul_into_(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out (fp32) = [out +] a @ b, with a, b in a 16-bit dtype: on a GPU one GEMM whose epilogue
+    adds in fp32 (Megatron's gradient-accumulation fusion), no 16-bit product in between."""
+    if out.is_cuda and a.dtype != out.dtype:
+        torch.addmm(out, a, b, out_dtype=out.dtype, beta=1 if accumulate else 0, out=out)
+    elif accumulate:
+        out.add_(torch.mm(a, b).to(out.dtype))
+    else:
+        out.copy_(torch.mm(a, b))
+
+
 def triton_enabled(t: Tensor) -> bool:
     return triton is not None and os.environ.get("TESSERA_TRITON", "1") != "0" and (
         t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")

@@ -137,7 +137,10 @@ class RowParallelLinear(nn.Module):
         return cls(weight, bias, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = self.matmul(x, self.weight)
+        return self.reduce_partial(self.matmul(x, self.weight))
+
+    def reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's x[:, shard] W[:, shard]^T, computed elsewhere (a tiled FFN), summed over the group."""
         out = reduce_scatter_tokens(partial, self.group) if self.sequence_parallel else reduce_from_group(partial, self.group)
         return out + self.bias if self.bias is not None else out
 

@@ -27,18 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from core.kernels.embedding import add_embedding_grad_
+from core.kernels.fused import matmul_into_
 from core.layers import FeedForward
-
-
-def matmul_into_(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
-    """out (fp32) = [out +] a @ b, with a, b in a 16-bit dtype: on a GPU one GEMM whose epilogue
-    adds in fp32 (Megatron's gradient-accumulation fusion), no 16-bit product in between."""
-    if out.is_cuda and a.dtype != out.dtype:
-        torch.addmm(out, a, b, out_dtype=out.dtype, beta=1 if accumulate else 0, out=out)
-    elif accumulate:
-        out.add_(torch.mm(a, b).to(out.dtype))
-    else:
-        out.copy_(torch.mm(a, b))
 
 
 def _add_weight_grad(main_grad: Tensor, grad_out: Tensor, inputs: Tensor) -> None:

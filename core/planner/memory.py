@@ -153,6 +153,8 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
         H = s.ffn
         if "mlp" in recompute:
             parts["mlp"] = Ts * d * b  # the norm's input (SP: gathered inside the checkpoint)
+        elif t.mlp_chunk_tokens:  # tiled: its input alone; each chunk's intermediates live in one pass
+            parts["mlp"] = T * d * b
         else:
             mlp_in = 0 if ("norms" in recompute and not sp) else T * d * b
             parts["mlp"] = mlp_in + T * H * b * (2 if "swiglu" in recompute else inside_glu)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from core.rules import FUSED_CHUNK_ELEMENTS
 from core.kernels import cross_entropy as rows_ce
+from core.kernels.fused import matmul_into_
 from core.parallel.comm import all_gather_tokens, copy_to_group, group_rank, group_size
-from core.parallel.wgrad import matmul_into_
 from dataservice.packing import IGNORE_INDEX
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from core.precision import blockwise, te_backend, torchao_fp8
 from core.config import Config
+from core.layers import FeedForward
 from core import rules
 from core.validation import check_split_masters, cp_a2a_size
 from core.precision.plan import PrecisionPlan
@@ -156,6 +157,11 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         stage = build_pipeline_stage(model, mesh, config)
         tie_for_data_parallel(stage)
         chunks = stage.chunks
+    if t.mlp_chunk_tokens:
+        tiled = [block for chunk in chunks for block in chunk.layers.values() if isinstance(block.feed_forward, FeedForward)]
+        for block in tiled:
+            block.feed_forward.chunk_tokens = t.mlp_chunk_tokens
+        log.info("tiled MLP: %d dense feed-forward layers run %d tokens at a time", len(tiled), t.mlp_chunk_tokens)
     for chunk in chunks:
         apply_recompute(chunk, t.recompute, t.recompute_modules, t.offload_modules, compiled=t.compile,
                         num_layers=t.recompute_num_layers)
