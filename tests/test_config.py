@@ -230,8 +230,8 @@ LAYOUT_ERRORS = [
      "train.cuda_graphs=true runs at parallel.pp=1 only (now 2)"),
     (["train.fused_loss=true", "parallel.tp=2"], 2, "train.fused_loss=true runs at parallel.tp=1 and pp=1 (now tp=2, "
                                                     "pp=1)"),
-    (["parallel.cp=2", "parallel.dynamic_cp=true", "model.moe.num_experts=4"], 2,
-     "parallel.dynamic_cp with MoE (model.moe.num_experts > 0) is not supported yet"),
+    (["parallel.cp=2", "parallel.dynamic_cp=true", "model.moe.num_experts=4", "model.moe.capacity_factor=1.25"], 2,
+     "parallel.dynamic_cp with model.moe.capacity_factor > 0 is not supported: capacity is counted per rank's tokens"),
     (["eval.interval=2", "eval.address=h:1", "parallel.pp=2"], 2,
      "eval.interval > 0 with parallel.pp > 1 is not supported yet"),
     ([], 0, "the world size must be >= 1, got 0"),
