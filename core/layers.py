@@ -35,6 +35,10 @@ class AttentionMeta:
     extra: dict[str, Any] = field(default_factory=dict)  # context-parallel plans and the like
     doc_lengths: tuple[int, ...] | None = None  # cu_seqlens' segment lengths on the host, if known
     total_tokens: int | None = None  # cu_seqlens[-1] on the host, if known: checks without a device sync
+    # bool [T] over this rank's tokens: True for tokens of documents, False for padding (a row's
+    # end, the context-parallel split's); None: every token is a document's. MoE layers count and
+    # balance these only; everything else runs every token.
+    real: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.total_tokens is None and self.doc_lengths is not None:

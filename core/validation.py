@@ -415,9 +415,11 @@ def _check_dynamic_cp(config: Config, dp: int) -> None:
     if p.pp > 1:
         raise ConfigError("parallel.dynamic_cp with parallel.pp > 1 is not supported: the pipeline schedule needs the "
                           "same micro-batches on every stage and rank; use parallel.pp=1")
-    if config.model.moe.num_experts:
-        raise ConfigError("parallel.dynamic_cp with MoE (model.moe.num_experts > 0) is not supported yet: the "
-                          "auxiliary losses are scaled for a fixed number of micro-batches per rank")
+    moe = config.model.moe
+    if moe.num_experts and moe.capacity_factor > 0:
+        raise ConfigError("parallel.dynamic_cp with model.moe.capacity_factor > 0 is not supported: capacity is counted "
+                          "per rank's tokens, so which tokens drop would depend on each step's plan; use "
+                          "capacity_factor=0 (dropless)")
     if p.cp_token_budget == 0:
         p.cp_token_budget = max(1, t.micro_batch_size * t.seq_len // p.cp)
     # A document piece has up to seq_len tokens; it must fit the largest aligned power-of-two

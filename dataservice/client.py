@@ -87,6 +87,8 @@ class Batch:
     cp_step_documents: int = 0
     cp_tokens_per_rank: int = 0
     cp_documents: torch.Tensor | None = None  # int32 [documents]: indices in the step's document list
+    cp_wave: int = 0                    # the entry's wave (StepPlan.waves)
+    cp_step_waves: int = 0              # waves in the step; 0 from a server that predates them
 
     @property
     def max_seqlen(self) -> int:
@@ -133,6 +135,8 @@ def to_batch(msg) -> Batch:
         cp_step_documents=int(msg.cp_step_documents),
         cp_tokens_per_rank=int(msg.cp_tokens_per_rank),
         cp_documents=view(msg.cp_documents, torch.int32) if dynamic else None,
+        cp_wave=int(msg.cp_wave),
+        cp_step_waves=int(msg.cp_step_waves),
     )
 
 

@@ -158,6 +158,23 @@ class StepPlan:
                     self._by_rank[r].append(mb)
         return self._by_rank[rank]
 
+    def waves(self) -> list[int]:
+        """Each micro-batch's wave, in global order: the first wave after every member's previous
+        micro-batch. Micro-batches of one wave share no rank, and every rank's micro-batches keep
+        their order, so ranks that run one micro-batch per wave (an empty one where they have
+        none) take part in collectives over any set of ranks (the expert-parallel all-to-alls)
+        the same number of times in the same order, and the ring exchanges of a wave only wait
+        for ranks in that wave: nothing can hang."""
+        free = [0] * self.num_ranks  # the first wave each rank may join
+        out = []
+        for mb in self.microbatches:
+            members = range(mb.group_start, mb.group_start + mb.group_size)
+            wave = max(free[r] for r in members)
+            for r in members:
+                free[r] = wave + 1
+            out.append(wave)
+        return out
+
 
 def _check_int(name: str, v, lo: int) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:

@@ -128,6 +128,7 @@ class PlannedStep:
     doc_len: np.ndarray  # int64 [documents]
     doc_hashes: np.ndarray  # uint64 [documents]
     plan: StepPlan
+    waves: list[int]  # plan.waves(), by entry index
     first_anchor: Anchor  # window holding the step's first row
     last_anchor: Anchor  # window holding the step's last row
 
@@ -205,7 +206,7 @@ class StepCache:
         tokens, labels, positions = batch.tokens[real], batch.labels[real], batch.position_ids[real]
         step_plan = plan_cp_step(length, cp.num_ranks, cp.token_budget, self.cost)
         return PlannedStep(step, rows, tokens, labels, positions, np.cumsum(length) - length, length,
-                           batch.doc_hashes[seg], step_plan, first_anchor, last_anchor)
+                           batch.doc_hashes[seg], step_plan, step_plan.waves(), first_anchor, last_anchor)
 
 
 def _raw(array: np.ndarray, dtype: str) -> bytes:
@@ -215,9 +216,10 @@ def _raw(array: np.ndarray, dtype: str) -> bytes:
 def cp_messages(planned: PlannedStep, cp: CPRequest, seq_len: int, again: str, done: str) -> Iterable:
     """The PackedBatch messages of one rank for one planned step (see the .proto)."""
     entries = planned.plan.for_rank(cp.index)
+    waves = planned.waves
     common = dict(step=planned.step, micro_batch_size=1, seq_len=seq_len, row_ids=_raw(planned.row_ids, "<i8"),
                   cp_microbatches_in_step=len(entries), cp_step_microbatches=len(planned.plan.microbatches),
-                  cp_step_documents=int(planned.doc_len.size))
+                  cp_step_documents=int(planned.doc_len.size), cp_step_waves=max(waves, default=-1) + 1)
     if not entries:
         yield pb2.PackedBatch(resume_token=done, efficiency=1.0, cp_group_size=0, **common)
         return
@@ -242,5 +244,6 @@ def cp_messages(planned: PlannedStep, cp: CPRequest, seq_len: int, again: str, d
             cp_entry=k,
             cp_documents=_raw(entry.docs, "<i4"),
             cp_tokens_per_rank=int(entry.tokens_per_rank),
+            cp_wave=waves[entry.index],
             **common,
         )

@@ -107,7 +107,7 @@ def unpermute(rows: torch.Tensor, order: torch.Tensor, num_tokens: int, k: int,
         if inverse is None:
             inverse = inverse_of(order, num_tokens * k).view(num_tokens, k)
         return unpermute_sum(rows, inverse)
-    return _scatter_rows(rows, order, num_tokens * k).view(num_tokens, k, -1).sum(1)
+    return _scatter_rows(rows, order, num_tokens * k).view(num_tokens, k, rows.shape[-1]).sum(1)
 
 
 class _Permute(torch.autograd.Function):
@@ -177,7 +177,7 @@ def weighted_unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.T
         if inverse is None:
             inverse = inverse_of(order, num_tokens * k).view(num_tokens, k)
         return gather_weighted_sum(rows, inverse, weights)
-    slots = _scatter_rows(rows, order, num_tokens * k).view(num_tokens, k, -1)
+    slots = _scatter_rows(rows, order, num_tokens * k).view(num_tokens, k, rows.shape[-1])
     return _WeightedSum.apply(weights.to(rows.dtype), slots)
 
 

@@ -11,17 +11,30 @@ added to the objective through the backward pass: an autograd function passes th
 output through unchanged and, in backward, hands the loss term the gradient `scale`
 (Megatron's trick). With the training loop's main loss = sum(token CE) / global token count
 over all micro-batches and data-parallel ranks, and gradients summed over those ranks, the
-objective becomes
+objective of one optimizer step is
 
-    main loss + mean over the N local losses of (aux_coeff * aux + z_coeff * z)
+    main loss + aux_coeff * A + z_coeff * Z
 
-where N = micro-batches per step x dp x cp ranks, and each local loss is that of one
-micro-batch on one data-parallel rank (the same as the single-process model computes on that
-micro-batch). Tensor parallelism needs no change to N: the layer divides the work itself.
-N is a constant of the run (every rank runs the same number of micro-batches per step; the
-one layout where that varies, dynamic CP, refuses MoE), so the loop states it once:
-`set_moe_loss_scale(model, accum * dp * cp)`; the default N = 1 is right for one process and
-one micro-batch.
+over the step's micro-batches m (a micro-batch is what one forward of the model sees, counted
+once however many context-parallel or "split" TP ranks share it), their sequences s (the
+segments of `meta.cu_seqlens` with document tokens) and their document tokens t (padding, a
+row's end or the context-parallel split's, is routed but never counted: `meta.real`):
+
+    A = (1/M) sum_m  E/(k n_m^2) sum_e count_me P_me      (micro-batch level, the default)
+    A = (1/S) sum_s  E/(k n_s^2) sum_e count_se P_se      (model.moe.aux_loss_per_sequence)
+    Z = (1/T) sum_t  logsumexp(logits_t)^2
+
+with n the unit's document tokens, count its assignments to expert e, P the sum of its tokens'
+probabilities of e; M, S, T the step's counts over all ranks, which the loop states before each
+step: `set_moe_loss_scale(model, M, S, T)`. A sequence or micro-batch split over ranks is
+balanced as one: its sums are all-reduced over the group, and each rank's term is its own
+tokens' share (linear in P given the counts), the shares adding up to the whole. So S- and
+T-averaged terms do not depend on how a step's documents are grouped into micro-batches (the
+same on every layout, dynamic CP included); the micro-batch level term is the same wherever the
+micro-batches are (every static layout; a dynamic-CP plan makes its own micro-batches, so there
+it is the mean over the plan's). Without S and T (`set_moe_loss_scale(model, N)`, default N = 1)
+each micro-batch's per-sequence loss is the mean over its sequences and its z-loss the mean
+over its tokens, each divided by N: right for one process and one micro-batch.
 
 Per-batch data travels through `forward`. Per-sequence balancing needs the sequence
 boundaries of the micro-batch this rank runs: `meta.cu_seqlens` (over this rank's tokens:
@@ -57,7 +70,7 @@ from core.parallel.comm import (
 )
 from moe.dispatcher import build_dispatcher
 from moe.experts import GroupedExperts
-from moe.router import Routing, TopKRouter, balancing_loss_from_stats, balancing_stats, sequence_ids
+from moe.router import Routing, TopKRouter, balancing_stats, sequence_balancing_losses, sequence_ids
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -98,7 +111,8 @@ class MoELayer(nn.Module):
         # routes its own token shard, experts replicated) or "sharded" (TP ranks share
         # the tokens, expert hidden sizes split).
         self.tp_mode, self.tp_group, self.tp_size, self.sequence_parallel = "none", None, 1, False
-        self.aux_loss_divisor = 1.0
+        # The step's counts the auxiliary losses are divided by (`set_moe_loss_scale`).
+        self.aux_loss_divisor, self.sequence_divisor, self.token_divisor = 1.0, None, None
         self.overlap_shared = True
         self._side_stream = None
         self.register_buffer("_bias_load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
@@ -117,7 +131,7 @@ class MoELayer(nn.Module):
         if loss is not None and torch.is_grad_enabled() and loss.requires_grad:
             # "sharded" TP: every TP rank holds the same whole loss, the TP sum counts it once.
             tp_share = self.tp_size if self.tp_mode == "sharded" else 1
-            y = _AttachLoss.apply(y, loss, 1.0 / (self.aux_loss_divisor * tp_share))
+            y = _AttachLoss.apply(y, loss, 1.0 / tp_share)
         return self._leave_tp(y)
 
     # Outside torch.compile, in one piece: the per-expert row counts change every batch, so
@@ -138,7 +152,7 @@ class MoELayer(nn.Module):
         loss, parts = self._aux_loss(routing, token_offset, x.shape[0], meta)
         y = self.dispatcher.combine(expert_out)
         if self.training and not _in_recompute():
-            self._record(routing, parts)
+            self._record(routing, parts, self._real(meta, token_offset, x.shape[0]))
         return y, loss
 
     def _enter_tp(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -163,53 +177,84 @@ class MoELayer(nn.Module):
     # Runs inside `_route`, outside torch.compile: the per-sequence statistics are shaped by the
     # batch's document count (and check it on the host), so a compiled block recompiled per batch.
     def _aux_loss(self, routing: Routing, token_offset: int, n: int, meta: AttentionMeta | None):
-        """(the loss term to attach or None, detached values for the metrics).
+        """(the loss term to attach or None, the micro-batch's values for the metrics).
 
-        In "split" TP mode x is one shard of the micro-batch: the counts (and, for the
-        metrics, the other sums) are summed over TP in one small all-reduce, and each rank's
-        term is its share of the whole micro-batch's loss; the shares add up over TP, so the
-        result equals the single-process loss on the micro-batch."""
+        The micro-batch is what one forward of the model sees, whole: in "split" TP mode x is a
+        shard of it, under context parallelism (meta.extra["cp_group"]) a CP share of it. The
+        sums the losses are made of (assignments, probabilities and tokens per sequence, the
+        z-loss's sum) are then summed over those groups in one small all-reduce each, so every
+        sequence is balanced as one; each rank's term is its own tokens' share of the whole
+        (the losses are linear in the probability sums given the counts), and the shares add up
+        over the groups. Only document tokens count (`meta.real`): padding, a row's or the
+        split's, is routed but neither counted nor balanced."""
         moe, parts = self.moe, {}
         aux_on, z_on = moe.aux_loss_coeff > 0, moe.z_loss_coeff > 0
-        if not (aux_on or z_on):
-            return None, parts
         split = self.tp_mode == "split"
         total = n * self.tp_size if split else n
-        device = routing.probs.device
+        if not (aux_on or z_on) or total == 0:  # an empty micro-batch (dynamic CP) adds nothing
+            return None, parts
+        device, e = routing.probs.device, self.moe.num_experts
+        weights = self._real(meta, token_offset, n)
+        if aux_on and moe.aux_loss_per_sequence:
+            cu = self._boundaries(meta, total).to(device)
+            seq = sequence_ids(cu, token_offset, n)
+            nseq = cu.numel() - 1
+        else:  # the micro-batch as one sequence
+            seq, nseq = torch.zeros(n, dtype=torch.int64, device=device), 1
+        pieces = []
         if aux_on:
-            if moe.aux_loss_per_sequence:
-                cu = self._boundaries(meta, total).to(device)
-                nseq = cu.numel() - 1
-                counts, prob_sums = balancing_stats(routing.probs, routing.indices, sequence_ids(cu, token_offset, n), nseq)
-                lengths = cu[1:] - cu[:-1]
-            else:  # one sequence: the router's counts and a column sum
-                nseq = 1
-                counts = routing.tokens_per_expert.to(routing.probs.dtype).view(1, -1)
-                prob_sums = routing.probs.sum(0, keepdim=True)
-                lengths = torch.full((1,), total, device=device)  # not torch.tensor: a host copy syncs
+            counts, prob_sums, lengths = balancing_stats(routing.probs, routing.indices, seq, nseq, weights)
+            pieces += [counts.reshape(-1), prob_sums.detach().reshape(-1), lengths]
         if z_on:
-            z_sum = torch.logsumexp(routing.logits, dim=-1).square().sum()
-        if split:  # the whole micro-batch's counts (and, for the metrics, sums) in one all-reduce
-            sums = ([counts.reshape(-1), prob_sums.detach().reshape(-1)] if aux_on else []) + \
-                ([z_sum.detach().view(1)] if z_on else [])
-            full = all_reduce(torch.cat(sums), self.tp_group)
-            e = self.moe.num_experts
-            if aux_on:
-                counts = full[: nseq * e].view(nseq, e)
-                parts["aux_loss"] = balancing_loss_from_stats(counts, full[nseq * e: 2 * nseq * e].view(nseq, e),
-                                                              lengths, moe.top_k)
-            if z_on:
-                parts["z_loss"] = full[-1] / total
+            lse2 = torch.logsumexp(routing.logits, dim=-1).square()
+            z_sum = lse2.sum() if weights is None else (lse2 * weights).sum()
+            z_count = torch.full((1,), float(n), device=device) if weights is None else weights.sum().view(1)
+            pieces += [z_sum.detach().view(1), z_count.to(z_sum.dtype)]
+        full = torch.cat(pieces)
+        cp_group = meta.extra.get("cp_group") if meta is not None else None
+        for group in (self.tp_group if split else None, cp_group):
+            if group is not None:
+                full = all_reduce(full, group)
+        # The metrics count each micro-batch once: on the first rank of its CP group.
+        leader = cp_group is None or dist.get_rank(cp_group) == 0
         loss = None
         if aux_on:
-            aux = balancing_loss_from_stats(counts, prob_sums, lengths, moe.top_k)
-            parts.setdefault("aux_loss", aux.detach())  # off TP the metric is the term's own value
-            loss = moe.aux_loss_coeff * aux
+            counts_all = full[: nseq * e].view(nseq, e)
+            lengths_all = full[2 * nseq * e: 2 * nseq * e + nseq]
+            mine = sequence_balancing_losses(counts_all, prob_sums, lengths_all, moe.top_k)
+            whole = sequence_balancing_losses(counts_all, full[nseq * e: 2 * nseq * e].view(nseq, e), lengths_all,
+                                              moe.top_k)
+            units = (lengths_all > 0).sum().to(whole.dtype)
+            if self.sequence_divisor is not None and moe.aux_loss_per_sequence:
+                term = mine.sum() / self.sequence_divisor  # mean over the step's sequences
+            elif moe.aux_loss_per_sequence:
+                term = mine.sum() / units.clamp_min(1) / self.aux_loss_divisor  # mean over this micro-batch's
+            else:
+                term = mine.sum() / self.aux_loss_divisor  # mean over the step's micro-batches
+            if leader:
+                parts["aux_loss"], parts["aux_units"] = whole.sum().detach(), units
+            loss = moe.aux_loss_coeff * term
         if z_on:
-            parts.setdefault("z_loss", z_sum.detach() / total)
-            term = moe.z_loss_coeff * z_sum / total
+            z_all, count_all = full[-2], full[-1]
+            if self.token_divisor is not None:
+                term = z_sum / self.token_divisor  # mean over the step's document tokens
+            else:
+                term = z_sum / count_all.clamp_min(1) / self.aux_loss_divisor
+            if leader:
+                parts["z_loss"], parts["z_tokens"] = z_all, count_all
+            term = moe.z_loss_coeff * term
             loss = term if loss is None else loss + term
         return loss, parts
+
+    def _real(self, meta: AttentionMeta | None, token_offset: int, n: int) -> torch.Tensor | None:
+        """float [n]: 1 for this rank's routed tokens that belong to documents, 0 for padding; None: all 1."""
+        real = meta.real if meta is not None else None
+        if real is None:
+            return None
+        if real.shape[0] < token_offset + n:
+            raise ValueError(f"MoE layer {self.layer_id}: meta.real covers {real.shape[0]} tokens but the layer routes "
+                             f"tokens {token_offset}..{token_offset + n}; pass the AttentionMeta of this micro-batch")
+        return real[token_offset:token_offset + n].to(torch.float32)
 
     def _boundaries(self, meta: AttentionMeta | None, total: int) -> torch.Tensor:
         if meta is None:
@@ -253,17 +298,22 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------- statistics
     @torch.no_grad()
-    def _record(self, routing: Routing, parts: dict[str, torch.Tensor]) -> None:
-        counts = routing.tokens_per_expert
+    def _record(self, routing: Routing, parts: dict[str, torch.Tensor], weights: torch.Tensor | None) -> None:
+        counts, assignments = routing.tokens_per_expert, routing.indices.numel()
+        if weights is not None:  # document tokens only (padding is routed, not counted)
+            real = weights.bool().unsqueeze(1).expand_as(routing.indices)
+            counts = torch.zeros_like(counts).scatter_add_(0, routing.indices.reshape(-1), real.reshape(-1).long())
+            assignments = real.sum()
         self._bias_load += counts
         s = self._stats
         if not s:  # the counters the host knows stay host ints: no kernel launch per forward for them
             s.update(tokens_per_expert=torch.zeros_like(counts), forwards=0, assignments=0)
         s["tokens_per_expert"] += counts
         s["forwards"] += 1
-        s["assignments"] += routing.indices.numel()
+        s["assignments"] = s["assignments"] + assignments
         if routing.keep is not None:
-            s["dropped"] = s.get("dropped", 0) + (~routing.keep).sum()
+            dropped = ~routing.keep if weights is None else ~routing.keep & real
+            s["dropped"] = s.get("dropped", 0) + dropped.sum()
         for name, value in parts.items():
             value = value.detach().float()
             s[name] = s[name] + value if name in s else value
@@ -281,13 +331,22 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def set_moe_loss_scale(model: nn.Module, num_losses: int | float) -> None:
-    """Tell every MoE layer how many local aux losses one optimizer step sums:
-    micro-batches per step x dp x cp (see the module docstring)."""
+def set_moe_loss_scale(model: nn.Module, num_losses: int | float, sequences: float | None = None,
+                       tokens: float | None = None) -> None:
+    """Tell every MoE layer what one optimizer step's auxiliary losses are averaged over
+    (module docstring): `num_losses` micro-batches (each counted once, whatever ranks split it),
+    and, given, the step's `sequences` (documents) and document `tokens`, over all ranks. Without
+    them the per-sequence balancing loss is each micro-batch's mean over its sequences and the
+    z-loss each micro-batch's mean over its tokens, averaged over the `num_losses` micro-batches."""
     if num_losses <= 0:
-        raise ValueError(f"set_moe_loss_scale: num_losses must be > 0 (micro-batches x dp x cp), got {num_losses}")
+        raise ValueError(f"set_moe_loss_scale: num_losses must be > 0 (micro-batches x dp), got {num_losses}")
+    for name, value in (("sequences", sequences), ("tokens", tokens)):
+        if value is not None and value <= 0:
+            raise ValueError(f"set_moe_loss_scale: {name} must be > 0 when given, got {value}")
     for layer in moe_layers(model):
         layer.aux_loss_divisor = float(num_losses)
+        layer.sequence_divisor = None if sequences is None else float(sequences)
+        layer.token_divisor = None if tokens is None else float(tokens)
 
 
 @torch.no_grad()

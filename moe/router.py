@@ -164,23 +164,36 @@ def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, to
     return (probs.sum(0) * tokens_per_expert.to(probs.dtype)).sum() * (e / (top_k * max(t, 1) ** 2))
 
 
-def balancing_stats(probs: torch.Tensor, indices: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (sequence, expert): assignments [S, E] and sums of probabilities [S, E] over the
-    given tokens. Both are sums over tokens, so shards of a sequence add up (TP "split")."""
+def balancing_stats(probs: torch.Tensor, indices: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int,
+                    weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (sequence, expert): assignments [S, E] and sums of probabilities [S, E], and tokens per
+    sequence [S], over the given tokens, each token counted with its weight (`weights` [T], 1 or
+    0: document or padding; None: all 1). All are sums over tokens, so shards of a sequence add up
+    (TP "split", context parallelism)."""
     t, e = probs.shape
+    w = torch.ones(t, dtype=probs.dtype, device=probs.device) if weights is None else weights.to(probs.dtype)
     counts = torch.zeros(num_seqs * e, dtype=probs.dtype, device=probs.device)
     flat = (seq_ids.unsqueeze(1) * e + indices).reshape(-1)
-    counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=probs.dtype, device=probs.device))
-    prob_sums = torch.zeros(num_seqs, e, dtype=probs.dtype, device=probs.device).index_add(0, seq_ids, probs)
-    return counts.view(num_seqs, e), prob_sums
+    counts.index_add_(0, flat, w.repeat_interleave(indices.shape[1]))
+    weighted = probs if weights is None else probs * w.unsqueeze(1)
+    prob_sums = torch.zeros(num_seqs, e, dtype=probs.dtype, device=probs.device).index_add(0, seq_ids, weighted)
+    lengths = torch.zeros(num_seqs, dtype=probs.dtype, device=probs.device).index_add_(0, seq_ids, w)
+    return counts.view(num_seqs, e), prob_sums, lengths
+
+
+def sequence_balancing_losses(counts: torch.Tensor, prob_sums: torch.Tensor, lengths: torch.Tensor,
+                              top_k: int) -> torch.Tensor:
+    """[S]: E / (k n_s^2) * sum_e counts[s, e] * prob_sums[s, e] for each sequence s (0 for one
+    without tokens). Linear in prob_sums: with the full counts and lengths, the losses of token
+    shards sum to the full loss."""
+    e = counts.shape[1]
+    n = lengths.to(prob_sums.dtype).clamp_min(1)
+    return (counts * prob_sums).sum(-1) * (e / top_k) / (n * n)
 
 
 def balancing_loss_from_stats(counts: torch.Tensor, prob_sums: torch.Tensor, lengths: torch.Tensor, top_k: int) -> torch.Tensor:
-    """mean over sequences s of E / (k n_s^2) * sum_e counts[s, e] * prob_sums[s, e]. Linear in
-    prob_sums: with the full counts, the losses of token shards sum to the full loss."""
-    e = counts.shape[1]
-    n = lengths.to(prob_sums.dtype).clamp_min(1)
-    return ((counts * prob_sums).sum(-1) * (e / top_k) / (n * n)).mean()
+    """The mean over sequences of `sequence_balancing_losses`."""
+    return sequence_balancing_losses(counts, prob_sums, lengths, top_k).mean()
 
 
 def sequence_ids(cu_seqlens: torch.Tensor, start: int, n: int) -> torch.Tensor:
@@ -194,8 +207,8 @@ def sequence_ids(cu_seqlens: torch.Tensor, start: int, n: int) -> torch.Tensor:
 def sequence_load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, cu_seqlens: torch.Tensor, top_k: int) -> torch.Tensor:
     """The switch loss within each sequence [cu[i], cu[i+1]), averaged over sequences."""
     cu = cu_seqlens.to(device=probs.device, dtype=torch.int64)
-    counts, prob_sums = balancing_stats(probs, indices, sequence_ids(cu, 0, probs.shape[0]), cu.numel() - 1)
-    return balancing_loss_from_stats(counts, prob_sums, cu[1:] - cu[:-1], top_k)
+    counts, prob_sums, lengths = balancing_stats(probs, indices, sequence_ids(cu, 0, probs.shape[0]), cu.numel() - 1)
+    return balancing_loss_from_stats(counts, prob_sums, lengths, top_k)
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:

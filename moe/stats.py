@@ -1,8 +1,10 @@
 """MoE statistics as metrics, summed over every rank and every pipeline stage.
 
 Each MoE layer counts, over its training forwards since the last read (`MoELayer.take_stats`),
-its assignments per expert, its forwards, assignments and drops, and the sums of its balancing
-and z-loss values. A training loop takes them from every layer at a step's end
+its assignments per expert, its forwards, assignments and drops (of document tokens: padding is
+not counted), and the sums of its balancing and z-loss values with what they are averaged over
+(micro-batches or sequences; document tokens), each micro-batch's recorded once, by the first
+rank of its context-parallel group. A training loop takes them from every layer at a step's end
 (`take_moe_stats`: copies to the host, no sync) and, once the step is done, packs this rank's
 into one flat float64 vector (`MoEStatsLayout.pack`) laid out alike on every rank: a slot per
 MoE layer of the WHOLE model, whichever pipeline stage holds it, zeros where this rank holds
@@ -11,8 +13,9 @@ metrics), it holds the statistics of the step's global batch, which `summarize` 
 
   moe/layer{i}/tokens_per_expert  assignments per expert over the global batch (all E, before drops)
   moe/layer{i}/max_mean_load      max / mean of that list (1.0 = perfectly balanced)
-  moe/layer{i}/aux_loss           balancing loss, mean over the forwards (1.0 = balanced), without coeff
-  moe/layer{i}/z_loss             router z-loss, mean over the forwards, without coeff
+  moe/layer{i}/aux_loss           balancing loss without coeff (1.0 = balanced): mean over the step's
+                                  micro-batches, or with aux_loss_per_sequence over its sequences
+  moe/layer{i}/z_loss             router z-loss without coeff, mean over the step's document tokens
   moe/layer{i}/dropped_frac       fraction of assignments dropped by capacity (0 dropless)
   moe/max_mean_load               worst layer's max_mean_load
   moe/aux_loss_term               sum over layers of aux_coeff*aux_loss + z_coeff*z_loss
@@ -22,10 +25,10 @@ metrics), it holds the statistics of the step's global batch, which `summarize` 
 
 Every assignment is counted once whatever the layout: data-, context- and expert-parallel
 ranks and "split" TP ranks (etp = 1) count their own tokens; "sharded" TP ranks (etp = tp)
-route the same tokens, so their sums are divided by tp. The means are over every
-micro-batch's forward on every rank (a context-parallel rank's forward sees its share of the
-micro-batch): under data, expert and pipeline parallelism they equal the single-process
-run's over the same micro-batches.
+route the same tokens, so their sums are divided by tp. A micro-batch split over a
+context-parallel group is one unit (moe.layer's definitions): the per-sequence loss, the
+z-loss and the loads equal the single-process run's on every layout, dynamic CP included; the
+micro-batch level loss wherever the micro-batches are the same (every static layout).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from moe.layer import moe_layers
 __all__ = ["MoEStatsLayout", "take_moe_stats", "moe_metrics"]
 
 # Per layer: these counters, then the E assignment counts.
-_FIELDS = ("forwards", "assignments", "dropped", "aux_loss", "z_loss")
+_FIELDS = ("forwards", "assignments", "dropped", "aux_loss", "z_loss", "aux_units", "z_tokens")
 
 
 class MoEStatsLayout:
@@ -100,7 +103,8 @@ class MoEStatsLayout:
         metrics, worst, term = {}, 0.0, 0.0
         for layer_id, moe in self.layers:
             at = self.offsets[layer_id]
-            forwards, assignments, dropped, aux, z = (v / self.copies for v in values[at:at + len(_FIELDS)])
+            forwards, assignments, dropped, aux, z, aux_units, z_tokens = (v / self.copies
+                                                                           for v in values[at:at + len(_FIELDS)])
             if forwards == 0:  # no training forward since the last read
                 continue
             # Sums of integers, divided by the exact number of copies: integers again.
@@ -113,9 +117,9 @@ class MoEStatsLayout:
             }
             # The layer computes each loss only when its coefficient is set.
             if moe.aux_loss_coeff > 0:
-                stats["aux_loss"] = aux / forwards
+                stats["aux_loss"] = aux / aux_units if aux_units else 0.0
             if moe.z_loss_coeff > 0:
-                stats["z_loss"] = z / forwards
+                stats["z_loss"] = z / z_tokens if z_tokens else 0.0
             for name, value in stats.items():
                 metrics[f"moe/layer{layer_id}/{name}"] = value
             worst = max(worst, stats["max_mean_load"])

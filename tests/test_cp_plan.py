@@ -41,6 +41,24 @@ def check_plan(plan, lens, num_ranks, budget, max_group=None):
         idx = [mb.index for mb in plan.for_rank(r)]
         assert idx == sorted(idx)
     assert plan.makespan >= plan.lower_bound * (1 - 1e-9)
+    # Waves: micro-batches of one wave share no rank, and each rank's waves rise in its order
+    # (so one micro-batch per rank and wave, empty where it has none, keeps every rank's
+    # collectives in one order); the first wave of a micro-batch is the earliest that allows it.
+    waves = plan.waves()
+    assert len(waves) == len(plan.microbatches)
+    for w in set(waves):
+        ranks = [r for mb, v in zip(plan.microbatches, waves) if v == w
+                 for r in range(mb.group_start, mb.group_start + mb.group_size)]
+        assert len(ranks) == len(set(ranks))
+    for r in range(num_ranks):
+        mine = [waves[mb.index] for mb in plan.for_rank(r)]
+        assert mine == sorted(set(mine))
+    last = [-1] * num_ranks
+    for mb, w in zip(plan.microbatches, waves):
+        members = range(mb.group_start, mb.group_start + mb.group_size)
+        assert w == max(last[m] for m in members) + 1
+        for m in members:
+            last[m] = w
 
 
 def test_properties_over_many_random_steps():

@@ -25,7 +25,9 @@ from tests.support.sft import HEADER_TEMPLATE, SPECIALS, conversations
 SCRIPT = ROOT / "launch" / "finetune_long.sh"
 
 
-def tiny_hf_llama(folder: Path) -> Path:
+def tiny_hf_llama(folder: Path, moe: bool = False) -> Path:
+    """A tiny random Llama (or, with `moe`, Qwen3-MoE: 4 experts, top-2, layer 0 dense) with a
+    trained tiny tokenizer and a chat template."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -33,11 +35,17 @@ def tiny_hf_llama(folder: Path) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": HEADER_TEMPLATE}))
     vocab = json.loads(tok.read_text())["model"]["vocab"]
-    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      rope_theta=10000.0, tie_word_embeddings=False)
+    common = dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
+                  tie_word_embeddings=False)
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    if moe:
+        config = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0],
+                                             output_router_logits=False)
+        transformers.Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    else:
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).save_pretrained(folder)
     return folder
 
 
@@ -78,6 +86,37 @@ def test_recipe_from_hf_checkpoint_to_exported_long_context_model(tmp_path):
     bad = subprocess.run(["bash", "launch/finetune_long.sh", str(tmp_path), str(data), str(out)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "has no config.json" in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
+def test_recipe_fine_tunes_an_imported_qwen3_moe_with_expert_parallelism_under_dynamic_cp(tmp_path):
+    """The same recipe (dynamic CP over dp=2 x cp=2) on a tiny random Qwen3-MoE, its 4 experts
+    over pairs of the 4 ranks (ep=2): the run ends, validation falls, every step records the
+    MoE layer's loads and balancing loss, and the export loads in transformers."""
+    transformers = pytest.importorskip("transformers")
+    tiny_hf_llama(tmp_path / "hf", moe=True)
+    conversations(tmp_path / "conversations.jsonl", 240, seed=3)
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPT), "hf", "conversations.jsonl", "out", "--recipe",
+                           "launch/configs/finetune_tiny.toml", "--nproc-per-node", "4", "--val-every", "10", "--",
+                           "--set", "parallel.ep=2", "--set", "train.hang_timeout_s=300"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    config = tomllib.loads((out / "finetune.toml").read_text())
+    assert config["model"]["moe"]["num_experts"] == 4 and config["parallel"]["dynamic_cp"] is True
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    for r in train:  # layer 1 is the MoE layer; every document token routed top-2
+        tokens = round(r["tokens_per_s"] * r["step_s"])
+        assert sum(r["moe/layer1/tokens_per_expert"]) == 2 * tokens, r
+        assert r["moe/layer1/aux_loss"] > 0 and 0 < r["moe/all_to_all_s"] < r["step_s"], r
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in val] == [4, 8, 12]
+    assert val[-1]["val_loss"] < val[0]["val_loss"]
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", output_loading_info=True)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
 def test_relative_paths_are_read_from_where_the_script_is_called(tmp_path):

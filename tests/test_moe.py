@@ -380,7 +380,8 @@ def test_per_sequence_aux_loss_needs_and_uses_boundaries():
 def test_each_micro_batch_in_a_model_balances_over_its_own_sequences():
     """Two micro-batches of one step with different documents, through the whole model: each
     forward's aux loss is that of its own boundaries (the per-sequence loss computed by hand
-    from the router's output on the hidden states the layer saw), not the other's."""
+    from the router's output on the hidden states the layer saw), not the other's; the metric
+    averages over all sequences of the step."""
     cfg = _cfg(aux_loss_coeff=0.1, aux_loss_per_sequence=True, first_k_dense=1)
     model = build_model(cfg, seed=4).double()
     layer = model.layers["1"].feed_forward
@@ -398,7 +399,9 @@ def test_each_micro_batch_in_a_model_balances_over_its_own_sequences():
         expected.append(sequence_load_balancing_loss(r.probs, r.indices, cu, 2).item())
     assert expected[0] != pytest.approx(expected[1])  # the boundaries matter on these inputs
     got = moe_metrics(model)["moe/layer1/aux_loss"]
-    assert math.isclose(got, sum(expected) / 2, rel_tol=1e-6), (got, expected)  # the statistics sum in fp32
+    # The metric is the mean over the step's sequences (2 in the first micro-batch, 3 in the second).
+    want = (2 * expected[0] + 3 * expected[1]) / 5
+    assert math.isclose(got, want, rel_tol=1e-6), (got, expected)  # the statistics sum in fp32
 
 
 def test_moe_metrics_keys_values_and_reset():

@@ -97,9 +97,12 @@ def moe_reference(tmp_path_factory, train_dataset) -> dict[int, float]:
     assert "moe/all_to_all_s" not in first  # no expert parallelism, no exchange to time
     for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
         # A record is read after the next step is queued: its loads are still its own step's
-        # (8 rows of 64 tokens, top-2), not the next step's or none.
+        # (the document tokens of 8 rows of 64, top-2: padding is not counted), not the next
+        # step's or none.
         loads = [v for k, v in record.items() if k.endswith("/tokens_per_expert")]
-        assert loads and all(sum(load) == 8 * 64 * 2 for load in loads), record
+        tokens = round(record["tokens_per_s"] * record["step_s"])
+        assert 0.5 * 8 * 64 < tokens <= 8 * 64
+        assert loads and all(sum(load) == 2 * tokens for load in loads), (tokens, record)
     return losses(run_dir)
 
 
@@ -130,6 +133,8 @@ MOE_METRIC_LAYOUTS = {
     "pp2_interleaved_recompute": (2, ["parallel.pp=2", "parallel.ep=1", "parallel.pp_schedule=interleaved",
                                       "parallel.pp_virtual_stages=2", "train.recompute=full"]),
     "pp2xep2": (4, ["parallel.pp=2", "parallel.ep=2"]),
+    # Each micro-batch is balanced as one over its CP group, without the split's padding.
+    "cp2xep2": (4, ["parallel.cp=2", "parallel.ep=2"]),
     "dp2": (2, ["parallel.ep=1"]),
 }
 

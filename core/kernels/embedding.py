@@ -88,9 +88,9 @@ def add_embedding_grad_(table: Tensor, tokens: Tensor, grad: Tensor) -> None:
     """table (fp32 [vocab, dim]) [tokens[i]] += grad[i] for every i, in fp32; tokens [n] int,
     grad [n, dim] (any float dtype). Deterministic."""
     tokens = tokens.reshape(-1)
-    grad = grad.reshape(tokens.numel(), -1).contiguous()
     if tokens.numel() == 0:
         return
+    grad = grad.reshape(tokens.numel(), -1).contiguous()
     if not (triton_enabled(grad) and table.is_contiguous() and table.dtype == torch.float32):
         table.index_add_(0, tokens, grad.to(table.dtype))
         return

@@ -72,7 +72,7 @@ def _iota(lengths: torch.Tensor, total: int) -> torch.Tensor:
 
 def shard_for_cp(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                  cp_rank: int, cp_size: int, *, pad_token: int = 0, multiple_of: int = 1,
-                 chunk_multiple: int = 1) -> CPInputs:
+                 chunk_multiple: int = 1, real_tokens: torch.Tensor | None = None) -> CPInputs:
     """This CP rank's zigzag share of a packed micro-batch (see the module docstring).
 
     tokens/labels/position_ids: [T] (a flattened micro-batch); cu_seqlens: [segments + 1]
@@ -82,6 +82,8 @@ def shard_for_cp(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch
     `chunk_multiple`: make every chunk a multiple of it (all-to-all CP cuts each rank's share of a
     document into that many pieces: `core.parallel.ulysses`); then cp_size 1 pads too.
     With cp_size 1 (and chunk_multiple 1) nothing is split (no layout in the meta; empty segments dropped).
+    `real_tokens`: bool [T], the micro-batch's document tokens (`AttentionMeta.real`; None: all);
+    the shard's `meta.real` marks its own, the split's padding never among them.
     """
     cp_size = _check("cp_size", cp_size, 1)
     cp_rank = _check("cp_rank", cp_rank, 0, cp_size - 1)
@@ -108,8 +110,11 @@ def shard_for_cp(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch
             position_ids = torch.cat((position_ids, tail.to(position_ids.dtype)))
             source[total:] = -1
             lens = torch.cat((lens, lens.new_tensor([extra])))
+            keep = real_tokens if real_tokens is not None else torch.ones(total, dtype=torch.bool, device=dev)
+            real_tokens = torch.cat((keep.to(dev, torch.bool), torch.zeros(extra, dtype=torch.bool, device=dev)))
         host_lens = tuple(lens.tolist())  # one host read (as the max needs anyway), shared by every layer
-        meta = AttentionMeta(cu_seqlens=_cu(lens), max_seqlen=max(host_lens, default=0), doc_lengths=host_lens)
+        meta = AttentionMeta(cu_seqlens=_cu(lens), max_seqlen=max(host_lens, default=0), doc_lengths=host_lens,
+                             real=real_tokens)
         return CPInputs(tokens, labels, position_ids, meta, source)
 
     two = 2 * cp_size
@@ -142,6 +147,7 @@ def shard_for_cp(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch
     local_tokens = take(tokens, torch.full_like(src, pad_token))
     local_labels = take(labels, torch.full_like(src, IGNORE_INDEX))
     local_pos = take(position_ids, pad_pos)
+    local_real = real if real_tokens is None else real & real_tokens.to(dev)[src.clamp(min=0)] if total else real
 
     cu_local, cu_half = _cu(2 * chunk), _cu(chunk)
     first = torch.repeat_interleave(cu_local[:-1].long(), chunk, output_size=local // 2) + _iota(chunk, local // 2)
@@ -149,7 +155,8 @@ def shard_for_cp(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch
     equal_docs = n if n and int(chunk.min()) == max_chunk else 0  # lets the ring use dense block kernels
     layout = CPLayout(cp_rank, cp_size, cu_local, cu_half, 2 * max_chunk, max_chunk, first,
                       first + torch.repeat_interleave(chunk, chunk, output_size=local // 2), equal_docs)
-    meta = AttentionMeta(cu_seqlens=cu_local, max_seqlen=layout.max_seqlen, extra={"cp": layout}, total_tokens=local)
+    meta = AttentionMeta(cu_seqlens=cu_local, max_seqlen=layout.max_seqlen, extra={"cp": layout}, total_tokens=local,
+                         real=local_real)
     return CPInputs(local_tokens, local_labels, local_pos, meta, src)
 
 

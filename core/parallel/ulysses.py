@@ -60,14 +60,14 @@ class A2ALayout:
 
 def shard_for_a2a(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                   ring_rank: int, ring_size: int, a2a_rank: int, a2a_size: int, *, pad_token: int = 0,
-                  multiple_of: int = 1) -> CPInputs:
+                  multiple_of: int = 1, real_tokens: torch.Tensor | None = None) -> CPInputs:
     """This rank's share of a packed micro-batch (see the module docstring); `multiple_of`: the
-    local token count's multiple (sequence parallelism's tp)."""
+    local token count's multiple (sequence parallelism's tp); `real_tokens` as `shard_for_cp`'s."""
     if not 0 <= a2a_rank < a2a_size or not 0 <= ring_rank < ring_size:
         raise ValueError(f"a2a rank {a2a_rank} of {a2a_size} or ring rank {ring_rank} of {ring_size} is out of range")
     k = a2a_size
     ring = shard_for_cp(tokens, labels, position_ids, cu_seqlens, ring_rank, ring_size, pad_token=pad_token,
-                        multiple_of=multiple_of * k, chunk_multiple=k)
+                        multiple_of=multiple_of * k, chunk_multiple=k, real_tokens=real_tokens)
     share_lens = ring.meta.cu_seqlens.long().diff()  # 2 * chunk per document: multiples of K
     piece = share_lens // k
     local = int(piece.sum())
@@ -87,7 +87,7 @@ def shard_for_a2a(tokens: torch.Tensor, labels: torch.Tensor, position_ids: torc
                        ring_lengths, ring.meta.extra.get("cp") if ring_size > 1 else None)
     host_pieces = tuple(piece.tolist())
     meta = AttentionMeta(cu_seqlens=cu_local, max_seqlen=max(host_pieces, default=0), extra={"a2a": layout},
-                         doc_lengths=host_pieces)
+                         doc_lengths=host_pieces, real=ring.meta.real[take] if ring.meta.real is not None else None)
     return CPInputs(ring.tokens[take], ring.labels[take], ring.position_ids[take], meta, ring.source[take])
 
 

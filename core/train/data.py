@@ -40,6 +40,10 @@ class StepInputs:
     meta: AttentionMeta
     num_tokens: float  # non-padding tokens this rank accounts for (host number, from the message)
     num_labels: float  # labels the loss counts, this rank's share
+    # MoE balancing counts these over the step (moe.layer.set_moe_loss_scale): this rank's share
+    # of the micro-batch (1/g of it for a micro-batch split over g ranks) and of its documents.
+    num_microbatches: float = 1.0
+    num_sequences: float = 0.0
 
 
 class LocalServer:
@@ -197,16 +201,29 @@ def open_stream(config: Config, mesh: ParallelMesh, address: str, resume_token: 
     )
 
 
+def padding_segments(batch) -> torch.Tensor:
+    """bool [segments]: the segments of a packed batch that are a row's padding (hash 0 and ending
+    on a row boundary, as the data service marks them: `dataservice.cp_stream.step_documents`)."""
+    cu = batch.cu_seqlens.to(torch.int64)
+    return (batch.doc_hashes.to(torch.int64) == 0) & (cu[1:] % batch.tokens.shape[-1] == 0)
+
+
 def to_inputs(batch, device: torch.device) -> StepInputs:
     seq_lens = batch.seq_lens
     max_seqlen = int(seq_lens.max()) if seq_lens.numel() else int(batch.tokens.shape[-1])
     labels = batch.labels.reshape(-1).to(device, torch.long, non_blocking=True)
+    lengths = batch.cu_seqlens.diff()
+    padding = padding_segments(batch)
+    real = None
+    if bool(padding.any()):  # which tokens MoE statistics and balancing count (AttentionMeta.real)
+        real = torch.repeat_interleave(~padding, lengths.to(torch.int64)).to(device, non_blocking=True)
     return StepInputs(
         tokens=batch.tokens.reshape(-1).to(device, torch.long, non_blocking=True),
         labels=labels,
         position_ids=batch.position_ids.reshape(-1).to(device, torch.long, non_blocking=True),
         meta=AttentionMeta(cu_seqlens=batch.cu_seqlens.to(device, torch.int32, non_blocking=True), max_seqlen=max_seqlen,
-                           doc_lengths=tuple(batch.cu_seqlens.diff().tolist())),  # the client's tensors are on the host
+                           doc_lengths=tuple(lengths.tolist()), real=real),  # the client's tensors are on the host
         num_tokens=int(batch.num_tokens),
         num_labels=int((batch.labels != IGNORE_INDEX).sum()),
+        num_sequences=float((~padding).sum()),
     )

@@ -11,6 +11,17 @@ Gradients are reduced once, after the step's last micro-batch on every rank: ran
 different numbers of micro-batches (an idle rank none, its gradients stay zero), so
 overlapping the reduction with a "last" backward would launch it at different points of
 different ranks' ring exchanges.
+
+MoE under expert parallelism: the token all-to-alls (or all-gathers) of a MoE layer are
+collectives over the ep group, so its ranks must make the same MoE calls in the same order,
+while the plan gives ranks different numbers of micro-batches. Each entry comes with its wave
+(`StepPlan.waves`: entries of one wave share no rank; a rank's entries rise in wave), and a
+rank runs one micro-batch per wave of the step, an empty one (no tokens: every layer runs,
+every collective is joined, nothing is computed or counted) in a wave where it has no entry.
+Within a wave every rank runs one forward and one backward, so the ring exchanges of an entry
+and the all-to-alls of every layer meet in the same order on all ranks, and nothing waits on a
+rank of a later wave. Empty micro-batches cost each MoE layer its collectives' latency; the
+plan's own idle time is not changed (a rank waiting for a wider group idled there anyway).
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import torch
 from torch import nn
 
 from core.config import Config
+from core.layers import AttentionMeta
 from core.train.data import StepInputs
 from core.mesh import ParallelMesh
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs
@@ -44,6 +56,8 @@ class DynamicCP:
         self.config, self.mesh, self.subgroups = config, mesh, subgroups
         tp = mesh.size("tp")
         self.multiple_of = tp if config.parallel.sequence_parallel and tp > 1 else 1
+        # MoE layers with collectives over ranks that run different entries: one micro-batch per wave.
+        self.by_waves = bool(config.model.moe.num_experts) and mesh.size("ep") > 1
 
     @classmethod
     def build(cls, config: Config, mesh: ParallelMesh, model: nn.Module) -> "DynamicCP":
@@ -53,8 +67,9 @@ class DynamicCP:
         return cls(config, mesh, CPSubgroups.build(mesh))
 
     def next_step(self, batches: Iterator, device: torch.device) -> list[StepInputs]:
-        """This rank's micro-batches of the next global step (empty when it is idle), split."""
-        out: list[StepInputs] = []
+        """This rank's micro-batches of the next global step (empty when it is idle), split; with
+        `by_waves` one per wave of the step, empty ones where this rank has no entry."""
+        entries: list = []
         step = None
         while True:
             batch = next(batches)
@@ -63,12 +78,26 @@ class DynamicCP:
                                    "is the server older than the trainer?")
             if step is not None and batch.step != step:
                 raise RuntimeError(f"step {step} ended early: got a batch of step {batch.step} after entry "
-                                   f"{len(out)} of {batch.cp_microbatches_in_step}")
+                                   f"{len(entries)} of {batch.cp_microbatches_in_step}")
             step = batch.step
             if batch.cp_microbatches_in_step:
-                out.append(self._inputs(batch, device))
+                entries.append((batch.cp_wave, self._inputs(batch, device)))
             if batch.ends_step:
-                return out
+                if not self.by_waves:
+                    return [inputs for _, inputs in entries]
+                return self._by_wave(entries, batch.cp_step_waves, device)
+
+    def _by_wave(self, entries: list, waves: int, device: torch.device) -> list[StepInputs]:
+        if waves == 0:
+            raise RuntimeError("MoE with parallel.ep > 1 under parallel.dynamic_cp needs the plan's waves, which "
+                               "this data service does not send; is the server older than the trainer?")
+        out: list[StepInputs] = [None] * waves
+        for wave, inputs in entries:
+            if not 0 <= wave < waves or out[wave] is not None:
+                raise RuntimeError(f"the data service sent entries of waves {[w for w, _ in entries]} in a step of "
+                                   f"{waves} waves; each wave holds at most one entry of a rank")
+            out[wave] = inputs
+        return [inputs if inputs is not None else _empty(device) for inputs in out]
 
     def _inputs(self, batch, device: torch.device) -> StepInputs:
         cu = batch.cu_seqlens.to(device, torch.int32)
@@ -80,4 +109,14 @@ class DynamicCP:
         # Every member of the group counts its own shard's labels: they sum to the entry's.
         return StepInputs(s.tokens, s.labels, s.position_ids, s.meta,
                           num_tokens=batch.num_tokens / batch.cp_group_size,
-                          num_labels=float((s.labels != IGNORE_INDEX).sum()))
+                          num_labels=float((s.labels != IGNORE_INDEX).sum()),
+                          num_microbatches=1 / batch.cp_group_size,
+                          num_sequences=(cu.numel() - 1) / batch.cp_group_size)
+
+
+def _empty(device: torch.device) -> StepInputs:
+    """A micro-batch without tokens: it runs every layer (and joins every collective) on nothing."""
+    none = torch.zeros(0, dtype=torch.long, device=device)
+    meta = AttentionMeta(cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device), max_seqlen=0, doc_lengths=())
+    return StepInputs(none, none.clone(), none.clone(), meta, num_tokens=0.0, num_labels=0.0, num_microbatches=0.0,
+                      num_sequences=0.0)

@@ -106,7 +106,6 @@ class Trainer:
         self._shard = _context_sharder(config, self.mesh)
         self.moe_stats = None  # where each MoE layer's statistics sit in the step's all-rank reduction
         if config.model.moe.num_experts:
-            set_moe_loss_scale(self.model, self.accum * self.mesh.size("dp_cp"))
             self.moe_stats = MoEStatsLayout.of_run(config.model, self.mesh, p.etp, self.exchange_timer is not None)
         self.tp_group = self.mesh.group("tp") if p.tp > 1 else None
         self.reduce_size = self.mesh.size("dp_cp")
@@ -165,8 +164,15 @@ class Trainer:
         schedule step. Reads nothing back from the device."""
         watch = self.watchdog
         watch.enter("label-count all-reduce")
-        local = [float(sum(m.num_labels for m in micro)), float(sum(m.num_tokens for m in micro)), data_wait]
-        global_labels, global_tokens, wait_sum = self._sum_over_data_ranks(local)
+        local = [float(sum(m.num_labels for m in micro)), float(sum(m.num_tokens for m in micro)), data_wait,
+                 float(sum(m.num_microbatches for m in micro)), float(sum(m.num_sequences for m in micro))]
+        global_labels, global_tokens, wait_sum, microbatches, sequences = self._sum_over_data_ranks(local)
+        if self.moe_stats is not None:
+            # What the step's auxiliary losses average over, all ranks (moe/layer.py): counts of
+            # shares of 1/g summed in float64, so rounded back to the integers they are.
+            # Micro-batches built without document counts (num_sequences 0) keep per-micro-batch means.
+            set_moe_loss_scale(self.model, max(round(microbatches), 1), round(sequences) or None,
+                               round(global_tokens) or None)
         started = self._mark()  # after the first collective: a wait for a slow peer is not this rank's time
         watch.enter("forward/backward")
         if self.grads.pipeline is not None:
@@ -561,16 +567,21 @@ def _context_sharder(config: Config, mesh: ParallelMesh):
 
     def split(m):
         if a2a == 1:
-            return shard_for_cp(m.tokens, m.labels, m.position_ids, m.meta.cu_seqlens, rank, cp, multiple_of=multiple_of)
+            return shard_for_cp(m.tokens, m.labels, m.position_ids, m.meta.cu_seqlens, rank, cp, multiple_of=multiple_of,
+                                real_tokens=m.meta.real)
         return shard_for_a2a(m.tokens, m.labels, m.position_ids, m.meta.cu_seqlens, rank // a2a, cp // a2a,
-                             rank % a2a, a2a, multiple_of=multiple_of)
+                             rank % a2a, a2a, multiple_of=multiple_of, real_tokens=m.meta.real)
+
+    group = mesh.group("cp")
 
     def shard(m):
         s = split(m)
+        s.meta.extra["cp_group"] = group  # MoE layers balance each sequence over its whole group
         # Counts are summed over dp x cp ranks, and the cp ranks of a data-parallel rank share
         # one micro-batch: each counts 1/cp of it (exact in floating point: cp is small).
         return dataclasses.replace(m, tokens=s.tokens, labels=s.labels, position_ids=s.position_ids, meta=s.meta,
-                                   num_tokens=m.num_tokens / cp, num_labels=m.num_labels / cp)
+                                   num_tokens=m.num_tokens / cp, num_labels=m.num_labels / cp,
+                                   num_microbatches=1 / cp, num_sequences=m.num_sequences / cp)
 
     return shard
 
