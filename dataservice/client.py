@@ -446,8 +446,10 @@ class _Prefetcher:
                                                + "; ".join(dict.fromkeys(tried)), code))
                     return
                 index += 1
-                delay = min(c.max_backoff, c.backoff * 2 ** (failures - 1))
-                self._stopped.wait(delay * (1 + 0.25 * random.random()))  # jitter: replicas see no herd
+                delay = min(c.max_backoff, c.backoff * 2 ** (failures - 1)) * (1 + 0.25 * random.random())
+                if c.retry_s:  # the last attempt comes as the budget ends, not a backoff after it
+                    delay = min(delay, max(0.0, c.retry_s - spent) + 0.01)
+                self._stopped.wait(delay)  # jitter: replicas see no herd
             except Exception as err:  # a malformed message, a bug: give it to the caller
                 self._put(err)
                 return
