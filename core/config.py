@@ -299,6 +299,12 @@ class DataConfig:
     """Batches each rank's data client reads ahead."""
     consumer: str = "tessera-train"
     """The name this trainer gives the data service (its logs)."""
+    stream_idle_timeout_s: float = 60.0
+    """Seconds an open stream may deliver nothing before the client drops it and reads on from the next replica; 0: off."""
+    retry_s: float = 120.0
+    """Seconds the client keeps reconnecting to an unreachable data service before the run fails."""
+    server_restarts: int = 3
+    """With data.dataset: times the trainer restarts its own loopback server when it dies (same port; the stream resumes)."""
     auth_token_file: str = ""
     """With data.address (and eval.address): a file whose first line is the bearer token the service wants (not world-readable)."""
     tls_ca_file: str = ""
@@ -562,7 +568,7 @@ RANGES = {
     "train.min_lr": ">= 0", "train.warmup_steps": ">= 0", "train.weight_decay": ">= 0", "train.beta1": "[0, 1)",
     "train.beta2": "[0, 1)", "train.eps": ">= 0", "train.grad_clip": ">= 0", "train.log_interval": ">= 1",
     "train.hang_timeout_s": ">= 0", "train.mlp_chunk_tokens": ">= 0",
-    "data.prefetch": ">= 1",
+    "data.prefetch": ">= 1", "data.stream_idle_timeout_s": ">= 0", "data.retry_s": "> 0", "data.server_restarts": ">= 0",
     "checkpoint.interval": ">= 0", "checkpoint.keep": ">= 1",
     "eval.interval": ">= 0", "eval.steps": ">= 1", "eval.seed": "[0, 9223372036854775807]",
 }

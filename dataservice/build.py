@@ -43,7 +43,8 @@ import numpy as np
 import xxhash
 
 from .progress import Progress
-from .sft import EXAMPLE_PROBLEMS, Example, ExampleProblem, ExampleRenderer, find_chat_template, kind_of
+from .sft import (EXAMPLE_PROBLEMS, Example, ExampleProblem, ExampleRenderer, NoChatTemplate, find_chat_template, kind_of,
+                  missing_template)
 from .shards import (FORMAT_VERSION, INDEX_DTYPE, INDEX_NAME, MANIFEST_NAME, TARGETS_NAME, TARGETS_PTR_NAME,
                      ShardWriter, dataset_fingerprint, file_checksum, fsync_path, manifest_checksum)
 from .tokenizer import load_tokenizer
@@ -194,6 +195,8 @@ def _documents(files: list[pathlib.Path], text_field: str, strict: bool, counts:
                         except ExampleProblem as p:
                             _problem(counts, p.kind, f"{path}:{lineno}", strict)
                             continue
+                        except NoChatTemplate as e:
+                            raise BuildError(f"{path}:{lineno} is a fine-tuning record, but {e}") from None
                         records[kind] += 1
                         yield example
                         continue
@@ -431,7 +434,8 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
     except Exception as e:  # TokenizerError or an OS error: both are the user's input
         raise BuildError(str(e)) from None
     try:
-        renderer = ExampleRenderer(tok, find_chat_template(tokenizer, chat_template))
+        template = find_chat_template(tokenizer, chat_template)
+        renderer = ExampleRenderer(tok, template, missing_template(tokenizer, chat_template, template))
     except (ValueError, OSError) as e:
         raise BuildError(str(e)) from None
     if not 0 <= max_skipped <= 1:
@@ -562,6 +566,10 @@ def summary_line(output: pathlib.Path, manifest: dict) -> str:
     mb = sum(s["bytes"] for s in manifest["shards"]) / 1e6
     mask = manifest.get("loss_mask")
     targets = f" ({mask['target_tokens']:,} of them targets)" if mask else ""
+    template = manifest.get("chat_template")
+    if template:  # which template rendered the fine-tuning records
+        targets += "; chat template " + (template["kind"] if template["kind"] == "plain"
+                                         else f"{template['source']} (sha256 {template['sha256'][:12]})")
     return (f"built {output}: {c['documents']:,} documents, {manifest['total_tokens']:,} tokens{targets}, "
             f"{len(manifest['shards'])} shard(s), {mb:,.1f} MB, {c['duplicates_dropped']:,} duplicates dropped, "
             f"problems: {problems}; {c['files']:,} file(s) in {secs:.2f}s "

@@ -14,6 +14,8 @@ import os
 import pathlib
 import sys
 
+import numpy as np
+
 from dataservice.build import MAX_SKIPPED, BuildError, build_dataset, summary_line
 from dataservice.serve_cli import add_health, add_peek, add_serve
 from dataservice.shards import MANIFEST_NAME, DatasetError, load_manifest, verify_dataset
@@ -92,7 +94,39 @@ def _add_inspect(sub) -> None:
     p.add_argument("dataset", metavar="DIR", help="dataset folder made by `tessera-data build`")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-verify", action="store_true", help="skip reading the files to check checksums")
+    p.add_argument("--seq-len", type=int, default=0, metavar="N",
+                   help="fine-tuning datasets: count the examples longer than rows of N tokens (split over rows "
+                        "when trained on, so an answer may lose its prompt); default: not counted")
     p.set_defaults(func=_run_inspect)
+
+
+def sft_stats(path: pathlib.Path, manifest: dict, seq_len: int = 0) -> dict | None:
+    """What a fine-tuning dataset trains on, from its index and targets (no shard is read):
+    examples, their prompt and response (target) tokens, the share of all tokens trained on, and
+    with `seq_len` the examples longer than a row. None for a dataset without a loss mask."""
+    mask = manifest.get("loss_mask")
+    if not mask:
+        return None
+    lengths = np.load(path / manifest["index"]["file"], mmap_mode="r")["length"].astype(np.int64)
+    runs = np.load(path / mask["runs"], mmap_mode="r").astype(np.int64)
+    ptr = np.load(path / mask["ptr"], mmap_mode="r").astype(np.int64)
+    per_run = runs[:, 1] - runs[:, 0]
+    targets = np.add.reduceat(per_run, ptr[:-1]) if per_run.size else np.zeros(lengths.size, np.int64)
+    example = targets < lengths  # a pretraining document trains on all of its tokens
+    prompt, response = lengths[example] - targets[example], targets[example]
+    n = int(example.sum())
+    stats = {
+        "examples": n, "documents": int(lengths.size - n), "records": manifest.get("records", {}),
+        "chat_template": manifest.get("chat_template"),
+        "prompt_tokens": int(prompt.sum()), "response_tokens": int(response.sum()),
+        "prompt_tokens_mean": round(float(prompt.mean()), 1) if n else 0.0,
+        "response_tokens_mean": round(float(response.mean()), 1) if n else 0.0,
+        "trained_share": round(float(targets.sum() / max(1, lengths.sum())), 4),
+        "seq_len": seq_len or None,
+        "overlong_examples": int((lengths[example] > seq_len).sum()) if seq_len else None,
+        "longest_example": int(lengths[example].max()) if n else 0,
+    }
+    return stats
 
 
 def _inspect_summary(path: pathlib.Path, manifest: dict, problems: list[str] | None) -> dict:
@@ -138,6 +172,21 @@ def _print_human(s: dict) -> None:
     for h in hist:
         bar = "#" * max(1, round(40 * h["documents"] / peak))
         out(f"  {h['min']:>9,}-{h['max']:<10,} {h['documents']:>10,}  {bar}\n")
+    sft = s.get("sft")
+    if sft:
+        t = sft["chat_template"] or {}
+        used = t.get("kind") if t.get("kind") == "plain" else f"{t.get('source')} (sha256 {str(t.get('sha256'))[:12]})"
+        out(f"fine-tuning  {sft['examples']:,} examples ({', '.join(f'{k} {v:,}' for k, v in sft['records'].items())}), "
+            f"chat template {used}\n")
+        out(f"  prompt     {sft['prompt_tokens']:,} tokens (mean {sft['prompt_tokens_mean']} per example), "
+            f"not trained on\n")
+        out(f"  response   {sft['response_tokens']:,} tokens (mean {sft['response_tokens_mean']} per example)\n")
+        out(f"  trained on {100 * sft['trained_share']:.1f}% of all tokens\n")
+        if sft["seq_len"]:
+            out(f"  over-long  {sft['overlong_examples']:,} examples longer than {sft['seq_len']:,} tokens "
+                f"(longest {sft['longest_example']:,})\n")
+        else:
+            out(f"  over-long  longest example {sft['longest_example']:,} tokens (--seq-len N counts those over N)\n")
     if not s["verified"]:
         out("verify       skipped (--no-verify)\n")
     elif s["ok"]:
@@ -160,6 +209,11 @@ def _run_inspect(args) -> int:
         manifest = load_manifest(path)
         problems = None if args.no_verify else verify_dataset(path, manifest)
         summary = _inspect_summary(path, manifest, problems)
+        if args.seq_len < 0:
+            return _fail(prog, f"--seq-len {args.seq_len} must be >= 1 (or left out)")
+        sft = sft_stats(path, manifest, args.seq_len)
+        if sft is not None:
+            summary["sft"] = sft
     except (DatasetError, KeyError, TypeError) as e:
         # A manifest that does not parse or lacks fields: a dataset that fails verification.
         msg = str(e) if isinstance(e, DatasetError) else f"{path / 'manifest.json'}: malformed ({e!r})"

@@ -9,6 +9,14 @@ Requests the server refuses (INVALID_ARGUMENT, DATA_LOSS, ...) surface at the ca
 as a DataServiceError with the status and message; so does a batch with a token id outside the
 vocabulary (DATA_LOSS), checked on every message against the vocabulary the replica states.
 
+A replica that stalls (a stopped process, a wedged host: the connection stays up and nothing
+comes) is treated like one that went away: with `idle_timeout` set, a stream that delivers no
+message for that many seconds while the client waits for one is cancelled and read on from the
+next replica (or the same one again), from the same resume token. Time the prefetch thread spends
+waiting for room in the queue (a slow trainer) does not count. The client gives up after
+`max_retries` failed attempts in a row, or, with `retry_s` set, once an outage has lasted that
+many seconds.
+
 An outage is logged (logger `dataservice.client`, warnings): one line when an open stream is
 lost, one when it is back, with how long it took.
 
@@ -166,6 +174,8 @@ class _Settings:
     prefetch: int
     max_batches: int
     max_retries: int
+    retry_s: float  # > 0: give up after an outage of this many seconds (instead of counting retries)
+    idle_timeout: float  # > 0: a stream silent this long while waited on is cancelled and retried
     backoff: float
     max_backoff: float
     vocab_size: int  # 0: ask each replica (GetInfo) before its first stream
@@ -193,6 +203,8 @@ class DataClient:
         prefetch: int = 4,
         max_batches: int = 0,
         max_retries: int = 8,
+        retry_s: float = 0.0,
+        idle_timeout: float = 0.0,
         backoff: float = 0.25,
         max_backoff: float = 8.0,
         max_receive_bytes: int = MAX_RECEIVE_BYTES,
@@ -211,6 +223,8 @@ class DataClient:
             raise ValueError(f"prefetch is {prefetch}; it must be at least 1")
         if max_retries < 0:
             raise ValueError(f"max_retries is {max_retries}; it must be >= 0")
+        if retry_s < 0 or idle_timeout < 0:
+            raise ValueError(f"retry_s={retry_s} and idle_timeout={idle_timeout} must be >= 0 (0: off)")
         self._request = dict(
             consumer=consumer, dp_rank=dp_rank, dp_size=dp_size, seq_len=seq_len,
             micro_batch_size=micro_batch_size, seed=seed,
@@ -222,7 +236,7 @@ class DataClient:
         if vocab_size < 0:
             raise ValueError(f"vocab_size is {vocab_size}; it must be >= 0 (0: as the server says)")
         self._settings = _Settings(tuple(self.addresses), self._request, prefetch, max_batches,
-                                   max_retries, backoff, max_backoff, vocab_size)
+                                   max_retries, retry_s, idle_timeout, backoff, max_backoff, vocab_size)
         self._channels = Channels(client_options(max_receive_bytes), auth)  # auth: TLS and the bearer token
         self._delivered_token = resume_token or ""
         self._delivered = 0
@@ -319,6 +333,8 @@ class _Prefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=settings.prefetch)
         self._stopped = threading.Event()
         self._call = None
+        self._waiting_since: float | None = None  # while the reader waits for the server's next message
+        self._idle_cancelled = None  # the call the idle watch cancelled
         self._final = None  # the end or the error, kept so that later get()s repeat it
         self.address: str | None = None
         self._lock = threading.Lock()
@@ -334,6 +350,19 @@ class _Prefetcher:
             return
         self._thread = threading.Thread(target=self._run, name="DataClient-prefetch", daemon=True)
         self._thread.start()
+        if settings.idle_timeout > 0:
+            threading.Thread(target=self._watch_idle, name="DataClient-idle", daemon=True).start()
+
+    def _watch_idle(self) -> None:
+        """Cancel the open call when the reader has waited `idle_timeout` s for a message."""
+        limit = self._settings.idle_timeout
+        while not self._stopped.wait(min(0.5, limit / 4)):
+            with self._lock:
+                since, call = self._waiting_since, self._call
+                if since is not None and call is not None and time.monotonic() - since > limit:
+                    self._idle_cancelled = call
+                    self._waiting_since = None
+                    call.cancel()
 
     def get(self):
         """The next Batch, or _END, or the exception that ended the stream (again and again)."""
@@ -356,6 +385,7 @@ class _Prefetcher:
     def _run(self) -> None:
         c = self._settings
         failures, index, tried = 0, 0, []
+        outage_start = 0.0  # of the failures in a row, for retry_s
         received = False  # a batch came: a failure from now on is an outage, and said so
         lost_at = None  # when the stream was lost, until it is back
         who = f"dp rank {c.request['dp_rank']}"
@@ -371,7 +401,7 @@ class _Prefetcher:
                         return
                     self._call = pb2_grpc.DataServiceStub(self._channels.get(address)).StreamBatches(request)
                     self.address = address
-                for msg in self._call:
+                for msg in self._messages(self._call):
                     check_token_range(msg, vocab, address)
                     if lost_at is not None:
                         log.warning("data stream of %s back from %s after %.1f s (%d reconnect attempt(s))", who,
@@ -398,32 +428,55 @@ class _Prefetcher:
                 if self._stopped.is_set():
                     return
                 code, details = err.code(), err.details()
+                reason = failure_reason(err)
+                if self._idle_cancelled is not None and self._idle_cancelled is self._call:
+                    code, reason = grpc.StatusCode.DEADLINE_EXCEEDED, f"no message for {c.idle_timeout:g} s"
                 if code not in RETRYABLE:
                     self._put(DataServiceError(f"data service at {address} refused the stream: "
                                                f"{code.name}: {details}", code))
                     return
                 failures += 1
-                tried.append(f"{address} ({failure_reason(err)})")
+                if failures == 1:
+                    outage_start = time.monotonic()
+                tried.append(f"{address} ({reason})")
+                budget = f"for up to {c.retry_s:g} s" if c.retry_s else f"up to {c.max_retries} retries"
                 if received and lost_at is None:
                     lost_at = time.monotonic()
-                    log.warning("data stream of %s from %s lost (%s); reconnecting, up to %d retries", who, address,
-                                failure_reason(err), c.max_retries)
-                if failures > c.max_retries:
-                    self._put(DataServiceError(
-                        f"no data service replica answered after {c.max_retries} retries; tried "
-                        + "; ".join(dict.fromkeys(tried)), code))
+                    log.warning("data stream of %s from %s lost (%s); reconnecting, %s", who, address, reason, budget)
+                spent = time.monotonic() - outage_start
+                if (spent > c.retry_s) if c.retry_s else (failures > c.max_retries):
+                    after = f"for {spent:.0f} s ({failures} attempts)" if c.retry_s else f"after {c.max_retries} retries"
+                    self._put(DataServiceError(f"no data service replica answered {after}; tried "
+                                               + "; ".join(dict.fromkeys(tried)), code))
                     return
                 index += 1
-                delay = min(c.max_backoff, c.backoff * 2 ** (failures - 1))
-                self._stopped.wait(delay * (1 + 0.25 * random.random()))  # jitter: replicas see no herd
+                delay = min(c.max_backoff, c.backoff * 2 ** (failures - 1)) * (1 + 0.25 * random.random())
+                if c.retry_s:  # the last attempt comes as the budget ends, not a backoff after it
+                    delay = min(delay, max(0.0, c.retry_s - spent) + 0.01)
+                self._stopped.wait(delay)  # jitter: replicas see no herd
             except Exception as err:  # a malformed message, a bug: give it to the caller
                 self._put(err)
                 return
 
+    def _messages(self, call):
+        """The call's messages, with `_waiting_since` set while each is awaited (the idle watch)."""
+        while True:
+            with self._lock:
+                self._waiting_since = time.monotonic()
+            try:
+                msg = next(call)
+            except StopIteration:
+                return
+            finally:
+                with self._lock:
+                    self._waiting_since = None
+            yield msg
+
     def _vocab_of(self, address: str) -> int:
         """The vocabulary size `address` serves, asked once per replica (grpc.RpcError if unreachable)."""
         if address not in self._vocab:
-            reply = pb2_grpc.DataServiceStub(self._channels.get(address)).GetInfo(pb2.InfoRequest(), timeout=30)
+            reply = pb2_grpc.DataServiceStub(self._channels.get(address)).GetInfo(
+                pb2.InfoRequest(), timeout=min(30.0, self._settings.idle_timeout or 30.0))
             self._vocab[address] = int(reply.vocab_size)
         return self._vocab[address]
 

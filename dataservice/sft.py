@@ -17,8 +17,9 @@ whatever end of turn the template writes after it; that text must appear, in ord
 rendering, else the record is a `template_error`. A prompt/completion record is the conversation
 [user: prompt, assistant: completion].
 
-Without a template (the byte tokenizer, a tokenizer.json without one, or `--chat-template plain`)
-the plain template is used:
+Without a template (the byte tokenizer, or `--chat-template plain`) the plain template is used;
+a tokenizer.json without a template of its own is refused at the first fine-tuning record (the
+build names the flags), never rendered with a template the model was not trained on:
 
     <|system|>\\n{content}\\n          system, user and tool turns: never targets
     <|user|>\\n{content}\\n
@@ -198,17 +199,35 @@ def _messages(record: dict) -> list[dict]:
     return messages
 
 
-class ExampleRenderer:
-    """Turns fine-tuning records into Examples with one tokenizer and one template (None: plain)."""
+class NoChatTemplate(ValueError):
+    """A fine-tuning record, and no template to render it: a build refuses to guess one."""
 
-    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None):
-        self.tok, self.template = tokenizer, template
+
+def missing_template(tokenizer_spec: str, choice: str, template: ChatTemplate | None) -> str | None:
+    """Why fine-tuning records cannot be rendered, when `find_chat_template` found nothing for a
+    tokenizer that should carry its own template ('auto' with a tokenizer.json); None when the
+    plain template is what was asked for (or all the byte tokenizer has)."""
+    if template is not None or choice != "auto" or tokenizer_spec == "byte":
+        return None
+    return (f"the tokenizer {tokenizer_spec} has no chat template (no chat_template.jinja beside it, no chat_template "
+            "in its tokenizer_config.json); give --chat-template FILE (the model's jinja template) or "
+            "--chat-template plain (the plain <|user|>/<|assistant|> template)")
+
+
+class ExampleRenderer:
+    """Turns fine-tuning records into Examples with one tokenizer and one template (None: plain).
+    `refuse`: the reason a build has no template for them (NoChatTemplate at the first record)."""
+
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None, refuse: str | None = None):
+        self.tok, self.template, self.refuse = tokenizer, template, refuse
 
     def describe(self) -> dict:
         return self.template.describe() if self.template else {"kind": PLAIN}
 
     def render(self, record: dict) -> Example:
-        """Raises ExampleProblem for a record that cannot be used."""
+        """Raises ExampleProblem for a record that cannot be used, NoChatTemplate without a template."""
+        if self.refuse:
+            raise NoChatTemplate(self.refuse)
         messages = _messages(record)
         if self.template is not None:
             pieces = self._template_pieces(messages)

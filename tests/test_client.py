@@ -12,6 +12,7 @@ import logging
 import re
 import signal
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -115,6 +116,53 @@ def test_failover_after_sigkill_continues_without_duplicate_or_gap(data, server)
         for proc in (a, b):
             proc.kill()
             proc.wait()
+
+
+IDLE_S = 2.0  # the idle timeout of the stall drill: long against a loopback message, short for a test
+
+
+def test_a_stalled_replica_is_dropped_after_the_idle_timeout_without_duplicate_or_gap(data, server):
+    # Replica A is stopped (SIGSTOP): its connection stays up and nothing comes, which keep-alive
+    # would notice only after 30 s. With idle_timeout the client reads on from B within about
+    # IDLE_S of the first batch it waited for in vain, and the rows equal an uninterrupted stream.
+    with DataClient(server, max_batches=60, **REQ) as ref_client:
+        reference = list(ref_client)
+    (a, addr_a, _), (b, addr_b, _) = start_server_process([data]), start_server_process([data])
+    try:
+        with DataClient([addr_a, addr_b], prefetch=2, backoff=0.05, idle_timeout=IDLE_S, **REQ) as client:
+            got = take(client, 3)
+            assert client.address == addr_a
+            a.send_signal(signal.SIGSTOP)
+            waits = []
+            for _ in range(57):
+                start = time.monotonic()
+                got.append(next(client))
+                waits.append(time.monotonic() - start)
+            assert client.address == addr_b
+        same(got, reference)
+        assert IDLE_S * 0.9 < max(waits) < IDLE_S + 2.0, waits  # one wait of about the timeout, then B
+    finally:
+        for proc in (a, b):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_slow_consumer_is_not_an_idle_stream(server):
+    # The idle clock runs only while the client waits for the server: a trainer that takes longer
+    # than the timeout between batches keeps its stream (one replica, no retry allowed).
+    with DataClient(server, max_batches=4, idle_timeout=0.3, max_retries=0, prefetch=1, **REQ) as client:
+        for batch in client:
+            time.sleep(0.6)
+    assert batch.step == 3
+
+
+def test_retry_s_bounds_an_outage_in_seconds():
+    start = time.monotonic()
+    with DataClient(["127.0.0.1:1"], seq_len=64, micro_batch_size=1, retry_s=1.5, backoff=0.05,
+                    max_backoff=0.2) as client:
+        with pytest.raises(DataServiceError, match=r"no data service replica answered for 2 s \(\d+ attempts\)"):
+            next(client)
+    assert 1.5 < time.monotonic() - start < 4.0
 
 
 @pytest.mark.slow

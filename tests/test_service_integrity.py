@@ -31,6 +31,7 @@ from dataservice.build import build_dataset, make_corpus
 from dataservice.client import DataClient
 from dataservice.rpc import DataServiceError
 from dataservice.shards import DatasetError, ShardedDataset, shard_name
+from tests.support.damage import flip_token
 from tests.support.service import request, start_server_process, stub
 
 pb2, _ = protos.load()
@@ -43,22 +44,6 @@ def build(root: Path, name: str, seed: int, n_docs: int = 80) -> Path:
     (root / "corpus").mkdir(parents=True, exist_ok=True)
     corpus = make_corpus(root / "corpus", n_docs, seed=seed, min_len=40, max_len=600)
     return build_dataset([corpus], root / name, shard_size_mb=0.02, overwrite=True)
-
-
-def flip_token(dataset: Path, shard: int) -> int:
-    """Set the high byte of one token of a document stored in `shard` to 0xFF (an id far beyond
-    the byte vocabulary); returns the document's number."""
-    with ShardedDataset.open(dataset) as ds:
-        index = np.load(dataset / "index.npy")
-        doc = int(np.flatnonzero((index["shard"] == shard) & (index["length"] > 32))[0])
-        value = ds.read(doc).astype("<u2").tobytes()
-    target = dataset / shard_name(shard) / "data.mdb"
-    raw = bytearray(target.read_bytes())
-    at = raw.find(value)
-    assert at >= 0 and raw.find(value, at + 1) < 0, "the document's bytes should occur once in its shard"
-    raw[at + 2 * 10 + 1] = 0xFF
-    target.write_bytes(bytes(raw))
-    return doc
 
 
 def stream_until_error(address: str, **kw) -> tuple[list, grpc.RpcError | None]:

@@ -25,7 +25,8 @@ from dataservice.sft import ExampleRenderer, find_chat_template
 from dataservice.shards import ShardedDataset
 from dataservice.tokenizer import ByteTokenizer, load_tokenizer, train_tiny_tokenizer
 from tests.support.service import start_server
-from tests.support.sft import CHATML_TEMPLATE, HEADER_TEMPLATE, SPECIALS
+from tests.support.cli import run_process
+from tests.support.sft import CHATML_TEMPLATE, HEADER_TEMPLATE, SPECIALS, conversations
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -248,3 +249,54 @@ def test_no_loss_mask_keeps_the_rendering_and_trains_on_every_token(tmp_path, sf
             tokens = unmasked.read(d)
             assert np.array_equal(masked.read(d), tokens)
             assert unmasked.target_masks([d], [0], [tokens.size])[0].all()
+
+
+# ---- the build says which template it uses; inspect says what a fine-tuning set trains on ----
+
+def test_a_tokenizer_without_a_chat_template_is_refused_not_silently_rendered_plain(tmp_path):
+    folder = tmp_path / "tok"
+    train_tiny_tokenizer(folder, specials=SPECIALS, vocab_size=300)  # no tokenizer_config.json, no template
+    corpus = conversations(tmp_path / "conv.jsonl", 8, seed=2)
+    tok = str(folder / "tokenizer.json")
+    refused = run_process("dataservice.cli", "build", corpus, "-o", tmp_path / "out", "--tokenizer", tok, "-q")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"{corpus}:1 is a fine-tuning record, but the tokenizer {tok} has no chat template" in refused.stderr
+    assert "--chat-template FILE" in refused.stderr and "--chat-template plain" in refused.stderr
+    assert not (tmp_path / "out").exists()
+    text = tmp_path / "text.jsonl"  # pretraining text needs no template
+    text.write_text(json.dumps({"text": "hello"}) + "\n")
+    assert run_process("dataservice.cli", "build", text, "-o", tmp_path / "t", "--tokenizer", tok, "-q").returncode == 0
+    plain = run_process("dataservice.cli", "build", corpus, "-o", tmp_path / "p", "--tokenizer", tok,
+                        "--chat-template", "plain", "-q")
+    assert plain.returncode == 0 and "; chat template plain," in plain.stderr, plain.stderr
+    (tmp_path / "t.jinja").write_text(CHATML_TEMPLATE)
+    templated = run_process("dataservice.cli", "build", corpus, "-o", tmp_path / "j", "--tokenizer", tok,
+                            "--chat-template", tmp_path / "t.jinja", "-q")
+    assert templated.returncode == 0 and f"; chat template {tmp_path / 't.jinja'} (sha256 " in templated.stderr
+
+
+def test_inspect_counts_prompt_and_response_tokens_and_the_overlong_examples(tmp_path):
+    corpus = conversations(tmp_path / "conv.jsonl", 60, seed=4)
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": f"plain document {i}"}) + "\n" for i in range(5)))
+    out = build_dataset([corpus, text], tmp_path / "sft")
+    # The reference: the records rendered again, here, with the plain template.
+    renderer = ExampleRenderer(ByteTokenizer(), None)
+    examples = [renderer.render(json.loads(line)) for line in corpus.read_text().splitlines()]
+    response = sum(int((e.target_runs[:, 1] - e.target_runs[:, 0]).sum()) for e in examples)
+    prompt = sum(len(e.ids) for e in examples) - response
+    over = sum(len(e.ids) > 100 for e in examples)
+    assert 0 < over < len(examples)
+    proc = run_process("dataservice.cli", "inspect", out, "--json", "--seq-len", "100")
+    assert proc.returncode == 0, proc.stderr
+    sft = json.loads(proc.stdout)["sft"]
+    assert (sft["examples"], sft["documents"]) == (60, 5)
+    assert (sft["prompt_tokens"], sft["response_tokens"], sft["overlong_examples"]) == (prompt, response, over)
+    total = json.loads((out / "manifest.json").read_text())["total_tokens"]
+    text_tokens = total - prompt - response  # every token of a pretraining document is trained on
+    assert sft["trained_share"] == pytest.approx((response + text_tokens) / total, abs=1e-4)
+    human = run_process("dataservice.cli", "inspect", out, "--seq-len", "100").stdout
+    assert "fine-tuning  60 examples (text 5, prompt_completion 15, messages 45), chat template plain" in human
+    assert f"over-long  {over} examples longer than 100 tokens" in human
+    plain_text = build_dataset([text], tmp_path / "text")
+    assert "fine-tuning" not in run_process("dataservice.cli", "inspect", plain_text).stdout

@@ -41,6 +41,7 @@ from core.state.checkpoint import latest_checkpoint, read_meta
 from core.config import Config, ConfigError, load_config, reference
 from core.validation import validate
 from core.train.data import check_data_source
+from core.train.failure import PREFIX as FAILED_PREFIX, record_failure, report as failure_report
 from core.train.launch_shape import Launch, launch_from_flags, launch_of_workers, load_launch, save_launch
 from core.train.launcher import interrupted_line, launch_local
 from core.lifecycle import Interrupted, die_with_parent, exit_without_teardown, install_stop_handlers, interrupted_by
@@ -343,18 +344,31 @@ def _run_worker(config: Config, resume: bool, overwrite: bool, note: str | None)
         return stop.exit_code
     except (ConfigError, RunDirError) as err:
         return _report(str(err), rank == 0)
-    except DataServiceError as err:  # the service refused the stream (2) or went away (1)
-        return _report(str(err), rank == 0, 2 if err.code == grpc.StatusCode.INVALID_ARGUMENT else 1)
-    except BaseException:
+    except Exception as err:
         if interrupted_by() is not None:  # a peer's stop surfaced here as a failed collective
             return 128 + interrupted_by()
-        raise
+        # The service refused the stream (2) or went away (1); anything else is a failure (1).
+        invalid = isinstance(err, DataServiceError) and err.code == grpc.StatusCode.INVALID_ARGUMENT
+        return _failed(config, rank, err, 2 if invalid else 1)
     finally:
         if lock is not None:
             lock.release()
         if dist.is_initialized() and interrupted_by() is None:
             dist.destroy_process_group()
     return 0
+
+
+def _failed(config: Config, rank: int, err: Exception, code: int) -> int:
+    """Record why this rank failed (core/train/failure.py) and say it in one line; a process
+    running alone prints the whole report, under a launcher the launcher does (from the rank that
+    failed first). The traceback goes to RUN_DIR/logs/rank-R.log, not to the terminal."""
+    run_dir, ckpt_dir = _paths(config)
+    cause = record_failure(run_dir, rank, err, code)
+    if "RANK" not in os.environ:
+        print(failure_report(run_dir, ckpt_dir, cause, launcher_log=False), file=sys.stderr, flush=True)
+    else:
+        print(f"{FAILED_PREFIX}rank {rank}: {cause}", file=sys.stderr, flush=True)
+    return code
 
 
 def _take_run_dir_on_rank0(config, resume, overwrite, note, rank) -> tuple[RunLock | None, str]:

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -28,6 +32,9 @@ from dataservice.packing import IGNORE_INDEX
 
 #: Seconds `check_data_source` waits for a data service's answer (a refused connection fails at once).
 PROBE_TIMEOUT_S = 5.0
+#: Seconds the trainer's own loopback server may take to say where it serves (it verifies its shards first).
+SERVER_START_S = 300.0
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,43 +54,90 @@ class StepInputs:
 
 
 class LocalServer:
-    """A data service on loopback in its own process, for `data.dataset`; stopped at exit."""
+    """A data service on loopback in its own process, for `data.dataset`; stopped at exit.
 
-    def __init__(self, dataset: str, timeout: float = 120.0, cp_cost: str = ""):
-        cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--data", dataset, "--host", "127.0.0.1", "--port", "0",
-               "--exit-with-parent"]
+    It must say where it serves within `timeout` seconds (else RuntimeError, one line with its
+    log's tail). Should it die later, it is started again on the same port, up to `restarts`
+    times (a warning each time): every rank's client reconnects there and reads on from its
+    resume token, so the run goes on as if nothing happened."""
+
+    def __init__(self, dataset: str, timeout: float = SERVER_START_S, cp_cost: str = "", restarts: int = 0):
+        self.dataset, self.timeout, self.restarts_left = dataset, timeout, restarts
+        self.cmd = [sys.executable, "-m", "dataservice.cli", "serve", "--data", dataset, "--host", "127.0.0.1",
+                    "--exit-with-parent"]
         if cp_cost:
-            cmd += ["--cp-cost", cp_cost]
+            self.cmd += ["--cp-cost", cp_cost]
         # The server's log goes to a file: a pipe nobody reads would fill and stall it, and
         # the file's tail explains a failed start.
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="tessera-dataservice-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.log = tempfile.NamedTemporaryFile("a+", prefix="tessera-dataservice-", suffix=".log", delete=False)
+        self._stopping = threading.Event()
         atexit.register(self.stop)
-        deadline = time.monotonic() + timeout
-        self.address = ""
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith("serving on "):
-                self.address = line.split("serving on ", 1)[1].strip()
-                return
-        self.stop()
-        self.log.seek(0)
-        tail = self.log.read()[-2000:]
-        code = self.proc.poll()
-        lines = [line for line in tail.splitlines() if line.strip()]
-        if code == 2 and lines:  # `tessera-data serve` refused its arguments: one line says why
-            raise ConfigError(f"data.dataset={dataset!r}: {lines[-1].partition('error: ')[2] or lines[-1]}")
-        raise RuntimeError(f"the data service for '{dataset}' did not start (exit code {code}):\n{tail}")
+        self.address = self._start(0)
+        if restarts:
+            threading.Thread(target=self._watch, name="loopback-data-service", daemon=True).start()
 
-    def stop(self) -> None:
+    def _start(self, port: int) -> str:
+        """Start the process on `port` (0: a free one); its address once it says it serves."""
+        self.proc = subprocess.Popen([*self.cmd, "--port", str(port)], stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            ready = select.select([self.proc.stdout], [], [], max(0.0, left))[0] if left > 0 else []
+            line = self.proc.stdout.readline() if ready else None
+            if line and line.startswith("serving on "):
+                return line.split("serving on ", 1)[1].strip()
+            if not line:  # the deadline passed, or the process closed its output (it ended)
+                break
+        running = self.proc.poll() is None
+        self._end_process()
+        lines = self.log_tail()
+        code = self.proc.poll()
+        if not running and code == 2 and lines:  # `tessera-data serve` refused its arguments: one line says why
+            raise ConfigError(f"data.dataset={self.dataset!r}: {lines[-1].partition('error: ')[2] or lines[-1]}")
+        why = f"did not say where it serves within {self.timeout:g} s" if running else f"ended (exit code {code})"
+        raise RuntimeError(f"the data service for '{self.dataset}' {why}; its log ends: "
+                           + (" | ".join(lines[-5:]) or "(empty)") + f" (full log: {self.log.name})")
+
+    def log_tail(self) -> list[str]:
+        self.log.flush()
+        with open(self.log.name, errors="replace") as f:
+            return [line.strip() for line in f.read()[-4000:].splitlines() if line.strip()]
+
+    def _watch(self) -> None:
+        """Restart the server on its port when it dies, while restarts are left."""
+        port = int(self.address.rpartition(":")[2])
+        while not self._stopping.wait(0.2):
+            code = self.proc.poll()
+            if code is None or self._stopping.is_set():
+                continue
+            if self.restarts_left <= 0:
+                log.error("the loopback data service for '%s' ended (exit code %s) and no restart is left "
+                          "(data.server_restarts); its log: %s", self.dataset, code, self.log.name)
+                return
+            self.restarts_left -= 1
+            log.warning("the loopback data service for '%s' ended (exit code %s); restarting it on %s "
+                        "(%d restart(s) left)", self.dataset, code, self.address, self.restarts_left)
+            try:
+                self._start(port)
+            except Exception as err:  # the clients give up after data.retry_s and say so
+                log.error("the loopback data service for '%s' could not be restarted: %s", self.dataset, err)
+                return
+
+    def _end_process(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
+            with contextlib.suppress(OSError):  # a stalled (stopped) server must run to take the signal
+                os.kill(self.proc.pid, signal.SIGCONT)
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._end_process()
         with contextlib.suppress(OSError):
             os.unlink(self.log.name)  # the open handle still reads it
 
@@ -163,7 +217,8 @@ def resolve_address(config: Config) -> tuple[str, LocalServer | None]:
     box = ["", "", False]  # the address; else why rank 0 could not start it, and whether that is the config's fault
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            server = LocalServer(config.data.dataset, cp_cost=config.data.cp_cost)
+            server = LocalServer(config.data.dataset, cp_cost=config.data.cp_cost,
+                                 restarts=config.data.server_restarts)
             box[0] = server.address
         except Exception as err:
             failure = err
@@ -197,6 +252,8 @@ def open_stream(config: Config, mesh: ParallelMesh, address: str, resume_token: 
         prefetch=config.data.prefetch,
         resume_token=resume_token,
         auth=client_auth(config),
+        idle_timeout=config.data.stream_idle_timeout_s,
+        retry_s=config.data.retry_s,
         **cp,
     )
 

@@ -29,6 +29,8 @@ from pathlib import Path
 from core.state.checkpoint import latest_checkpoint, step_of
 from core.lifecycle import STOP_SIGNALS, become_subreaper, descendants_of, die_with_parent, signal_all
 from core.metrics import plot_losses, read_metrics
+from core.train.failure import LAUNCHER_LOG, LOGS_NAME, PREFIX as FAILED_PREFIX, clear_failures, first_failure
+from core.train.failure import report as failure_report, torchrun_root_cause
 from core.train.launch_shape import LAUNCH_ENV, Launch
 from core.train.rundir import LOCK_OWNER_ENV, METRICS_NAME, remove_partial_checkpoints
 
@@ -48,23 +50,48 @@ def interrupted_line(run_dir: Path, ckpt_dir: Path, signum: int) -> str:
             f"{step_of(latest)}; continue with --resume {run_dir}")
 
 
-# The line rank 0 ends a run with (core/train/cli.py), and the exit code it stands for.
-REPORT_LINES = {b"tessera-train: error: ": 2, b"tessera-train: failed: ": 1}
+# The line rank 0 ends a run with when its input is bad (core/train/cli.py): shown, exit 2.
+ERROR_LINE = b"tessera-train: error: "
+FAILED_LINE = FAILED_PREFIX.encode()
 
 
-def _relay(stream, quiet: threading.Event, reported: list[int]) -> None:
-    """Copy torchrun's stderr (its workers' too) to ours until a stop, or until rank 0's
-    one-line report of why the run ends; then only drain it, so torchrun's account of the
-    failed ranks and the tracebacks of interrupted ones do not bury the line that matters."""
+def _relay(stream, log, quiet: threading.Event, reported: list[int], failures: list[str], restarts: bool) -> None:
+    """Copy torchrun's stderr (its workers' too) to the log file, and to ours until a stop, rank
+    0's one-line report of a bad input, or a rank's line that it failed: what follows (the
+    tracebacks of the ranks that lost their peer, torchrun's account) would bury the cause,
+    which the launcher states at the end. A failing rank's own line is kept for that report
+    (`failures`); with restarts to come, the relay goes on for the restarted workers."""
     for line in iter(stream.readline, b""):
+        log.write(line)
+        log.flush()
+        if line.startswith(FAILED_LINE):
+            failures.append(line[len(FAILED_LINE):].decode(errors="replace").strip())
+            if not restarts:
+                quiet.set()
+            continue
         if not quiet.is_set():
             sys.stderr.buffer.write(line)
             sys.stderr.buffer.flush()
-            code = next((c for prefix, c in REPORT_LINES.items() if line.startswith(prefix)), None)
-            if code is not None:
-                reported.append(code)
+            if line.startswith(ERROR_LINE):
+                reported.append(2)
                 quiet.set()
     stream.close()
+
+
+def failure_lines(run_dir: Path, ckpt_dir: Path, failures: list[str], code: int) -> str:
+    """The end of a failed run: the cause from the rank that failed first (its record, else the
+    first failure line seen, else torchrun's root cause), the checkpoint to continue from and
+    where the logs are."""
+    first = first_failure(run_dir)
+    if first is not None:
+        cause = f"rank {first['rank']}: {first['cause']}"
+    elif failures:
+        cause = failures[0]
+    else:
+        log = run_dir / LOGS_NAME / LAUNCHER_LOG
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        cause = torchrun_root_cause(text) or f"a worker ended with exit code {code}"
+    return failure_report(run_dir, ckpt_dir, cause, launcher_log=True)
 
 
 def _stop_leftovers() -> None:
@@ -136,7 +163,12 @@ def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir
         env[LOCK_OWNER_ENV] = str(os.getpid())
     received: list[int] = []
     reported: list[int] = []
+    failures: list[str] = []
     quiet = threading.Event()
+    clear_failures(run_dir)
+    (run_dir / LOGS_NAME).mkdir(parents=True, exist_ok=True)
+    log = open(run_dir / LOGS_NAME / LAUNCHER_LOG, "ab")
+    log.write(f"--- tessera-train launch at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n".encode())
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=die_with_parent)  # the launcher has no threads yet: preexec is safe
 
@@ -148,7 +180,8 @@ def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir
         signal_all([proc.pid], signum)
 
     previous = {sig: signal.signal(sig, on_stop) for sig in STOP_SIGNALS}
-    relay = threading.Thread(target=_relay, args=(proc.stderr, quiet, reported), daemon=True)
+    relay = threading.Thread(target=_relay, args=(proc.stderr, log, quiet, reported, failures,
+                                                  bool(rendezvous.max_restarts)), daemon=True)
     relay.start()
     stop_at = None
     try:
@@ -170,9 +203,16 @@ def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir
             if plot and (received or code != 0):
                 _plot_if_stale(run_dir)
         relay.join(timeout=5)
+        log.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if received:
         print(interrupted_line(run_dir, ckpt_dir, received[0]), file=sys.stderr, flush=True)
         return 128 + received[0]
-    return reported[0] if reported and code else code
+    if code and reported:
+        return reported[0]
+    if code:
+        print(failure_lines(run_dir, ckpt_dir, failures, code), file=sys.stderr, flush=True)
+        first = first_failure(run_dir)
+        return int(first["exit_code"]) if first is not None and first.get("exit_code") else code
+    return code
