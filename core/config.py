@@ -256,9 +256,9 @@ class TrainConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in the backward: none, selective (attention core) or full (whole blocks)."""
     recompute_modules: list[str] = field(default_factory=list)
-    """Modules recomputed in the backward besides train.recompute: norms, swiglu, moe_experts, attention_core, attention, mlp, block."""
+    """Recomputed too: norms, swiglu, moe_experts, attention_core, mla_up (MLA up-projections+core; saves latents), attention, mlp, block"""
     offload_modules: list[str] = field(default_factory=list)
-    """Modules whose saved activations wait in host memory until the backward (copies overlap compute); the same names."""
+    """Modules whose saved activations wait in host memory until the backward (copies overlap compute); the same names, not mla_up."""
     recompute_num_layers: int = 0
     """Recompute only in the first N blocks of each model chunk (pipeline stage); 0: in every block."""
     run_dir: str = "runs/default"
