@@ -11,9 +11,11 @@ query/key heads (8 + 4), on packed documents of uneven lengths):
   the order of sums differs; a latent gradient left partial over tp, or a token attending
   across a document, moves gradients by >1e-2.
 
-All distributed cases run in one spawn of 4 gloo processes (start-up dominates on 2 cores):
-tp=2 with and without sequence parallelism (with and without a query latent, with biases),
-cp=2 and cp=4 ring, cp=2 x tp=2, and dynamic CP on sub-groups.
+All in-process distributed cases run in one spawn of 4 gloo processes (start-up dominates on 2
+cores): tp=2 with and without sequence parallelism (with and without a query latent, with biases),
+cp=2 and cp=4 ring, cp=2 x tp=2, and dynamic CP on sub-groups. One end-to-end `tessera-train`
+case covers the MoE model with expert, pipeline and context parallelism, ZeRO-1, `mla_up` and a
+resume at another tp.
 """
 
 from __future__ import annotations
@@ -246,3 +248,30 @@ def test_dynamic_cp_mla_matches_single_process(results):
         loss, grads, sizes = res["dynamic"]
         assert sizes[0] == 1 and sizes[-1] >= 2, sizes  # both plain and ring micro-batches ran
         _assert_matches((loss, grads), want, "dynamic")
+
+
+# ---- end to end: tessera-train on the MoE model with MLA -------------------------------------
+
+E2E_MLA = ["model.attention=mla", "model.q_lora_rank=32", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16",
+           "model.qk_rope_head_dim=8", "model.v_head_dim=16"]
+
+
+@pytest.mark.slow
+def test_mla_moe_training_matches_single_process_across_layouts_and_a_resharded_resume(tmp_path, dataset):
+    """tiny_moe.toml with MLA (value heads 16, query/key heads 24): steps 1-2 at tp=2 x ep=2 (sequence
+    parallel, ZeRO-1, `mla_up` recomputed), saved, then resumed at tp=1 for steps 3-4 under pp=2 x
+    cp=2 x ep=2 (ring attention over packed rows): every step's loss equals the single process's
+    within tests/support/runs.py's RTOL (fp32, reduction order only, over a few AdamW steps).
+    The resume loads the tp-sharded MLA weights into another tp (checkpoint resharding)."""
+    from tests.support.runs import MOE_CONFIG, RTOL, losses, run_train
+
+    run_train(tmp_path / "ref", dataset, 1, "parallel.ep=1", *E2E_MLA, config=MOE_CONFIG)
+    run = tmp_path / "run"
+    run_train(run, dataset, 4, "parallel.ep=2", "parallel.tp=2", 'train.recompute_modules=["mla_up"]',
+              "train.stop_at_step=2", *E2E_MLA, config=MOE_CONFIG)
+    run_train(run, dataset, 4, "parallel.ep=2", "parallel.pp=2", "parallel.cp=2", "parallel.tp=1", *E2E_MLA,
+              resume=True, config=MOE_CONFIG)
+    ref, got = losses(tmp_path / "ref"), losses(run)
+    assert got.keys() == ref.keys() == {1, 2, 3, 4}
+    for step, loss in ref.items():
+        assert got[step] == pytest.approx(loss, rel=RTOL), (step, got, ref)
