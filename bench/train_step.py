@@ -44,6 +44,7 @@ from core.config import FP8_RECIPES, Config, ModelConfig, load_config
 from core.train.data import StepInputs
 from core.layers import AttentionMeta
 from core.metrics import PEAK_FLOPS, flops_per_token
+from core.rules import attention_width
 from core.train.model import build_model, count_params
 from core.train.trainer import Trainer
 from moe.layer import moe_layers, update_expert_bias
@@ -122,7 +123,7 @@ def baseline_side(cfg: ModelConfig, batch: StepInputs, compile_model: bool, accu
         after()
 
     _, embedding, active = count_params(model)
-    return step, model, flops_per_token(active, embedding, cfg.num_layers, cfg.num_heads * cfg.attention_head_dim, seq)
+    return step, model, flops_per_token(active, embedding, cfg.num_layers, attention_width(cfg), seq)
 
 
 def tessera_config(cfg: ModelConfig, args, device: torch.device) -> Config:

@@ -16,6 +16,12 @@ Backends, chosen per call:
   keeps every document on flash;
 - CPU: an exact reference that runs SDPA per distinct segment length, batching the
   segments of equal length, so it stays exact and cheap enough for tests.
+
+Value heads may be narrower than query/key heads (multi-head latent attention: 192 and 128 at
+DeepSeek-V3's shapes). SDPA's cuDNN backend takes the two sizes as they are; FlashAttention
+(`varlen_attn`) wants one head size, so on that path v is padded with zero features up to the
+q/k size and the output sliced back (`padded_values`): exact, since the zero features only add
+zero columns to the output and get no gradient into the real ones.
 """
 
 from __future__ import annotations
@@ -68,10 +74,28 @@ def _reference_varlen(q, k, v, cu_seqlens: torch.Tensor, scale: float | None) ->
     return out
 
 
+def padded_values(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """`attend(q, k, v, ...)` for a kernel that needs v's head size to equal q's: v padded with
+    zero features to q's size, the output's extra features dropped (a view). Exact in both
+    directions: softmax(q k^T) [v | 0] = [out | 0], and the zero features' output gradient is
+    cut off by the slice. Unchanged call when the sizes agree."""
+    dv, dq = v.shape[-1], q.shape[-1]
+    if dv == dq:
+        return attend(q, k, v, *args, **kwargs)
+    if dv > dq:
+        raise ValueError(f"attention: value heads of {dv} features are wider than the query/key heads ({dq}); "
+                         "only narrower value heads are padded")
+    return attend(q, k, F.pad(v, (0, dq - dv)), *args, **kwargs)[..., :dv]
+
+
 _VARLEN_PARAMS: set[str] | None = None  # the installed torch's varlen_attn signature, read once per process
 
 
 def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None) -> torch.Tensor:
+    return padded_values(_flash_varlen_equal, q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def _flash_varlen_equal(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None) -> torch.Tensor:
     global _VARLEN_PARAMS
     from torch.nn.attention.varlen import varlen_attn
 

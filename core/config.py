@@ -260,9 +260,9 @@ class TrainConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in the backward: none, selective (attention core) or full (whole blocks)."""
     recompute_modules: list[str] = field(default_factory=list)
-    """Modules recomputed in the backward besides train.recompute: norms, swiglu, moe_experts, attention_core, attention, mlp, block."""
+    """Recomputed too: norms, swiglu, moe_experts, attention_core, mla_up (MLA up-projections+core; saves latents), attention, mlp, block"""
     offload_modules: list[str] = field(default_factory=list)
-    """Modules whose saved activations wait in host memory until the backward (copies overlap compute); the same names."""
+    """Modules whose saved activations wait in host memory until the backward (copies overlap compute); the same names, not mla_up."""
     mlp_chunk_tokens: int = 0
     """> 0: tiled MLP, the dense SwiGLU layers run this many tokens at a time each way (memory flat in the sequence); 0: off."""
     recompute_num_layers: int = 0

@@ -23,7 +23,9 @@ def flops_per_token(active_params: int, embedding_params: int, num_layers: int, 
     """Training FLOPs per token: 6 per non-embedding weight a token uses (all of them in a
     dense model; top_k of E routed experts in a MoE layer) plus causal attention's
     6*layers*dim*seq (the usual accounting, as in BENCHMARKS.md, so MFUs compare); `dim` is the
-    attention width, num_heads * head_dim (model.dim unless model.head_dim sets another size)."""
+    attention width, num_heads * head_dim (model.dim unless model.head_dim sets another size;
+    multi-head latent attention: the mean of its query/key and value head sizes,
+    core.rules.attention_width)."""
     return 6.0 * (active_params - embedding_params) + 6.0 * num_layers * dim * seq_len
 
 

@@ -10,8 +10,13 @@ halves of its features, like the rest of Tessera; `interop` permutes DeepSeek's 
 checkpoints into that layout), and the value head can be narrower than the query/key head.
 
 The core is the same document-causal `core_attention(q, k, v, meta)` as grouped-query
-attention (one key/value head per query head), so ring and dynamic context parallelism and
-the recompute targets apply unchanged. Yarn's DeepSeek softmax scale (mscale squared) is
+attention (one key/value head per query head, v narrower than q/k), so ring and dynamic context
+parallelism and the recompute targets apply unchanged. Recompute `mla_up`
+(`recompute_up = True`, set by core.parallel.recompute) runs everything after the latents --
+q_norm and wq_b (or wq), kv_norm and wkv_b, the rotary embedding and the core -- under one
+checkpoint: the backward keeps only the latents (and wq's input), not the per-head q, k and v,
+which are heads * (2 * (nope + rope) + v) features per token against kv_lora_rank + rope
+(+ q_lora_rank). Yarn's DeepSeek softmax scale (mscale squared) is
 folded into the queries so every core keeps its default 1/sqrt(head dim) scale.
 
 Submodule names follow DeepSeek's reference implementation; the parallelize steps rewrite
@@ -25,6 +30,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.config import ModelConfig
 from core.layers import AttentionMeta, CoreAttention, RMSNorm, apply_rotary
@@ -67,15 +73,23 @@ class MLAttention(nn.Module):
         self.wo = nn.Linear(heads * self.v_dim, cfg.dim, bias=bias)
         self.core_attention = CoreAttention()
         self.query_scale = softmax_scale_factor(cfg)
-
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, heads * head_dim] (this rank's heads)."""
-        return self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
+        self.recompute_up = False  # recompute "mla_up" (core.parallel.recompute)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta) -> torch.Tensor:
-        q = self.queries(x).unflatten(-1, (-1, self.head_dim))
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_in = x if self.wq is not None else self.wq_a(x)  # the query latent, or x itself
+        kv_in = self.wkv_a(x)  # [T, kv_lora_rank + rope]: the key/value latent and the rotary key
+        if self.recompute_up:
+            out = checkpoint(self._expand_and_attend, q_in, kv_in, rope, meta, use_reentrant=False)
+        else:
+            out = self._expand_and_attend(q_in, kv_in, rope, meta)
+        return self.wo(out.flatten(-2))
+
+    def _expand_and_attend(self, q_in: torch.Tensor, kv_in: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                           meta: AttentionMeta) -> torch.Tensor:
+        """The up-projections, the rotary embedding and the core: [T, heads, v_dim] (this rank's heads)."""
+        q = self.wq(q_in) if self.wq is not None else self.wq_b(self.q_norm(q_in))
+        q_nope, q_rope = q.unflatten(-1, (-1, self.head_dim)).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = kv_in.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.wkv_b(self.kv_norm(latent)).unflatten(-1, (-1, self.nope_dim + self.v_dim))
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q_rope = apply_rotary(q_rope, *rope)
@@ -84,5 +98,4 @@ class MLAttention(nn.Module):
         if self.query_scale != 1.0:
             q = q * self.query_scale
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1)), dim=-1)
-        out = self.core_attention(q, k, v, meta)
-        return self.wo(out.flatten(-2))
+        return self.core_attention(q, k, v, meta)

@@ -10,7 +10,7 @@ schema, `core.config`.
 
 from __future__ import annotations
 
-from core.config import Config, MoEConfig, TrainConfig
+from core.config import Config, ModelConfig, MoEConfig, TrainConfig
 
 # ---- steps and micro-batches ------------------------------------------------------------
 
@@ -25,9 +25,9 @@ def grad_accum_steps(config: Config) -> int:
 # ---- recomputation and offload (core/parallel/recompute.py) ---------------------------------
 
 # Each name is a kind of module in every block; the outer ones contain the inner ones (`block` all of them).
-RECOMPUTE_MODULES = ("norms", "swiglu", "moe_experts", "attention_core", "attention", "mlp", "block")
-_INSIDE = {"block": set(RECOMPUTE_MODULES) - {"block"}, "attention": {"attention_core", "norms"},
-           "mlp": {"swiglu", "moe_experts"}}
+RECOMPUTE_MODULES = ("norms", "swiglu", "moe_experts", "attention_core", "mla_up", "attention", "mlp", "block")
+_INSIDE = {"block": set(RECOMPUTE_MODULES) - {"block"}, "attention": {"attention_core", "mla_up", "norms"},
+           "mla_up": {"attention_core"}, "mlp": {"swiglu", "moe_experts"}}
 #: Recomputed eagerly with hooks on the saved tensors of the next module (compiled: checkpoints in the graph).
 HOOKED_RECOMPUTE = ("norms", "swiglu")
 
@@ -41,6 +41,17 @@ def recompute_set(t: TrainConfig) -> set[str]:
 def nests(a: str, b: str) -> bool:
     """Whether one of the two module kinds contains the other (or they are the same)."""
     return a == b or b in _INSIDE.get(a, ()) or a in _INSIDE.get(b, ())
+
+
+# ---- attention ----------------------------------------------------------------------------
+
+
+def attention_width(m: ModelConfig) -> float:
+    """The attention width core.metrics.flops_per_token counts (6 * layers * width * seq FLOPs per
+    token): num_heads * head size, with multi-head latent attention's two head sizes averaged,
+    since the scores q k^T run over the query/key head (nope + rope) and the product with v over
+    the value head."""
+    return m.num_heads * (m.attention_head_dim + m.value_head_dim) / 2
 
 
 # ---- MoE layers ---------------------------------------------------------------------------

@@ -190,6 +190,13 @@ def _check_train(config: Config) -> None:
     if not t.run_dir.strip():
         raise ConfigError("train.run_dir is empty; give the run a folder, e.g. train.run_dir=runs/my_run")
     _check_recompute(t)
+    if "mla_up" in recompute_set(t) and config.model.attention != "mla":
+        raise ConfigError(f"train.recompute_modules has 'mla_up', which recomputes multi-head latent attention's "
+                          f"up-projections, but model.attention={config.model.attention!r}; use 'attention_core' "
+                          f"or set model.attention='mla'")
+    if "mla_up" in t.offload_modules:
+        raise ConfigError("train.offload_modules cannot name 'mla_up' (a checkpoint inside the attention, not a "
+                          "module of its own); offload 'attention' or 'attention_core'")
     _check_dense_backend(config)
     check_split_masters(config, t.precision)
     if t.cuda_graphs and not t.compile:

@@ -280,3 +280,39 @@ def test_each_recompute_kind_saves_activation_memory():
     moved = block_activations(config, 1, set(), {"block"})
     assert moved.device == 0 and moved.offloaded == plain[1]
     assert estimate_memory(config).peak_allocated > state_bytes(config).total
+
+
+# Value heads as wide as the query/key heads here: the CPU's SDPA saves what FlashAttention does
+# (out and the log-sum-exp) only for one head size; with two it takes the math path, which keeps
+# the probabilities. The GPU kernels keep out and lse for either.
+MLA = ["model.attention=mla", "model.kv_lora_rank=64", "model.qk_nope_head_dim=32", "model.qk_rope_head_dim=16",
+       "model.v_head_dim=48"]
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 48])
+def test_mla_activation_model_equals_autograd_saved_tensors(q_lora_rank):
+    """Multi-head latent attention: the latents, their norms and the core's q, k, v of two head sizes,
+    and what `mla_up` keeps instead (the latents and the output), exact as for grouped-query attention."""
+    config = validate(_config("tiny_dense", "bf16", ["train.seq_len=256", *MLA, f"model.q_lora_rank={q_lora_rank}"]), 1)
+    kept = {}
+    for recompute in [(), ("norms",), ("attention_core",), ("mla_up",), ("attention",)]:
+        kept[recompute] = _saved_bytes(config, recompute)["layer1"]
+        assert kept[recompute] == block_activations(config, 1, set(recompute), set()).device, recompute
+    assert kept[("mla_up",)] < kept[("attention_core",)] < kept[()]
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 48])
+def test_mla_state_bytes_and_parameter_count_exact(q_lora_rank):
+    """The planner's parameters of an MLA MoE model (the latent projections, norms and two head
+    sizes) equal the built model's, and so do its state bytes; the tp=2 shapes are the
+    in-process TP test's (tests/test_mla_parallel.py), which reassembles every shard."""
+    from core.planner.state import local_params
+    from core.train.model import count_params
+
+    keys = ["parallel.ep=1", "model.attention_bias=true", *MLA, f"model.q_lora_rank={q_lora_rank}"]
+    config = validate(_config("tiny_moe", "fp32", keys), 1)
+    model = build_model(config.model, seed=0)
+    specs = {s.name: s.shape for s in local_params(config)}
+    assert specs == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert sum(torch.Size(shape).numel() for shape in specs.values()) == count_params(model)[0]
+    assert _measured(config) == _predicted(config, 0)

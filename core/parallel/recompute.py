@@ -5,10 +5,11 @@ pipeline chunk) in place. The module kinds (`core.rules.RECOMPUTE_MODULES`):
 
 | kind             | which modules                                      | what stays saved                  |
 |------------------|----------------------------------------------------|-----------------------------------|
-| `norms`          | attention_norm, ffn_norm, q/k norms                | the norm's input only             |
+| `norms`          | attention_norm, ffn_norm, q/k (MLA: latent) norms  | the norm's input only             |
 | `swiglu`         | silu(a) * b of the dense MLP, shared and routed experts | a and b only                 |
 | `moe_experts`    | the routed experts (three grouped GEMMs)           | the dispatched rows               |
 | `attention_core` | softmax(q k^T) v (what `recompute = "selective"` is) | q, k, v                         |
+| `mla_up`         | MLA: the up-projections (q_norm+wq_b or wq, kv_norm+wkv_b), rotary and core | the latents |
 | `attention`      | the attention sub-layer (projections, rotary, core) | its input                        |
 | `mlp`            | the feed-forward sub-layer (dense or MoE), its norm | the norm's input                 |
 | `block`          | the whole block (what `recompute = "full"` is)     | its input                         |
@@ -42,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core.rules import RECOMPUTE_MODULES
 from core.layers import FeedForward, RMSNorm, SwiGLU
+from core.mla import MLAttention
 
 MODES = ("none", "selective", "full")
 MIN_OFFLOAD_BYTES = 1 << 16  # below this a copy costs more in launch time than it saves
@@ -296,21 +298,30 @@ def _targets(block: nn.Module, kind: str) -> list[tuple[nn.Module, nn.Module | N
         return [(ffn, None)]
     if kind == "attention_core":
         return [(attn.core_attention, None)]
+    if kind == "mla_up":
+        if not isinstance(attn, MLAttention):
+            raise ValueError("recompute 'mla_up' needs multi-head latent attention (model.attention = 'mla')")
+        return [(attn, None)]
     if kind == "moe_experts":
         return [(m, None) for m in _experts(ffn)]
     if kind == "norms":
         out = [(block.attention_norm, attn), (block.ffn_norm, ffn)]
-        return out + [(n, None) for n in (attn.q_norm, attn.k_norm) if isinstance(n, RMSNorm)]
+        inner = (attn.q_norm, attn.kv_norm) if isinstance(attn, MLAttention) else (attn.q_norm, attn.k_norm)
+        return out + [(n, None) for n in inner if isinstance(n, RMSNorm)]
     if kind == "swiglu":
         return [(parent.act, parent) for parent in block.modules() if isinstance(getattr(parent, "act", None), SwiGLU)]
     raise ValueError(f"unknown module kind {kind!r}; choose from {', '.join(RECOMPUTE_MODULES)}")
 
 
 def _outermost(chosen: list[tuple[nn.Module, nn.Module | None, str]]) -> list[tuple[nn.Module, nn.Module | None, str]]:
-    """Drop the modules that sit inside another chosen one (its recompute covers them)."""
+    """Drop the modules that sit inside another chosen one (its recompute covers them). `mla_up`
+    covers its attention's latent norms and core, not the down-projections."""
     inside: set[int] = set()
-    for module, _, _ in chosen:
-        inside.update(id(m) for m in module.modules() if m is not module)
+    for module, _, kind in chosen:
+        if kind == "mla_up":
+            inside.update(id(m) for m in (module.q_norm, module.kv_norm, module.core_attention) if m is not None)
+        else:
+            inside.update(id(m) for m in module.modules() if m is not module)
     return [c for c in chosen if id(c[0]) not in inside]
 
 
@@ -332,6 +343,8 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=()
     for kind in list(kinds) + list(offload):
         if kind not in RECOMPUTE_MODULES:
             raise ValueError(f"unknown module kind {kind!r}; choose from {', '.join(RECOMPUTE_MODULES)}")
+    if "mla_up" in offload:
+        raise ValueError("offload 'mla_up' is not a module of its own; offload 'attention' or 'attention_core'")
     if offload and offloader is None:
         offloader = ActivationOffload()
     for position, block in enumerate(model.layers.values()):
@@ -342,6 +355,8 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=()
         for module, _, kind in chosen:
             if kind == "mlp":
                 _recompute_feed_forward_branch(block)
+            elif kind == "mla_up":
+                module.recompute_up = True
             else:
                 _recompute_forward(module)
         for module, consumer, _ in chosen:

@@ -25,6 +25,12 @@ gradients exact):
 - otherwise an exact dense kernel in fp32 (fp64 for fp64 inputs): masks from segment ids,
   O(Tq*Tk) memory -- meant for CPU tests.
 `TESSERA_RING_KERNEL=flash` keeps the flash kernel for equal documents too (benchmarks).
+
+Value heads may be narrower than the query/key heads (multi-head latent attention): K and V
+travel as one flat buffer (their bytes back to back, each a contiguous view on arrival), the
+dense and cuDNN blocks take the two sizes as they are, and FlashAttention's blocks pad v (and,
+in the backward, the output and its gradient) with zero features to the q/k size and slice
+the results back, which is exact (core.attention.padded_values).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from core.attention import report_backend
 
@@ -110,7 +117,7 @@ def _dense_bwd(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
     dq = torch.einsum("hqk,khd->qhd", ds, kf) * scale
     tk, hkv, d = k.shape
     dk = (torch.einsum("hqk,qhd->khd", ds, qf) * scale).view(tk, hkv, group, d).sum(2)
-    dv = torch.einsum("hqk,qhd->khd", p, do).view(tk, hkv, group, d).sum(2)
+    dv = torch.einsum("hqk,qhd->khd", p, do).view(tk, hkv, group, v.shape[2]).sum(2)
     return dq, dk, dv
 
 
@@ -137,7 +144,17 @@ def _flash_available(q: torch.Tensor) -> bool:
     return _VARLEN["bwd"] and ("fn" in _VARLEN or _VARLEN["aten_fwd"])
 
 
+def _pad_to(t: torch.Tensor, d: int) -> torch.Tensor:
+    return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
+
+
 def _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    dv = v.shape[-1]  # FlashAttention takes one head size: narrower value heads are zero-padded
+    out, lse = _flash_fwd_equal(q, k, _pad_to(v, q.shape[-1]), cu_q, cu_k, max_q, max_k, causal, scale)
+    return out[..., :dv], lse
+
+
+def _flash_fwd_equal(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     window = (-1, 0) if causal else (-1, -1)
     gqa = q.shape[1] != k.shape[1]
     # The public wrapper first; the op under it where the wrapper cannot say GQA (torch 2.11).
@@ -160,6 +177,14 @@ def _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 
 
 def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv != d:  # zero features in v, in the output and in its gradient: the real ones' gradients are unchanged
+        dout, v, out = _pad_to(dout, d).contiguous(), _pad_to(v, d), _pad_to(out, d)
+    dq, dk, dv_full = _flash_bwd_equal(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+    return dq, dk, dv_full[..., :dv]
+
+
+def _flash_bwd_equal(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
     unused = torch.empty(0, device=q.device)
     window = (-1, 0) if causal else (-1, -1)
@@ -292,6 +317,18 @@ class _Ring:
 _KV_TAG, _DKV_TAG = 11, 12
 
 
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V as one flat message (they may differ in head size); for equal sizes the same
+    bytes as torch.stack((k, v))."""
+    return torch.cat((k.reshape(-1), v.reshape(-1)))
+
+
+def _unpack(flat: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous views of a `_pack`ed message."""
+    n = math.prod(k_shape)
+    return flat[:n].view(k_shape), flat[n:].view(v_shape)
+
+
 class RingAttentionFn(torch.autograd.Function):
     """out = document-causal attention of the whole (sharded) sequence, for this rank's queries."""
 
@@ -301,21 +338,22 @@ class RingAttentionFn(torch.autograd.Function):
         ring = _Ring(group, L.cp_rank)
         r, cp = L.cp_rank, ring.size
         n = L.equal_docs
-        kv = torch.stack((k, v))
+        kv = _pack(k, v)
         out_acc = lse_acc = None
         for s in range(cp):
             pending = ring.start(kv, _KV_TAG) if s + 1 < cp else None  # overlaps the block below
             j = (r - s) % cp
+            kb, vb = _unpack(kv, k.shape, v.shape)
             if s == 0:
                 o, lse = block_forward(q, k, v, L.cu_seqlens, L.cu_seqlens, L.max_seqlen, L.max_seqlen, True, scale, n)
                 out_acc, lse_acc = o.to(lse.dtype), lse
             elif j < r:
-                k1, v1 = kv[0].index_select(0, L.first_idx), kv[1].index_select(0, L.first_idx)
+                k1, v1 = kb.index_select(0, L.first_idx), vb.index_select(0, L.first_idx)
                 o, lse = block_forward(q, k1, v1, L.cu_seqlens, L.cu_half, L.max_seqlen, L.max_half, False, scale, n)
                 out_acc, lse_acc = _merge(out_acc, lse_acc, o, lse)
             else:
                 idx = L.second_idx
-                o, lse = block_forward(q.index_select(0, idx), kv[0], kv[1], L.cu_half, L.cu_seqlens, L.max_half,
+                o, lse = block_forward(q.index_select(0, idx), kb, vb, L.cu_half, L.cu_seqlens, L.max_half,
                                      L.max_seqlen, False, scale, n)
                 o2, l2 = _merge(out_acc.index_select(0, idx), lse_acc.index_select(1, idx), o, lse)
                 out_acc.index_copy_(0, idx, o2)
@@ -337,48 +375,53 @@ class RingAttentionFn(torch.autograd.Function):
         dout = dout.contiguous()
         acc = lse.dtype  # fp32 (fp64 for fp64 inputs): gradients summed over cp blocks
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack((k, v))
+        kv = _pack(k, v)
         pending_dkv = None
         for s in range(cp):
             pending_kv = ring.start(kv, _KV_TAG) if s + 1 < cp else None
             j = (r - s) % cp
+            kb, vb = _unpack(kv, k.shape, v.shape)
             if s == 0:
                 dq_b, dk, dv = block_backward(dout, q, k, v, out, lse, L.cu_seqlens, L.cu_seqlens,
                                               L.max_seqlen, L.max_seqlen, True, scale, n)
                 dq += dq_b
-                part = torch.stack((dk, dv)).to(acc)
+                part = _pack(dk.to(acc), dv.to(acc))
             elif j < r:
                 idx = L.first_idx
-                k1, v1 = kv[0].index_select(0, idx), kv[1].index_select(0, idx)
+                k1, v1 = kb.index_select(0, idx), vb.index_select(0, idx)
                 dq_b, dk, dv = block_backward(dout, q, k1, v1, out, lse, L.cu_seqlens, L.cu_half,
                                               L.max_seqlen, L.max_half, False, scale, n)
                 dq += dq_b
                 part = torch.zeros(kv.shape, dtype=acc, device=q.device)
-                part.index_add_(1, idx, torch.stack((dk, dv)).to(acc))
+                pk, pv = _unpack(part, k.shape, v.shape)
+                pk.index_add_(0, idx, dk.to(acc))
+                pv.index_add_(0, idx, dv.to(acc))
             else:
                 idx = L.second_idx
-                dq_b, dk, dv = block_backward(dout.index_select(0, idx), q.index_select(0, idx), kv[0], kv[1],
+                dq_b, dk, dv = block_backward(dout.index_select(0, idx), q.index_select(0, idx), kb, vb,
                                               out.index_select(0, idx), lse.index_select(1, idx).contiguous(),
                                               L.cu_half, L.cu_seqlens, L.max_half, L.max_seqlen, False, scale, n)
                 dq.index_add_(0, idx, dq_b.to(acc))
-                part = torch.stack((dk, dv)).to(acc)
+                part = _pack(dk.to(acc), dv.to(acc))
             # This block's dK/dV accumulator arrives from the previous rank (which added its
             # share one step earlier); add ours and pass it on. After cp hops it is home.
             dkv = part if pending_dkv is None else ring.finish(pending_dkv) + part
             pending_dkv = ring.start(dkv, _DKV_TAG)
             if pending_kv is not None:
                 kv = ring.finish(pending_kv)
-        dkv = ring.finish(pending_dkv)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dk, dv = _unpack(ring.finish(pending_dkv), k.shape, v.shape)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout,
                    group: dist.ProcessGroup, scale: float | None = None) -> torch.Tensor:
     """Document-causal attention over a zigzag-sharded packed batch (see the module docstring).
 
-    q [T, Hq, D], k/v [T, Hkv, D] (Hq a multiple of Hkv) are this rank's tokens in `layout`;
-    every rank of `group` calls it at the same time with its own shard. Returns [T, Hq, D]."""
-    if q.shape[0] != int(layout.cu_seqlens[-1]) or k.shape[0] != q.shape[0] or v.shape[:2] != k.shape[:2]:
+    q/k [T, Hq|Hkv, D], v [T, Hkv, Dv] (Hq a multiple of Hkv; Dv may differ from D) are this rank's
+    tokens in `layout`; every rank of `group` calls it at the same time with its own shard.
+    Returns [T, Hq, Dv]."""
+    if q.shape[0] != int(layout.cu_seqlens[-1]) or k.shape[0] != q.shape[0] or v.shape[:2] != k.shape[:2] \
+            or q.shape[2] != k.shape[2]:
         raise ValueError(
             f"ring attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match the "
             f"layout's {int(layout.cu_seqlens[-1])} local tokens; shard the batch with shard_for_cp"

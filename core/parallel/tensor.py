@@ -11,6 +11,16 @@ built the same full weights (`build_model(cfg, seed)`); each keeps its slice:
 | output                              | ColumnParallelLinear     | vocab rows (0): logits [T, V/tp]   |
 | norms                               | unchanged, replicated    | None                               |
 | attention.q_norm / k_norm (qk-norm) | unchanged, replicated    | None (gradient summed over tp)     |
+| MLA: wq / wq_b, wkv_b               | ColumnParallelLinear     | output features (0): whole heads   |
+| MLA: wq_a, wkv_a, q_norm, kv_norm   | unchanged, replicated    | None (gradient summed over tp)     |
+
+Multi-head latent attention (core/mla.py) splits its heads the same way: the up-projections
+(wq or wq_b, wkv_b) are column-parallel over whole heads and wo is row-parallel. The
+down-projections and the latent norms run on every rank on the gathered tokens (their output,
+the latent, is a few hundred features per token, cheaper to recompute than to communicate);
+each rank's up-projection reads only its heads' share of the latent, so their gradients are
+partial over tp like the qk-norm gains and are summed by `sync_sequence_parallel_grads`, and
+the sub-layer's input collective sums the input gradient that flows back through them.
 
 Biases. A column-parallel layer's bias stays whole and replicated (ZeRO-1 needs a dim that
 tensor parallelism leaves whole, and a bias has one): each rank adds its own slice of it, so
@@ -59,6 +69,7 @@ from torch import nn
 from core import placement
 from core.mesh import ParallelMesh
 from core.layers import Attention, FeedForward
+from core.mla import MLAttention
 from core.parallel.comm import (
     all_gather_tokens,
     copy_to_group,
@@ -197,6 +208,22 @@ def _check_heads(attn: Attention, tp: int, prefix: str) -> None:
             )
 
 
+def _split_mla(attn: MLAttention, group, rank: int, size: int, sp: bool, prefix: str) -> None:
+    heads = attn.wkv_b.out_features // (attn.nope_dim + attn.v_dim)
+    if heads % size:
+        raise ValueError(f"{prefix}: {heads} heads cannot be split over tp={size}; tp must divide num_heads")
+    for proj in ("wq", "wq_b", "wkv_b"):
+        linear = getattr(attn, proj)
+        if linear is not None:
+            setattr(attn, proj, ColumnParallelLinear.from_linear(linear, group, rank, size, "none", f"{prefix}.{proj}"))
+    attn.wo = RowParallelLinear.from_linear(attn.wo, group, rank, size, sp, f"{prefix}.wo")
+    # Replicated, but each rank's gradient covers only its own heads' use of the latents.
+    for module in (attn.wq_a, attn.q_norm, attn.wkv_a, attn.kv_norm):
+        if module is not None:
+            for param in module.parameters():
+                _replicated(param, partial_grad=True)
+
+
 def apply_tp(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool = True) -> nn.Module:
     """Shard `model` in place over the mesh's "tp" group (see the module docstring); returns it.
 
@@ -212,13 +239,16 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool = Tru
         for name, block in model.layers.items():
             prefix = f"layers.{name}"
             attn = block.attention
-            if isinstance(attn.wq, ColumnParallelLinear):
+            if isinstance(attn.wo, RowParallelLinear):
                 raise ValueError(f"{prefix}.attention is already tensor-parallel: apply_tp was applied twice")
-            _check_heads(attn, size, f"{prefix}.attention")
-            for proj in ("wq", "wk", "wv"):
-                linear = getattr(attn, proj)
-                setattr(attn, proj, ColumnParallelLinear.from_linear(linear, group, rank, size, "none", f"{prefix}.attention.{proj}"))
-            attn.wo = RowParallelLinear.from_linear(attn.wo, group, rank, size, sp, f"{prefix}.attention.wo")
+            if isinstance(attn, MLAttention):
+                _split_mla(attn, group, rank, size, sp, f"{prefix}.attention")
+            else:
+                _check_heads(attn, size, f"{prefix}.attention")
+                for proj in ("wq", "wk", "wv"):
+                    linear = getattr(attn, proj)
+                    setattr(attn, proj, ColumnParallelLinear.from_linear(linear, group, rank, size, "none", f"{prefix}.attention.{proj}"))
+                attn.wo = RowParallelLinear.from_linear(attn.wo, group, rank, size, sp, f"{prefix}.attention.wo")
             attn.register_forward_pre_hook(_input_hook(group, sp))
 
             ffn = block.feed_forward
@@ -255,7 +285,7 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool = Tru
                 _replicated(param, partial_grad=sp)
     # qk-norm gains are shared by the heads; each rank's gradient covers its own heads.
     for block in model.layers.values():
-        for norm in (block.attention.q_norm, block.attention.k_norm):
+        for norm in (block.attention.q_norm, getattr(block.attention, "k_norm", None)):
             if norm is not None:
                 _replicated(norm.weight, partial_grad=size > 1)
     # Everything else not sharded above is replicated over TP; foreign modules that tagged

@@ -128,6 +128,10 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
     out = T * s.q * b
     if "attention" in recompute:
         parts["attention"] = attn_in
+    elif m.attention == "mla":
+        dropped_in = "norms" in recompute and not sp
+        qkv, parts["attention"] = _mla_saved(config, T, b, recompute, compiled)
+        parts["attention"] += 0 if dropped_in else attn_in
     else:
         dropped_in = "norms" in recompute and not sp
         parts["attention"] = (0 if dropped_in else attn_in) + qk + qkv + out + (0 if "attention_core" in recompute else lse)
@@ -187,9 +191,37 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
     return LayerActivations(parts, offloaded)
 
 
+def _mla_saved(config: Config, T: int, b: int, recompute: set[str], compiled: bool) -> tuple[int, int]:
+    """Multi-head latent attention without its input: (the core's q, k and v; everything the
+    sub-layer keeps). The latent norms keep their internals and
+    the up-projections their normalised inputs; the core keeps q, k, v (query/key heads of nope +
+    rope features, value heads of v_head_dim, a view of wkv_b's whole output), its output (wo's
+    input) and the log-sum-exp.
+    Under `mla_up` one checkpoint from the latents to the core's output keeps only the latents
+    (the query latent, or the shared input when there is none, and the key/value latent with the
+    rotary key) and the output."""
+    m, p = config.model, config.parallel
+    heads = m.num_heads // p.tp
+    out = T * heads * m.v_head_dim * b
+    if "mla_up" in recompute:
+        return 0, T * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) * b + out
+    latents = 0
+    # The norm's internals (recomputed: its input, a view of the down-projection's whole output,
+    # rotary key included), and its output, the up-projection's input.
+    for width, whole in ((m.q_lora_rank, m.q_lora_rank), (m.kv_lora_rank, m.kv_lora_rank + m.qk_rope_head_dim)):
+        if width:
+            kept = (T * width * b + 4 * T if compiled else T * whole * b if "norms" in recompute
+                    else norm_saved(T, width, b))
+            latents += kept + T * width * b
+    # v is a view of wkv_b's output [T, heads, nope + v], whose whole storage it keeps alive.
+    qkv = T * heads * (2 * m.attention_head_dim + m.qk_nope_head_dim + m.v_head_dim) * b
+    lse = 0 if "attention_core" in recompute else 4 * T * heads
+    return qkv, latents + qkv + lse + out
+
+
 def rope_tables(config: Config) -> int:
-    """cos and sin, fp32 [T, head_dim/2] each: built once per model chunk and saved by every rotary."""
-    return 4 * shapes(config).tokens * config.model.attention_head_dim
+    """cos and sin, fp32 [T, rotary features/2] each: built once per model chunk and saved by every rotary."""
+    return 4 * shapes(config).tokens * config.model.rope_head_dim
 
 
 def compiled_loss(config: Config) -> bool:

@@ -46,7 +46,8 @@ def offload_for(recompute: tuple[str, ...]) -> tuple[str, ...]:
 
 
 #: What recomputing a module redoes besides itself (the block norms sit outside `attention`).
-_REDOES = {"block": set(RECOMPUTE_MODULES), "attention": {"attention_core"}, "mlp": {"swiglu", "moe_experts"}}
+_REDOES = {"block": set(RECOMPUTE_MODULES), "attention": {"attention_core", "mla_up"}, "mla_up": {"attention_core"},
+           "mlp": {"swiglu", "moe_experts"}}
 
 
 def _covered(recompute: tuple[str, ...]) -> set[str]:

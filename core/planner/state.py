@@ -86,6 +86,22 @@ def _linear(name: str, out_f: int, in_f: int, tp: int, split: str | None, bias: 
     return specs
 
 
+def _mla_params(a: str, m, tp: int) -> list[ParamSpec]:
+    """Multi-head latent attention after apply_tp: the up-projections and wo split by heads, the
+    down-projections and latent norms replicated (core/parallel/tensor.py)."""
+    heads, hd, bias = m.num_heads, m.attention_head_dim, m.attention_bias
+    if m.q_lora_rank:
+        specs = _linear(a + "wq_a", m.q_lora_rank, m.dim, 1, None, bias)
+        specs += [ParamSpec(a + "q_norm.weight", (m.q_lora_rank,), None)]
+        specs += _linear(a + "wq_b", heads * hd, m.q_lora_rank, tp, "column", False)
+    else:
+        specs = _linear(a + "wq", heads * hd, m.dim, tp, "column", False)
+    specs += _linear(a + "wkv_a", m.kv_lora_rank + m.qk_rope_head_dim, m.dim, 1, None, bias)
+    specs += [ParamSpec(a + "kv_norm.weight", (m.kv_lora_rank,), None)]
+    specs += _linear(a + "wkv_b", heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, tp, "column", False)
+    return specs + _linear(a + "wo", m.dim, heads * m.v_head_dim, tp, "row", bias)
+
+
 def layout_key(config: Config) -> tuple:
     """What the parameter layout depends on (the planner asks for the same layouts many times)."""
     p = config.parallel
@@ -123,10 +139,13 @@ def _local_params(config: Config, pp_rank: int) -> list[ParamSpec]:
         pre = f"layers.{i}."
         specs.append(ParamSpec(pre + "attention_norm.weight", (d,), None))
         a = pre + "attention."
-        specs += _linear(a + "wq", m.num_heads * hd, d, tp, "column", m.attention_bias)
-        specs += _linear(a + "wk", m.num_kv_heads * hd, d, tp, "column", m.attention_bias)
-        specs += _linear(a + "wv", m.num_kv_heads * hd, d, tp, "column", m.attention_bias)
-        specs += _linear(a + "wo", d, m.num_heads * hd, tp, "row", m.attention_bias)
+        if m.attention == "mla":
+            specs += _mla_params(a, m, tp)
+        else:
+            specs += _linear(a + "wq", m.num_heads * hd, d, tp, "column", m.attention_bias)
+            specs += _linear(a + "wk", m.num_kv_heads * hd, d, tp, "column", m.attention_bias)
+            specs += _linear(a + "wv", m.num_kv_heads * hd, d, tp, "column", m.attention_bias)
+            specs += _linear(a + "wo", d, m.num_heads * hd, tp, "row", m.attention_bias)
         if m.qk_norm:
             specs += [ParamSpec(a + "q_norm.weight", (hd,), None), ParamSpec(a + "k_norm.weight", (hd,), None)]
         specs.append(ParamSpec(pre + "ffn_norm.weight", (d,), None))

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.config import Config
-from core.rules import grad_accum_steps, moe_layer_rule, recompute_set
+from core.rules import attention_width, grad_accum_steps, moe_layer_rule, recompute_set
 from core.planner.calibration import Calibration
 from core.planner.memory import block_activations, shapes
 from core.planner.state import PARAM_BYTES, cached, layout_key, local_params, recomputed_layers, stage_layers
@@ -116,6 +116,7 @@ class _Model:
         self.recompute = recompute_set(self.t)
         self.offload = set(self.t.offload_modules)
         self.sp = self.p.sequence_parallel and self.p.tp > 1
+        self.mla_up_s = 0.0  # set by _mla_projections
 
     # -- building blocks ---------------------------------------------------------------------
 
@@ -165,9 +166,14 @@ class _Model:
         """(forward seconds of the sub-layer, of its core)."""
         s, m, t = self.s, self.m, self.t
         T, d, hd = s.tokens, m.dim, m.attention_head_dim
-        f = self.linear(T, s.q + 2 * s.kv, d, fwd, bwd)
-        f += self.linear(T, d, s.q, fwd, bwd)
-        rot = self.mem(T * (s.q + s.kv) * ROTARY_BYTES, 12)
+        kv_width = 2 * s.kv  # this rank's k and v features per token (what the ring sends)
+        if m.attention == "mla":
+            f, rot, kv_width = self._mla_projections(fwd, bwd)
+            hd = (m.attention_head_dim + m.value_head_dim) / 2  # the core's FLOPs: scores over hd, values over v
+        else:
+            f = self.linear(T, s.q + 2 * s.kv, d, fwd, bwd)
+            f += self.linear(T, d, s.q, fwd, bwd)
+            rot = self.mem(T * (s.q + s.kv) * ROTARY_BYTES, 12)
         if m.qk_norm:
             rot += self.mem(T * (s.q + s.kv) * NORM_BYTES, 7)
         fwd.add("memory", rot)
@@ -180,7 +186,7 @@ class _Model:
             core_f, core_b = core_f / self.cal.ring_efficiency, core_b / self.cal.ring_efficiency
             # Each of the cp - 1 ring steps sends this rank's k and v (backward: and their grads)
             # while a block computes; what the blocks do not hide is exposed.
-            kv = 2 * T * s.kv * self.b
+            kv = T * kv_width * self.b
             step = self.cal.p2p_s(kv, group_spans_nodes(self.c, "cp", self.g))
             fwd.add("cp_comm", max(0.0, (cp - 1) * step - core_f))
             bwd.add("cp_comm", max(0.0, 2 * (cp - 1) * step - core_b))
@@ -188,6 +194,30 @@ class _Model:
         bwd.add("attention", core_b)
         f += core_f + self.tp_in_out(fwd, bwd)
         return f, core_f
+
+    def _mla_projections(self, fwd: Pass, bwd: Pass) -> tuple[float, float, int]:
+        """Multi-head latent attention's GEMMs (the down-projections whole on every tp rank, the
+        up-projections and wo on this rank's heads) and its elementwise work (latent norms,
+        rotary on the rope features, the concatenations); (GEMM seconds, memory seconds, the
+        k + v features per token of this rank)."""
+        m, T, d = self.m, self.s.tokens, self.m.dim
+        heads = m.num_heads // self.p.tp
+        hd, nope, rope, dv = m.attention_head_dim, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        if m.q_lora_rank:
+            f = self.linear(T, m.q_lora_rank, d, fwd, bwd) + self.linear(T, heads * hd, m.q_lora_rank, fwd, bwd)
+        else:
+            f = self.linear(T, heads * hd, d, fwd, bwd)
+        f += self.linear(T, m.kv_lora_rank + rope, d, fwd, bwd)
+        f += self.linear(T, heads * (nope + dv), m.kv_lora_rank, fwd, bwd)
+        f += self.linear(T, d, heads * dv, fwd, bwd)
+        rot = self.mem(T * (heads + 1) * rope * ROTARY_BYTES, 12)
+        rot += self.mem(T * (m.q_lora_rank + m.kv_lora_rank) * NORM_BYTES, 7)
+        rot += self.mem(T * heads * 2 * hd * 2 * self.b, 2)  # [nope | rope] joined for q and k
+        # What recompute `mla_up` runs again besides the core: the up-projections and the rest.
+        dtype = self.gemm_dtype
+        self.mla_up_s = rot + self.cal.gemm_s(T, heads * (nope + dv), m.kv_lora_rank, dtype) + \
+            self.cal.gemm_s(T, heads * hd, m.q_lora_rank or d, dtype)
+        return f, rot, heads * (hd + dv)
 
     def dense_ffn(self, fwd: Pass, bwd: Pass) -> tuple[float, float]:
         """(forward seconds of the FFN, of its SwiGLU product)."""
@@ -270,7 +300,8 @@ class _Model:
         if "block" in r:
             again = n1 + attn_f + n2 + ffn_f + res
         else:
-            again = (attn_f if "attention" in r else core_f if "attention_core" in r else 0.0)
+            again = (attn_f if "attention" in r else self.mla_up_s + core_f if "mla_up" in r
+                     else core_f if "attention_core" in r else 0.0)
             # A norm or SwiGLU product runs twice more: its checkpoint's recompute for its own
             # backward, and the recipe that stands for its dropped output in its consumers'.
             again += 2 * (n1 + n2) if "norms" in r else 0.0
@@ -452,7 +483,7 @@ def _mfu(config: Config, tokens_per_s: float) -> float:
         per_expert = 3 * m.dim * hidden
         layers = sum(1 for i in range(m.num_layers) if moe_layer_rule(moe, i))
         active -= layers * per_expert * (moe.num_experts - moe.top_k)
-    flops = 6.0 * (active - embedding) + 6.0 * m.num_layers * m.num_heads * m.attention_head_dim * t.seq_len
+    flops = 6.0 * (active - embedding) + 6.0 * m.num_layers * attention_width(m) * t.seq_len
     world = p.pp * p.dp * p.cp * p.tp
     return flops * tokens_per_s / (989e12 * world)
 

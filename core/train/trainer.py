@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from core.state.checkpoint import AsyncCheckpointer, latest_checkpoint, load_checkpoint, save_checkpoint
 from core.config import Config
-from core.rules import grad_accum_steps
+from core.rules import attention_width, grad_accum_steps
 from core.validation import cp_a2a_size, validate
 from core.train.data import StepInputs, open_stream, resolve_address, to_inputs
 from core.lifecycle import stop_deferred
@@ -118,7 +118,7 @@ class Trainer:
         # has finished when `step` returns, so there is nothing to overlap and each is read at once.
         self.lagged_records = self.device.type == "cuda"
         self.flops_per_token = flops_per_token(active_params, embedding_params, config.model.num_layers,
-                                               config.model.num_heads * config.model.attention_head_dim, t.seq_len)
+                                               attention_width(config.model), t.seq_len)
         self.peak_flops = PEAK_FLOPS.get(self.precision) if self.device.type == "cuda" else None
         uses_autocast = self.precision == "bf16" and self.grads.uses_autocast
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if uses_autocast else contextlib.nullcontext()
