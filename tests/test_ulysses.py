@@ -48,8 +48,8 @@ def _reference(hq: int, hkv: int, dv: int):
 
 
 def _value_dim(cp: int, a2a: int) -> int:
-    """A value head of its own size (MLA's case) where no ring runs."""
-    return 10 if cp == a2a else 8
+    """A value head of its own size (MLA's case) with and without a ring, and the equal size."""
+    return 8 if (cp, a2a) == (4, 4) else 10
 
 
 def _groups(world: int, cp: int, a2a: int):
