@@ -492,7 +492,7 @@ class CheckpointWeights(TesseraWeights):
             safe_load(state, self.path, no_dist=True)
 
     def names(self):
-        return {**self._buffers, **self._names}
+        return {**self._names, **{k: v for k, v in self._buffers.items() if k not in self._names}}
 
     def read(self, name: str) -> torch.Tensor:
         if name in self._slices:
@@ -644,7 +644,7 @@ def _out_dtype(dtype: str, info: dict, available: dict) -> torch.dtype:
         return DTYPES[dtype]
     if info.get("dtype") in DTYPES:
         return DTYPES[info["dtype"]]
-    return next(iter(available.values()))[1]
+    return next(d for _, d in available.values() if d in DTYPE_NAMES)  # the parameters' (buffers may be int64)
 
 
 def _plan_export(links: list[Link], source: TesseraWeights, available: dict, dtype: torch.dtype,

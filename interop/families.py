@@ -289,6 +289,10 @@ def export_family(m: ModelConfig) -> str:
     moe = m.moe
     qk = getattr(m, "qk_norm", False)
     deepseek_routing = moe.num_experts and (moe.router == "sigmoid" or moe.num_shared_experts > 0)
+    if getattr(m, "attention", "gqa") != "mla" and moe.num_experts and moe.router == "softmax" and moe.num_shared_experts:
+        raise Unsupported("no Hugging Face family here represents softmax routing with shared experts (GLM-4-MoE and "
+                          "DeepSeek-V3 score experts by a sigmoid; Qwen2-MoE gates its shared expert by a learned "
+                          "sigmoid, which Tessera lacks): train with model.moe.router='sigmoid' to export")
     if getattr(m, "attention", "gqa") == "mla" or deepseek_routing:
         family = "deepseek_v3" if getattr(m, "attention", "gqa") == "mla" else "glm4_moe"
         _check_deepseek_export(m, family)
@@ -529,7 +533,7 @@ def _block_link(family: str, name: str, rest: str, prefix: str, shape: tuple[int
 def _interleaved(family: str, rest: str, model: ModelConfig | None, hf: dict | None) -> tuple[int, int] | None:
     """DeepSeek's rope_interleave (true unless the config says otherwise): the rotary rows of the
     queries (per head) and of the shared rotary key (after the kv latent) are in pairs."""
-    if family != "deepseek_v3" or model is None or not (hf or {}).get("rope_interleave", True):
+    if family != "deepseek_v3" or model is None or hf is None or not hf.get("rope_interleave", True):
         return None
     rope = model.qk_rope_head_dim
     if rest in ("attention.wq.weight", "attention.wq_b.weight"):
