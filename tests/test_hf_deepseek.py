@@ -399,7 +399,10 @@ def test_a_run_without_import_exports_as_deepseek_or_glm4_moe(tmp_path, name):
 
 
 def test_which_hugging_face_family_each_moe_config_exports_as():
-    assert export_family(load_config(ROOT / "launch/configs/deepseek_like.toml").model) == "glm4_moe"
+    deepseek_like = load_config(ROOT / "launch/configs/deepseek_like.toml").model  # GQA or MLA: both export
+    assert export_family(deepseek_like) == ("deepseek_v3" if deepseek_like.attention == "mla" else "glm4_moe")
+    gqa = load_config(None, SMALL + FRESH["gqa-as-glm4_moe"][1]).model
+    assert export_family(gqa) == "glm4_moe"
     with pytest.raises(Unsupported, match="softmax routing with shared experts"):
         export_family(load_config(ROOT / "launch/configs/tiny_moe.toml").model)
     mla = load_config(None, SMALL + FRESH["mla-as-deepseek_v3"][1] + ["model.moe.router=\"softmax\""]).model

@@ -251,7 +251,7 @@ def test_first_step_loss_equals_transformers(tmp_path, dataset, batches, importe
 # DeepSeek-V3 in every layout: multi-head latent attention splits its heads over tp, its
 # rotary key over cp's ring, and the correction bias travels with each pipeline stage.
 LAYOUTS = [(name, "tp2", ["parallel.tp=2"]) for name in ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")] + \
-          [(name, "ep2", ["parallel.ep=2"]) for name in sorted(MOE)] + \
+          [(name, "ep2", ["parallel.ep=2"]) for name in sorted(MOE - {"deepseek_v3_plain"})] + \
           [("qwen3", "pp2", ["parallel.pp=2"]), ("deepseek_v3", "pp2", ["parallel.pp=2"]),
            ("deepseek_v3", "cp2", ["parallel.cp=2"])]
 
