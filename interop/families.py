@@ -1,7 +1,9 @@
 """The Hugging Face model families Tessera reads and writes, and how their configs and tensors map.
 
 Families: Llama (3.x; `LlamaForCausalLM`), Qwen3 (`Qwen3ForCausalLM`), Qwen3-MoE
-(`Qwen3MoeForCausalLM`) and Mixtral (`MixtralForCausalLM`). All four are the same decoder as
+(`Qwen3MoeForCausalLM`), Mixtral (`MixtralForCausalLM`), DeepSeek-V3 (`DeepseekV3ForCausalLM`:
+V3/V3.1, Kimi K2, Moonlight; multi-head latent attention, see below) and GLM-4-MoE
+(`Glm4MoeForCausalLM`: grouped-query attention with DeepSeek-V3's MoE). The first four are the same decoder as
 `core.train.model.GPT`: RMSNorm before attention and feed-forward, grouped-query attention with
 rotary positions on the two halves of each head (Hugging Face's `rotate_half`, the layout its
 checkpoints use, so q/k weights need no permutation), SwiGLU feed-forward layers, and routed
@@ -11,6 +13,15 @@ Config: `model_config(hf)` turns config.json into a `core.config.ModelConfig` or
 `Unsupported` (one sentence) for what Tessera's model cannot compute (sliding windows, rope
 types other than linear/llama3/yarn, MLP biases, activations other than SiLU, ...);
 `hf_config(model)` writes a config.json for a Tessera model that was not imported.
+
+DeepSeek-V3 and GLM-4-MoE route by DeepSeek's `noaux_tc`: sigmoid scores, a group's score the
+sum of its best 2 (Tessera: best top_k // topk_groups, so imports where that is not 2 are
+refused), the correction bias (`e_score_correction_bias` = the router's `expert_bias` buffer)
+in the selection only, one shared SwiGLU of n_shared_experts * moe_intermediate_size, and dense
+layers before first_k_dense_replace. DeepSeek's checkpoints interleave the rotary rows of the
+queries and of the shared rotary key (`rope_interleave`, default true); Tessera rotates the two
+halves, so those rows are permuted on the way in and back on the way out (`Link.interleaved`).
+Its MTP layers, `model.layers.{num_hidden_layers + k}`, map to `mtp.{k}` where the model has them.
 
 Tensors: `tensor_map(family, names)` pairs every Tessera parameter name with the Hugging Face
 key(s) it comes from. A `Link` is either a copy (same layout: `nn.Linear` weights are

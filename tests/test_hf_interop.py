@@ -9,13 +9,15 @@ cross-entropy alone, computed before the step's update).
 
 Models: tiny random ones built by transformers (Llama 3 with and without llama3 (+ q, k, v, o
 biases) and yarn rope scaling, Qwen3 with a head_dim apart from hidden/heads and tied embeddings, Qwen3-MoE with a
-dense first layer, Mixtral), weights drawn at std 0.25 and norm gains around 1, so the loss
+dense first layer, Mixtral, DeepSeek-V3 with and without query compression: interleaved and
+halves rotary rows, yarn with mscale, group-limited sigmoid routing with a non-zero correction
+bias, a shared expert, a dense first layer), weights drawn at std 0.25 and norm gains around 1, so the loss
 is far from uniform and depends on every weight, the rotary, the norms and the routing.
 
 Tolerance: 1e-5 relative (fp32; only reduction orders differ: attention kernels, the
 vocabulary split of tp=2, the expert exchange of ep=2).
 
-- step 1 (the imported weights) at 1 process, tp=2 and (MoE) ep=2 equals transformers' loss
+- step 1 (the imported weights) at 1 process, tp=2 and (MoE) ep=2 (DeepSeek-V3 also pp=2, cp=2) equals transformers' loss
   of the imported model on the first global batch;
 - after 2 steps at tp=2 (ep=2 for Mixtral), `to-hf` of the step-2 checkpoint, loaded by
   `AutoModelForCausalLM.from_pretrained` with no missing or unexpected keys, gives step 3's loss
