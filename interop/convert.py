@@ -45,10 +45,10 @@ from core.config import Config, ConfigError, ModelConfig, load_config
 from core.validation import validate
 from core.state.layouts import FUSED_DIM, fused_shape, older_slices
 from core.train.model import build_model
-from core.state.pretrained import INDEX_NAME, expected_shapes, weight_map
+from core.state.pretrained import INDEX_NAME, buffer_shapes, expected_shapes, weight_map
 from core.train.rundir import CONFIG_NAME, config_dict
-from interop.families import IGNORED_KEYS, TOKENIZER_FILES, Link, Unsupported, export_family, hf_config, \
-    model_config, tensor_map, with_context_of
+from interop.families import DEEPSEEK_MOE, EXPERT_BIAS, IGNORED_KEYS, TOKENIZER_FILES, Link, Unsupported, \
+    export_family, hf_config, model_config, mtp_copies, mtp_layers_in, tensor_map, with_context_of
 
 IMPORT_NAME = "tessera-import.json"
 HF_CONFIG_NAME = "hf_config.json"
@@ -72,6 +72,9 @@ class TensorFiles:
 
     def __init__(self, files: dict[str, Path]):
         self.files = files
+        # Block-quantised FP8 weights (DeepSeek-V3's releases): (block rows, block cols, the dtype
+        # they are dequantised to), set by `dequantize_fp8`; None: FP8 tensors are refused.
+        self.fp8: tuple[int, int, torch.dtype] | None = None
         self.headers: dict[str, tuple[tuple[int, ...], str]] = {}
         for f in sorted(set(files.values())):
             with _open_safetensors(f) as handle:
@@ -106,11 +109,40 @@ class TensorFiles:
 
     def dtype(self, key: str) -> torch.dtype:
         name = self.headers[key][1]
+        if name == FP8_NAME and self.fp8 is not None:
+            return self.fp8[2]
         return self._DTYPES.get(name) or _bad_dtype(key, name)
 
     def read(self, key: str) -> torch.Tensor:
         with _open_safetensors(self.files[key]) as handle:
-            return handle.get_tensor(key)
+            tensor = handle.get_tensor(key)
+        if self.headers[key][1] == FP8_NAME and self.fp8 is not None:
+            return self._dequantize(key, tensor)
+        return tensor
+
+    def scale_key(self, key: str) -> str | None:
+        """The block scales of an FP8 weight `key` (`*.weight` -> `*.weight_scale_inv`), or None."""
+        if self.headers.get(key, ((), ""))[1] != FP8_NAME:
+            return None
+        return key + "_scale_inv"
+
+    def dequantize_fp8(self, block: tuple[int, int], dtype: torch.dtype) -> None:
+        """Read FP8 weights as weight * scale, one fp32 scale per block of block[0] x block[1]
+        (the last blocks of a row or column may be partial), rounded once to `dtype`."""
+        self.fp8 = (int(block[0]), int(block[1]), dtype)
+
+    def _dequantize(self, key: str, weight: torch.Tensor) -> torch.Tensor:
+        rows, cols, dtype = self.fp8
+        scale_key = self.scale_key(key)
+        if scale_key not in self.files:
+            raise ConversionError(f"the FP8 tensor '{key}' has no '{scale_key}' (its block scales)")
+        scale = self.read(scale_key).float()
+        if weight.dim() != 2 or tuple(scale.shape) != (-(-weight.shape[0] // rows), -(-weight.shape[1] // cols)):
+            raise ConversionError(f"'{scale_key}' has shape {list(scale.shape)}; the FP8 tensor '{key}' "
+                                  f"{list(weight.shape)} in blocks of {rows}x{cols} needs "
+                                  f"{[-(-weight.shape[0] // rows), -(-weight.shape[1] // cols)] if weight.dim() == 2 else '2-D'}")
+        full = scale.repeat_interleave(rows, 0)[:weight.shape[0]].repeat_interleave(cols, 1)[:, :weight.shape[1]]
+        return (weight.float() * full).to(dtype)
 
     def close(self) -> None:
         pass
@@ -126,7 +158,27 @@ def _open_safetensors(path: Path):
 
 
 def _bad_dtype(key: str, name: str):
-    raise ConversionError(f"tensor '{key}' has dtype {name}; only float32, bfloat16 and float16 are read")
+    raise ConversionError(f"tensor '{key}' has dtype {name}; only float32, bfloat16 and float16 are read (and "
+                          f"float8_e4m3fn with block scales under a quantization_config of quant_method fp8)")
+
+
+FP8_NAME = "F8_E4M3"
+
+
+def _setup_fp8(hf: dict, source: TensorFiles) -> None:
+    """Dequantise on read when config.json says the weights are block-quantised FP8."""
+    quant = hf.get("quantization_config")
+    if not quant:
+        return
+    if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+        raise ConversionError(f"quantization_config with quant_method={quant.get('quant_method')!r} "
+                              f"fmt={quant.get('fmt')!r} is not read (supported: fp8, e4m3, with weight_block_size)")
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConversionError(f"quantization_config.weight_block_size={block!r} must be two positive whole numbers")
+    # Dequantised to the dtype of the tensors left unquantised (the embedding: bf16 in DeepSeek's files).
+    plain = [source.dtype(k) for k in ("model.embed_tokens.weight", "lm_head.weight") if k in source.files]
+    source.dequantize_fp8(tuple(block), plain[0] if plain else torch.bfloat16)
 
 
 @dataclasses.dataclass
@@ -257,6 +309,12 @@ def _model_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         return expected_shapes(build_model(model, seed=0))
 
 
+def _buffer_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The persistent buffers (the routers' expert biases), which only some families hold."""
+    with torch.device("meta"):
+        return buffer_shapes(build_model(model, seed=0))
+
+
 def from_hf(hf_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, overwrite: bool = False,
             log: Callable[[str], None] = lambda _: None) -> Path:
     """Convert a Hugging Face model folder (config.json + safetensors) into a Tessera import folder."""
@@ -268,17 +326,23 @@ def from_hf(hf_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, overwrite: bool 
         family, model = model_config(hf)
     except (Unsupported, KeyError, TypeError, ValueError) as err:
         raise ConversionError(f"{hf_dir}/config.json: {_why(err)}") from None
-    config = default_config(model, out, out.name or "imported")
-    try:
-        validate(config, 1)
-        links = tensor_map(family, _model_shapes(model))
-    except (ConfigError, Unsupported) as err:
-        raise ConversionError(f"{hf_dir}: the model does not fit Tessera: {err}") from None
     source = TensorFiles.hf_folder(hf_dir)
     try:
-        shapes = _model_shapes(model)
+        _setup_fp8(hf, source)
+        skipped = _mtp_import(family, model, source, log)
+        config = default_config(model, out, out.name or "imported")
+        try:
+            validate(config, 1)
+            shapes = _model_shapes(model)
+            if family in DEEPSEEK_MOE:  # the correction biases: persistent buffers in Tessera
+                shapes.update(_buffer_shapes(model))
+            links = tensor_map(family, shapes, model, hf)
+        except (ConfigError, Unsupported) as err:
+            raise ConversionError(f"{hf_dir}: the model does not fit Tessera: {err}") from None
         planned = [_plan_import(link, source, shapes[link.name]) for link in links]
-        used = {key for link in links for key in link.hf}
+        used = {key for link in links for key in link.hf} | skipped
+        used |= {source.scale_key(k) for k in used if source.scale_key(k)}
+        used |= _check_mtp_copies(family, model, source, log)
         if model.tie_embeddings:
             used.add("lm_head.weight")  # some tied checkpoints carry the head too: the embedding wins
         extra = sorted(k for k in source.files if k not in used and not IGNORED_KEYS.match(k))
@@ -301,6 +365,39 @@ def from_hf(hf_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, overwrite: bool 
     finally:
         source.close()
     return out
+
+
+def _mtp_import(family: str, model: ModelConfig, source: TensorFiles, log: Callable[[str], None]) -> set[str]:
+    """Set the model's MTP layers to those the files hold (transformers saves none, whatever
+    num_nextn_predict_layers says); returns the MTP keys left out when this Tessera has no MTP."""
+    if family != "deepseek_v3":
+        return set()
+    present = mtp_layers_in(source.files, model.num_layers)
+    if not hasattr(model, "mtp_layers"):
+        skipped = {k for k in source.files if mtp_layers_in([k], model.num_layers)}
+        if skipped:
+            log(f"left out {present} multi-token prediction layer(s) ({len(skipped)} tensors): this Tessera has no "
+                f"model.mtp_layers")
+        return skipped
+    if present != model.mtp_layers:
+        log(f"num_nextn_predict_layers={model.mtp_layers} but the weights hold {present} MTP layer(s): "
+            f"model.mtp_layers={present}")
+        model.mtp_layers = present
+    return set()
+
+
+def _check_mtp_copies(family: str, model: ModelConfig, source: TensorFiles, log: Callable[[str], None]) -> set[str]:
+    """The embedding and head each MTP layer holds again: compared with the main model's (Tessera
+    shares those); a difference is logged (the main model's are used)."""
+    keys = set()
+    for key, name in mtp_copies(family, model):
+        if key not in source.files:
+            continue
+        main = "model.embed_tokens.weight" if name == "tok_embeddings.weight" else "lm_head.weight"
+        if main in source.files and not torch.equal(source.read(key), source.read(main)):
+            log(f"warning: '{key}' differs from '{main}'; Tessera shares the main model's {name}")
+        keys.add(key)
+    return keys
 
 
 def _why(err: Exception) -> str:
@@ -331,7 +428,7 @@ def _plan_import(link: Link, source: TensorFiles, want: tuple[int, ...]) -> Plan
         have = source.shape(link.hf[0])
 
         def make() -> torch.Tensor:
-            return source.read(link.hf[0])
+            return link.to_tessera(source.read(link.hf[0]))
     if have != want:
         raise ConversionError(f"tensor '{link.hf[0]}' has shape {list(have or ())} but the config makes Tessera's "
                               f"'{link.name}' {list(want)}")
@@ -374,6 +471,9 @@ class CheckpointWeights(TesseraWeights):
         metadata = read_dcp_metadata(step_dir).state_dict_metadata
         self._names = {key[len("model."):]: (tuple(entry.size), entry.properties.dtype)
                        for key, entry in metadata.items() if key.startswith("model.") and hasattr(entry, "size")}
+        # The buffers under their module names (the routers' expert biases among them).
+        self._buffers = {key[len("buffer."):]: (tuple(entry.size), entry.properties.dtype)
+                         for key, entry in metadata.items() if key.startswith("buffer.") and hasattr(entry, "size")}
         # A checkpoint from before a fused tensor (the experts' w13) holds its slices: read as one.
         self._slices = older_slices(self._names)
         for whole, keys in self._slices.items():
@@ -392,7 +492,7 @@ class CheckpointWeights(TesseraWeights):
             safe_load(state, self.path, no_dist=True)
 
     def names(self):
-        return dict(self._names)
+        return {**self._names, **{k: v for k, v in self._buffers.items() if k not in self._names}}
 
     def read(self, name: str) -> torch.Tensor:
         if name in self._slices:
@@ -400,10 +500,14 @@ class CheckpointWeights(TesseraWeights):
         return self._read(name)
 
     def _read(self, name: str) -> torch.Tensor:
-        shape, dtype = self._names[name] if name in self._names else self._parts[name]
-        state = {f"model.{name}": torch.empty(shape, dtype=dtype)}
+        if name in self._names or name in self._parts:
+            shape, dtype = self._names[name] if name in self._names else self._parts[name]
+            key = f"model.{name}"
+        else:
+            (shape, dtype), key = self._buffers[name], f"buffer.{name}"
+        state = {key: torch.empty(shape, dtype=dtype)}
         self._load(state)
-        return state[f"model.{name}"]
+        return state[key]
 
 
 def _from_dict(cls, data: dict, where: str):
@@ -481,11 +585,18 @@ def to_hf(source_path, out_dir, *, dtype: str = "auto", shard_bytes: int = SHARD
                 raise ConversionError(f"{source_path}: tensor '{name}' has shape {list(shapes[name])}, the model "
                                       f"config needs {list(shape)}")
         out_dtype = _out_dtype(dtype, info, available)
-        links = tensor_map(family, want)
-        planned = _plan_export(links, source, available, out_dtype)
+        biases = _expert_biases(model, family, source, available, source_path)
+        want.update(biases)
+        try:
+            links = tensor_map(family, want, model, hf)
+        except Unsupported as err:
+            raise ConversionError(f"{source_path}: {err}") from None
+        planned = _plan_export(links, source, available, out_dtype, biases)
+        planned += _plan_mtp_copies(family, model, planned)
         if hf is None:
             hf = hf_config(model, family, DTYPE_NAMES[out_dtype])
         else:
+            hf.pop("quantization_config", None)  # the weights written are never FP8
             key = "dtype" if "dtype" in hf or "torch_dtype" not in hf else "torch_dtype"
             if hf.get(key) != DTYPE_NAMES[out_dtype]:
                 hf[key] = DTYPE_NAMES[out_dtype]
@@ -502,27 +613,56 @@ def to_hf(source_path, out_dir, *, dtype: str = "auto", shard_bytes: int = SHARD
     return Path(out_dir)
 
 
+def _expert_biases(model: ModelConfig, family: str, source: TesseraWeights, available: dict,
+                   where) -> dict[str, tuple[int, ...]]:
+    """The routers' expert biases the family holds ({name: shape}). A family without them gets
+    none, and a bias that is not zero (trained or imported) cannot be dropped: refused."""
+    shapes = _buffer_shapes(model)
+    biases = {name: shape for name, shape in shapes.items() if name.endswith(EXPERT_BIAS)}
+    if family in DEEPSEEK_MOE:
+        return biases
+    for name in biases:
+        if name in available and source.read(name).count_nonzero():
+            raise ConversionError(f"{where}: '{name}' is not zero (expert bias balancing or a DeepSeek-V3 import); "
+                                  f"the {family} format has no expert bias to hold it")
+    return {}
+
+
+def _plan_mtp_copies(family: str, model: ModelConfig, planned: list[Planned]) -> list[Planned]:
+    """The embedding and head copies DeepSeek's files hold in each MTP layer."""
+    by_key = {p.key: p for p in planned}
+    main = {"tok_embeddings.weight": by_key.get("model.embed_tokens.weight"), "output.weight": by_key.get("lm_head.weight")}
+    out = []
+    for key, name in mtp_copies(family, model):
+        item = main[name] if main[name] is not None else main["tok_embeddings.weight"]
+        out.append(Planned(key, item.shape, item.dtype, item.make))
+    return out
+
+
 def _out_dtype(dtype: str, info: dict, available: dict) -> torch.dtype:
     if dtype != "auto":
         return DTYPES[dtype]
     if info.get("dtype") in DTYPES:
         return DTYPES[info["dtype"]]
-    return next(iter(available.values()))[1]
+    return next(d for _, d in available.values() if d in DTYPE_NAMES)  # the parameters' (buffers may be int64)
 
 
-def _plan_export(links: list[Link], source: TesseraWeights, available: dict, dtype: torch.dtype) -> list[Planned]:
-    """Every Hugging Face key, in Tessera tensor order; an expert tensor is read once for all its keys."""
+def _plan_export(links: list[Link], source: TesseraWeights, available: dict, dtype: torch.dtype,
+                 biases: dict[str, tuple[int, ...]]) -> list[Planned]:
+    """Every Hugging Face key, in Tessera tensor order; an expert tensor is read once for all its
+    keys. An expert bias the source lacks (a from-hf folder of a family without them) is zero."""
     cache: dict[str, torch.Tensor] = {}
 
-    def tensor(name: str) -> torch.Tensor:
-        if name not in cache:
+    def tensor(name: str, kind: torch.dtype = dtype) -> torch.Tensor:
+        if (name, kind) not in cache:
             cache.clear()
-            cache[name] = source.read(name).to(dtype)
-        return cache[name]
+            value = source.read(name) if name in available else torch.zeros(biases[name])
+            cache[name, kind] = value.to(kind)
+        return cache[name, kind]
 
     planned = []
     for link in links:
-        shape = available[link.name][0]
+        shape = available[link.name][0] if link.name in available else biases[link.name]
         if link.experts:
             stacked = (shape[0], shape[1], link.parts, shape[-1])  # [E, in, parts, out]
             for e, keys in enumerate(link.expert_keys()):
@@ -531,5 +671,6 @@ def _plan_export(links: list[Link], source: TesseraWeights, available: dict, dty
                                            lambda name=link.name, view=stacked, e=e, part=part:
                                            tensor(name).view(view)[e, :, part].t().contiguous()))
         else:
-            planned.append(Planned(link.hf[0], shape, dtype, lambda name=link.name: tensor(name)))
+            kind = torch.float32 if link.fp32 else dtype
+            planned.append(Planned(link.hf[0], shape, kind, lambda link=link, kind=kind: link.to_hf(tensor(link.name, kind))))
     return planned

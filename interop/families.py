@@ -1,7 +1,9 @@
 """The Hugging Face model families Tessera reads and writes, and how their configs and tensors map.
 
 Families: Llama (3.x; `LlamaForCausalLM`), Qwen3 (`Qwen3ForCausalLM`), Qwen3-MoE
-(`Qwen3MoeForCausalLM`) and Mixtral (`MixtralForCausalLM`). All four are the same decoder as
+(`Qwen3MoeForCausalLM`), Mixtral (`MixtralForCausalLM`), DeepSeek-V3 (`DeepseekV3ForCausalLM`:
+V3/V3.1, Kimi K2, Moonlight; multi-head latent attention, see below) and GLM-4-MoE
+(`Glm4MoeForCausalLM`: grouped-query attention with DeepSeek-V3's MoE). The first four are the same decoder as
 `core.train.model.GPT`: RMSNorm before attention and feed-forward, grouped-query attention with
 rotary positions on the two halves of each head (Hugging Face's `rotate_half`, the layout its
 checkpoints use, so q/k weights need no permutation), SwiGLU feed-forward layers, and routed
@@ -11,6 +13,15 @@ Config: `model_config(hf)` turns config.json into a `core.config.ModelConfig` or
 `Unsupported` (one sentence) for what Tessera's model cannot compute (sliding windows, rope
 types other than linear/llama3/yarn, MLP biases, activations other than SiLU, ...);
 `hf_config(model)` writes a config.json for a Tessera model that was not imported.
+
+DeepSeek-V3 and GLM-4-MoE route by DeepSeek's `noaux_tc`: sigmoid scores, a group's score the
+sum of its best 2 (Tessera: best top_k // topk_groups, so imports where that is not 2 are
+refused), the correction bias (`e_score_correction_bias` = the router's `expert_bias` buffer)
+in the selection only, one shared SwiGLU of n_shared_experts * moe_intermediate_size, and dense
+layers before first_k_dense_replace. DeepSeek's checkpoints interleave the rotary rows of the
+queries and of the shared rotary key (`rope_interleave`, default true); Tessera rotates the two
+halves, so those rows are permuted on the way in and back on the way out (`Link.interleaved`).
+Its MTP layers, `model.layers.{num_hidden_layers + k}`, map to `mtp.{k}` where the model has them.
 
 Tensors: `tensor_map(family, names)` pairs every Tessera parameter name with the Hugging Face
 key(s) it comes from. A `Link` is either a copy (same layout: `nn.Linear` weights are
@@ -28,6 +39,8 @@ import math
 import re
 from dataclasses import dataclass
 
+import torch
+
 from core.config import ModelConfig
 from core.rules import moe_layer_rule
 
@@ -36,6 +49,8 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 MODEL_TYPES = {family: family for family in ARCHITECTURES.values()}
 ARCHITECTURE_OF = {family: arch for arch, family in ARCHITECTURES.items()}
@@ -135,6 +150,11 @@ def model_config(hf: dict) -> tuple[str, ModelConfig]:
     m.rope_theta, scaling = _rope(hf)
     if scaling is not None:
         _rope_scaling(m, scaling, hf)
+    if family == "deepseek_v3":
+        _deepseek(m, hf)
+        return family, m
+    if family == "glm4_moe":
+        _glm4_moe(m, hf)
     head_dim = hf.get("head_dim") or m.dim // m.num_heads
     if head_dim != m.dim // m.num_heads or m.dim % m.num_heads:
         if not _has(ModelConfig, "head_dim"):
@@ -145,7 +165,7 @@ def model_config(hf: dict) -> tuple[str, ModelConfig]:
         if not _has(ModelConfig, "attention_bias"):
             raise Unsupported("attention_bias=true needs model.attention_bias, which this Tessera does not have")
         m.attention_bias = True
-    if family in ("qwen3", "qwen3_moe"):
+    if family in ("qwen3", "qwen3_moe") or (family == "glm4_moe" and hf.get("use_qk_norm")):
         if not _has(ModelConfig, "qk_norm"):
             raise Unsupported(f"{family} normalises queries and keys per head; this Tessera has no model.qk_norm")
         m.qk_norm = True
@@ -158,6 +178,71 @@ def model_config(hf: dict) -> tuple[str, ModelConfig]:
              normalize=bool(hf.get("norm_topk_prob", False)), aux=hf.get("router_aux_loss_coef", 0.0))
         _qwen3_moe_layers(m, int(hf.get("decoder_sparse_step", 1) or 1), list(hf.get("mlp_only_layers") or []))
     return family, m
+
+
+def _deepseek(m: ModelConfig, hf: dict) -> None:
+    """DeepSeek-V3 (also V3.1, Kimi K2, Moonlight): multi-head latent attention and sigmoid-scored
+    experts chosen within the best groups with the correction bias, plus shared experts; the
+    first `first_k_dense_replace` layers dense."""
+    if hf.get("num_key_value_heads") not in (None, m.num_heads):
+        raise Unsupported(f"num_key_value_heads={hf['num_key_value_heads']} differs from num_attention_heads={m.num_heads}; "
+                          f"multi-head latent attention has one key and value per head")
+    m.attention, m.num_kv_heads = "mla", m.num_heads
+    m.q_lora_rank = int(hf.get("q_lora_rank") or 0)
+    m.kv_lora_rank, m.v_head_dim = int(hf["kv_lora_rank"]), int(hf["v_head_dim"])
+    m.qk_nope_head_dim, m.qk_rope_head_dim = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    m.attention_bias = bool(hf.get("attention_bias", False))
+    if hf.get("moe_layer_freq", 1) not in (None, 1):
+        raise Unsupported(f"moe_layer_freq={hf['moe_layer_freq']} is not supported (transformers' DeepseekV3 makes every "
+                          f"layer from first_k_dense_replace on an MoE layer: set it to 1)")
+    _deepseek_routing(m, hf, experts=int(hf["n_routed_experts"]))
+    if _has(ModelConfig, "mtp_layers"):
+        m.mtp_layers = int(hf.get("num_nextn_predict_layers") or 0)
+
+
+def _deepseek_routing(m: ModelConfig, hf: dict, experts: int) -> None:
+    """The MoE of DeepSeek-V3 and GLM-4-MoE (one router design: `noaux_tc`)."""
+    if hf.get("scoring_func", "sigmoid") != "sigmoid":
+        raise Unsupported(f"scoring_func={hf['scoring_func']!r} is not supported (this architecture scores experts by a "
+                          f"sigmoid)")
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise Unsupported(f"topk_method={hf['topk_method']!r} is not supported (supported: noaux_tc, the group-limited "
+                          f"top-k of the sigmoid scores plus the correction bias)")
+    top_k, groups, topk_groups = int(hf["num_experts_per_tok"]), int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    if groups > 1 and group_rank(top_k, topk_groups, experts // groups) != 2:
+        raise Unsupported(f"n_group={groups}, topk_group={topk_groups} with num_experts_per_tok={top_k}: the model scores "
+                          f"a group by its best 2 experts, Tessera by its best num_experts_per_tok // topk_group = "
+                          f"{group_rank(top_k, topk_groups, experts // groups)}")
+    _moe(m, experts=experts, top_k=top_k, hidden=int(hf["moe_intermediate_size"]),
+         normalize=bool(hf.get("norm_topk_prob", True)), aux=float(hf.get("aux_loss_alpha") or 0.0))
+    moe = m.moe
+    moe.router, moe.n_groups, moe.topk_groups = "sigmoid", groups, topk_groups
+    moe.aux_loss_per_sequence = bool(hf.get("seq_aux", False))
+    moe.routed_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
+    moe.num_shared_experts = int(hf.get("n_shared_experts") or 0)
+    if not moe.num_shared_experts:
+        raise Unsupported("n_shared_experts=0 is not supported (the architecture then holds empty shared-expert "
+                          "tensors, which Tessera does not read)")
+    moe.first_k_dense = int(hf.get("first_k_dense_replace") or 0)
+
+
+def group_rank(top_k: int, topk_groups: int, per_group: int) -> int:
+    """How many of a group's best experts make its score in Tessera's group-limited routing
+    (moe/router.py `limit_to_groups`)."""
+    return min(max(1, top_k // topk_groups), per_group)
+
+
+def _glm4_moe(m: ModelConfig, hf: dict) -> None:
+    """GLM-4-MoE: grouped-query attention (optional qk-norm, biases on q, k, v only) with
+    DeepSeek-V3's MoE."""
+    rope = hf.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))  # transformers' default: 0.5
+    if partial != 1.0:
+        raise Unsupported(f"partial_rotary_factor={partial} is not supported (Tessera's rotary covers the whole head)")
+    if hf.get("attention_bias"):
+        raise Unsupported("attention_bias=true is not supported for glm4_moe (biases on q, k and v without one on "
+                          "o_proj; Tessera's attention biases are on all four)")
+    _deepseek_routing(m, hf, experts=int(hf["n_routed_experts"]))
 
 
 def _moe(m: ModelConfig, experts: int, top_k: int, hidden: int, normalize: bool, aux: float) -> None:
@@ -205,18 +290,32 @@ def _rope_dict(m: ModelConfig) -> dict | None:
 
 
 def export_family(m: ModelConfig) -> str:
-    """The family a Tessera model is written as when it was not imported; Unsupported when none fits."""
+    """The family a Tessera model is written as when it was not imported; Unsupported when none fits.
+
+    Multi-head latent attention: DeepSeek-V3. Grouped-query attention: Llama or Qwen3 (dense,
+    without or with qk-norm), Mixtral or Qwen3-MoE (softmax routing, no shared experts), or
+    GLM-4-MoE (DeepSeek-V3's routing: sigmoid scores, correction bias, groups, shared experts,
+    dense first layers). Softmax routing with shared experts has no Hugging Face family here:
+    Qwen2-MoE gates its shared expert by a sigmoid of the token, which Tessera lacks."""
     moe = m.moe
     qk = getattr(m, "qk_norm", False)
+    deepseek_routing = moe.num_experts and (moe.router == "sigmoid" or moe.num_shared_experts > 0)
+    if getattr(m, "attention", "gqa") != "mla" and moe.num_experts and moe.router == "softmax" and moe.num_shared_experts:
+        raise Unsupported("no Hugging Face family here represents softmax routing with shared experts (GLM-4-MoE and "
+                          "DeepSeek-V3 score experts by a sigmoid; Qwen2-MoE gates its shared expert by a learned "
+                          "sigmoid, which Tessera lacks): train with model.moe.router='sigmoid' to export")
+    if getattr(m, "attention", "gqa") == "mla" or deepseek_routing:
+        family = "deepseek_v3" if getattr(m, "attention", "gqa") == "mla" else "glm4_moe"
+        _check_deepseek_export(m, family)
+        return family
     if not moe.num_experts:
         return "qwen3" if qk else "llama"
     problems = [what for what, bad in (
-        ("shared experts", moe.num_shared_experts > 0), ("sigmoid routing", moe.router != "softmax"),
         ("group-limited routing", moe.n_groups > 1), ("routed_scaling_factor != 1", moe.routed_scaling_factor != 1.0),
         ("expert bias balancing", moe.bias_update_rate > 0), ("capacity dropping", moe.capacity_factor > 0),
     ) if bad]
     if problems:
-        raise Unsupported(f"no Hugging Face family here represents an MoE model with {', '.join(problems)}")
+        raise Unsupported(f"no Hugging Face family here represents a softmax-routed MoE model with {', '.join(problems)}")
     if qk:
         return "qwen3_moe"
     if moe.first_k_dense or moe.moe_every != 1 or getattr(moe, "dense_layers", None) or not moe.normalize_topk:
@@ -225,8 +324,30 @@ def export_family(m: ModelConfig) -> str:
     return "mixtral"
 
 
+def _check_deepseek_export(m: ModelConfig, family: str) -> None:
+    moe = m.moe
+    arch = ARCHITECTURE_OF[family]
+    if not moe.num_experts:
+        raise Unsupported(f"{arch} (the family of model.attention='mla') needs MoE layers: set model.moe.num_experts")
+    problems = [what for what, bad in (
+        ("softmax routing (it scores experts by a sigmoid)", moe.router != "sigmoid"),
+        ("no shared expert (set model.moe.num_shared_experts >= 1)", moe.num_shared_experts < 1),
+        ("a shared expert size other than num_shared_experts * the expert size",
+         moe.shared_ffn_dim not in (0, moe.num_shared_experts * (moe.ffn_dim or m.ffn_dim))),
+        ("dense layers other than the first first_k_dense", moe.moe_every != 1 or bool(getattr(moe, "dense_layers", None))),
+        ("capacity dropping", moe.capacity_factor > 0),
+        ("group scores over other than the best 2 experts (top_k // topk_groups must be 2)",
+         moe.n_groups > 1 and group_rank(moe.top_k, moe.topk_groups, moe.num_experts // moe.n_groups) != 2),
+        ("attention biases (it has none on o_proj)", family == "glm4_moe" and getattr(m, "attention_bias", False)),
+    ) if bad]
+    if problems:
+        raise Unsupported(f"{arch} cannot represent this model: {'; '.join(problems)}")
+
+
 def hf_config(m: ModelConfig, family: str, dtype: str) -> dict:
     """A config.json for a Tessera model (`export_family` picks the family)."""
+    if family in DEEPSEEK_MOE:
+        return _deepseek_config(m, family, dtype)
     head_dim = m.attention_head_dim if hasattr(m, "attention_head_dim") else m.dim // m.num_heads
     out = {
         "architectures": [ARCHITECTURE_OF[family]], "model_type": family, "vocab_size": m.vocab_size,
@@ -249,6 +370,34 @@ def hf_config(m: ModelConfig, family: str, dtype: str) -> dict:
         out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.ffn_dim or m.ffn_dim,
                    norm_topk_prob=moe.normalize_topk, decoder_sparse_step=1, router_aux_loss_coef=moe.aux_loss_coeff,
                    mlp_only_layers=[i for i in range(m.num_layers) if i not in moe_layers])
+    return out
+
+
+def _deepseek_config(m: ModelConfig, family: str, dtype: str) -> dict:
+    """DeepSeek-V3 (MLA) or GLM-4-MoE (GQA) with DeepSeek-V3's MoE; rotary rows on the halves
+    (rope_interleave false: Tessera's layout, no permutation)."""
+    moe = m.moe
+    out = {
+        "architectures": [ARCHITECTURE_OF[family]], "model_type": family, "vocab_size": m.vocab_size,
+        "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "moe_intermediate_size": moe.ffn_dim or m.ffn_dim,
+        "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads, "hidden_act": "silu",
+        "max_position_embeddings": _max_positions(m), "rms_norm_eps": m.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta, **(_rope_dict(m) or {})},
+        "tie_word_embeddings": m.tie_embeddings, "attention_bias": bool(getattr(m, "attention_bias", False)),
+        "attention_dropout": 0.0, "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "n_shared_experts": moe.num_shared_experts, "routed_scaling_factor": moe.routed_scaling_factor,
+        "n_group": moe.n_groups, "topk_group": moe.topk_groups, "norm_topk_prob": moe.normalize_topk,
+        "first_k_dense_replace": moe.first_k_dense, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": int(getattr(m, "mtp_layers", 0) or 0), "dtype": dtype,
+    }
+    if family == "deepseek_v3":
+        out.update(num_key_value_heads=m.num_heads, q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank,
+                   qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                   rope_interleave=False)
+    else:
+        out.update(num_key_value_heads=m.num_kv_heads, head_dim=m.attention_head_dim,
+                   use_qk_norm=bool(getattr(m, "qk_norm", False)), partial_rotary_factor=1.0)
+        out["rope_parameters"]["partial_rotary_factor"] = 1.0
     return out
 
 
@@ -283,6 +432,11 @@ class Link:
     hf: tuple[str, ...]  # one key (a copy), or `parts` per expert, expert by expert (stacked and transposed)
     experts: bool = False
     parts: int = 1  # keys per expert: several are stacked along Tessera's dim 2 (w13: gate, up)
+    # (block, rope): the rows come in blocks of `block` whose last `rope` rows hold rotary
+    # features, interleaved in pairs in the Hugging Face tensor (DeepSeek's rope_interleave) and
+    # on the two halves in Tessera's: `to_tessera` / `to_hf` permute them.
+    interleaved: tuple[int, int] | None = None
+    fp32: bool = False  # written as float32 whatever the output dtype (DeepSeek's correction bias)
 
     def expert_keys(self) -> list[tuple[str, ...]]:
         """Each expert's keys, in the order they stack."""
@@ -296,6 +450,27 @@ class Link:
             return experts, in_features, out_features
         return experts, in_features, self.parts, out_features
 
+    def _rows(self, inverse: bool) -> torch.Tensor | None:
+        if self.interleaved is None:
+            return None
+        block, rope = self.interleaved
+        order = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))  # pairs -> halves
+        if inverse:
+            order = torch.argsort(order)
+        return torch.cat((torch.arange(block - rope), block - rope + order))
+
+    def to_tessera(self, tensor: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(inverse=False)
+        if rows is None:
+            return tensor
+        return tensor.unflatten(0, (-1, rows.numel()))[:, rows].flatten(0, 1).contiguous()
+
+    def to_hf(self, tensor: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(inverse=True)
+        if rows is None:
+            return tensor
+        return tensor.unflatten(0, (-1, rows.numel()))[:, rows].flatten(0, 1).contiguous()
+
 
 _BLOCK = [  # Tessera suffix inside layers.{i}. -> Hugging Face suffix inside model.layers.{i}.
     (r"attention_norm\.weight", "input_layernorm.weight"),
@@ -307,49 +482,131 @@ _BLOCK = [  # Tessera suffix inside layers.{i}. -> Hugging Face suffix inside mo
     (r"feed_forward\.w3\.weight", "mlp.up_proj.weight"),
     (r"feed_forward\.w2\.weight", "mlp.down_proj.weight"),
 ]
+_MLA = [  # multi-head latent attention (core/mla.py), before _BLOCK: its q_norm is q_a_layernorm
+    (r"attention\.wq\.weight", "self_attn.q_proj.weight"),
+    (r"attention\.wq_a\.(weight|bias)", r"self_attn.q_a_proj.\1"),
+    (r"attention\.q_norm\.weight", "self_attn.q_a_layernorm.weight"),
+    (r"attention\.wq_b\.weight", "self_attn.q_b_proj.weight"),
+    (r"attention\.wkv_a\.(weight|bias)", r"self_attn.kv_a_proj_with_mqa.\1"),
+    (r"attention\.kv_norm\.weight", "self_attn.kv_a_layernorm.weight"),
+    (r"attention\.wkv_b\.weight", "self_attn.kv_b_proj.weight"),
+]
+_SHARED = [  # DeepSeek-V3's shared experts: one SwiGLU of n_shared_experts * moe_intermediate_size
+    (r"feed_forward\.shared_experts\.w1\.weight", "mlp.shared_experts.gate_proj.weight"),
+    (r"feed_forward\.shared_experts\.w3\.weight", "mlp.shared_experts.up_proj.weight"),
+    (r"feed_forward\.shared_experts\.w2\.weight", "mlp.shared_experts.down_proj.weight"),
+    (r"feed_forward\.router\.expert_bias", "mlp.gate.e_score_correction_bias"),
+]
+_PER_EXPERT = {"w13": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+               "w2": ("mlp.experts.{e}.down_proj.weight",)}
 _MOE = {  # family -> (router key, {Tessera expert tensor: its per-expert key patterns, in stacking order})
     "mixtral": ("block_sparse_moe.gate.weight",
                 {"w13": ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
                  "w2": ("block_sparse_moe.experts.{e}.w2.weight",)}),
-    "qwen3_moe": ("mlp.gate.weight",
-                  {"w13": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-                   "w2": ("mlp.experts.{e}.down_proj.weight",)}),
+    "qwen3_moe": ("mlp.gate.weight", _PER_EXPERT),
+    "deepseek_v3": ("mlp.gate.weight", _PER_EXPERT),
+    "glm4_moe": ("mlp.gate.weight", _PER_EXPERT),
 }
+DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe")  # families with shared experts and the correction bias
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")
+# Tessera's MTP module k -> DeepSeek's layer num_hidden_layers + k (besides a decoder layer's keys)
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+            "norm.weight": "shared_head.norm.weight"}
+EXPERT_BIAS = "feed_forward.router.expert_bias"
 
 
-def tensor_map(family: str, shapes: dict[str, tuple[int, ...]]) -> list[Link]:
-    """A Link for every Tessera parameter in `shapes` ({name: full shape}, tied weights once);
-    Unsupported for a parameter no key of the family holds."""
+def _block_link(family: str, name: str, rest: str, prefix: str, shape: tuple[int, ...], model: ModelConfig | None,
+                hf: dict | None) -> Link | None:
+    """The link of a decoder block's tensor (`rest` inside the block), or None where none fits."""
+    moe = _MOE.get(family)
+    if moe is not None and rest == "feed_forward.router.weight":
+        return Link(name, (prefix + moe[0],))
+    expert = re.fullmatch(r"feed_forward\.experts\.(w13|w2)", rest)
+    if moe is not None and expert:
+        patterns = moe[1][expert.group(1)]
+        keys = tuple(prefix + pattern.format(e=e) for e in range(shape[0]) for pattern in patterns)
+        return Link(name, keys, experts=True, parts=len(patterns))
+    table = _BLOCK
+    if family in DEEPSEEK_MOE:
+        table = _SHARED + table
+    if family == "deepseek_v3":
+        table = _MLA + table
+    for tessera, key in table:
+        if re.fullmatch(tessera, rest):
+            return Link(name, (prefix + re.sub(tessera, key, rest),), interleaved=_interleaved(family, rest, model, hf),
+                        fp32=rest == EXPERT_BIAS)
+    return None
+
+
+def _interleaved(family: str, rest: str, model: ModelConfig | None, hf: dict | None) -> tuple[int, int] | None:
+    """DeepSeek's rope_interleave (true unless the config says otherwise): the rotary rows of the
+    queries (per head) and of the shared rotary key (after the kv latent) are in pairs."""
+    if family != "deepseek_v3" or model is None or hf is None or not hf.get("rope_interleave", True):
+        return None
+    rope = model.qk_rope_head_dim
+    if rest in ("attention.wq.weight", "attention.wq_b.weight"):
+        return model.qk_nope_head_dim + rope, rope
+    if rest in ("attention.wkv_a.weight", "attention.wkv_a.bias"):
+        return model.kv_lora_rank + rope, rope
+    return None
+
+
+def tensor_map(family: str, shapes: dict[str, tuple[int, ...]], model: ModelConfig | None = None,
+               hf: dict | None = None) -> list[Link]:
+    """A Link for every Tessera tensor in `shapes` ({name: full shape}, tied weights once; the
+    routers' expert biases where the family holds them); Unsupported for a parameter no key of
+    the family holds. `model` and `hf` (the config.json) give DeepSeek's layer count and rotary
+    layout; without `hf` the rotary rows are not interleaved (what to-hf writes for a new model)."""
     links = []
     for name, shape in shapes.items():
         if name in _TOP:
             links.append(Link(name, (_TOP[name],)))
             continue
-        match = _LAYER.match(name)
-        if match is None:
+        layer = _LAYER.match(name)
+        mtp = _MTP.match(name)
+        link = None
+        if layer is not None:
+            index, rest = layer.groups()
+            if rest == EXPERT_BIAS and family not in DEEPSEEK_MOE:
+                continue  # the family has no bias: to-hf checks it is zero
+            link = _block_link(family, name, rest, f"model.layers.{index}.", shape, model, hf)
+        elif mtp is not None and family == "deepseek_v3" and model is not None:
+            k, rest = mtp.groups()
+            prefix = f"model.layers.{model.num_layers + int(k)}."
+            if rest in _MTP_OWN:
+                link = Link(name, (prefix + _MTP_OWN[rest],))
+            elif rest.startswith("block."):
+                link = _block_link(family, name, rest[len("block."):], prefix, shape, model, hf)
+        if link is None:
             raise Unsupported(f"the {family} format has no place for the tensor '{name}'")
-        layer, rest = match.groups()
-        prefix = f"model.layers.{layer}."
-        moe = _MOE.get(family)
-        if moe is not None and rest == "feed_forward.router.weight":
-            links.append(Link(name, (prefix + moe[0],)))
-            continue
-        expert = re.fullmatch(r"feed_forward\.experts\.(w13|w2)", rest)
-        if moe is not None and expert:
-            patterns = moe[1][expert.group(1)]
-            keys = tuple(prefix + pattern.format(e=e) for e in range(shape[0]) for pattern in patterns)
-            links.append(Link(name, keys, experts=True, parts=len(patterns)))
-            continue
-        for tessera, hf in _BLOCK:
-            if re.fullmatch(tessera, rest):
-                links.append(Link(name, (prefix + re.sub(tessera, hf, rest),)))
-                break
-        else:
-            raise Unsupported(f"the {family} format has no place for the tensor '{name}'")
+        links.append(link)
     return links
+
+
+def mtp_copies(family: str, model: ModelConfig) -> list[tuple[str, str]]:
+    """(Hugging Face key, the Tessera tensor it copies) of the embedding and output head that
+    DeepSeek's files hold again in each MTP layer (Tessera shares the main model's)."""
+    if family != "deepseek_v3":
+        return []
+    head = "tok_embeddings.weight" if model.tie_embeddings else "output.weight"
+    out = []
+    for k in range(int(getattr(model, "mtp_layers", 0) or 0)):
+        prefix = f"model.layers.{model.num_layers + k}."
+        out += [(prefix + "embed_tokens.weight", "tok_embeddings.weight"), (prefix + "shared_head.head.weight", head)]
+    return out
+
+
+def mtp_layers_in(keys, num_layers: int) -> int:
+    """How many MTP layers (model.layers.{num_layers + k}.*) a checkpoint's keys hold."""
+    found = set()
+    for key in keys:
+        match = re.match(r"^model\.layers\.(\d+)\.", key)
+        if match and int(match.group(1)) >= num_layers:
+            found.add(int(match.group(1)))
+    return len(found)
 
 
 # Keys of some Hugging Face checkpoints that are not weights (recomputed by the model).

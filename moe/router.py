@@ -22,9 +22,12 @@ group's score is the sum of its best max(1, top_k // topk_groups) expert scores;
 may only pick experts from its `topk_groups` best groups (DeepSeek-V2/V3 device-limited
 routing).
 
-Auxiliary-loss-free balancing: a per-expert `expert_bias` (a buffer, fp32) is added to the
-scores used for *selection* only; combine weights come from the unbiased scores. The bias is
-moved by `update_expert_bias` (moe/layer.py) from the loads observed over an optimizer step.
+Auxiliary-loss-free balancing: a per-expert `expert_bias` (a persistent buffer, fp32: saved in
+checkpoints, read from `checkpoint.init_from`, DeepSeek-V3's `e_score_correction_bias`) is
+added to the scores used for *selection* only; combine weights come from the unbiased scores.
+It is always applied (zeros unless trained or imported): with `bias_update_rate` > 0
+`update_expert_bias` (moe/layer.py) moves it from the loads observed over an optimizer step,
+with 0 it stays as loaded (a DeepSeek-V3 import fine-tunes with its bias fixed).
 
 Capacity (`capacity_factor` > 0): each expert keeps at most ceil(cf * T * k / E) of this
 rank's assignments, the highest-weight ones; the rest are dropped (weight 0, not sent).
@@ -231,8 +234,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         logits = router_logits(x, self.weight)
-        bias = self.expert_bias if self.moe.bias_update_rate > 0 else None
-        indices, weights, probs = route(logits, self.moe, bias)
+        indices, weights, probs = route(logits, self.moe, self.expert_bias)
         counts = expert_counts(indices, self.num_experts)
         keep = None
         if self.moe.capacity_factor > 0:

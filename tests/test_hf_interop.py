@@ -9,13 +9,15 @@ cross-entropy alone, computed before the step's update).
 
 Models: tiny random ones built by transformers (Llama 3 with and without llama3 (+ q, k, v, o
 biases) and yarn rope scaling, Qwen3 with a head_dim apart from hidden/heads and tied embeddings, Qwen3-MoE with a
-dense first layer, Mixtral), weights drawn at std 0.25 and norm gains around 1, so the loss
+dense first layer, Mixtral, DeepSeek-V3 with and without query compression: interleaved and
+halves rotary rows, yarn with mscale, group-limited sigmoid routing with a non-zero correction
+bias, a shared expert, a dense first layer), weights drawn at std 0.25 and norm gains around 1, so the loss
 is far from uniform and depends on every weight, the rotary, the norms and the routing.
 
 Tolerance: 1e-5 relative (fp32; only reduction orders differ: attention kernels, the
 vocabulary split of tp=2, the expert exchange of ep=2).
 
-- step 1 (the imported weights) at 1 process, tp=2 and (MoE) ep=2 equals transformers' loss
+- step 1 (the imported weights) at 1 process, tp=2 and (MoE) ep=2 (DeepSeek-V3 also pp=2, cp=2) equals transformers' loss
   of the imported model on the first global batch;
 - after 2 steps at tp=2 (ep=2 for Mixtral), `to-hf` of the step-2 checkpoint, loaded by
   `AutoModelForCausalLM.from_pretrained` with no missing or unexpected keys, gives step 3's loss
@@ -78,10 +80,27 @@ def _configs() -> dict:
         "qwen3_moe": t.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                       moe_intermediate_size=24, norm_topk_prob=False, mlp_only_layers=[0]),
         "mixtral": t.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        # DeepSeek-V3's shape: compressed queries, interleaved rotary rows, yarn with mscale,
+        # 8 experts in 4 groups (best 2 groups, top 4), one shared expert, layer 0 dense.
+        "deepseek_v3": t.DeepseekV3Config(**_deepseek(q_lora_rank=16, rope_interleave=True, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0})),
+        # Moonlight's: one query projection, the halves layout, no rope scaling.
+        "deepseek_v3_plain": t.DeepseekV3Config(**_deepseek(q_lora_rank=None, rope_interleave=False,
+                                                            rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
     }
 
 
-MOE = {"qwen3_moe", "mixtral"}
+def _deepseek(**extra) -> dict:
+    return {**COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4, "max_position_embeddings": 64,
+            "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+            "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 16,
+            "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+            **extra}
+
+
+MOE = {"qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_plain"}
+DEEPSEEK = {"deepseek_v3", "deepseek_v3_plain"}
 
 
 def make_hf_model(folder: Path, name: str, dtype=torch.float32) -> Path:
@@ -93,6 +112,9 @@ def make_hf_model(folder: Path, name: str, dtype=torch.float32) -> Path:
         for pname, param in model.named_parameters():
             if param.dim() == 1:  # norm gains
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
+        for bname, buf in model.named_buffers():  # DeepSeek's correction bias: live, fp32 as in its files
+            if bname.endswith("e_score_correction_bias"):
+                buf.data = 0.1 * torch.randn(buf.shape, dtype=torch.float32)
     model.save_pretrained(folder)
     return folder
 
@@ -228,9 +250,12 @@ def test_first_step_loss_equals_transformers(tmp_path, dataset, batches, importe
 # Every family at tp=2, the MoE families also at ep=2, and pp=2, where the tied head's copy on
 # the last stage reads the embedding. Context parallelism shards no weight: its load is the
 # single process's.
-LAYOUTS = [(name, "tp2", ["parallel.tp=2"]) for name in ("llama", "qwen3", "qwen3_moe", "mixtral")] + \
-          [(name, "ep2", ["parallel.ep=2"]) for name in sorted(MOE)] + \
-          [("qwen3", "pp2", ["parallel.pp=2"])]
+# DeepSeek-V3 in every layout: multi-head latent attention splits its heads over tp, its
+# rotary key over cp's ring, and the correction bias travels with each pipeline stage.
+LAYOUTS = [(name, "tp2", ["parallel.tp=2"]) for name in ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")] + \
+          [(name, "ep2", ["parallel.ep=2"]) for name in sorted(MOE - {"deepseek_v3_plain"})] + \
+          [("qwen3", "pp2", ["parallel.pp=2"]), ("deepseek_v3", "pp2", ["parallel.pp=2"]),
+           ("deepseek_v3", "cp2", ["parallel.cp=2"])]
 
 
 @pytest.mark.slow
@@ -244,7 +269,8 @@ def test_first_step_loss_equals_transformers_in_parallel(tmp_path, dataset, batc
 
 # --------------------------------------------------------------- trained checkpoint -> HF
 # A dense family through tensor parallelism, a MoE family through expert parallelism.
-EXPORTS = [("llama_rope_llama3", ["parallel.tp=2"]), ("mixtral", ["parallel.ep=2"])]
+EXPORTS = [("llama_rope_llama3", ["parallel.tp=2"]), ("mixtral", ["parallel.ep=2"]),
+           ("deepseek_v3", ["parallel.ep=2", "model.moe.bias_update_rate=0.01"])]
 
 
 @pytest.mark.slow
@@ -263,7 +289,8 @@ def test_exported_checkpoint_gives_the_next_steps_loss(tmp_path, dataset, batche
 
 # ------------------------------------------------------------------------- bitwise round trip
 @pytest.mark.parametrize("name,dtype", [("mixtral", torch.bfloat16), ("qwen3", torch.float32),
-                                        ("qwen3_moe", torch.bfloat16), ("llama_rope_yarn", torch.float32)])
+                                        ("qwen3_moe", torch.bfloat16), ("llama_rope_yarn", torch.float32),
+                                        ("deepseek_v3", torch.bfloat16), ("deepseek_v3_plain", torch.float32)])
 def test_round_trip_is_bitwise(tmp_path, name, dtype):
     hf = make_hf_model(tmp_path / "hf", name, dtype)
     convert("from-hf", str(hf), str(tmp_path / "ts"), "--shard-size-gb", "0.00002")  # several shards

@@ -89,6 +89,22 @@ def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(param.shape) for name, param in model.named_parameters()}
 
 
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers that belong to the weights (in the state dict: the routers' expert biases),
+    by name. Weights files may hold them; one they lack keeps its initial value."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{name}" if module_name else name] = buf
+    return out
+
+
+def buffer_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of `persistent_buffers(model)` (never sharded: replicated on every rank)."""
+    return {name: tuple(buf.shape) for name, buf in persistent_buffers(model).items()}
+
+
 def _with_fused(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """Shapes with the slices of a fused tensor that an older conversion wrote apart (the experts'
     w1 and w3) replaced by the fused tensor's shape."""
@@ -117,11 +133,14 @@ def _read_region(files: dict[str, Path], name: str, full: tuple[int, ...], regio
         return view[region].to(torch.float32)
 
 
-def check_weights(path: str | os.PathLike, expected: dict[str, tuple[int, ...]]) -> None:
-    """The files hold exactly the tensors `expected` names, with those shapes; ConfigError otherwise."""
+def check_weights(path: str | os.PathLike, expected: dict[str, tuple[int, ...]],
+                  optional: dict[str, tuple[int, ...]] | None = None) -> None:
+    """The files hold exactly the tensors `expected` names, with those shapes, and of `optional`
+    (the persistent buffers) any subset; ConfigError otherwise."""
     shapes = _with_fused(header_shapes(weight_map(path)))
     where = f"checkpoint.init_from={str(path)!r}"
-    for name, shape in expected.items():
+    optional = {k: v for k, v in (optional or {}).items() if k in shapes}
+    for name, shape in {**expected, **optional}.items():
         have = shapes.get(name)
         if have is None:
             raise ConfigError(f"{where} has no tensor '{name}' (the model needs shape {list(shape)}); "
@@ -129,7 +148,7 @@ def check_weights(path: str | os.PathLike, expected: dict[str, tuple[int, ...]])
         if have != shape:
             raise ConfigError(f"{where}: tensor '{name}' has shape {list(have)} but the model's is {list(shape)}; "
                               f"does [model] match the converted model?")
-    extra = sorted(set(shapes) - set(expected))
+    extra = sorted(set(shapes) - set(expected) - set(optional))
     if extra:
         raise ConfigError(f"{where} has {len(extra)} tensor(s) the model does not, e.g. '{extra[0]}' "
                           f"{list(shapes[extra[0]])}; does [model] match the converted model?")
@@ -174,6 +193,10 @@ def load_weights(path: str | os.PathLike, model: nn.Module, dp, mesh: ParallelMe
         if slot is not None and not slot.master_is_param:
             slot.write_master(slot.chunk(value, slot.group_rank))
         count += 1
+    for name, buf in persistent_buffers(model).items():  # whole on every rank
+        if name in files:
+            buf.copy_(_read_region(files, name, tuple(buf.shape), tuple(slice(0, n) for n in buf.shape), where))
+            count += 1
     if dp is not None:
         for callback in dp.on_new_weights:
             callback()

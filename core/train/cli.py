@@ -48,7 +48,7 @@ from core.lifecycle import Interrupted, die_with_parent, exit_without_teardown, 
 from core.mesh import init_distributed
 from core.metrics import tensorboard_missing
 from core.train.model import build_model
-from core.state.pretrained import check_weights, expected_shapes
+from core.state.pretrained import buffer_shapes, check_weights, expected_shapes
 from core.train.rundir import (CONFIG_NAME, LOCK_OWNER_ENV, RunDirError, RunLock, check_resume_changes, config_dict,
                                load_saved_config, nothing_left, prepare, remove_partial_checkpoints, save_config)
 from core.train.trainer import train
@@ -241,7 +241,7 @@ def check_inputs(config: Config) -> None:
     if config.checkpoint.init_from:
         with torch.device("meta"):  # names and shapes only: no memory, no init
             model = build_model(config.model, seed=0)
-        check_weights(config.checkpoint.init_from, expected_shapes(model))
+        check_weights(config.checkpoint.init_from, expected_shapes(model), buffer_shapes(model))
 
 
 def _check_folder(key: str, path: str) -> None:
