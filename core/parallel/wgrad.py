@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from core.kernels.embedding import add_embedding_grad_
-from core.layers import FeedForward
+from core.layers import FeedForward, model_blocks
 
 
 def matmul_into_(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
@@ -105,7 +105,7 @@ def fuse_weight_grads(chunks: list[nn.Module]) -> None:
     data parallelism (call after `apply_recompute` and before `apply_data_parallel`, which gives
     them `main_grad`)."""
     for chunk in chunks:
-        for block in chunk.layers.values():
+        for _, block in model_blocks(chunk):
             parents = [block.attention] + [m for m in block.feed_forward.modules() if isinstance(m, FeedForward)]
             for parent in parents:
                 for linear in parent.children():

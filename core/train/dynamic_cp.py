@@ -15,13 +15,14 @@ different ranks' ring exchanges.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator, NamedTuple
 
 import torch
 from torch import nn
 
 from core.config import Config
-from core.train.data import StepInputs
+from core.train.data import StepInputs, mtp_inputs, take_positions
 from core.mesh import ParallelMesh
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs
 from dataservice.packing import IGNORE_INDEX
@@ -66,18 +67,24 @@ class DynamicCP:
                                    f"{len(out)} of {batch.cp_microbatches_in_step}")
             step = batch.step
             if batch.cp_microbatches_in_step:
-                out.append(self._inputs(batch, device))
+                out.append(self._inputs(batch, device, self.config.model.mtp_layers))
             if batch.ends_step:
                 return out
 
-    def _inputs(self, batch, device: torch.device) -> StepInputs:
+    def _inputs(self, batch, device: torch.device, mtp_layers: int = 0) -> StepInputs:
         cu = batch.cu_seqlens.to(device, torch.int32)
         entry = _Entry(batch.cp_group_start, batch.cp_group_size, torch.arange(cu.numel() - 1, device=device))
-        s = dynamic_cp_inputs(entry, batch.tokens.reshape(-1).to(device, torch.long),
-                              batch.labels.reshape(-1).to(device, torch.long),
-                              batch.position_ids.reshape(-1).to(device, torch.long), cu, self.subgroups,
-                              multiple_of=self.multiple_of)
+        tokens, labels = batch.tokens.reshape(-1).to(device, torch.long), batch.labels.reshape(-1).to(device, torch.long)
+        s = dynamic_cp_inputs(entry, tokens, labels, batch.position_ids.reshape(-1).to(device, torch.long), cu,
+                              self.subgroups, multiple_of=self.multiple_of)
         # Every member of the group counts its own shard's labels: they sum to the entry's.
-        return StepInputs(s.tokens, s.labels, s.position_ids, s.meta,
-                          num_tokens=batch.num_tokens / batch.cp_group_size,
-                          num_labels=float((s.labels != IGNORE_INDEX).sum()))
+        out = StepInputs(s.tokens, s.labels, s.position_ids, s.meta, num_tokens=batch.num_tokens / batch.cp_group_size,
+                         num_labels=float((s.labels != IGNORE_INDEX).sum()))
+        if not mtp_layers:
+            return out
+        # The entry's documents in their order (docs = all of them): `source` indexes this batch,
+        # so the MTP inputs made on it follow each position like its label.
+        mtp_tokens, mtp_labels = mtp_inputs(tokens, labels, cu, mtp_layers)
+        out = take_positions(dataclasses.replace(out, mtp_tokens=mtp_tokens, mtp_labels=mtp_labels), s.source)
+        counts = (out.mtp_labels != IGNORE_INDEX).sum(dim=1).tolist()
+        return dataclasses.replace(out, mtp_num_labels=tuple(float(n) for n in counts))

@@ -28,6 +28,7 @@ from core.validation import check_split_masters
 from core.precision.plan import PrecisionPlan
 from core.precision.te_fused import WeightVersion
 from core.precision.weight_cache import Fp8WeightCache
+from core.layers import model_blocks
 from core.mesh import ParallelMesh
 from core.train.optim import build_optimizer, clip_grad_norm_
 from core.parallel.context import apply_cp
@@ -85,7 +86,7 @@ def compile_blocks(chunks: list[nn.Module], cuda_graphs: bool = False, fp8_casts
     if one_graph_per_break:
         torch._dynamo.config.nested_graph_breaks = True
     for chunk in chunks:
-        for block in chunk.layers.values():
+        for _, block in model_blocks(chunk):
             if not compile_inside_checkpoint(block, **options):
                 block.compile(**options)
 
@@ -199,9 +200,9 @@ def apply_fp8(model: nn.Module, expert_wgrad: str = "fp8", dense: bool = True,
     matmul = blockwise.Fp8Matmul(cache)
     runs: dict[str, str] = {}
     kept: list[str] = []
-    for layer_name, block in layers.items():
+    for block_name, block in model_blocks(model):
         for name, module in list(block.named_modules()):
-            full = f"layers.{layer_name}.{name}"
+            full = f"{block_name}.{name}"
             if (isinstance(module, blockwise.Fp8Linear)
                     or isinstance(getattr(module, "matmul", None), blockwise.Fp8Matmul)
                     or isinstance(getattr(module, "mm", None), blockwise.Fp8GroupedMM)):
