@@ -90,10 +90,13 @@ class GPT(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Multi-token prediction: after the head, so the main model's parameters (and their
-        # initial values) are the same with and without it; they share the embedding and head.
-        self.mtp = nn.ModuleList([MTPModule(cfg, cfg.num_layers + k) for k in range(cfg.mtp_layers)]) \
-            if cfg.mtp_layers else None
+        # Multi-token prediction, sharing the embedding and head. Registered after the head and
+        # built on a forked generator (reset_parameters draws every value after), so the main
+        # model's parameters and initial values are the same with and without it.
+        self.mtp = None
+        if cfg.mtp_layers:
+            with torch.random.fork_rng(devices=[]):
+                self.mtp = nn.ModuleList([MTPModule(cfg, cfg.num_layers + k) for k in range(cfg.mtp_layers)])
         # False on a pipeline chunk that receives hidden states but keeps the embedding for
         # its MTP modules (the last stage).
         self.embeds_tokens = True
