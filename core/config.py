@@ -131,6 +131,8 @@ class ModelConfig:
     """Epsilon of the RMS norms."""
     tie_embeddings: bool = False
     """One weight shared by the input embedding and the output head."""
+    mtp_layers: int = 0
+    """Multi-token prediction depths (DeepSeek-V3): each a block after the model predicting one token further; 0: off."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of the weights."""
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
@@ -281,6 +283,8 @@ class TrainConfig:
     """torch.compile each block and the loss (static shapes)."""
     cuda_graphs: bool = False
     """With train.compile on a GPU: replay each block's compiled regions as CUDA graphs (less host time per step)."""
+    mtp_loss_weight: float = 0.3
+    """With model.mtp_layers > 0: weight of the mean of the depths' losses added to the main loss (DeepSeek-V3: 0.3, later 0.1)."""
     fused_loss: bool = False
     """Output head and loss over token chunks, never the whole [tokens, vocab] logits (less memory, a little slower)."""
     hang_timeout_s: float = 600.0
@@ -550,6 +554,7 @@ RANGES = {
     "model.num_kv_heads": ">= 1", "model.ffn_dim": ">= 1", "model.rope_theta": "> 0", "model.norm_eps": "> 0",
     "model.init_std": "> 0", "model.head_dim": ">= 0", "model.q_lora_rank": ">= 0", "model.kv_lora_rank": ">= 0",
     "model.qk_nope_head_dim": ">= 0", "model.qk_rope_head_dim": ">= 0", "model.v_head_dim": ">= 0",
+    "model.mtp_layers": ">= 0",
     "model.rope_scaling.factor": "> 0", "model.rope_scaling.original_max_position_embeddings": ">= 0",
     "model.rope_scaling.low_freq_factor": "> 0", "model.rope_scaling.high_freq_factor": "> 0",
     "model.rope_scaling.beta_fast": "> 0", "model.rope_scaling.beta_slow": "> 0",
@@ -567,7 +572,7 @@ RANGES = {
     "train.seq_len": ">= 2", "train.micro_batch_size": ">= 1", "train.global_batch_size": ">= 1", "train.lr": "> 0",
     "train.min_lr": ">= 0", "train.warmup_steps": ">= 0", "train.weight_decay": ">= 0", "train.beta1": "[0, 1)",
     "train.beta2": "[0, 1)", "train.eps": ">= 0", "train.grad_clip": ">= 0", "train.log_interval": ">= 1",
-    "train.hang_timeout_s": ">= 0", "train.mlp_chunk_tokens": ">= 0",
+    "train.hang_timeout_s": ">= 0", "train.mlp_chunk_tokens": ">= 0", "train.mtp_loss_weight": ">= 0",
     "data.prefetch": ">= 1", "data.stream_idle_timeout_s": ">= 0", "data.retry_s": "> 0", "data.server_restarts": ">= 0",
     "checkpoint.interval": ">= 0", "checkpoint.keep": ">= 1",
     "eval.interval": ">= 0", "eval.steps": ">= 1", "eval.seed": "[0, 9223372036854775807]",

@@ -4,6 +4,7 @@ They know nothing of parallelism or of how the model is assembled. Every tensor 
 as [tokens, ...] over a packed micro-batch; `AttentionMeta.cu_seqlens` marks the document
 boundaries attention must not cross. The parallelize steps rewrite submodules in place (linear
 layers, `core_attention`), so head counts are read from tensor shapes, never from the config.
+`model_blocks` is the one place that knows where a model keeps its blocks.
 """
 
 from __future__ import annotations
@@ -312,3 +313,15 @@ def tiled_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.
     """F.linear(silu(x w1^T) * (x w3^T), w2) over `chunk` tokens at a time: the forward and the
     backward hold one chunk's [chunk, hidden] intermediates, never the sequence's."""
     return _TiledSwiGLU.apply(x, w1, w3, w2, chunk)
+
+
+def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, block) of every transformer block a GPT or pipeline chunk holds: its
+    `layers` ModuleDict (`layers.{i}`), then each multi-token prediction module's block
+    (`mtp.{k}.block`). The parallelize steps rewrite blocks through this, so an MTP block gets
+    the same tensor, context, precision and recompute treatment as the model's own layers."""
+    blocks = [(f"layers.{name}", block) for name, block in model.layers.items()]
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        blocks += [(f"mtp.{k}.block", module.block) for k, module in enumerate(mtp)]
+    return blocks

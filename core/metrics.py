@@ -19,14 +19,18 @@ log = logging.getLogger(__name__)
 PEAK_FLOPS = {"bf16": 989e12, "fp8": 1979e12}
 
 
-def flops_per_token(active_params: int, embedding_params: int, num_layers: int, dim: int, seq_len: int) -> float:
+def flops_per_token(active_params: int, embedding_params: int, num_layers: int, dim: int, seq_len: int,
+                    mtp_layers: int = 0, head_params: int = 0) -> float:
     """Training FLOPs per token: 6 per non-embedding weight a token uses (all of them in a
     dense model; top_k of E routed experts in a MoE layer) plus causal attention's
     6*layers*dim*seq (the usual accounting, as in BENCHMARKS.md, so MFUs compare); `dim` is the
     attention width, num_heads * head_dim (model.dim unless model.head_dim sets another size;
     multi-head latent attention: the mean of its query/key and value head sizes,
-    core.rules.attention_width)."""
-    return 6.0 * (active_params - embedding_params) + 6.0 * num_layers * dim * seq_len
+    core.rules.attention_width). Multi-token prediction: `active_params` holds its modules'
+    weights once, each depth's block adds its attention, and each depth runs the shared output
+    head again (`head_params`: the head's weights as counted above, 0 when tied to the embedding)."""
+    return (6.0 * (active_params - embedding_params + mtp_layers * head_params)
+            + 6.0 * (num_layers + mtp_layers) * dim * seq_len)
 
 
 def tensorboard_missing() -> str | None:
@@ -127,6 +131,8 @@ class MetricsWriter:
             f" | lr {record['lr']:.2e} | {record['tokens_per_s'] / 1e3:8.1f}k tok/s"
             f" | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | mem {record['mem_gb']:.2f} GB"
         )
+        if "mtp_loss" in record:  # the mean of the multi-token prediction depths' losses
+            line += f" | mtp {record['mtp_loss']:.4f}"
         if "val_loss" in record:
             line += f" | val {record['val_loss']:.4f}"
         line += f" | {format_duration(now - self._started)} elapsed, eta {format_duration(self._eta(record, now))}"

@@ -74,8 +74,9 @@ class MoEStatsLayout:
     @classmethod
     def of_run(cls, cfg: ModelConfig, mesh: ParallelMesh, etp: int, timed: bool) -> "MoEStatsLayout":
         """Every MoE layer of the model `cfg` describes, for vectors summed over all ranks of
-        `mesh` (etp: parallel.etp, as `moe.parallel.apply_ep` got it)."""
-        layers = [(i, cfg.moe) for i in range(cfg.num_layers) if moe_layer_rule(cfg.moe, i)]
+        `mesh` (etp: parallel.etp, as `moe.parallel.apply_ep` got it); the multi-token
+        prediction blocks are layers num_layers.. (DeepSeek-V3's numbering)."""
+        layers = [(i, cfg.moe) for i in range(cfg.num_layers + cfg.mtp_layers) if moe_layer_rule(cfg.moe, i)]
         tp = mesh.size("tp")
         return cls(layers, timed=timed, copies=tp if etp > 1 and tp > 1 else 1,
                    stage_ranks=mesh.size("dp_cp") * tp)

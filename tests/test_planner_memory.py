@@ -134,6 +134,14 @@ def test_state_bytes_exact_on_one_process(name, precision):
     assert _measured(config) == _predicted(config, 0)
 
 
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
+def test_state_bytes_exact_with_multi_token_prediction(name):
+    # The MTP modules (their blocks MoE blocks in tiny_moe) sit on the last stage.
+    config = validate(_config(name, "bf16", ["parallel.ep=1", "model.mtp_layers=2"]), 1)
+    assert _measured(config) == _predicted(config, 0)
+    assert _predicted(config, 0)["params"] > _predicted(validate(_config(name, "bf16", ["parallel.ep=1"]), 1), 0)["params"]
+
+
 class _Storages(TorchDispatchMode):
     """Every storage an op creates, tagged with the part of the model that was running."""
 

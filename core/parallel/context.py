@@ -32,7 +32,7 @@ from torch import nn
 from core.attention import varlen_attention
 from core.eager import eager_only
 from core.mesh import ParallelMesh
-from core.layers import AttentionMeta
+from core.layers import AttentionMeta, model_blocks
 from core.parallel.ring_attention import CPLayout, ring_attention
 from dataservice.packing import IGNORE_INDEX
 
@@ -189,7 +189,7 @@ def apply_cp(model: nn.Module, mesh: ParallelMesh | None) -> nn.Module:
     before recompute wrappers. With mesh None or cp == 1 the group is None: the model still
     runs dynamic-CP batches that name their group in `meta.extra["cp_group"]`."""
     group = mesh.group("cp") if mesh is not None and mesh.size("cp") > 1 else None
-    for block in model.layers.values():
+    for _, block in model_blocks(model):
         block.attention.core_attention = RingCoreAttention(group)
     return model
 

@@ -29,7 +29,7 @@ import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,16 @@ class PipelineStage:
         return merged
 
 
+class LossParts(NamedTuple):
+    """What a loss_fn may return instead of a loss sum: `objective` is backpropagated as it is
+    (already normalised), `reported` is summed into the step's `loss_sum`, and `extra` (1-D,
+    `run_pipeline_step(extra_values=...)` long) into its `extra_sums` (e.g. auxiliary losses)."""
+
+    objective: torch.Tensor
+    reported: torch.Tensor
+    extra: torch.Tensor
+
+
 @dataclass
 class PipelineStepResult:
     """One step's loss and bubble: theoretical, and measured as this rank's idle share."""
@@ -102,6 +112,7 @@ class PipelineStepResult:
     mean_idle_fraction: float  # the mean of idle_fraction over the pipeline's ranks
     compute_s: float
     step_s: float
+    extra_sums: torch.Tensor | None = None  # LossParts.extra summed over the step, on every rank
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -117,11 +128,15 @@ def _chunk_of(model: nn.Module, layer_ids: range, embed: bool, head: bool) -> nn
     chunk = copy.copy(model)
     chunk._modules = dict(model._modules)  # its own table, so the assignments below stay local
     chunk.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
-    if not embed:
+    mtp = getattr(model, "mtp", None) is not None
+    if not embed and not (head and mtp):
         chunk.tok_embeddings = None
+    chunk.embeds_tokens = embed
     if not head:
         chunk.norm = None
         chunk.output = None
+        if mtp:
+            chunk.mtp = None
     return chunk
 
 
@@ -141,9 +156,13 @@ def build_pipeline_stage(model: nn.Module, mesh: ParallelMesh, config: Config) -
     stages = [c * pp + rank for c in range(virtual)]
     last = pp * virtual - 1
     tied = model.tok_embeddings is not None and model.output is not None and model.output.weight is model.tok_embeddings.weight
+    # Multi-token prediction runs on the last stage and embeds there too: that stage keeps a
+    # copy of the embedding (the same name, so a checkpoint holds it once), tied to the first
+    # stage's like a tied output head.
+    mtp = getattr(model, "mtp", None) is not None
 
     tied_group = None
-    if tied and pp > 1:
+    if (tied or mtp) and pp > 1:
         # One group per (dp, cp, tp) position joins its first and last stage, which hold the
         # two copies of the tied weight; every rank creates every group, in the same order.
         full = mesh.mesh.mesh.reshape(pp, -1)
@@ -156,10 +175,14 @@ def build_pipeline_stage(model: nn.Module, mesh: ParallelMesh, config: Config) -
     for key in [k for k in model.layers.keys() if k not in owned]:
         del model.layers[key]
     if 0 not in stages:
-        model.tok_embeddings = None
+        model.embeds_tokens = False
+        if not (mtp and last in stages):
+            model.tok_embeddings = None
     if last not in stages:
         model.norm = None
         model.output = None
+        if mtp:
+            model.mtp = None
     if virtual == 1:
         chunks = [model]
     else:
@@ -197,16 +220,19 @@ def tie_for_data_parallel(stage: PipelineStage) -> None:
 
 
 def _tied_weights(stage: PipelineStage) -> list[nn.Parameter]:
-    """The copies of the tied embedding this rank holds (first and/or last stage)."""
+    """The copies of the tied embedding this rank holds (first and/or last stage): the last
+    stage's is its MTP modules' embedding, else its tied output head."""
     weights = []
     for c, chunk in enumerate(stage.chunks):
         s = stage.stage_of(c)
         if s == 0 and chunk.tok_embeddings is not None:
             weights.append(chunk.tok_embeddings.weight)
-        if s == stage.num_stages - 1 and chunk.output is not None:
-            # Counted once for the global grad norm: the first stage holds the other copy.
-            chunk.output.weight.pp_tied_duplicate = True
-            weights.append(chunk.output.weight)
+        if s == stage.num_stages - 1:
+            copy_ = chunk.tok_embeddings if getattr(chunk, "mtp", None) is not None else chunk.output
+            if copy_ is not None and all(copy_.weight is not w for w in weights):
+                # Counted once for the global grad norm: the first stage holds the other copy.
+                copy_.weight.pp_tied_duplicate = True
+                weights.append(copy_.weight)
     return weights
 
 
@@ -268,7 +294,8 @@ def run_pipeline_step(
     loss_divisor: float,
     forward_context: Callable[[], ContextManager] | None = None,
     backward_context: Callable[[int, bool], ContextManager] | None = None,
-    head_in_loss: bool = False,
+    last_forward: Callable[[nn.Module, torch.Tensor, Any], Any] | None = None,
+    extra_values: int = 0,
 ) -> PipelineStepResult:
     """Forward and backward every micro-batch through the pipeline; gradients accumulate in
     `.grad` (the caller zeroes them between optimizer steps and reduces them over dp after).
@@ -279,11 +306,13 @@ def run_pipeline_step(
     micro-batch's sum is divided by `loss_divisor` (the global label count) before backward.
     forward_context: wraps each forward (e.g. autocast). backward_context(chunk, last):
     wraps each backward; `last` marks a chunk's final backward of the step (e.g. to let a
-    data-parallel wrapper start its reduction only then). head_in_loss: the last stage stops at
-    its final norm (`hidden_states`) and `loss_fn` applies the output head itself (a fused loss).
+    data-parallel wrapper start its reduction only then).
+    last_forward(chunk, x, micro): the last stage's forward, whose output goes to loss_fn
+    (default: chunk(x, micro.position_ids, micro.meta)). loss_fn may return `LossParts`; then
+    `extra_values` is the length of their `extra`, the same on every rank.
     Collective over the pipeline group; one call per optimizer step is the intended use."""
-    run = _StepRun(stage, micro_batches, loss_fn, mesh, config, loss_divisor, forward_context, backward_context)
-    run.head_in_loss = head_in_loss
+    run = _StepRun(stage, micro_batches, loss_fn, mesh, config, loss_divisor, forward_context, backward_context,
+                   last_forward, extra_values)
     for item in run.program:
         if isinstance(item, Post):
             run.post(item)
@@ -298,8 +327,9 @@ class _StepRun:
     """One optimizer step's execution of this rank's program: posts, forwards, backwards."""
 
     def __init__(self, stage: PipelineStage, micro_batches, loss_fn, mesh: ParallelMesh, config: Config,
-                 loss_divisor: float, forward_context, backward_context):
+                 loss_divisor: float, forward_context, backward_context, last_forward=None, extra_values: int = 0):
         self.stage, self.micro_batches, self.loss_fn = stage, micro_batches, loss_fn
+        self.last_forward = last_forward
         self.mesh, self.config = mesh, config
         self.program = plan_step(stage.schedule, stage.pp, stage.virtual, len(micro_batches)).programs[stage.pp_rank]
         self.last_stage = stage.num_stages - 1
@@ -318,8 +348,8 @@ class _StepRun:
         self.batches: list[_Batch] = []
         self.saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.extra_sums = torch.zeros(extra_values, dtype=torch.float32, device=self.device)
         self.clock = _Clock(self.device)
-        self.head_in_loss = False
 
     def _received(self, message) -> torch.Tensor:
         buffer, batch = self.recv_work.pop(message)
@@ -350,15 +380,20 @@ class _StepRun:
         chunk = self.stage.chunks[item.chunk]
         x = micro.tokens if s == 0 else self._received(Message("act", s, item.micro)).requires_grad_()
         with self.clock.span(), self.forward_context():
-            if s == self.last_stage and self.head_in_loss:
-                out = chunk.hidden_states(x, micro.position_ids, micro.meta)
+            if s == self.last_stage and self.last_forward is not None:
+                out = self.last_forward(chunk, x, micro)
             else:
                 out = chunk(x, micro.position_ids, micro.meta)
             if s == self.last_stage:
                 part = self.loss_fn(out, micro)
-                part = part[0] if isinstance(part, tuple) else part
-                self.loss_sum += part.detach().float()
-                out = part / self.divisor
+                if isinstance(part, LossParts):
+                    self.loss_sum += part.reported.detach().float()
+                    self.extra_sums += part.extra.detach().float()
+                    out = part.objective
+                else:
+                    part = part[0] if isinstance(part, tuple) else part
+                    self.loss_sum += part.detach().float()
+                    out = part / self.divisor
         if s != self.last_stage:
             _check_activation(out, _hidden_shape(micro, self.config, self.mesh), self.dtype, s)
             self.to_send[Message("act", s + 1, item.micro)] = out.detach().contiguous()
@@ -383,7 +418,8 @@ class _StepRun:
         idle = 1.0 - compute_s / step_s if step_s > 0 else 0.0
         # One all-reduce tells every pipeline rank the loss (only the last stage has it) and the
         # ranks' mean idle share.
-        summary = torch.stack([self.loss_sum.double(), torch.tensor(idle, dtype=torch.float64, device=self.device)])
+        summary = torch.cat([torch.stack([self.loss_sum.double(), torch.tensor(idle, dtype=torch.float64, device=self.device)]),
+                             self.extra_sums.double()])
         if self.group is not None and self.stage.pp > 1:
             dist.all_reduce(summary, group=self.group)
         pp, m = self.stage.pp, len(self.micro_batches)
@@ -394,6 +430,7 @@ class _StepRun:
             mean_idle_fraction=float(summary[1]) / pp,
             compute_s=compute_s,
             step_s=step_s,
+            extra_sums=summary[2:].float(),
         )
         log.debug("pipeline step: bubble theory %.3f, idle here %.3f, idle mean %.3f",
                   result.theoretical_bubble, idle, result.mean_idle_fraction)

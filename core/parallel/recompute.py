@@ -42,7 +42,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
 from core.rules import RECOMPUTE_MODULES
-from core.layers import FeedForward, RMSNorm, SwiGLU
+from core.layers import FeedForward, RMSNorm, SwiGLU, model_blocks
 from core.mla import MLAttention
 
 MODES = ("none", "selective", "full")
@@ -347,7 +347,7 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=()
         raise ValueError("offload 'mla_up' is not a module of its own; offload 'attention' or 'attention_core'")
     if offload and offloader is None:
         offloader = ActivationOffload()
-    for position, block in enumerate(model.layers.values()):
+    for position, (_, block) in enumerate(model_blocks(model)):
         recomputed = kinds if not num_layers or position < num_layers else set()
         chosen = _outermost([(m, c, k) for k in sorted(recomputed) for m, c in _targets(block, k)])
         if any(k == "mlp" for _, _, k in chosen):  # the mlp's checkpoint holds its norm

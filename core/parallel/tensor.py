@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import placement
+from core.layers import model_blocks
 from core.mesh import ParallelMesh
 from core.layers import Attention, FeedForward
 from core.mla import MLAttention
@@ -236,8 +237,7 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool = Tru
     sp = sequence_parallel and size > 1
 
     if size > 1:
-        for name, block in model.layers.items():
-            prefix = f"layers.{name}"
+        for prefix, block in model_blocks(model):
             attn = block.attention
             if isinstance(attn.wo, RowParallelLinear):
                 raise ValueError(f"{prefix}.attention is already tensor-parallel: apply_tp was applied twice")
@@ -278,13 +278,16 @@ def apply_tp(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool = Tru
 
     # Under sequence parallelism the norms see only this rank's tokens, so their gains get
     # partial gradients (row-parallel biases were tagged in from_linear).
-    norms = [model.norm] + [m for block in model.layers.values() for m in (block.attention_norm, block.ffn_norm)]
+    # The MTP modules' norms and their replicated input projection likewise (they see the
+    # residual stream's tokens).
+    mtp = [m for module in (getattr(model, "mtp", None) or ()) for m in (module.enorm, module.hnorm, module.eh_proj, module.norm)]
+    norms = [model.norm] + [m for _, block in model_blocks(model) for m in (block.attention_norm, block.ffn_norm)] + mtp
     for norm in norms:
         if norm is not None:
             for param in norm.parameters():
                 _replicated(param, partial_grad=sp)
     # qk-norm gains are shared by the heads; each rank's gradient covers its own heads.
-    for block in model.layers.values():
+    for _, block in model_blocks(model):
         for norm in (block.attention.q_norm, getattr(block.attention, "k_norm", None)):
             if norm is not None:
                 _replicated(norm.weight, partial_grad=size > 1)

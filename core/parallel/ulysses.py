@@ -36,7 +36,7 @@ from torch import nn
 
 from core.attention import varlen_attention
 from core.eager import eager_only
-from core.layers import AttentionMeta
+from core.layers import AttentionMeta, model_blocks
 from core.mesh import ParallelMesh
 from core.parallel.context import CPInputs, _cu, _iota, shard_for_cp
 from core.parallel.ring_attention import CPLayout, ring_attention
@@ -190,6 +190,6 @@ class A2AGroups:
 
 def apply_a2a_cp(model: nn.Module, groups: A2AGroups) -> nn.Module:
     """Swap every block's `core_attention` for `A2ACoreAttention` (in place; after tensor parallelism)."""
-    for block in model.layers.values():
+    for _, block in model_blocks(model):
         block.attention.core_attention = A2ACoreAttention(groups.a2a_group, groups.ring_group)
     return model

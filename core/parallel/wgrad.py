@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from core.kernels.embedding import add_embedding_grad_
 from core.kernels.fused import matmul_into_
-from core.layers import FeedForward
+from core.layers import FeedForward, model_blocks
 
 
 def _add_weight_grad(main_grad: Tensor, grad_out: Tensor, inputs: Tensor) -> None:
@@ -95,7 +95,7 @@ def fuse_weight_grads(chunks: list[nn.Module]) -> None:
     data parallelism (call after `apply_recompute` and before `apply_data_parallel`, which gives
     them `main_grad`)."""
     for chunk in chunks:
-        for block in chunk.layers.values():
+        for _, block in model_blocks(chunk):
             parents = [block.attention] + [m for m in block.feed_forward.modules() if isinstance(m, FeedForward)]
             for parent in parents:
                 for linear in parent.children():

@@ -242,7 +242,11 @@ def head_activations(config: Config) -> int:
         loss = s.tokens * s.vocab * b + 16 * s.tokens
     else:
         loss = s.tokens * s.vocab * 4 + 18 * s.tokens
-    return norm_saved(s.seq_tokens, m.dim, b) + s.tokens * m.dim * b + loss
+    head = norm_saved(s.seq_tokens, m.dim, b) + s.tokens * m.dim * b + loss
+    # Multi-token prediction: the head and loss once more per depth, and each depth's two input
+    # norms and the [T, 2*dim] input of its projection (its block is among the stage's layers).
+    mtp = m.mtp_layers * (2 * norm_saved(s.seq_tokens, m.dim, b) + 2 * s.seq_tokens * m.dim * b)
+    return (1 + m.mtp_layers) * head + mtp
 
 
 def loss_transient(config: Config) -> int:

@@ -55,9 +55,13 @@ def coordinates(config: Config, rank: int) -> dict[str, int]:
 
 
 def _chunk_layers(config: Config, pp_rank: int) -> list[range]:
-    """The global layer indices of each model chunk (virtual stage) pipeline rank `pp_rank` holds."""
+    """The global layer indices of each model chunk (virtual stage) pipeline rank `pp_rank` holds;
+    the last stage's ends with its multi-token prediction blocks, num_layers.. (the order of
+    `core.layers.model_blocks`, which recompute's first-N counts in)."""
     p, m = config.parallel, config.model
-    ranges = partition_layers(m.num_layers, p.pp * p.pp_virtual_stages, p.pp_first_stage_layers, p.pp_last_stage_layers)
+    stages = p.pp * p.pp_virtual_stages
+    ranges = [list(r) for r in partition_layers(m.num_layers, stages, p.pp_first_stage_layers, p.pp_last_stage_layers)]
+    ranges[-1] += range(m.num_layers, m.num_layers + m.mtp_layers)
     return [ranges[c * p.pp + pp_rank] for c in range(p.pp_virtual_stages)]
 
 
@@ -133,10 +137,14 @@ def _local_params(config: Config, pp_rank: int) -> list[ParamSpec]:
     first = pp_rank == 0
     last = pp_rank == p.pp - 1
     specs: list[ParamSpec] = []
-    if first:
+    if first or (last and m.mtp_layers):  # the last stage's MTP modules embed too (a tied copy)
         specs.append(ParamSpec("tok_embeddings.weight", (m.vocab_size // tp, d), 0 if tp > 1 else None))
     for i in layers:
-        pre = f"layers.{i}."
+        pre = f"layers.{i}." if i < m.num_layers else f"mtp.{i - m.num_layers}.block."
+        if i >= m.num_layers:
+            mtp = f"mtp.{i - m.num_layers}."
+            specs += [ParamSpec(mtp + name, (d,), None) for name in ("enorm.weight", "hnorm.weight", "norm.weight")]
+            specs.append(ParamSpec(mtp + "eh_proj.weight", (d, 2 * d), None))
         specs.append(ParamSpec(pre + "attention_norm.weight", (d,), None))
         a = pre + "attention."
         if m.attention == "mla":

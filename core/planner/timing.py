@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.config import Config
+from core.metrics import flops_per_token
 from core.rules import attention_width, grad_accum_steps, moe_layer_rule, recompute_set
 from core.planner.calibration import Calibration
 from core.planner.memory import block_activations, shapes
@@ -339,13 +340,18 @@ class _Model:
             fwd.add("memory", emb)
             bwd.add("memory", self.mem(T * d * (self.b + 8), 2))
         if pp_rank == p.pp - 1:
-            self.norm(fwd, bwd)
-            self.linear(T, s.vocab, d, fwd, bwd, "head", "bf16")
-            loss = self.mem(T * s.vocab * LOSS_BYTES / 2, 6)
-            fwd.add("loss", loss)
-            bwd.add("loss", loss)
-            if p.tp > 1:
-                fwd.add("tp_comm", 2 * self.coll("all_reduce", "tp", T * 8))
+            for _ in range(1 + m.mtp_layers):  # the shared head and loss once per MTP depth too
+                self.norm(fwd, bwd)
+                self.linear(T, s.vocab, d, fwd, bwd, "head", "bf16")
+                loss = self.mem(T * s.vocab * LOSS_BYTES / 2, 6)
+                fwd.add("loss", loss)
+                bwd.add("loss", loss)
+                if p.tp > 1:
+                    fwd.add("tp_comm", 2 * self.coll("all_reduce", "tp", T * 8))
+            for _ in range(m.mtp_layers):  # each depth's embedding, two norms and input projection
+                self.linear(T, d, 2 * d, fwd, bwd, "gemm", "bf16")
+                self.norm(fwd, bwd)
+                self.norm(fwd, bwd)
         # Every parameter's gradient is added into its fp32 main grad once per micro-batch.
         numel = cached(("numel", pp_rank) + layout_key(self.c),
                        lambda: sum(spec.numel for spec in local_params(self.c, pp_rank)))
@@ -370,8 +376,9 @@ def _make_buckets(config: Config, pp_rank: int, cap_mb: float) -> list[tuple[str
     order = {layer: i for i, layer in enumerate(reversed(layers))}
 
     def ready(name: str) -> float:
-        if name.startswith("layers."):
-            return (order[int(name.split(".")[1])] + 1) / max(len(layers), 1)
+        if name.startswith(("layers.", "mtp.")):
+            layer = int(name.split(".")[1]) + (config.model.num_layers if name.startswith("mtp.") else 0)
+            return (order[layer] + 1) / max(len(layers), 1)
         return 1.0 if name.startswith("tok_embeddings") else 0.0
 
     cap = int(cap_mb * 2**20)
@@ -481,9 +488,11 @@ def _mfu(config: Config, tokens_per_s: float) -> float:
     if moe.num_experts:
         hidden = moe.ffn_dim or m.ffn_dim
         per_expert = 3 * m.dim * hidden
-        layers = sum(1 for i in range(m.num_layers) if moe_layer_rule(moe, i))
+        layers = sum(1 for i in range(m.num_layers + m.mtp_layers) if moe_layer_rule(moe, i))
         active -= layers * per_expert * (moe.num_experts - moe.top_k)
-    flops = 6.0 * (active - embedding) + 6.0 * m.num_layers * attention_width(m) * t.seq_len
+    head = 0 if m.tie_embeddings else m.vocab_size * m.dim
+    flops = flops_per_token(active, embedding, m.num_layers, attention_width(m), t.seq_len,
+                            m.mtp_layers, head)  # the trainer's accounting (core/metrics.py)
     world = p.pp * p.dp * p.cp * p.tp
     return flops * tokens_per_s / (989e12 * world)
 

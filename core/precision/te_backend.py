@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from core.eager import eager_only
-from core.layers import Attention, FeedForward, RMSNorm
+from core.layers import Attention, FeedForward, RMSNorm, model_blocks
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from core.precision.te_fused import FP8_ALIGN, NormInNextLayer, TeCall, TeNormMLP, TeNormQKV, WeightVersion
 
@@ -241,11 +241,11 @@ def apply_te(model: nn.Module, fp8_recipe: str | None, fuse_wgrad: bool, norm_fu
     te, _ = _te()
     recipe = build_recipe(fp8_recipe)
     runs: dict[str, str] = {}
-    for layer_name, block in layers.items():
+    for block_name, block in model_blocks(model):
         joined = _fuse_norms(block, te, recipe, fuse_wgrad, weights) if norm_fusion else []
-        runs.update({f"layers.{layer_name}.{name}": "te-fused" for name in joined})
+        runs.update({f"{block_name}.{name}": "te-fused" for name in joined})
         for name, module in list(block.named_modules()):
-            full = f"layers.{layer_name}.{name}"
+            full = f"{block_name}.{name}"
             if name in joined:
                 continue
             if isinstance(module, nn.Linear):

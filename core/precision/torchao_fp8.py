@@ -21,6 +21,7 @@ import logging
 
 from torch import nn
 
+from core.layers import model_blocks
 from core.rules import TORCHAO_FP8_RECIPES
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,9 @@ def apply_torchao_fp8(model: nn.Module, recipe: str, emulate: bool) -> dict[str,
         runs[name] = "fp8" if ok else "bf16"
         return ok
 
-    for layer_name, block in layers.items():
+    for block_name, block in model_blocks(model):
         convert_to_float8_training(block, config=config,
-                                   module_filter_fn=lambda mod, fqn, prefix=f"layers.{layer_name}.":
+                                   module_filter_fn=lambda mod, fqn, prefix=f"{block_name}.":
                                    isinstance(mod, nn.Linear) and convert(mod, prefix + fqn))
     kept = [name for name, how in runs.items() if how == "bf16"]
     if kept:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -51,6 +52,47 @@ class StepInputs:
     # of the micro-batch (1/g of it for a micro-batch split over g ranks) and of its documents.
     num_microbatches: float = 1.0
     num_sequences: float = 0.0
+    # Multi-token prediction (model.mtp_layers = D): [D, T] inputs and targets per depth, sharded
+    # like `tokens` and `labels` (`mtp_inputs`, `take_positions`), and each depth's label count.
+    mtp_tokens: torch.Tensor | None = None
+    mtp_labels: torch.Tensor | None = None
+    mtp_num_labels: tuple[float, ...] = ()
+
+
+def mtp_inputs(tokens: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor, depths: int,
+               pad_token: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The multi-token prediction depths' inputs and targets of a packed micro-batch, [depths, T] each.
+
+    tokens, labels: [T] flattened; cu_seqlens: its segments (documents, pieces, padding). Depth
+    k at position i reads token i+k+1 and is trained on label i+k+1 (token i+k+2, or IGNORE_INDEX
+    where the main loss ignores it: a document's end, a prompt), both only when position i+k+1
+    lies in position i's segment; elsewhere `pad_token` and IGNORE_INDEX. So no input or target
+    crosses a document boundary, and the masked positions sit at each segment's end, where
+    causal attention shows them to no valid position. Computed on the whole micro-batch, before
+    any context-parallel split, which then carries them with the labels (`take_positions`)."""
+    total = tokens.shape[0]
+    lengths = cu_seqlens.to(tokens.device, torch.long).diff()
+    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=tokens.device), lengths, output_size=total)
+    out_tokens = torch.full((depths, total), pad_token, dtype=tokens.dtype, device=tokens.device)
+    out_labels = torch.full((depths, total), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
+    for k in range(min(depths, total - 1)):
+        shift = k + 1
+        same = segment[shift:] == segment[:-shift]
+        out_tokens[k, :-shift] = torch.where(same, tokens[shift:], pad_token)
+        out_labels[k, :-shift] = torch.where(same, labels[shift:], IGNORE_INDEX)
+    return out_tokens, out_labels
+
+
+def take_positions(inputs: StepInputs, source: torch.Tensor) -> StepInputs:
+    """`inputs`' MTP tensors at this rank's positions: `source` maps each local position to its
+    index in the unsharded micro-batch, -1 for padding (`core.parallel.context.CPInputs.source`)."""
+    if inputs.mtp_tokens is None:
+        return inputs
+    real = source >= 0
+    picked = source.clamp(min=0)
+    mtp_tokens = torch.where(real, inputs.mtp_tokens[:, picked], 0)
+    mtp_labels = torch.where(real, inputs.mtp_labels[:, picked], IGNORE_INDEX)
+    return dataclasses.replace(inputs, mtp_tokens=mtp_tokens, mtp_labels=mtp_labels)
 
 
 class LocalServer:
@@ -265,7 +307,9 @@ def padding_segments(batch) -> torch.Tensor:
     return (batch.doc_hashes.to(torch.int64) == 0) & (cu[1:] % batch.tokens.shape[-1] == 0)
 
 
-def to_inputs(batch, device: torch.device) -> StepInputs:
+def to_inputs(batch, device: torch.device, mtp_layers: int = 0) -> StepInputs:
+    """One packed batch as model inputs on `device`; with `mtp_layers`, the MTP depths' inputs
+    and targets too (computed on the host, where the label counts are read)."""
     seq_lens = batch.seq_lens
     max_seqlen = int(seq_lens.max()) if seq_lens.numel() else int(batch.tokens.shape[-1])
     labels = batch.labels.reshape(-1).to(device, torch.long, non_blocking=True)
@@ -274,6 +318,12 @@ def to_inputs(batch, device: torch.device) -> StepInputs:
     real = None
     if bool(padding.any()):  # which tokens MoE statistics and balancing count (AttentionMeta.real)
         real = torch.repeat_interleave(~padding, lengths.to(torch.int64)).to(device, non_blocking=True)
+    mtp = {}
+    if mtp_layers:
+        mtp_tokens, mtp_labels = mtp_inputs(batch.tokens.reshape(-1).long(), batch.labels.reshape(-1).long(),
+                                            batch.cu_seqlens, mtp_layers)
+        mtp = dict(mtp_tokens=mtp_tokens.to(device, non_blocking=True), mtp_labels=mtp_labels.to(device, non_blocking=True),
+                   mtp_num_labels=tuple(float(n) for n in (mtp_labels != IGNORE_INDEX).sum(dim=1).tolist()))
     return StepInputs(
         tokens=batch.tokens.reshape(-1).to(device, torch.long, non_blocking=True),
         labels=labels,
@@ -283,4 +333,5 @@ def to_inputs(batch, device: torch.device) -> StepInputs:
         num_tokens=int(batch.num_tokens),
         num_labels=int((batch.labels != IGNORE_INDEX).sum()),
         num_sequences=float((~padding).sum()),
+        **mtp,
     )

@@ -26,6 +26,7 @@ plan's own idle time is not changed (a rank waiting for a wider group idled ther
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator, NamedTuple
 
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 
 from core.config import Config
 from core.layers import AttentionMeta
-from core.train.data import StepInputs
+from core.train.data import StepInputs, mtp_inputs, take_positions
 from core.mesh import ParallelMesh
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs
 from dataservice.packing import IGNORE_INDEX
@@ -81,7 +82,7 @@ class DynamicCP:
                                    f"{len(entries)} of {batch.cp_microbatches_in_step}")
             step = batch.step
             if batch.cp_microbatches_in_step:
-                entries.append((batch.cp_wave, self._inputs(batch, device)))
+                entries.append((batch.cp_wave, self._inputs(batch, device, self.config.model.mtp_layers)))
             if batch.ends_step:
                 if not self.by_waves:
                     return [inputs for _, inputs in entries]
@@ -97,26 +98,38 @@ class DynamicCP:
                 raise RuntimeError(f"the data service sent entries of waves {[w for w, _ in entries]} in a step of "
                                    f"{waves} waves; each wave holds at most one entry of a rank")
             out[wave] = inputs
-        return [inputs if inputs is not None else _empty(device) for inputs in out]
+        return [inputs if inputs is not None else _empty(device, self.config.model.mtp_layers) for inputs in out]
 
-    def _inputs(self, batch, device: torch.device) -> StepInputs:
+    def _inputs(self, batch, device: torch.device, mtp_layers: int = 0) -> StepInputs:
         cu = batch.cu_seqlens.to(device, torch.int32)
         entry = _Entry(batch.cp_group_start, batch.cp_group_size, torch.arange(cu.numel() - 1, device=device))
-        s = dynamic_cp_inputs(entry, batch.tokens.reshape(-1).to(device, torch.long),
-                              batch.labels.reshape(-1).to(device, torch.long),
-                              batch.position_ids.reshape(-1).to(device, torch.long), cu, self.subgroups,
-                              multiple_of=self.multiple_of)
+        tokens, labels = batch.tokens.reshape(-1).to(device, torch.long), batch.labels.reshape(-1).to(device, torch.long)
+        s = dynamic_cp_inputs(entry, tokens, labels, batch.position_ids.reshape(-1).to(device, torch.long), cu,
+                              self.subgroups, multiple_of=self.multiple_of)
         # Every member of the group counts its own shard's labels: they sum to the entry's.
-        return StepInputs(s.tokens, s.labels, s.position_ids, s.meta,
-                          num_tokens=batch.num_tokens / batch.cp_group_size,
-                          num_labels=float((s.labels != IGNORE_INDEX).sum()),
-                          num_microbatches=1 / batch.cp_group_size,
-                          num_sequences=(cu.numel() - 1) / batch.cp_group_size)
+        out = StepInputs(s.tokens, s.labels, s.position_ids, s.meta,
+                         num_tokens=batch.num_tokens / batch.cp_group_size,
+                         num_labels=float((s.labels != IGNORE_INDEX).sum()),
+                         num_microbatches=1 / batch.cp_group_size,
+                         num_sequences=(cu.numel() - 1) / batch.cp_group_size)
+        if not mtp_layers:
+            return out
+        # The entry's documents in their order (docs = all of them): `source` indexes this batch,
+        # so the MTP inputs made on it follow each position like its label.
+        mtp_tokens, mtp_labels = mtp_inputs(tokens, labels, cu, mtp_layers)
+        out = take_positions(dataclasses.replace(out, mtp_tokens=mtp_tokens, mtp_labels=mtp_labels), s.source)
+        counts = (out.mtp_labels != IGNORE_INDEX).sum(dim=1).tolist()
+        return dataclasses.replace(out, mtp_num_labels=tuple(float(n) for n in counts))
 
 
-def _empty(device: torch.device) -> StepInputs:
+def _empty(device: torch.device, mtp_layers: int = 0) -> StepInputs:
     """A micro-batch without tokens: it runs every layer (and joins every collective) on nothing."""
     none = torch.zeros(0, dtype=torch.long, device=device)
     meta = AttentionMeta(cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device), max_seqlen=0, doc_lengths=())
+    mtp = {}
+    if mtp_layers:
+        mtp = dict(mtp_tokens=torch.zeros(mtp_layers, 0, dtype=torch.long, device=device),
+                   mtp_labels=torch.zeros(mtp_layers, 0, dtype=torch.long, device=device),
+                   mtp_num_labels=(0.0,) * mtp_layers)
     return StepInputs(none, none.clone(), none.clone(), meta, num_tokens=0.0, num_labels=0.0, num_microbatches=0.0,
-                      num_sequences=0.0)
+                      num_sequences=0.0, **mtp)

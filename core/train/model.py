@@ -18,7 +18,7 @@ from core.layers import Attention, AttentionMeta, FeedForward, RMSNorm, rope_fre
 from core.mla import MLAttention
 from moe.layer import MoELayer, moe_layers
 
-__all__ = ["GPT", "TransformerBlock", "build_model", "count_params", "is_moe_layer", "AttentionMeta"]
+__all__ = ["GPT", "MTPModule", "TransformerBlock", "build_model", "count_params", "is_moe_layer", "AttentionMeta"]
 
 
 def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
@@ -53,6 +53,30 @@ class TransformerBlock(nn.Module):
         return self.feed_forward(h, meta) if self.routed else self.feed_forward(h)
 
 
+class MTPModule(nn.Module):
+    """One multi-token prediction depth (DeepSeek-V3): at position i it joins the previous
+    depth's hidden state h_i (depth 0: the main model's last block output, before the final
+    norm) with the embedding of the token one further ahead, runs one transformer block and
+    gives its own hidden state; `norm` then feeds the model's shared output head.
+
+    The submodule names are the checkpoint's (Hugging Face: model.layers.{num_layers + k}.
+    enorm, hnorm, eh_proj, shared_head.norm and the block's own names)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = TransformerBlock(cfg, layer_id)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMeta) -> torch.Tensor:
+        """h: the previous depth's hidden states [T, dim]; embedded: the shifted tokens' embeddings."""
+        joined = torch.cat((self.enorm(embedded), self.hnorm(h)), dim=-1)  # embedding first, as DeepSeek-V3
+        return self.block(self.eh_proj(joined), rope, meta)
+
+
 class GPT(nn.Module):
     """Decoder-only transformer over a packed, flattened micro-batch."""
 
@@ -67,6 +91,16 @@ class GPT(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Multi-token prediction, sharing the embedding and head. Registered after the head and
+        # built on a forked generator (reset_parameters draws every value after), so the main
+        # model's parameters and initial values are the same with and without it.
+        self.mtp = None
+        if cfg.mtp_layers:
+            with torch.random.fork_rng(devices=[]):
+                self.mtp = nn.ModuleList([MTPModule(cfg, cfg.num_layers + k) for k in range(cfg.mtp_layers)])
+        # False on a pipeline chunk that receives hidden states but keeps the embedding for
+        # its MTP modules (the last stage).
+        self.embeds_tokens = True
         # Rotary frequencies: fp32 on the CPU (as transformers computes them), copied once per
         # device; a plain attribute, so casting the model's dtype never touches them.
         self.rope_inv_freq, self.rope_scale = rope_frequencies(cfg)
@@ -90,20 +124,42 @@ class GPT(nn.Module):
                 nn.init.normal_(param, 0.0, std)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        """tokens, position_ids: [T] (a flattened micro-batch) -> logits [T, vocab]."""
+        """tokens, position_ids: [T] (a flattened micro-batch) -> logits [T, vocab] (the main head only)."""
         h = self.hidden_states(tokens, position_ids, meta)
         return self.output(h) if self.output is not None else h
 
     def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         """What the output head reads: the final norm's output [T, dim] (a loss may fuse the head in)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h, _ = self._trunk(tokens, position_ids, meta)
+        return self.norm(h) if self.norm is not None else h
+
+    def heads(self, tokens: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta,
+              mtp_tokens: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """What the output head reads for the main model and each MTP depth: [final norm's output,
+        depth 0's normed hidden state, ...], each [T, dim]. mtp_tokens [D, T]: row k holds, at
+        position i, token i+k+1 of its document (`core.train.data.mtp_inputs`). On a chunk
+        without the head (a pipeline stage before the last): [its hidden states]."""
+        h, rope = self._trunk(tokens, position_ids, meta)
+        if self.norm is None:
+            return [h]
+        out = [self.norm(h)]
+        if self.mtp is not None and mtp_tokens is not None:
+            for k, module in enumerate(self.mtp):
+                h = module(h, self.tok_embeddings(mtp_tokens[k]), rope, meta)
+                out.append(module.norm(h))
+        return out
+
+    def _trunk(self, tokens: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta):
+        """(the last block's output, before the final norm; the rotary tables)."""
+        embeds = self.tok_embeddings is not None and self.embeds_tokens
+        h = self.tok_embeddings(tokens) if embeds else tokens
         inv_freq = self._rope_on.get(position_ids.device)
         if inv_freq is None:
             inv_freq = self._rope_on[position_ids.device] = self.rope_inv_freq.to(position_ids.device)
         rope = rotary_tables(position_ids, inv_freq, self.rope_scale)
         for layer in self.layers.values():
             h = layer(h, rope, meta)
-        return self.norm(h) if self.norm is not None else h
+        return h, rope
 
 
 def build_model(cfg: ModelConfig, seed: int) -> GPT:

@@ -23,7 +23,7 @@ from torch import nn
 
 from core.precision import blockwise, te_backend, torchao_fp8
 from core.config import Config
-from core.layers import FeedForward
+from core.layers import FeedForward, model_blocks
 from core import rules
 from core.validation import check_split_masters, cp_a2a_size
 from core.precision.plan import PrecisionPlan
@@ -87,7 +87,7 @@ def compile_blocks(chunks: list[nn.Module], cuda_graphs: bool = False, fp8_casts
     if one_graph_per_break:
         torch._dynamo.config.nested_graph_breaks = True
     for chunk in chunks:
-        for block in chunk.layers.values():
+        for _, block in model_blocks(chunk):
             if not compile_inside_checkpoint(block, **options):
                 block.compile(**options)
 
@@ -158,7 +158,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         tie_for_data_parallel(stage)
         chunks = stage.chunks
     if t.mlp_chunk_tokens:
-        tiled = [block for chunk in chunks for block in chunk.layers.values() if isinstance(block.feed_forward, FeedForward)]
+        tiled = [block for chunk in chunks for _, block in model_blocks(chunk) if isinstance(block.feed_forward, FeedForward)]
         for block in tiled:
             block.feed_forward.chunk_tokens = t.mlp_chunk_tokens
         log.info("tiled MLP: %d dense feed-forward layers run %d tokens at a time", len(tiled), t.mlp_chunk_tokens)
@@ -208,9 +208,9 @@ def apply_fp8(model: nn.Module, expert_wgrad: str = "fp8", dense: bool = True,
     matmul = blockwise.Fp8Matmul(cache)
     runs: dict[str, str] = {}
     kept: list[str] = []
-    for layer_name, block in layers.items():
+    for block_name, block in model_blocks(model):
         for name, module in list(block.named_modules()):
-            full = f"layers.{layer_name}.{name}"
+            full = f"{block_name}.{name}"
             if (isinstance(module, blockwise.Fp8Linear)
                     or isinstance(getattr(module, "matmul", None), blockwise.Fp8Matmul)
                     or isinstance(getattr(module, "mm", None), blockwise.Fp8GroupedMM)):

@@ -37,7 +37,7 @@ from core.state.checkpoint import AsyncCheckpointer, latest_checkpoint, load_che
 from core.config import Config
 from core.rules import attention_width, grad_accum_steps
 from core.validation import cp_a2a_size, validate
-from core.train.data import StepInputs, open_stream, resolve_address, to_inputs
+from core.train.data import StepInputs, open_stream, resolve_address, take_positions, to_inputs
 from core.lifecycle import stop_deferred
 from core.train.dynamic_cp import DynamicCP
 from core.train.loss import cross_entropy_sum, fused_head_loss
@@ -46,7 +46,7 @@ from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
 from core.train.model import build_model, count_params
 from core.parallel.context import shard_for_cp
 from core.parallel.ulysses import shard_for_a2a
-from core.parallel.pipeline import run_pipeline_step
+from core.parallel.pipeline import LossParts, run_pipeline_step
 from core.precision.plan import resolve_precision_plan
 from core.train.parallelize import parallelize
 from core.state.pretrained import load_weights
@@ -76,6 +76,7 @@ class StepResult:
     host_values: torch.Tensor | None = None  # [loss_sum, grad_norm], copied to the host without waiting
     moe_stats: tuple | None = None  # moe.stats.take_moe_stats at the step's end
     done: object = None  # the step's end: a CUDA event, or the host clock
+    mtp_labels: tuple = ()  # each multi-token prediction depth's global label count (its sums: host_values[2:])
 
 
 class Trainer:
@@ -117,8 +118,11 @@ class Trainer:
         # On a GPU `run` reads a step's record once the next step is queued; on the CPU a step
         # has finished when `step` returns, so there is nothing to overlap and each is read at once.
         self.lagged_records = self.device.type == "cuda"
-        self.flops_per_token = flops_per_token(active_params, embedding_params, config.model.num_layers,
-                                               attention_width(config.model), t.seq_len)
+        m = config.model
+        self.mtp_layers = m.mtp_layers
+        head_params = 0 if m.tie_embeddings else m.vocab_size * m.dim
+        self.flops_per_token = flops_per_token(active_params, embedding_params, m.num_layers,
+                                               attention_width(m), t.seq_len, m.mtp_layers, head_params)
         self.peak_flops = PEAK_FLOPS.get(self.precision) if self.device.type == "cuda" else None
         uses_autocast = self.precision == "bf16" and self.grads.uses_autocast
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if uses_autocast else contextlib.nullcontext()
@@ -155,7 +159,7 @@ class Trainer:
         """This rank's micro-batches of the next optimizer step, on the device."""
         if self.dynamic is not None:
             return self.dynamic.next_step(self._batches, self.device)
-        return [self._shard(to_inputs(next(self._batches), self.device)) for _ in range(self.accum)]
+        return [self._shard(to_inputs(next(self._batches), self.device, self.mtp_layers)) for _ in range(self.accum)]
 
     # -- one step --------------------------------------------------------------------------
 
@@ -164,9 +168,10 @@ class Trainer:
         schedule step. Reads nothing back from the device."""
         watch = self.watchdog
         watch.enter("label-count all-reduce")
+        mtp_local = [float(sum(m.mtp_num_labels[k] for m in micro)) for k in range(self.mtp_layers)]
         local = [float(sum(m.num_labels for m in micro)), float(sum(m.num_tokens for m in micro)), data_wait,
-                 float(sum(m.num_microbatches for m in micro)), float(sum(m.num_sequences for m in micro))]
-        global_labels, global_tokens, wait_sum, microbatches, sequences = self._sum_over_data_ranks(local)
+                 float(sum(m.num_microbatches for m in micro)), float(sum(m.num_sequences for m in micro)), *mtp_local]
+        global_labels, global_tokens, wait_sum, microbatches, sequences, *mtp_labels = self._sum_over_data_ranks(local)
         if self.moe_stats is not None:
             # What the step's auxiliary losses average over, all ranks (moe/layer.py): counts of
             # shares of 1/g summed in float64, so rounded back to the integers they are.
@@ -176,9 +181,9 @@ class Trainer:
         started = self._mark()  # after the first collective: a wait for a slow peer is not this rank's time
         watch.enter("forward/backward")
         if self.grads.pipeline is not None:
-            loss_sum, metrics = self._pipeline_forward_backward(micro, global_labels)
+            loss_sum, mtp_sums, metrics = self._pipeline_forward_backward(micro, global_labels, mtp_labels)
         else:
-            loss_sum, metrics = self._forward_backward(micro, global_labels), {}
+            (loss_sum, mtp_sums), metrics = self._forward_backward(micro, global_labels, mtp_labels), {}
         busy_marks = (started, self._mark())
         watch.enter("gradient reduction")
         grad_norm = self.grads.finish_and_clip(self.config.train.grad_clip)
@@ -188,10 +193,12 @@ class Trainer:
         self.scheduler.step()
         self.grads.zero_grad()
         self.step_count += 1
-        values = torch.stack([loss_sum.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
+        values = torch.cat([torch.stack([loss_sum.detach().float().reshape(()), grad_norm.detach().float().reshape(())]),
+                            mtp_sums.detach().float()])
         moe = take_moe_stats(self.model, self.exchange_timer) if self.moe_stats is not None else None
         return StepResult(loss_sum, grad_norm, lr, global_labels, global_tokens, wait_sum, metrics, data_wait,
-                          busy_marks, self.step_count, values.to("cpu", non_blocking=True), moe, self._mark())
+                          busy_marks, self.step_count, values.to("cpu", non_blocking=True), moe, self._mark(),
+                          tuple(mtp_labels))
 
     def _mark(self):
         """A point of this rank's step on the clock that sees its work: a CUDA event on the GPU
@@ -202,14 +209,15 @@ class Trainer:
         event.record()
         return event
 
-    def _forward_backward(self, micro: list[StepInputs], global_labels: float) -> torch.Tensor:
-        """Gradient accumulation over this rank's micro-batches; returns the summed token loss.
+    def _forward_backward(self, micro: list[StepInputs], global_labels: float, mtp_labels: list[float] = ()):
+        """Gradient accumulation over this rank's micro-batches; returns (the summed token loss,
+        each MTP depth's summed token loss [D]).
 
         The gradient reduction starts during the last micro-batch's backward, except under
         dynamic CP, where ranks run different numbers of micro-batches (a rank may run none):
         then `finish_and_clip` reduces every bucket once, after all of them."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        compiled = self.config.train.compile
+        mtp_sums = torch.zeros(self.mtp_layers, dtype=torch.float32, device=self.device)
         with contextlib.nullcontext() if self.dynamic is None else self.grads.dp.no_sync():
             for i, m in enumerate(micro):
                 if self.config.train.cuda_graphs:
@@ -218,36 +226,69 @@ class Trainer:
                     torch.compiler.cudagraph_mark_step_begin()
                 with self.grads.sync_context(last=i == len(micro) - 1):
                     with self.autocast:
-                        if self.fused_loss:
-                            scale = torch.full((), 1.0 / max(global_labels, 1.0), device=self.device)
-                            part = fused_head_loss(self.model, self.model.hidden_states(m.tokens, m.position_ids, m.meta),
-                                                   m.labels, scale, self.loss_dtype, compiled=compiled)
+                        if self.mtp_layers:
+                            heads = self.model.heads(m.tokens, m.position_ids, m.meta, m.mtp_tokens)
+                        elif self.fused_loss:
+                            heads = [self.model.hidden_states(m.tokens, m.position_ids, m.meta)]
                         else:
-                            logits = self.model(m.tokens, m.position_ids, m.meta)
-                            part, _ = cross_entropy_sum(logits, m.labels, self.tp_group, compiled=compiled)
-                    (part / max(global_labels, 1.0)).backward()
-                loss_sum += part.detach()
-        return loss_sum
+                            heads = [self.model(m.tokens, m.position_ids, m.meta)]  # logits
+                        parts = self._loss(heads, m, global_labels, mtp_labels, logits=not (self.mtp_layers or self.fused_loss))
+                    parts.objective.backward()
+                loss_sum += parts.reported.detach()
+                mtp_sums += parts.extra.detach()
+        return loss_sum, mtp_sums
 
-    def _pipeline_forward_backward(self, micro: list[StepInputs], global_labels: float):
+    def _loss(self, heads: list[torch.Tensor], m: StepInputs, global_labels: float, mtp_labels: list[float],
+              logits: bool = False, head_owner=None) -> LossParts:
+        """The micro-batch's objective: main CE sum / global labels + mtp_loss_weight * the mean
+        over depths of (depth k's CE sum / its global labels), DeepSeek-V3's λ/D Σ_k L_k. `heads`:
+        what the output head reads, main first (`GPT.heads`), or with `logits` the main logits.
+        Reported: the main sum (the run's `loss`, comparable with and without MTP) and each depth's.
+        `head_owner`: the module holding the output head (a pipeline's last chunk); the model by default."""
+        owner = head_owner if head_owner is not None else self.model
         compiled = self.config.train.compile
+        labels = [m.labels] + [m.mtp_labels[k] for k in range(len(heads) - 1)]
+        weight = self.config.train.mtp_loss_weight / max(self.mtp_layers, 1)
+        scales = [1.0 / max(global_labels, 1.0)] + [weight / max(n, 1.0) for n in mtp_labels]
+        sums = []
+        for h, lab, scale in zip(heads, labels, scales):
+            if self.fused_loss:
+                grad_scale = torch.full((), scale, device=self.device)
+                sums.append(fused_head_loss(owner, h, lab, grad_scale, self.loss_dtype, compiled=compiled))
+            else:
+                sums.append(cross_entropy_sum(h if logits else owner.output(h), lab, self.tp_group,
+                                              compiled=compiled)[0])
+        # The main term divided as without MTP, so a run without it is bit for bit what it was.
+        objective = sums[0] / max(global_labels, 1.0)
+        for part, scale in zip(sums[1:], scales[1:]):
+            objective = objective + part * scale
+        extra = torch.stack([p.detach().float() for p in sums[1:]]) if len(sums) > 1 else \
+            torch.zeros(0, device=self.device)
+        return LossParts(objective, sums[0], extra)
 
-        if self.fused_loss:  # the last stage's hidden states through the head and the loss in chunks
-            head_chunk = next(c for c in self.grads.pipeline.chunks if c.output is not None) \
-                if self.mesh.coordinate("pp") == self.mesh.size("pp") - 1 else None
-            scale = torch.full((), 1.0 / max(global_labels, 1.0), device=self.device)
+    def _pipeline_forward_backward(self, micro: list[StepInputs], global_labels: float, mtp_labels: list[float]):
+        mtp = self.mtp_layers
 
-            def loss_fn(out, mb):
-                return fused_head_loss(head_chunk, out, mb.labels, scale, self.loss_dtype, compiled=compiled)
-        else:
-            def loss_fn(out, mb):
-                return cross_entropy_sum(out, mb.labels, self.tp_group, compiled=compiled)
+        head_owner = next((c for c in self.grads.pipeline.chunks if c.output is not None), None)
+
+        def last_forward(chunk, x, mb):
+            if mtp:
+                return chunk.heads(x, mb.position_ids, mb.meta, mb.mtp_tokens)
+            if self.fused_loss:  # the head runs in the loss, chunk by chunk
+                return chunk.hidden_states(x, mb.position_ids, mb.meta)
+            return chunk(x, mb.position_ids, mb.meta)
+
+        def loss_fn(out, mb):
+            heads = out if mtp else [out]
+            return self._loss(heads, mb, global_labels, mtp_labels, logits=not (mtp or self.fused_loss),
+                              head_owner=head_owner)
 
         # The schedule interleaves micro-batches' backwards: reduce once, at the end.
         with self.grads.dp.no_sync():
             result = run_pipeline_step(self.grads.pipeline, micro, loss_fn, self.mesh, self.config, global_labels,
-                                       forward_context=lambda: self.autocast, head_in_loss=self.fused_loss)
-        return result.loss_sum, result.metrics()
+                                       forward_context=lambda: self.autocast, last_forward=last_forward,
+                                       extra_values=mtp)
+        return result.loss_sum, result.extra_sums, result.metrics()
 
     def record(self, result: StepResult, step_start: float, previous: StepResult | None = None) -> dict:
         """The step's metrics line. Waits for this step's end only (a later step may already be
@@ -256,8 +297,9 @@ class Trainer:
         self.watchdog.enter("metrics all-reduce")
         if isinstance(result.done, torch.cuda.Event):
             result.done.synchronize()
-        loss_sum, grad_norm = result.host_values.tolist()
-        loss = self._sum_over_data_ranks([loss_sum])[0] / max(result.global_labels, 1.0)
+        loss_sum, grad_norm, *mtp_sums = result.host_values.tolist()
+        loss_sum, *mtp_sums = self._sum_over_data_ranks([loss_sum, *mtp_sums])
+        loss = loss_sum / max(result.global_labels, 1.0)
         elapsed = self._elapsed(result, step_start, previous)
         peak = self.peak_flops
         record = {
@@ -271,6 +313,10 @@ class Trainer:
             "mfu": (self.flops_per_token * result.global_tokens / elapsed / (peak * self.world)) if peak else None,
             "mem_gb": (torch.cuda.max_memory_allocated() / 2**30) if self.device.type == "cuda" else _rss_gb(),
         }
+        if mtp_sums:  # `loss` stays the main model's; each depth's own mean token loss, and their mean
+            depths = [part / max(count, 1.0) for part, count in zip(mtp_sums, result.mtp_labels)]
+            record["mtp_loss"] = sum(depths) / len(depths)
+            record.update({f"mtp_loss_{k}": value for k, value in enumerate(depths)})
         busy, moe = self._over_all_ranks(result)
         record.update(busy)
         record.update(result.metrics)
@@ -579,8 +625,10 @@ def _context_sharder(config: Config, mesh: ParallelMesh):
         s.meta.extra["cp_group"] = group  # MoE layers balance each sequence over its whole group
         # Counts are summed over dp x cp ranks, and the cp ranks of a data-parallel rank share
         # one micro-batch: each counts 1/cp of it (exact in floating point: cp is small).
-        return dataclasses.replace(m, tokens=s.tokens, labels=s.labels, position_ids=s.position_ids, meta=s.meta,
-                                   num_tokens=m.num_tokens / cp, num_labels=m.num_labels / cp,
+        # MTP inputs and targets were made on the whole micro-batch: they follow their positions.
+        return dataclasses.replace(take_positions(m, s.source), tokens=s.tokens, labels=s.labels,
+                                   position_ids=s.position_ids, meta=s.meta, num_tokens=m.num_tokens / cp,
+                                   num_labels=m.num_labels / cp, mtp_num_labels=tuple(n / cp for n in m.mtp_num_labels),
                                    num_microbatches=1 / cp, num_sequences=m.num_sequences / cp)
 
     return shard
