@@ -18,6 +18,7 @@ import numpy as np
 
 from dataservice.build import MAX_SKIPPED, BuildError, build_dataset, summary_line
 from dataservice.serve_cli import add_health, add_peek, add_serve
+from dataservice.show_row import add_show_row
 from dataservice.shards import MANIFEST_NAME, DatasetError, load_manifest, verify_dataset
 
 
@@ -254,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_peek(sub)
     add_health(sub)
+    add_show_row(sub)
     return parser
 
 
