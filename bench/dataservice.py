@@ -25,6 +25,16 @@ the streams have closed (and the server's next `--trim-every` has passed): memor
 grows from round to round is memory the server does not give back.
 Loopback only; every loop ends at the deadline.
 
+Secure (`--secure`): the same streams, each stream count read from two servers in turn — plain
+(no token, no TLS, `--skip-verify`: no start-up checksum pass) and secure (a bearer token, TLS
+with a CA made here by `openssl`, every shard's checksum verified at start) — printing both
+tokens/s and secure/plain. What a stream reads is checked the same on both (each document's
+hash on first read, token ids against the vocabulary on server and client: the service has no
+switch for these), so the ratio is the price of TLS and the token on the wire. At scale, on a
+host with the cores of a training node:
+
+    python -m bench.dataservice --secure --streams 1 8 --seq-len 8192 --micro-batch-size 4 --batches 300
+
     python -m bench.dataservice --streams 64 --seconds 60 --seq-len 8192 --micro-batch-size 1 --step-sleep 0
     python -m bench.dataservice --streams 64 --seconds 40 --rounds 3 --step-sleep 0 --sample-s 10
 """
@@ -49,6 +59,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import protos
 from bench.harness import compare, emit
+from dataservice.auth import ClientAuth
 from dataservice.build import build_dataset, make_corpus
 from dataservice.client import DataClient
 from dataservice.plan import StreamPlan, rows_for
@@ -98,11 +109,37 @@ def plan_baseline(path: Path, seq_len: int, batch: int, rounds: int = 5, iters: 
     }
 
 
+def secure_files(folder: Path) -> dict[str, Path]:
+    """A bearer-token file, a CA and a server certificate for 127.0.0.1 signed by it (openssl),
+    keys private as the service demands."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    files = {name: folder / name for name in ("token", "ca.pem", "ca.key", "server.pem", "server.key", "server.csr",
+                                              "server.ext")}
+
+    def openssl(*args) -> None:
+        subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=60)
+
+    files["token"].write_text(os.urandom(32).hex() + "\n")
+    openssl("req", "-x509", *ec, "-keyout", files["ca.key"], "-out", files["ca.pem"], "-days", "1", "-subj",
+            "/CN=bench-ca", "-addext", "basicConstraints=critical,CA:TRUE", "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign")
+    openssl("req", *ec, "-keyout", files["server.key"], "-out", files["server.csr"], "-subj", "/CN=bench-server")
+    files["server.ext"].write_text("extendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n"
+                                   "subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl("x509", "-req", "-in", files["server.csr"], "-CA", files["ca.pem"], "-CAkey", files["ca.key"],
+            "-CAcreateserial", "-out", files["server.pem"], "-days", "1", "-extfile", files["server.ext"])
+    for name in ("token", "ca.key", "server.key"):
+        os.chmod(files[name], 0o600)
+    return files
+
+
 def client_main(args) -> None:
     """One trainer rank: warm up, wait for "go", read `--batches` as fast as possible, then
     time next() with a warm queue while sleeping like a training step."""
+    auth = ClientAuth.from_files(args.auth_token_file, args.tls_ca_file)
     client = DataClient(args.address, dp_rank=args.dp_rank, dp_size=args.dp_size, seq_len=args.seq_len,
-                        micro_batch_size=args.micro_batch_size, prefetch=args.prefetch, consumer="bench")
+                        micro_batch_size=args.micro_batch_size, prefetch=args.prefetch, consumer="bench", auth=auth)
     for _ in range(3):
         next(client)
     print("ready", flush=True)
@@ -124,14 +161,15 @@ def client_main(args) -> None:
     print(json.dumps({"start": start, "end": end, "slots": slots, "real": real, "waits": waits}), flush=True)
 
 
-def run_streams(address: str, n: int, args) -> dict:
-    """n client processes, one per dp rank; aggregate throughput over the common interval."""
+def run_streams(address: str, n: int, args, client_auth: tuple[str, ...] = ()) -> dict:
+    """n client processes, one per dp rank; aggregate throughput over the common interval.
+    `client_auth`: the clients' --auth-token-file / --tls-ca-file arguments."""
     procs = []
     for rank in range(n):
         cmd = [sys.executable, "-m", "bench.dataservice", "--client", "--address", address, "--dp-rank", str(rank),
                "--dp-size", str(n), "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size),
                "--batches", str(args.batches), "--prefetch", str(args.prefetch),
-               "--warm-steps", str(args.warm_steps), "--step-sleep", str(args.step_sleep)]
+               "--warm-steps", str(args.warm_steps), "--step-sleep", str(args.step_sleep), *client_auth]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT))
     for p in procs:
         line = p.stdout.readline()
@@ -367,6 +405,41 @@ def print_load(r: dict, base: dict, args) -> None:
         f"anonymous {x['anon_mb']:.1f} MiB ({x['tokens_per_s'] / 1e6:.2f} M tok/s)" for x in r["rounds"]))
 
 
+def secure_main(args) -> None:
+    """Each stream count against the plain server, then the secure one; both figures and the ratio."""
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
+        path = args.data or make_dataset(Path(tmp), args.docs)
+        files = secure_files(Path(tmp) / "secrets")
+        modes = {
+            "plain": (("--skip-verify",), ()),
+            "secure": (("--auth-token-file", str(files["token"]), "--tls-cert", str(files["server.pem"]),
+                        "--tls-key", str(files["server.key"])),
+                       ("--auth-token-file", str(files["token"]), "--tls-ca-file", str(files["ca.pem"]))),
+        }
+        servers = {}
+        try:
+            for mode, (serve_extra, _) in modes.items():
+                servers[mode] = start_server(path, args.workers, Path(tmp) / f"server-{mode}.log", extra=serve_extra)[:2]
+            rows = []
+            for n in args.streams:
+                got = {mode: run_streams(servers[mode][1], n, args, modes[mode][1]) for mode in modes}
+                rows.append({"streams": n, **got, "secure_vs_plain": got["secure"]["tokens_per_s"] /
+                             got["plain"]["tokens_per_s"]})
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(30)
+    print(f"\ndata service, plain vs secure (bearer token + TLS + start-up checksums): seq_len {args.seq_len}, "
+          f"micro_batch_size {args.micro_batch_size}, {args.batches} batches per stream, {os.cpu_count()} CPU cores")
+    print(f"{'streams':>7} {'plain M tok/s':>13} {'secure M tok/s':>14} {'secure/plain':>12} "
+          f"{'plain next() p99':>16} {'secure next() p99':>17}")
+    for r in rows:
+        print(f"{r['streams']:>7} {r['plain']['tokens_per_s'] / 1e6:>13.2f} {r['secure']['tokens_per_s'] / 1e6:>14.2f} "
+              f"{r['secure_vs_plain']:>12.3f} {r['plain']['next_p99_us']:>14.0f}us {r['secure']['next_p99_us']:>15.0f}us")
+    emit("dataservice", {"mode": "secure", "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size,
+                         "cpu_cores": os.cpu_count(), "streams": rows}, device="cpu")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -376,6 +449,11 @@ def main() -> None:
     p.add_argument("--address", help=argparse.SUPPRESS)
     p.add_argument("--dp-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--dp-size", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--auth-token-file", default="", help=argparse.SUPPRESS)
+    p.add_argument("--tls-ca-file", default="", help=argparse.SUPPRESS)
+    p.add_argument("--secure", action="store_true",
+                   help="run the streams against a plain and a secure server (token, TLS, start-up verification) "
+                        "and print both tokens/s and their ratio")
     p.add_argument("--data", type=Path, help="an existing dataset folder (default: generate one)")
     p.add_argument("--docs", type=int, default=8000, help="documents to generate (default 8000, ~22M tokens)")
     p.add_argument("--seq-len", type=int, default=8192)
@@ -413,6 +491,8 @@ def main() -> None:
              device="cpu")
         return None
 
+    if args.secure:
+        return secure_main(args)
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
         path = args.data or make_dataset(Path(tmp), args.docs)
         base = plan_baseline(path, args.seq_len, args.micro_batch_size)

@@ -58,6 +58,7 @@ def check_config(config: Config) -> None:
     _check_train(config)
     if config.data.cp_cost:
         _check_cp_cost(config)
+    _check_client_security(config)
     if config.eval.interval:
         _check_eval_data(config)
 
@@ -289,6 +290,20 @@ def _check_cp_cost(config: Config) -> None:
         CostModel.from_json(config.data.cp_cost)
     except ValueError as err:
         raise ConfigError(f"data.cp_cost: {err}") from None
+
+
+_CLIENT_SECURITY = ("auth_token_file", "tls_ca_file", "tls_cert_file", "tls_key_file")
+
+
+def _check_client_security(config: Config) -> None:
+    """The client's token and TLS keys talk to a running service (data.address, or eval.address,
+    which shares them); the trainer's own loopback server takes neither."""
+    d = config.data
+    given = [f"data.{key}" for key in _CLIENT_SECURITY if getattr(d, key)]
+    if given and not d.address and not config.eval.address:
+        raise ConfigError(f"{given[0]}={getattr(d, given[0][5:])!r} is for a running data service, but data.address "
+                          "is empty: the trainer's own loopback server (data.dataset) takes no token and no TLS; set "
+                          f"data.address=HOST:PORT (or eval.address) or leave {', '.join(given)} unset")
 
 
 def _check_eval_data(config: Config) -> None:

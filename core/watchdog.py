@@ -9,7 +9,9 @@ deadline passes the rank prints one line (wrapped here)
     tessera-train: hang: rank 1 spent 600 s in forward/backward of step 3 (train.hang_timeout_s=600);
         stacks of every thread in RUN_DIR/hang-rank1.txt
 
-writes every thread's Python stack there (faulthandler) and exits with `HANG_EXIT_CODE`, so
+writes every thread's Python stack there (faulthandler), hands the line to `on_hang` (the
+trainer records it as the rank's failure, dated when the phase began: core/train/failure.py)
+and exits with `HANG_EXIT_CODE`, so
 torchrun stops the other workers and restarts the group (`--max-restarts`) or ends the run. A
 rank stuck in a collective phase is usually waiting for a peer stuck elsewhere: that peer
 entered its phase first, so its line comes first.
@@ -28,6 +30,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HANG_EXIT_CODE = 124  # as timeout(1): the process was ended for taking too long
@@ -64,8 +67,10 @@ class Watchdog:
     """Ends this process when one phase of a step outlasts `timeout_s` (0: never). `enter` is
     cheap and may be called from anywhere; only `start` arms the thread (the training loop)."""
 
-    def __init__(self, timeout_s: float, rank: int, run_dir: str | Path):
+    def __init__(self, timeout_s: float, rank: int, run_dir: str | Path,
+                 on_hang: Callable[..., None] | None = None):
         self.timeout_s = float(timeout_s)
+        self.on_hang = on_hang  # on_hang(cause without the rank, when=time.time() the phase began), before the exit
         self.rank = rank
         self.run_dir = Path(run_dir)
         self.step = 0
@@ -120,7 +125,12 @@ class Watchdog:
             where = f"stacks of every thread in {path}"
         except OSError as err:
             where = f"could not write the stacks to {path}: {err.strerror}"
-        sys.stderr.write(f"tessera-train: hang: rank {self.rank} spent {waited:.0f} s in {phase} of step {step} "
-                         f"(train.hang_timeout_s={self.timeout_s:g}); {where}\n")
+        what = f"spent {waited:.0f} s in {phase} of step {step} (train.hang_timeout_s={self.timeout_s:g}); {where}"
+        sys.stderr.write(f"tessera-train: hang: rank {self.rank} {what}\n")
         sys.stderr.flush()
+        if self.on_hang is not None:
+            try:
+                self.on_hang(f"hang: {what}", when=time.time() - waited)
+            except Exception:  # the exit below is what matters
+                pass
         os._exit(HANG_EXIT_CODE)

@@ -43,8 +43,8 @@ import numpy as np
 import xxhash
 
 from .progress import Progress
-from .sft import (EXAMPLE_PROBLEMS, Example, ExampleProblem, ExampleRenderer, NoChatTemplate, find_chat_template, kind_of,
-                  missing_template)
+from .sft import (EXAMPLE_PROBLEMS, OVERLONG_MODES, Example, ExampleProblem, ExampleRenderer, NoChatTemplate,
+                  find_chat_template, fit_example, kind_of, missing_template)
 from .shards import (FORMAT_VERSION, INDEX_DTYPE, INDEX_NAME, MANIFEST_NAME, TARGETS_NAME, TARGETS_PTR_NAME,
                      ShardWriter, dataset_fingerprint, file_checksum, fsync_path, manifest_checksum)
 from .tokenizer import load_tokenizer
@@ -74,6 +74,9 @@ class _Counts:
     empty_completion: int = 0
     bad_example: int = 0
     template_error: int = 0
+    overlong_dropped: int = 0  # examples over --max-example-tokens, by what the build did with them
+    overlong_split: int = 0
+    overlong_truncated: int = 0
     files: int = 0
     first_problems: list = field(default_factory=list)  # a few "file:line: what" examples
 
@@ -167,10 +170,16 @@ def _parse_json_line(text: str):
     return json.loads(text)  # exact semantics (leading blanks, error) for the rare rest
 
 
+_OVERLONG_COUNT = {"drop": "overlong_dropped", "split": "overlong_split", "truncate-prompt": "overlong_truncated"}
+
+
 def _documents(files: list[pathlib.Path], text_field: str, strict: bool, counts: _Counts,
-               renderer: ExampleRenderer, records: dict) -> Iterator[tuple[str, bytes] | Example]:
-    """(text, its UTF-8 bytes) of every usable document and the Example of every usable
-    fine-tuning record; problems go into `counts`, records of each kind into `records`."""
+               renderer: ExampleRenderer, records: dict, overlong: tuple[int, str] = (0, "drop")
+               ) -> Iterator[tuple[str, bytes] | Example]:
+    """(text, its UTF-8 bytes) of every usable document and the Example(s) of every usable
+    fine-tuning record; problems go into `counts`, records of each kind into `records`.
+    `overlong`: (most tokens of an example, 0 for no limit; what to do with a longer one)."""
+    limit, mode = overlong
     for path in files:
         counts.files += 1
         if path.suffix.lower() in JSONL_SUFFIXES:
@@ -198,6 +207,12 @@ def _documents(files: list[pathlib.Path], text_field: str, strict: bool, counts:
                         except NoChatTemplate as e:
                             raise BuildError(f"{path}:{lineno} is a fine-tuning record, but {e}") from None
                         records[kind] += 1
+                        if limit and example.ids.size > limit:
+                            fitted = fit_example(example, limit, mode)
+                            done = _OVERLONG_COUNT[mode] if fitted else "overlong_dropped"
+                            setattr(counts, done, getattr(counts, done) + 1)
+                            yield from fitted
+                            continue
                         yield example
                         continue
                     text = obj[text_field]
@@ -413,7 +428,8 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
                   tokenizer: str = "byte", text_field: str = "text", glob: str | Sequence[str] = "**/*",
                   shard_size_mb: float = 256, overwrite: bool = False, strict: bool = False,
                   progress: bool = False, max_skipped: float = MAX_SKIPPED,
-                  chat_template: str = "auto", loss_mask: bool = True) -> pathlib.Path:
+                  chat_template: str = "auto", loss_mask: bool = True, max_example_tokens: int = 0,
+                  overlong: str = "drop") -> pathlib.Path:
     """Build a dataset folder at `output` from `inputs`; returns the output path.
 
     `tokenizer` is "byte" or a path to a tokenizer.json. `shard_size_mb` bounds each shard's
@@ -424,6 +440,8 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
     `chat_template`: how fine-tuning records are rendered ('auto', 'plain' or a jinja file;
     see `dataservice.sft.find_chat_template`). `loss_mask=False`: fine-tuning examples are rendered
     the same but every token is a target (no mask is stored), as in pretraining.
+    `max_example_tokens` (0: no limit): a fine-tuning example longer than this is handled as
+    `overlong` says (`dataservice.sft.fit_example`: drop, split or truncate-prompt), and counted.
     """
     t0 = time.perf_counter()
     output = pathlib.Path(output).absolute()
@@ -440,11 +458,15 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
         raise BuildError(str(e)) from None
     if not 0 <= max_skipped <= 1:
         raise BuildError(f"--max-skipped must be a fraction in [0, 1], got {max_skipped}")
+    if max_example_tokens < 0 or overlong not in OVERLONG_MODES:
+        raise BuildError(f"--max-example-tokens {max_example_tokens} must be >= 1 (0: no limit) and --overlong "
+                         f"{overlong!r} one of {', '.join(OVERLONG_MODES)}")
     globs = [glob] if isinstance(glob, str) else list(glob)
     files = _input_files(inputs, globs)
     tmp = _prepare_output(output, overwrite)
     try:
-        manifest = _build_into(tmp, files, tok, renderer, text_field, shard_size_mb, strict, progress, t0, loss_mask)
+        manifest = _build_into(tmp, files, tok, renderer, text_field, shard_size_mb, strict, progress, t0, loss_mask,
+                               (max_example_tokens, overlong))
         _check_skipped(manifest, max_skipped, text_field)
         manifest["build"].update(inputs=[str(i) for i in inputs], text_field=text_field, glob=globs)
         manifest["manifest_checksum"] = manifest_checksum(manifest)
@@ -457,7 +479,8 @@ def build_dataset(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
 
 
 def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, renderer: ExampleRenderer, text_field: str,
-                shard_size_mb: float, strict: bool, show_progress: bool, t0: float, loss_mask: bool = True) -> dict:
+                shard_size_mb: float, strict: bool, show_progress: bool, t0: float, loss_mask: bool = True,
+                overlong: tuple[int, str] = (0, "drop")) -> dict:
     """Write shards, index and tokenizer copy into `tmp`; returns the manifest (not yet written)."""
     counts = _Counts()
     writer = ShardWriter(tmp, int(shard_size_mb * (1 << 20)))
@@ -470,7 +493,7 @@ def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, renderer: Exa
     bar = Progress(enabled=show_progress)
     total_tokens = 0
     try:
-        for batch in _batches(_documents(files, text_field, strict, counts, renderer, records)):
+        for batch in _batches(_documents(files, text_field, strict, counts, renderer, records, overlong)):
             flat, ends, runs = _encode_items(batch, tok)
             view = memoryview(flat).cast("B")
             starts = np.concatenate(([0], ends[:-1]))
@@ -536,6 +559,7 @@ def _build_into(tmp: pathlib.Path, files: list[pathlib.Path], tok, renderer: Exa
         "records": records,
         "chat_template": renderer.describe() if records["prompt_completion"] + records["messages"] else None,
         "build": {"seconds": round(time.perf_counter() - t0, 3), "shard_size_mb": shard_size_mb,
+                  "max_example_tokens": overlong[0] or None, "overlong": overlong[1] if overlong[0] else None,
                   "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
     }
     if targets.any_example and loss_mask:
@@ -570,6 +594,10 @@ def summary_line(output: pathlib.Path, manifest: dict) -> str:
     if template:  # which template rendered the fine-tuning records
         targets += "; chat template " + (template["kind"] if template["kind"] == "plain"
                                          else f"{template['source']} (sha256 {template['sha256'][:12]})")
+    limit = manifest.get("build", {}).get("max_example_tokens")
+    if limit:
+        targets += (f"; over {limit:,} tokens (--overlong {manifest['build']['overlong']}): {c.get('overlong_dropped', 0):,} "
+                    f"dropped, {c.get('overlong_split', 0):,} split, {c.get('overlong_truncated', 0):,} prompt-truncated")
     return (f"built {output}: {c['documents']:,} documents, {manifest['total_tokens']:,} tokens{targets}, "
             f"{len(manifest['shards'])} shard(s), {mb:,.1f} MB, {c['duplicates_dropped']:,} duplicates dropped, "
             f"problems: {problems}; {c['files']:,} file(s) in {secs:.2f}s "

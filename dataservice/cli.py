@@ -17,7 +17,9 @@ import sys
 import numpy as np
 
 from dataservice.build import MAX_SKIPPED, BuildError, build_dataset, summary_line
+from dataservice.sft import OVERLONG_MODES
 from dataservice.serve_cli import add_health, add_peek, add_serve
+from dataservice.show_row import add_show_row
 from dataservice.shards import MANIFEST_NAME, DatasetError, load_manifest, verify_dataset
 
 
@@ -53,6 +55,15 @@ def _add_build(sub) -> None:
     p.add_argument("--no-loss-mask", action="store_true",
                    help="render fine-tuning records with the template but train on every token (prompts "
                         "and template markers too), as in pretraining; default: loss on the answers only")
+    p.add_argument("--max-example-tokens", type=int, default=0, metavar="N",
+                   help="fine-tuning examples longer than N tokens (rendered, with eos) are handled as --overlong "
+                        "says and counted; set it to the trainer's train.seq_len (default: 0, no limit: packing "
+                        "splits a longer example over rows, so an answer may lose its prompt)")
+    p.add_argument("--overlong", choices=OVERLONG_MODES, default=None,
+                   help="what to do with an example over --max-example-tokens: 'drop' it (default: nothing is "
+                        "trained on an answer without its prompt, nothing rewritten), 'split' it into pieces of "
+                        "N tokens (later pieces lack the prompt), or 'truncate-prompt' (keep the final answer "
+                        "whole, cut the prompt from the left; dropped if the answer alone is longer)")
     p.add_argument("--glob", action="append", default=None, metavar="PATTERN",
                    help="files to take from input folders, relative to each (repeatable; braces such as "
                         "'**/*.{py,md}' expand; default: **/*)")
@@ -70,12 +81,16 @@ def _add_build(sub) -> None:
 
 def _run_build(args) -> int:
     prog = "tessera-data build"
+    if args.overlong and not args.max_example_tokens:
+        return _fail(prog, f"--overlong {args.overlong} needs --max-example-tokens N (the row length, "
+                           "train.seq_len); without it no example is over-long")
     try:
         out = build_dataset(args.inputs, args.output, tokenizer=args.tokenizer, text_field=args.text_field,
                             glob=args.glob or ["**/*"], max_skipped=args.max_skipped,
                             shard_size_mb=args.shard_size_mb, overwrite=args.overwrite,
                             strict=args.strict, progress=not args.quiet, chat_template=args.chat_template,
-                            loss_mask=not args.no_loss_mask)
+                            loss_mask=not args.no_loss_mask, max_example_tokens=args.max_example_tokens,
+                            overlong=args.overlong or "drop")
     except BuildError as e:
         return _fail(prog, str(e))
     except OSError as e:
@@ -126,6 +141,11 @@ def sft_stats(path: pathlib.Path, manifest: dict, seq_len: int = 0) -> dict | No
         "overlong_examples": int((lengths[example] > seq_len).sum()) if seq_len else None,
         "longest_example": int(lengths[example].max()) if n else 0,
     }
+    build, counts = manifest.get("build", {}), manifest.get("counts", {})
+    if build.get("max_example_tokens"):  # what the build did with the examples over its limit
+        stats["overlong_at_build"] = {
+            "max_example_tokens": build["max_example_tokens"], "mode": build["overlong"],
+            **{k: counts.get(f"overlong_{k}", 0) for k in ("dropped", "split", "truncated")}}
     return stats
 
 
@@ -182,6 +202,10 @@ def _print_human(s: dict) -> None:
             f"not trained on\n")
         out(f"  response   {sft['response_tokens']:,} tokens (mean {sft['response_tokens_mean']} per example)\n")
         out(f"  trained on {100 * sft['trained_share']:.1f}% of all tokens\n")
+        built = sft.get("overlong_at_build")
+        if built:
+            out(f"  build      examples over {built['max_example_tokens']:,} tokens (--overlong {built['mode']}): "
+                f"{built['dropped']:,} dropped, {built['split']:,} split, {built['truncated']:,} prompt-truncated\n")
         if sft["seq_len"]:
             out(f"  over-long  {sft['overlong_examples']:,} examples longer than {sft['seq_len']:,} tokens "
                 f"(longest {sft['longest_example']:,})\n")
@@ -254,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_peek(sub)
     add_health(sub)
+    add_show_row(sub)
     return parser
 
 

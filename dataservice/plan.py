@@ -327,6 +327,13 @@ class StreamPlan:
                                  target=target)
         return batch, anchor
 
+    def row_segments(self, row: int, anchor: Anchor | None = None) -> tuple[np.ndarray, ...]:
+        """Where global row `row`'s segments come from, in row order: (dataset index, document,
+        token offset in the document, length), int64 arrays (padding is not a segment)."""
+        ids = np.array([_check_int("row", row, 0, 1 << 62)], dtype=np.int64)
+        _, seg_ds, seg_doc, seg_off, seg_len, _ = self._segments(ids, self.seek(row, anchor))
+        return seg_ds, seg_doc, seg_off, seg_len
+
     def _segments(self, ids: np.ndarray, anchor: Anchor):
         """Segment tables of rows `ids` (batch row, dataset, document, offset, length), window by window."""
         parts: list[tuple[np.ndarray, ...]] = []

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -133,6 +133,21 @@ class _PlanEntry:
         self.users = 0  # open streams reading this plan (under the servicer's plans lock)
 
 
+def normalise_blend(blend: Sequence[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
+    """A blend as the server keys its plans: (name, weight) sorted by name, weights summing to 1."""
+    total = sum(w for _, w in blend)
+    return tuple(sorted((name, w / total) for name, w in blend))
+
+
+def blend_plan(datasets: Mapping[str, ShardedDataset], blend: Sequence[tuple[str, float]], seed: int, seq_len: int,
+               max_scan_windows: int | None = None) -> StreamPlan:
+    """The StreamPlan the server streams for `blend` (normalised, of names in `datasets`), `seed`
+    and `seq_len`: also what `tessera-data show-row` reads offline, so both show the same rows."""
+    blend = normalise_blend(blend)
+    return StreamPlan([datasets[name] for name, _ in blend], [weight for _, weight in blend], seed=seed,
+                      seq_len=seq_len, max_scan_windows=max_scan_windows)
+
+
 class DataServicer(pb2_grpc.DataServiceServicer):
     """Serves StreamBatches and GetInfo over a fixed set of opened datasets."""
 
@@ -191,8 +206,7 @@ class DataServicer(pb2_grpc.DataServiceServicer):
 
     @staticmethod
     def _normalise(blend: Sequence[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
-        total = sum(w for _, w in blend)
-        return tuple(sorted((name, w / total) for name, w in blend))
+        return normalise_blend(blend)
 
     def _blend(self, request) -> tuple[tuple[str, float], ...]:
         if not request.blend:
@@ -252,13 +266,8 @@ class DataServicer(pb2_grpc.DataServiceServicer):
         with entry.lock:
             if entry.plan is None:
                 try:
-                    entry.plan = StreamPlan(
-                        [self._datasets[name].data for name, _ in blend],
-                        [weight for _, weight in blend],
-                        seed=seed,
-                        seq_len=seq_len,
-                        max_scan_windows=self.limits.max_scan_windows,
-                    )
+                    entry.plan = blend_plan({name: d.data for name, d in self._datasets.items()}, blend, seed,
+                                            seq_len, max_scan_windows=self.limits.max_scan_windows)
                 except ValueError as err:
                     with self._plans_lock:
                         if self._plans.get(key) is entry:

@@ -285,6 +285,40 @@ class ExampleRenderer:
                        np.asarray(runs, np.uint32).reshape(-1, 2))
 
 
+# What a build does with an example longer than --max-example-tokens (`fit_example`).
+OVERLONG_MODES = ("drop", "split", "truncate-prompt")
+
+
+def fit_example(example: Example, limit: int, mode: str) -> list[Example]:
+    """`example` made to fit `limit` tokens: [] (dropped), or the Examples a build stores instead.
+
+    drop: nothing. split: consecutive pieces of at most `limit` tokens, each with its own
+    targets; a piece holding no target token is left out (it would train on nothing).
+    truncate-prompt: the last `limit` tokens, so the final answer stays whole and the prompt
+    loses its beginning (system text first); an earlier answer cut by the truncation is kept as
+    context only, never trained on without its start; dropped when the final answer alone (from
+    its first target token to the end) is longer than `limit`."""
+    ids, runs = example.ids, example.target_runs.astype(np.int64)
+    if mode == "drop":
+        return []
+    if mode == "split":
+        pieces = []
+        for start in range(0, ids.size, limit):
+            stop = min(start + limit, ids.size)
+            clipped = np.clip(runs, start, stop) - start
+            clipped = clipped[clipped[:, 1] > clipped[:, 0]]
+            if clipped.size:
+                pieces.append(Example(ids[start:stop], clipped.astype(np.uint32)))
+        return pieces
+    if mode != "truncate-prompt":
+        raise ValueError(f"over-long mode {mode!r}; expected one of {', '.join(OVERLONG_MODES)}")
+    if ids.size - int(runs[-1, 0]) > limit:
+        return []
+    cut = ids.size - limit
+    kept = runs[runs[:, 0] >= cut] - cut
+    return [Example(ids[cut:], kept.astype(np.uint32))]
+
+
 def target_mask(runs: np.ndarray, start: int, stop: int) -> np.ndarray:
     """Bool mask of tokens [start, stop) of a document whose targets are `runs` ([k, 2] ranges)."""
     mask = np.zeros(stop - start, dtype=bool)

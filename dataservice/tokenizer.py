@@ -58,6 +58,18 @@ class ByteTokenizer:
         ids = np.asarray(ids)
         return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
+    def decode_all(self, ids) -> str:
+        """Text of `ids` with the special tokens spelled out (<pad>, <bos>, <eos>): what a row holds."""
+        names = {self.pad_id: "<pad>", self.bos_id: "<bos>", self.eos_id: "<eos>"}
+        out, run = [], []
+        for i in np.asarray(ids).tolist():
+            if i in names:
+                out += [bytes(run).decode("utf-8", errors="replace"), names[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(out) + bytes(run).decode("utf-8", errors="replace")
+
     def describe(self) -> dict:
         """The manifest's record of this tokenizer."""
         return {
@@ -161,6 +173,10 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         """Text of `ids`, special tokens skipped."""
         return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
+
+    def decode_all(self, ids) -> str:
+        """Text of `ids` with the special tokens (template markers, eos) kept: what a row holds."""
+        return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=False)
 
     def describe(self) -> dict:
         """The manifest's record of this tokenizer."""

@@ -130,6 +130,11 @@ def test_wrong_type_in_the_file(tmp_path, dataset):
     (["eval.interval=5"], ["eval.interval=5 needs held-out data", "eval.dataset=DIR"]),
     (["eval.interval=5", "eval.dataset=/no/such/folder"], ["eval.dataset='/no/such/folder': no such folder"]),
     (["eval.steps=0"], ["eval.steps=0 must be >= 1"]),
+    # The loopback server (data.dataset) takes no token and no TLS: keys for a service that is not there.
+    (["data.auth_token_file=/etc/tessera/token"], ["data.auth_token_file='/etc/tessera/token' is for a running data "
+                                                  "service", "data.address is empty", "set data.address=HOST:PORT"]),
+    (["data.tls_ca_file=ca.pem", "data.tls_cert_file=me.pem"], ["data.tls_ca_file='ca.pem'",
+                                                                "leave data.tls_ca_file, data.tls_cert_file unset"]),
 ])
 def test_out_of_range_and_cross_field(tmp_path, dataset, items, words):
     assert_one_line(train(tmp_path, dataset, *items), *words)

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from core.state.checkpoint import latest_checkpoint
-from core.watchdog import STALL_ENV
+from core.watchdog import HANG_EXIT_CODE, STALL_ENV
 from tests.support.cli import ROOT, assert_one_line, run_entry_point
 from tests.support.distributed import free_port
 from tests.support.lifecycle import (RTOL, STEPS, assert_only_complete_checkpoints, resume_and_check, start,
@@ -142,7 +142,20 @@ def test_two_nodes_equal_one_and_a_hung_rank_ends_both(tmp_path, dataset):
         "rdzv_id": f"faults-{tag[:8]}", "max_restarts": 0}
 
     stderr = "\n".join(err for _, err in node_outputs)
-    assert all(proc.returncode == 1 for proc in nodes), stderr[-4000:]  # torchrun's "a worker failed", on both
+    # Each launcher ends with the hang watchdog's exit code and names the hung rank as the cause:
+    # its record is dated when it stopped (its step 4 forward/backward began before the others'
+    # gradient reduction did), and both nodes' launchers read the one run directory here.
+    assert all(proc.returncode == HANG_EXIT_CODE for proc in nodes), stderr[-4000:]
+    for _, err in node_outputs:
+        reports = [line for line in err.splitlines() if line.startswith("tessera-train: failed: ")]
+        assert len(reports) == 1 and reports[0].startswith("tessera-train: failed: rank 3: hang: spent "), err[-4000:]
+        assert "in forward/backward of step 4" in reports[0] and "hang-rank3.txt" in reports[0], reports
+        assert "ChildFailedError" not in err, err[-4000:]  # torchrun's account stays in the log
+    # One log per node launcher (the run directory may be shared), each with its own torchrun's account.
+    logs = sorted((run_dir / "logs").glob("launcher-*.log"))
+    assert len(logs) == 2 and all("ChildFailedError" in log.read_text() for log in logs), logs
+    named = {word.strip("(:") for _, err in node_outputs for word in err.split() if word.startswith("(launcher-")}
+    assert named == {log.name for log in logs}, (named, logs)  # each report names its own node's log
     hangs = [line for line in stderr.splitlines() if line.startswith("tessera-train: hang: ")]
     culprit = [line for line in hangs if "rank 3 " in line]
     assert len(culprit) == 1, hangs

@@ -2,8 +2,10 @@
 
 A rank that fails writes RUN_DIR/logs/failure-rank-R.json (its one-line cause, when, which
 attempt) and its traceback to RUN_DIR/logs/rank-R.log, and prints one line; nothing else of it
-reaches the terminal. When several ranks fail, the first one is the cause: the others usually
-fail because it left (a collective whose peer is gone). The launcher (core/train/launcher.py),
+reaches the terminal. A rank the hang watchdog ends (core/watchdog.py) writes a record too, dated
+when it stopped making progress (the start of the phase it hung in). When several ranks fail,
+the first one is the cause: the others usually fail, or hang, because it left or stopped (a
+collective whose peer is gone or stuck). The launcher (core/train/launcher.py),
 or a process running alone, then prints the report: that cause, the last complete checkpoint
 and the command that continues from it, and where the full logs are.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 import traceback
 from pathlib import Path
@@ -40,20 +43,32 @@ def record_failure(run_dir: Path, rank: int, err: BaseException, exit_code: int)
     """Write this rank's record and traceback under RUN_DIR/logs; returns the cause line. A run
     directory that cannot be written loses the record, never the exit."""
     cause = cause_of(err)
+    record_cause(run_dir, rank, cause, exit_code, detail="".join(traceback.format_exception(err)))
+    return cause
+
+
+def record_cause(run_dir: Path, rank: int, cause: str, exit_code: int, when: float | None = None,
+                 detail: str = "") -> None:
+    """This rank's record: `cause` (one line), `when` it failed (time.time(); default now) and,
+    in rank-R.log, `detail` (a traceback). Never raises for a run directory it cannot write."""
     logs = Path(run_dir) / LOGS_NAME
     try:
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"rank-{rank}.log", "a") as f:
-            f.write(f"--- rank {rank} failed at {time.strftime('%Y-%m-%d %H:%M:%S')}: {cause}\n")
-            f.write("".join(traceback.format_exception(err)))
-        record = {"rank": rank, "time": time.time(), "cause": cause, "exit_code": exit_code,
-                  "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+            f.write(f"--- rank {rank} failed at {time.strftime('%Y-%m-%d %H:%M:%S')}: {cause}\n{detail}")
+        record = {"rank": rank, "time": time.time() if when is None else when, "cause": cause,
+                  "exit_code": exit_code, "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
         tmp = logs / f".failure-rank-{rank}.json.tmp"
         tmp.write_text(json.dumps(record))
         tmp.replace(logs / f"failure-rank-{rank}.json")
     except OSError:
         pass
-    return cause
+
+
+def launcher_log_name(multi_node: bool) -> str:
+    """The launcher's log in RUN_DIR/logs: launcher.log, or with several nodes (whose run
+    directory may be one shared folder) one per node launcher, launcher-HOST-PID.log."""
+    return f"launcher-{socket.gethostname()}-{os.getpid()}.log" if multi_node else LAUNCHER_LOG
 
 
 def clear_failures(run_dir: Path) -> None:
@@ -93,8 +108,9 @@ def torchrun_root_cause(text: str) -> str | None:
     return f"rank {rank.group(1)}: the worker {how} without saying why"
 
 
-def report(run_dir: Path, ckpt_dir: Path, cause: str, launcher_log: bool) -> str:
-    """The lines that end a failed run: the cause, where to continue from, where the logs are."""
+def report(run_dir: Path, ckpt_dir: Path, cause: str, launcher_log: bool | str) -> str:
+    """The lines that end a failed run: the cause, where to continue from, where the logs are
+    (`launcher_log`: the launcher's log name, True for launcher.log, False without a launcher)."""
     latest = latest_checkpoint(ckpt_dir)
     if latest is None:
         resume = "no checkpoint was completed; start again with --overwrite"
@@ -102,6 +118,7 @@ def report(run_dir: Path, ckpt_dir: Path, cause: str, launcher_log: bool) -> str
         resume = (f"the last complete checkpoint is step {step_of(latest)} ({latest}); continue with: "
                   f"tessera-train --resume {run_dir}")
     logs = Path(run_dir) / LOGS_NAME
-    where = f"{logs}/" + (f" ({LAUNCHER_LOG}: everything the processes printed; rank-N.log: the failed ranks' "
+    name = LAUNCHER_LOG if launcher_log is True else launcher_log
+    where = f"{logs}/" + (f" ({name}: everything the processes printed; rank-N.log: the failed ranks' "
                           "tracebacks)" if launcher_log else " (rank-N.log: the tracebacks)")
     return f"{PREFIX}{cause}\ntessera-train: {resume}\ntessera-train: full logs: {where}"

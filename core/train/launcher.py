@@ -17,6 +17,7 @@ continue from the newest complete checkpoint (`core/train/cli.py`).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -29,7 +30,7 @@ from pathlib import Path
 from core.state.checkpoint import latest_checkpoint, step_of
 from core.lifecycle import STOP_SIGNALS, become_subreaper, descendants_of, die_with_parent, signal_all
 from core.metrics import plot_losses, read_metrics
-from core.train.failure import LAUNCHER_LOG, LOGS_NAME, PREFIX as FAILED_PREFIX, clear_failures, first_failure
+from core.train.failure import LOGS_NAME, PREFIX as FAILED_PREFIX, clear_failures, first_failure, launcher_log_name
 from core.train.failure import report as failure_report, torchrun_root_cause
 from core.train.launch_shape import LAUNCH_ENV, Launch
 from core.train.rundir import LOCK_OWNER_ENV, METRICS_NAME, remove_partial_checkpoints
@@ -53,19 +54,31 @@ def interrupted_line(run_dir: Path, ckpt_dir: Path, signum: int) -> str:
 # The line rank 0 ends a run with when its input is bad (core/train/cli.py): shown, exit 2.
 ERROR_LINE = b"tessera-train: error: "
 FAILED_LINE = FAILED_PREFIX.encode()
+HANG_LINE = b"tessera-train: hang: "  # core/watchdog.py: one per hung rank, each worth seeing
+TAIL_LINES = 400  # of torchrun's output kept in memory: its failure account is its last ~40 lines
 
 
-def _relay(stream, log, quiet: threading.Event, reported: list[int], failures: list[str], restarts: bool) -> None:
+def _relay(stream, log, quiet: threading.Event, reported: list[int], failures: list[str], restarts: bool,
+           tail: collections.deque, received: list[int]) -> None:
     """Copy torchrun's stderr (its workers' too) to the log file, and to ours until a stop, rank
-    0's one-line report of a bad input, or a rank's line that it failed: what follows (the
+    0's one-line report of a bad input, a rank's line that it failed or hung: what follows (the
     tracebacks of the ranks that lost their peer, torchrun's account) would bury the cause,
     which the launcher states at the end. A failing rank's own line is kept for that report
-    (`failures`); with restarts to come, the relay goes on for the restarted workers."""
+    (`failures`); the watchdog's hang lines are all shown (the hung rank's may come after a
+    peer's). With restarts to come, the relay goes on for the restarted workers. `tail`: the
+    last lines, this launcher's own (the log file may be shared by several nodes' launchers)."""
     for line in iter(stream.readline, b""):
         log.write(line)
         log.flush()
+        tail.append(line)
         if line.startswith(FAILED_LINE):
             failures.append(line[len(FAILED_LINE):].decode(errors="replace").strip())
+            if not restarts:
+                quiet.set()
+            continue
+        if line.startswith(HANG_LINE) and not received:  # after a stop, only the stop's line
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
             if not restarts:
                 quiet.set()
             continue
@@ -78,20 +91,19 @@ def _relay(stream, log, quiet: threading.Event, reported: list[int], failures: l
     stream.close()
 
 
-def failure_lines(run_dir: Path, ckpt_dir: Path, failures: list[str], code: int) -> str:
+def failure_lines(run_dir: Path, ckpt_dir: Path, failures: list[str], code: int, output: str,
+                  log_name: str) -> str:
     """The end of a failed run: the cause from the rank that failed first (its record, else the
-    first failure line seen, else torchrun's root cause), the checkpoint to continue from and
-    where the logs are."""
+    first failure line seen, else torchrun's root cause in its `output`), the checkpoint to
+    continue from and where the logs are (`log_name` in RUN_DIR/logs)."""
     first = first_failure(run_dir)
     if first is not None:
         cause = f"rank {first['rank']}: {first['cause']}"
     elif failures:
         cause = failures[0]
     else:
-        log = run_dir / LOGS_NAME / LAUNCHER_LOG
-        text = log.read_text(errors="replace") if log.is_file() else ""
-        cause = torchrun_root_cause(text) or f"a worker ended with exit code {code}"
-    return failure_report(run_dir, ckpt_dir, cause, launcher_log=True)
+        cause = torchrun_root_cause(output) or f"a worker ended with exit code {code}"
+    return failure_report(run_dir, ckpt_dir, cause, launcher_log=log_name)
 
 
 def _stop_leftovers() -> None:
@@ -165,9 +177,11 @@ def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir
     reported: list[int] = []
     failures: list[str] = []
     quiet = threading.Event()
+    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     clear_failures(run_dir)
     (run_dir / LOGS_NAME).mkdir(parents=True, exist_ok=True)
-    log = open(run_dir / LOGS_NAME / LAUNCHER_LOG, "ab")
+    log_name = launcher_log_name(rendezvous.multi_node)
+    log = open(run_dir / LOGS_NAME / log_name, "ab")
     log.write(f"--- tessera-train launch at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n".encode())
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=die_with_parent)  # the launcher has no threads yet: preexec is safe
@@ -181,7 +195,7 @@ def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir
 
     previous = {sig: signal.signal(sig, on_stop) for sig in STOP_SIGNALS}
     relay = threading.Thread(target=_relay, args=(proc.stderr, log, quiet, reported, failures,
-                                                  bool(rendezvous.max_restarts)), daemon=True)
+                                                  bool(rendezvous.max_restarts), tail, received), daemon=True)
     relay.start()
     stop_at = None
     try:
@@ -212,7 +226,8 @@ def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir
     if code and reported:
         return reported[0]
     if code:
-        print(failure_lines(run_dir, ckpt_dir, failures, code), file=sys.stderr, flush=True)
+        output = b"".join(tail).decode(errors="replace")
+        print(failure_lines(run_dir, ckpt_dir, failures, code, output, log_name), file=sys.stderr, flush=True)
         first = first_failure(run_dir)
         return int(first["exit_code"]) if first is not None and first.get("exit_code") else code
     return code

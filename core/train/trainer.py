@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import resource
 import statistics
@@ -40,6 +41,7 @@ from core.validation import cp_a2a_size, validate
 from core.train.data import StepInputs, open_stream, resolve_address, take_positions, to_inputs
 from core.lifecycle import stop_deferred
 from core.train.dynamic_cp import DynamicCP
+from core.train.failure import record_cause
 from core.train.loss import cross_entropy_sum, fused_head_loss
 from core.mesh import ParallelMesh, init_distributed
 from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
@@ -50,7 +52,7 @@ from core.parallel.pipeline import LossParts, run_pipeline_step
 from core.precision.plan import resolve_precision_plan
 from core.train.parallelize import parallelize
 from core.state.pretrained import load_weights
-from core.watchdog import Watchdog
+from core.watchdog import HANG_EXIT_CODE, Watchdog
 from moe.comm import ExchangeTimer
 from moe.layer import set_moe_loss_scale
 from moe.stats import MoEStatsLayout, take_moe_stats
@@ -135,7 +137,8 @@ class Trainer:
         # Collective (a gloo group of its own): every rank builds it here, in the same order.
         self.checkpointer = AsyncCheckpointer() if config.checkpoint.async_save else None
         self.save_timings: dict = {}  # of the last save(): save_blocking_s (and save_s)
-        self.watchdog = Watchdog(t.hang_timeout_s, self.rank, self.run_dir)  # armed by run()
+        self.watchdog = Watchdog(t.hang_timeout_s, self.rank, self.run_dir,  # armed by run()
+                                 functools.partial(record_cause, self.run_dir, self.rank, exit_code=HANG_EXIT_CODE))
         self._init_loaded = False
         self.stream = None
         self._server = None
