@@ -6,8 +6,8 @@ in-process on the tiny models (the schedule's own record says which tensors went
 which order they came back, and which came back ahead of their use), and through `tessera-train`
 at one process (eager and compiled, against the plain single-process `reference`, which full
 recomputation leaves bit for bit unchanged), at pp=2 (1F1B and interleaved) and at tp=2 (against
-the same layout without the offload). On the CPU the copies are synchronous; the streams and
-events of the GPU path are proved by tests/test_checkpoint_offload_gpu.py where there is a GPU.
+the same layout without the offload). On the CPU the copies are synchronous; the streams, events
+and pinned buffers of the GPU path are proved by the `gpu` test at the end where there is a GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from core.planner.memory import checkpoint_host_buffers, estimate_memory
 from core.train.host_memory import available_bytes, check_host_memory
 from core.train.model import build_model
 from core.validation import validate
+from core.train.trainer import Trainer
 from tests.support.batches import micro_batch
 from tests.support.runs import losses, metrics, run_train
 
@@ -195,3 +196,31 @@ def test_layouts_are_bit_for_bit_the_same_with_the_offload(tmp_path, dataset, la
     run_train(tmp_path / "on", dataset, 2, "train.recompute=full", "train.offload_checkpoints=true", *layout)
     assert losses(tmp_path / "on") == losses(tmp_path / "off")
     assert _offloaded(tmp_path / "on") == [blocks * 4 * BLOCK_MIB] * 4
+
+
+def _train_in_process(device: str, *extra: str):
+    config = load_config(TINY, [f"train.device={device}", "train.micro_batch_size=2", "train.global_batch_size=4",
+                                "train.seq_len=128", "train.recompute=full", *extra])
+    trainer = Trainer(config)
+    out = []
+    for step in range(2):
+        micro = [micro_batch(10 * step + i, config.model.vocab_size, device=device) for i in range(2)]
+        result = trainer.step(micro)
+        out.append((float(result.loss_sum), float(result.grad_norm), result.metrics.get("offload_mib")))
+    return out, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, trainer.inputs_offload
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("extra", [[], ["train.compile=true"]], ids=["eager", "compiled"])
+def test_pinned_side_stream_copies_leave_training_identical_on_gpu(extra):
+    """The copies run on side streams into pinned buffers, the compute stream waits on events
+    only: a missing wait (a copy back read before it landed, a buffer reused before its copy
+    read it) shows as a different loss or weight."""
+    want, want_weights, _ = _train_in_process("cuda", *extra)
+    got, weights, schedule = _train_in_process("cuda", "train.offload_checkpoints=true", *extra)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert all(torch.equal(weights[k], v) for k, v in want_weights.items())
+    assert all(g[2] > 0 for g in got)
+    assert schedule.pool.free and all(s.buffer.is_pinned() for s in schedule.pool.free)
+    assert schedule.pool.grown == 0  # the planner's count held what the step kept in flight
