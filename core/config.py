@@ -265,6 +265,8 @@ class TrainConfig:
     """Recomputed too: norms, swiglu, moe_experts, attention_core, mla_up (MLA up-projections+core; saves latents), attention, mlp, block"""
     offload_modules: list[str] = field(default_factory=list)
     """Modules whose saved activations wait in host memory until the backward (copies overlap compute); the same names, not mla_up."""
+    offload_checkpoints: bool = False
+    """Keep the inputs of recomputed blocks (eager: also of recomputed attention, attention_core) in host memory until the backward."""
     mlp_chunk_tokens: int = 0
     """> 0: tiled MLP, the dense SwiGLU layers run this many tokens at a time each way (memory flat in the sequence); 0: off."""
     recompute_num_layers: int = 0

@@ -38,6 +38,32 @@ def recompute_set(t: TrainConfig) -> set[str]:
     return set(t.recompute_modules) | legacy
 
 
+#: Recomputed kinds whose checkpoint inputs train.offload_checkpoints keeps in host memory: a
+#: whole block (its input), and eagerly the attention (the norm's output) and its core (q, k, v).
+#: Compiled blocks keep the inner checkpoints inside their graphs, where no hook runs.
+CHECKPOINT_OFFLOAD = ("block", "attention", "attention_core")
+
+
+def offloaded_checkpoints(config: Config) -> set[str]:
+    """The recomputed kinds whose checkpoint inputs go to host memory (none unless
+    train.offload_checkpoints): the outermost recomputed kinds of `CHECKPOINT_OFFLOAD`
+    (`block` only when compiled; `attention_core` not under MLA, whose v is a view of a wider
+    projection and stays)."""
+    t = config.train
+    if not t.offload_checkpoints:
+        return set()
+    recomputed = recompute_set(t)
+    if "block" in recomputed:
+        return {"block"}
+    if t.compile:
+        return set()
+    if "attention" in recomputed:
+        return {"attention"}
+    if "mla_up" in recomputed or config.model.attention == "mla":
+        return set()
+    return recomputed & {"attention_core"}
+
+
 def nests(a: str, b: str) -> bool:
     """Whether one of the two module kinds contains the other (or they are the same)."""
     return a == b or b in _INSIDE.get(a, ()) or a in _INSIDE.get(b, ())

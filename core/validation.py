@@ -35,6 +35,7 @@ from core.rules import (
     check_schedule,
     moe_layer_rule,
     nests,
+    offloaded_checkpoints,
     partition_layers,
     recompute_set,
     torchao_fp8,
@@ -191,6 +192,13 @@ def _check_train(config: Config) -> None:
     if not t.run_dir.strip():
         raise ConfigError("train.run_dir is empty; give the run a folder, e.g. train.run_dir=runs/my_run")
     _check_recompute(t)
+    if t.offload_checkpoints and not offloaded_checkpoints(config):
+        covered = ("whole blocks: train.recompute='full' (or 'block' in train.recompute_modules); train.compile keeps "
+                   "the inner checkpoints in its graphs" if t.compile else
+                   "train.recompute='full' (or 'block', 'attention', or, without MLA, 'attention_core' in "
+                   "train.recompute_modules)")
+        raise ConfigError("train.offload_checkpoints=true keeps the inputs of recomputed modules in host memory, but "
+                          f"none it covers is recomputed; recompute {covered}, or set train.offload_checkpoints=false")
     if "mla_up" in recompute_set(t) and config.model.attention != "mla":
         raise ConfigError(f"train.recompute_modules has 'mla_up', which recomputes multi-head latent attention's "
                           f"up-projections, but model.attention={config.model.attention!r}; use 'attention_core' "

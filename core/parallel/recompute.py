@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from core.rules import RECOMPUTE_MODULES
 from core.layers import FeedForward, RMSNorm, SwiGLU, model_blocks
 from core.mla import MLAttention
+from core.parallel.checkpoint_offload import CheckpointOffload
 
 MODES = ("none", "selective", "full")
 MIN_OFFLOAD_BYTES = 1 << 16  # below this a copy costs more in launch time than it saves
@@ -57,10 +58,20 @@ def _recompute_forward(module: nn.Module) -> None:
     original = module.forward
 
     def forward(*args, **kwargs):
-        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+        return _checkpoint(module, original, args, kwargs)
 
     module.forward = forward
     module._recompute_original = original
+
+
+def _checkpoint(module: nn.Module, fn, args, kwargs):
+    """`fn` under non-reentrant checkpointing; inside the hooks of the module's checkpoint-input
+    offload when it has one (core/parallel/checkpoint_offload.py)."""
+    offload = module.__dict__.get("_checkpoint_offload")
+    if offload is None or not torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    with offload.around(module):
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
 def _recompute_feed_forward_branch(block: nn.Module) -> None:
@@ -80,7 +91,7 @@ def compile_inside_checkpoint(module: nn.Module, **compile_options) -> bool:
     compiled = torch.compile(original, **compile_options)
 
     def forward(*args, **kwargs):
-        return checkpoint(compiled, *args, use_reentrant=False, **kwargs)
+        return _checkpoint(module, compiled, args, kwargs)
 
     module.forward = forward
     return True
@@ -327,7 +338,8 @@ def _outermost(chosen: list[tuple[nn.Module, nn.Module | None, str]]) -> list[tu
 
 def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=(),
                     offloader: ActivationOffload | None = None, compiled: bool = False,
-                    num_layers: int = 0) -> nn.Module:
+                    num_layers: int = 0, checkpoint_offload: CheckpointOffload | None = None,
+                    offload_kinds=(), chunk: int = 0) -> nn.Module:
     """Recompute `mode`'s modules and `modules`, offload `offload` (kinds in the module docstring).
     `num_layers` > 0: recompute in the model's (chunk's) first `num_layers` blocks only, so a
     memory budget between two recompute sets is used up block by block (offload: every block).
@@ -336,7 +348,10 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=()
     per FLOP recomputed among the old modes; the finer kinds trade further.
     compiled (the blocks will be compiled whole): `norms` and `swiglu` are plain checkpoints,
     traced into the block's graph, where the partitioner recomputes the module's output for
-    every op that saved it; no saved-tensor hooks (compile cannot trace them)."""
+    every op that saved it; no saved-tensor hooks (compile cannot trace them).
+    checkpoint_offload: the schedule that keeps the checkpoint inputs of the recomputed
+    `offload_kinds` (`core.rules.offloaded_checkpoints`) in host memory; `chunk`: this model
+    chunk's index among the rank's chunks (its passes are its own)."""
     if mode not in MODES:
         raise ValueError(f"recompute mode must be none, selective or full, got {mode!r}")
     kinds = set(modules) | {"none": set(), "selective": {"attention_core"}, "full": {"block"}}[mode]
@@ -359,10 +374,13 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=()
                 module.recompute_up = True
             else:
                 _recompute_forward(module)
+                if checkpoint_offload is not None and kind in offload_kinds:
+                    checkpoint_offload.place(module, chunk, position)
         for module, consumer, _ in chosen:
             if consumer is not None and not compiled:
                 _drop_output(module, consumer)
         for module, _, _ in _outermost([(m, None, k) for k in sorted(offload) for m, _ in _targets(block, k)]):
             offloader.wrap(module)
     model.activation_offload = offloader
+    model.checkpoint_offload = checkpoint_offload
     return model

@@ -19,10 +19,11 @@ All sizes in bytes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from core.config import Config
-from core.rules import FUSED_CHUNK_ELEMENTS, grad_accum_steps, moe_layer_rule, recompute_set
+from core.rules import FUSED_CHUNK_ELEMENTS, grad_accum_steps, moe_layer_rule, offloaded_checkpoints, recompute_set
 from core.planner.state import (PARAM_BYTES, StateBytes, coordinates, local_params, recomputed_layers, stage_layers,
                                 state_bytes)
 
@@ -95,12 +96,15 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
     m, p, t = config.model, config.parallel, config.train
     recompute = recompute_set(t) if recompute is None else recompute
     offload = set(t.offload_modules) if offload is None else offload
+    inputs_out = offloaded_checkpoints(config) & recompute  # checkpoint inputs in host memory
     s = shapes(config)
     b = PARAM_BYTES[t.precision]
     T, Ts, d = s.tokens, s.seq_tokens, m.dim
     sp = p.sequence_parallel and p.tp > 1
     compiled = t.compile
     if "block" in recompute:
+        if "block" in inputs_out:
+            return LayerActivations({"block": 0}, Ts * d * b)
         return LayerActivations({"block": Ts * d * b})
     moe_layer = moe_layer_rule(m.moe, layer_id)
     inside_glu = 3 if compiled else 4  # SwiGLU in a compiled block: a, b and the product
@@ -163,6 +167,10 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
             mlp_in = 0 if ("norms" in recompute and not sp) else T * d * b
             parts["mlp"] = mlp_in + T * H * b * (2 if "swiglu" in recompute else inside_glu)
     offloaded = 0
+    # The checkpoint inputs of a recomputed attention (its norm's output) or core (q, k, v).
+    moved = attn_in if "attention" in inputs_out else qkv if "attention_core" in inputs_out else 0
+    parts["attention"] -= moved
+    offloaded += moved
     for kind in offload:
         # What the module saves inside its own forward moves; what a module outside saves of its
         # output (wo of the core's out, w2 of the SwiGLU product, the consumers of the norms)
@@ -189,6 +197,29 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
             parts[key] -= value
             offloaded += value
     return LayerActivations(parts, offloaded)
+
+
+def checkpoint_host_buffers(config: Config, pp_rank: int = 0) -> dict[int, int]:
+    """The host buffers train.offload_checkpoints keeps for pipeline rank `pp_rank`, {bytes: count}:
+    each offloaded checkpoint input of one micro-batch (a block's [tokens, dim]; the attention's
+    input; q, k and v) per recomputed block, times the micro-batches in flight there."""
+    kinds = offloaded_checkpoints(config)
+    if not kinds:
+        return {}
+    t, m = config.train, config.model
+    s, b = shapes(config), PARAM_BYTES[t.precision]
+    if "block" in kinds:
+        sizes = [s.seq_tokens * m.dim * b]
+    elif "attention" in kinds:
+        sizes = [s.tokens * m.dim * b]
+    else:
+        sizes = [s.tokens * s.q * b, s.tokens * s.kv * b, s.tokens * s.kv * b]
+    blocks = len(recomputed_layers(config, pp_rank))
+    count = math.ceil(in_flight(config, pp_rank, grad_accum_steps(config)) * blocks)
+    out: dict[int, int] = {}
+    for nbytes in sizes:
+        out[nbytes] = out.get(nbytes, 0) + count
+    return out
 
 
 def _mla_saved(config: Config, T: int, b: int, recompute: set[str], compiled: bool) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from core.config import Config
 from core.metrics import flops_per_token
-from core.rules import attention_width, grad_accum_steps, moe_layer_rule, recompute_set
+from core.rules import attention_width, grad_accum_steps, moe_layer_rule, offloaded_checkpoints, recompute_set
 from core.planner.calibration import Calibration
 from core.planner.memory import block_activations, shapes
 from core.planner.state import PARAM_BYTES, cached, layout_key, local_params, recomputed_layers, stage_layers
@@ -312,7 +312,7 @@ class _Model:
                 again += experts_f if "moe_experts" in r else 2 * glu_f if "swiglu" in r else 0.0
         bwd.add("recompute", again)
         compute = fwd.total + bwd.total - before
-        if self.offload:
+        if self.offload or offloaded_checkpoints(self.c):  # the copies both ways, less what compute hides
             moved = block_activations(self.c, layer, r, self.offload).offloaded
             copy = self.cal.pcie_s(moved)
             fwd.add("offload", max(0.0, copy - (compute / 3)))  # the forward is about a third

@@ -14,6 +14,7 @@ knows both.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ from core.parallel.context import apply_cp
 from core.parallel.ulysses import A2AGroups, apply_a2a_cp
 from core.parallel.data import DataParallel, apply_data_parallel
 from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_data_parallel
+from core.parallel.checkpoint_offload import CheckpointOffload, HostPool
 from core.parallel.recompute import apply_recompute, compile_inside_checkpoint
+from core.planner.memory import checkpoint_host_buffers
 from core.parallel.wgrad import fuse_embedding_grad, fuse_weight_grads
 from core.parallel.tensor import ColumnParallelLinear, RowParallelLinear, apply_tp
 from moe.comm import ExchangeTimer
@@ -90,6 +93,13 @@ def compile_blocks(chunks: list[nn.Module], cuda_graphs: bool = False, fp8_casts
         for _, block in model_blocks(chunk):
             if not compile_inside_checkpoint(block, **options):
                 block.compile(**options)
+
+
+def checkpoint_buffers(config: Config, plan: PrecisionPlan, pp_rank: int) -> dict[int, int]:
+    """train.offload_checkpoints' host buffers on pipeline rank `pp_rank`, {bytes: count}, in the
+    precision the run resolved (train.precision 'auto' is fp32 on a CPU)."""
+    resolved = dataclasses.replace(config, train=dataclasses.replace(config.train, precision=plan.precision))
+    return checkpoint_host_buffers(resolved, pp_rank)
 
 
 @dataclass
@@ -162,9 +172,17 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         for block in tiled:
             block.feed_forward.chunk_tokens = t.mlp_chunk_tokens
         log.info("tiled MLP: %d dense feed-forward layers run %d tokens at a time", len(tiled), t.mlp_chunk_tokens)
-    for chunk in chunks:
+    kinds = rules.offloaded_checkpoints(config)
+    inputs_offload = None
+    if kinds:  # the host buffers made once, from the planner's count of what this rank keeps in flight
+        pool = HostPool(checkpoint_buffers(config, plan, mesh.coordinate("pp")), pin=device.type == "cuda")
+        inputs_offload = CheckpointOffload(pool)
+        log.info("checkpoint offload: the inputs of recomputed %s to host memory, %d buffers of %.1f MiB in all",
+                 "/".join(sorted(kinds)), pool.made, pool.bytes / 2 ** 20)
+    for index, chunk in enumerate(chunks):
         apply_recompute(chunk, t.recompute, t.recompute_modules, t.offload_modules, compiled=t.compile,
-                        num_layers=t.recompute_num_layers)
+                        num_layers=t.recompute_num_layers, checkpoint_offload=inputs_offload, offload_kinds=kinds,
+                        chunk=index)
     model.to(device)
     if t.compile:
         compile_blocks(chunks, cuda_graphs=t.cuda_graphs,

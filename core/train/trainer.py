@@ -43,6 +43,7 @@ from core.lifecycle import stop_deferred
 from core.train.dynamic_cp import DynamicCP
 from core.train.failure import record_cause
 from core.train.loss import cross_entropy_sum, fused_head_loss
+from core.train.host_memory import check_host_memory
 from core.mesh import ParallelMesh, init_distributed
 from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
 from core.train.model import build_model, count_params
@@ -50,7 +51,7 @@ from core.parallel.context import shard_for_cp
 from core.parallel.ulysses import shard_for_a2a
 from core.parallel.pipeline import LossParts, run_pipeline_step
 from core.precision.plan import resolve_precision_plan
-from core.train.parallelize import parallelize
+from core.train.parallelize import checkpoint_buffers, parallelize
 from core.state.pretrained import load_weights
 from core.watchdog import HANG_EXIT_CODE, Watchdog
 from moe.comm import ExchangeTimer
@@ -94,18 +95,24 @@ class Trainer:
         self.mesh = ParallelMesh.build(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, device_type=self.device.type)
         torch.manual_seed(t.seed + self.rank)  # dropout-free model: only affects user code that draws
 
+        self.plan = resolve_precision_plan(config, self.device)
+        self.precision = self.plan.precision
+        # What the run keeps in host memory must fit before anything is built.
+        buffers = checkpoint_buffers(config, self.plan, self.mesh.coordinate("pp"))
+        check_host_memory({"train.offload_checkpoints": sum(n * c for n, c in buffers.items())})
+
         model = build_model(config.model, seed=t.seed)
         _, embedding_params, active_params = count_params(model)
         # The step's plan comes from the data service; the sub-groups are built once, here.
         self.dynamic = DynamicCP.build(config, self.mesh, model) if p.dynamic_cp else None
-        self.plan = resolve_precision_plan(config, self.device)
-        self.precision = self.plan.precision
         # The share of a step expert parallelism spends in the token all-to-alls (metrics).
         timed = bool(config.model.moe.num_experts) and p.ep > 1 and config.model.moe.dispatcher == "alltoall"
         self.exchange_timer = ExchangeTimer() if timed else None
         self.model, self.optimizer, self.scheduler, self.grads = parallelize(model, self.mesh, config, self.device,
                                                                              self.plan, self.exchange_timer)
         self.accum = grad_accum_steps(config)
+        chunks = self.grads.pipeline.chunks if self.grads.pipeline is not None else [self.model]
+        self.inputs_offload = getattr(chunks[0], "checkpoint_offload", None)  # train.offload_checkpoints
         self._shard = _context_sharder(config, self.mesh)
         self.moe_stats = None  # where each MoE layer's statistics sit in the step's all-rank reduction
         if config.model.moe.num_experts:
@@ -188,6 +195,8 @@ class Trainer:
         else:
             (loss_sum, mtp_sums), metrics = self._forward_backward(micro, global_labels, mtp_labels), {}
         busy_marks = (started, self._mark())
+        if self.inputs_offload is not None:  # this rank's checkpoint inputs sent to host memory
+            metrics["offload_mib"] = self.inputs_offload.pop_stats()["bytes"] / 2 ** 20
         watch.enter("gradient reduction")
         grad_norm = self.grads.finish_and_clip(self.config.train.grad_clip)
         lr = self.optimizer.lr
