@@ -27,11 +27,12 @@ def grad_accum_steps(config: Config) -> int:
 OFFLOAD_STATE_BYTES = 12  # host bytes per element of a rank's optimizer shard: fp32 master + two fp32 moments
 
 
-def offload_host_bytes(shard_numel: int, region_numel: int, param_bytes: int) -> int:
+def offload_host_bytes(shard_numel: int, region_numel: int) -> int:
     """Host bytes `train.optimizer_offload` takes on a rank: masters and moments of its shard's
-    `shard_numel` elements, and the pinned gradient (fp32) and weight (param dtype) buffers of
-    its buckets' reduced regions (`region_numel`: ZeRO-1 buckets pad every rank to rank 0's chunk)."""
-    return shard_numel * OFFLOAD_STATE_BYTES + region_numel * (4 + param_bytes)
+    `shard_numel` elements, and the pinned fp32 buffer of its buckets' reduced regions
+    (`region_numel`: ZeRO-1 buckets pad every rank to rank 0's chunk), which carries the
+    gradients out and the new weights in."""
+    return shard_numel * OFFLOAD_STATE_BYTES + region_numel * 4
 
 
 # ---- recomputation and offload (core/parallel/recompute.py) ---------------------------------

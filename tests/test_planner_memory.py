@@ -62,7 +62,7 @@ def _measured(config) -> dict:
     dp = grads.dp
     params = {id(s.param): s.param.numel() * s.param.element_size() for s in dp.slots}
     if dp.host is not None:  # optimizer offload: the optimizer's tensors are the host's
-        host = optimizer.exp_avg + optimizer.exp_avg_sq + [s.master for s in dp.slots] + dp.host.grads + dp.host.weights
+        host = optimizer.exp_avg + optimizer.exp_avg_sq + [s.master for s in dp.slots] + dp.host.grads
         return {
             "params": sum(params.values()),
             "grads": sum(b.grad_buffer.numel() * 4 for b in dp.buckets),

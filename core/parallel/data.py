@@ -341,8 +341,7 @@ class DataParallel:
         if self.offload:  # before anything is allocated on the host
             shard = sum(math.prod(s.chunk_shape(s.group_rank)) for s in slots)
             region = sum(math.prod(s.chunk_shape(0)) for s in slots)  # buckets pad to rank 0's chunk
-            width = torch.empty((), dtype=self.param_dtype).element_size()
-            check_host_memory(offload_host_bytes(shard, region, width), shard, self.host_limit_gb)
+            check_host_memory(offload_host_bytes(shard, region), shard, self.host_limit_gb)
         with torch.no_grad():
             for slot in slots:
                 self._make_master(slot)

@@ -5,25 +5,27 @@ With offload, each `ParamSlot`'s fp32 master (this rank's ZeRO-1 chunk, or the w
 is a host tensor, and so are AdamW's two moments (`core.train.optim`): 12 bytes per element of
 the shard leave the device. What stays there: the params (param dtype) and the fp32 main grads,
 which every micro-batch's backward accumulates into (gradient-accumulation fusion adds into
-them from the GEMMs), plus the reduce-scatter targets of ZeRO-1 buckets. Two pinned host
-buffers per bucket carry the traffic, laid out like the bucket's reduced shard
-(`bucket.region` elements, `Bucket._region_view`):
+them from the GEMMs), plus the reduce-scatter targets of ZeRO-1 buckets. One pinned host
+buffer per bucket, laid out like the bucket's reduced shard (`bucket.region` fp32 elements,
+`Bucket._region_view`), carries the traffic both ways:
 
-- `grads[i]`: the bucket's reduced gradient (fp32). On a GPU the copy is queued on a side
-  stream as soon as the bucket's collective is: that stream waits for the collective, the
-  compute stream goes on with the backward. On the CPU (gloo) it is copied once the collective
-  finished (`DataParallel.finish_grad_sync`). Gradients summed after the reduction (sequence-
-  parallel partials, tied pipeline copies) are copied again (`refresh`).
-- `weights[i]`: the updated masters cast to the param dtype on the host (the rounding of the
-  device path: `copy_`), then copied on the side stream into the params, or into the ZeRO-1
-  all-gather's send buffer, as soon as that bucket's update is done, while the CPU updates the
-  next one (`push`); the compute stream waits for them before it reads a weight (`wait_pushed`).
+- out, `grads[i]`: the bucket's reduced gradient. On a GPU the copy is queued on a side stream
+  as soon as the bucket's collective is: that stream waits for the collective, the compute
+  stream goes on with the backward. On the CPU (gloo) it is copied once the collective finished
+  (`DataParallel.finish_grad_sync`). Gradients summed after the reduction (sequence-parallel
+  partials, tied pipeline copies) are copied again (`refresh`).
+- in, `weights(i)`: once the bucket's update has read its gradients, the same bytes take the
+  updated masters cast to the param dtype (`copy_`, the device path's rounding), which the side
+  stream copies into the params, or into the ZeRO-1 all-gather's send buffer, while the CPU
+  updates the next bucket (`push`); the compute stream waits for them before it reads a weight
+  (`wait_pushed`). The next step's gradient copy into that buffer is queued on the same stream,
+  after this one.
 
-Without CUDA the same buffers are plain host tensors and every copy is synchronous, so the CPU
-tests run this path. Host need per element of the shard: 12 (master, moments) + 4 (grads) +
-the param dtype's bytes (weights), checked against the host's available memory before any of it
-is allocated (`check_host_memory`; the sum is `core.rules.offload_host_bytes`, which the
-planner reads too).
+Without CUDA the buffers are plain host tensors and every copy is synchronous, so the CPU
+tests run this path. Host need per element: 12 bytes of the shard (master, moments) + 4 of the
+buckets' regions (the pinned buffers; ZeRO-1 pads each rank's region to rank 0's chunk),
+checked against the host's available memory before any of it is allocated
+(`check_host_memory`; the sum is `core.rules.offload_host_bytes`, which the planner reads too).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def check_host_memory(need: int, shard_numel: int, limit_gb: float = 0.0, ranks_
     fits = int(available / per_element) if per_element else 0
     raise ConfigError(
         f"train.optimizer_offload needs {_size(need)} of host memory on each rank ({shard_numel / 1e6:.2f}M "
-        f"optimizer elements, {per_element:.0f} bytes each: fp32 master, two moments, gradient and weight buffers), "
+        f"optimizer elements, {per_element:.0f} bytes each: fp32 master, two moments, the pinned transfer buffer), "
         f"but {_size(available)} is available ({source}): that fits {fits / 1e6:.2f}M elements; shard the "
         f"optimizer over more data-parallel ranks (parallel.distributed_optimizer=true), free host memory, or set "
         f"train.optimizer_offload=false")
@@ -85,14 +87,19 @@ class HostOffload:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         pin = self.stream is not None
         self.grads = [torch.empty(b.region, dtype=torch.float32, pin_memory=pin) for b in buckets]
-        self.weights = [torch.empty(b.region, dtype=b.param_dtype, pin_memory=pin) for b in buckets]
+        self._dtypes = [b.param_dtype for b in buckets]
         self._queued = [False] * len(buckets)  # this step's gradient copy of bucket i is queued
-        self._sent: list[torch.cuda.Event | None] = [None] * len(buckets)  # the last copy out of weights[i]
+        self._sent: list[torch.cuda.Event | None] = [None] * len(buckets)  # the last copy out of weights(i)
 
     @property
     def streams(self) -> bool:
         """Whether copies run on a side stream (a GPU): then they may be queued during the backward."""
         return self.stream is not None
+
+    def weights(self, i: int) -> torch.Tensor:
+        """Bucket i's buffer as `region` elements of the param dtype (its first bytes: params are
+        at most 4 bytes wide), the new weights' way in once the update has read the gradients."""
+        return self.grads[i].view(self._dtypes[i])[:self.grads[i].numel()]
 
     def host_grad(self, slot) -> torch.Tensor:
         """The host copy of `slot.shard_grad` (same shape, same place in the bucket's region)."""
@@ -138,18 +145,20 @@ class HostOffload:
 
     def push(self, bucket) -> None:
         """The bucket's updated masters, cast to the param dtype, into the params (unsharded) or the
-        all-gather's send buffer (ZeRO-1); queued on the side stream on a GPU."""
+        all-gather's send buffer (ZeRO-1); queued on the side stream on a GPU. Overwrites the
+        bucket's host gradients: call it after the update."""
         i = bucket.index
         if self._sent[i] is not None:
-            self._sent[i].synchronize()  # the last copy out of weights[i] has read it
+            self._sent[i].synchronize()  # the last copy out of weights(i) has read it
         own = [s for s in bucket.slots if s.bounds[bucket.rank][1]]
-        staged = [bucket._region_view(self.weights[i], s, bucket.rank, 0) for s in own]
+        weights = self.weights(i)
+        staged = [bucket._region_view(weights, s, bucket.rank, 0) for s in own]
         if own:
             torch._foreach_copy_(staged, [s.master for s in own])  # fp32 -> param dtype, as on the device
         if bucket.sharded:
             if bucket.send is None:
                 bucket.send = torch.empty(bucket.region, dtype=bucket.param_dtype, device=bucket.grad_buffer.device)
-            pairs = [(bucket.send, self.weights[i])]
+            pairs = [(bucket.send, weights)]
         else:
             pairs = [(s.param.data, view) for s, view in zip(own, staged)]
         if self.stream is None:

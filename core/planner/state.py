@@ -6,7 +6,7 @@ whole, plus the reduce-scatter target of each ZeRO-1 bucket (rank 0's chunk, the
 AdamW's fp32 moments and masters cover this rank's ZeRO-1 chunks, cut like `torch.chunk` along
 the dim tensor and expert parallelism leave whole (`core.parallel.data.zero_shard_dim`). Under
 `train.optimizer_offload` the masters and moments leave the device for host memory, joined
-there by the pinned gradient and weight buffers of each bucket (`host`,
+there by each bucket's pinned buffer, which carries gradients out and weights in (`host`,
 `core.rules.offload_host_bytes`); the params and main grads stay.
 `tests/test_planner_memory.py` compares these numbers with the tensors `core.train.parallelize`
 allocates on gloo ranks, for every layout of the tiny configs.
@@ -243,5 +243,5 @@ def _state_bytes(config: Config, rank: int) -> StateBytes:
             masters += chunk * (2 if p.split_master_weights else 4)
     if config.train.optimizer_offload:
         return StateBytes(params, grads, shards, 0, 0, numel_all, chunk_all, packed, gather, send,
-                          offload_host_bytes(chunk_all, regions, width))
+                          offload_host_bytes(chunk_all, regions))
     return StateBytes(params, grads, shards, masters, moments, numel_all, chunk_all, packed, gather, send)
