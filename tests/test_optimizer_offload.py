@@ -66,12 +66,15 @@ def test_offload_losses_equal_the_device_optimizers(tmp_path, dataset, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first,then", [(True, False), (False, True)], ids=["offload-then-device", "device-then-offload"])
-def test_a_checkpoint_resumes_across_offload(tmp_path, dataset, reference, first, then):
-    # Saved after step 2 at dp=2 with ZeRO-1, resumed with the other optimizer placement:
-    # steps 3-4 equal the uninterrupted single process.
+@pytest.mark.parametrize("first,then,save", [(True, False, "false"), (False, True, "false"), (True, True, "true")],
+                         ids=["offload-then-device", "device-then-offload", "offload-async-save"])
+def test_a_checkpoint_resumes_across_offload(tmp_path, dataset, reference, first, then, save):
+    # Saved after step 2 at dp=2 with ZeRO-1 (blocking, or the asynchronous save's host copies
+    # of the host state), resumed with the other optimizer placement or the same: steps 3-4
+    # equal the uninterrupted single process.
     run_dir = tmp_path / "run"
-    run_train(run_dir, dataset, 2, "parallel.dp=2", f"train.optimizer_offload={str(first).lower()}", "train.stop_at_step=2")
+    run_train(run_dir, dataset, 2, "parallel.dp=2", f"train.optimizer_offload={str(first).lower()}", "train.stop_at_step=2",
+              f"checkpoint.async_save={save}")
     run_train(run_dir, dataset, 2, "parallel.dp=2", f"train.optimizer_offload={str(then).lower()}", resume=True)
     got = losses(run_dir)
     for step in (3, 4):
@@ -176,3 +179,9 @@ def test_gpu_offload_buffers_are_pinned_and_the_state_is_on_the_host():
     assert all(s.master.device.type == "cpu" for s in dp.slots)
     assert all(t.device.type == "cpu" for t in opt.exp_avg + opt.exp_avg_sq)
     assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_data_parallel_checks_its_own_buffers_before_allocating():
+    # The library's own check (apply_data_parallel used without tessera-train), by the slots.
+    with pytest.raises(ConfigError, match="train.optimizer_offload needs"):
+        make_trainer(ParallelMesh.build(), offload=True, host_limit_gb=1e-6)
