@@ -251,6 +251,10 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Most global gradient L2 norm; larger gradients are scaled down; 0: no clipping."""
+    optimizer_offload: bool = False
+    """fp32 masters and AdamW moments (this rank's ZeRO-1 shard) in host memory, updated on the CPU; grads stream out per bucket."""
+    optimizer_offload_host_gb: float = 0.0
+    """With optimizer_offload: host memory (GB) each rank may use for it; 0: /proc/meminfo MemAvailable over the ranks per node."""
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     """Compute precision; auto: bf16 on GPU, fp32 on CPU."""
     fp8_recipe: Fp8Recipe = "blockwise"
@@ -575,6 +579,7 @@ RANGES = {
     "train.min_lr": ">= 0", "train.warmup_steps": ">= 0", "train.weight_decay": ">= 0", "train.beta1": "[0, 1)",
     "train.beta2": "[0, 1)", "train.eps": ">= 0", "train.grad_clip": ">= 0", "train.log_interval": ">= 1",
     "train.hang_timeout_s": ">= 0", "train.mlp_chunk_tokens": ">= 0", "train.mtp_loss_weight": ">= 0",
+    "train.optimizer_offload_host_gb": ">= 0",
     "data.prefetch": ">= 1", "data.stream_idle_timeout_s": ">= 0", "data.retry_s": "> 0", "data.server_restarts": ">= 0",
     "checkpoint.interval": ">= 0", "checkpoint.keep": ">= 1",
     "eval.interval": ">= 0", "eval.steps": ">= 1", "eval.seed": "[0, 9223372036854775807]",

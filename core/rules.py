@@ -1,7 +1,7 @@
 """Domain rules the trainer, the planner and the validation share, without torch.
 
-How many micro-batches a step runs, which modules are recomputed and how the module kinds
-nest, which layers hold routed experts, whether torchao runs the dense FP8 GEMMs, the fused
+How many micro-batches a step runs, what optimizer offload keeps in host memory, which
+modules are recomputed and how the module kinds nest, which layers hold routed experts, whether torchao runs the dense FP8 GEMMs, the fused
 loss's chunk size, and the pipeline's schedule and layer split. Each is a plain function of
 the config (or of a few numbers), so `tessera-plan` reads them without loading torch;
 `core.parallel`, `core.train` and `moe` import them from here. The module imports only the
@@ -20,6 +20,19 @@ def grad_accum_steps(config: Config) -> int:
     by `core.validation.validate`)."""
     t, p = config.train, config.parallel
     return t.global_batch_size // (t.micro_batch_size * p.dp)
+
+
+# ---- optimizer offload (core/parallel/offload.py) --------------------------------------------
+
+OFFLOAD_STATE_BYTES = 12  # host bytes per element of a rank's optimizer shard: fp32 master + two fp32 moments
+
+
+def offload_host_bytes(shard_numel: int, region_numel: int) -> int:
+    """Host bytes `train.optimizer_offload` takes on a rank: masters and moments of its shard's
+    `shard_numel` elements, and the pinned fp32 buffer of its buckets' reduced regions
+    (`region_numel`: ZeRO-1 buckets pad every rank to rank 0's chunk), which carries the
+    gradients out and the new weights in."""
+    return shard_numel * OFFLOAD_STATE_BYTES + region_numel * 4
 
 
 # ---- recomputation and offload (core/parallel/recompute.py) ---------------------------------

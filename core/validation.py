@@ -217,6 +217,17 @@ def _check_train(config: Config) -> None:
     if t.fused_loss and config.model.dense_backend != "torch":
         raise ConfigError("train.fused_loss=true needs model.dense_backend=\"torch\" (the head is a plain linear)")
     _check_mlp_chunks(config)
+    _check_optimizer_offload(config)
+
+
+def _check_optimizer_offload(config: Config) -> None:
+    t = config.train
+    if t.optimizer_offload_host_gb and not t.optimizer_offload:
+        raise ConfigError(f"train.optimizer_offload_host_gb={t.optimizer_offload_host_gb} bounds the offloaded "
+                          "optimizer's host memory: set train.optimizer_offload=true, or leave it at 0")
+    if t.optimizer_offload and config.parallel.split_master_weights:
+        raise ConfigError("train.optimizer_offload=true keeps the fp32 masters whole in host memory: "
+                          "parallel.split_master_weights has nothing to split there; set it false")
 
 
 def _check_mlp_chunks(config: Config) -> None:

@@ -5,7 +5,8 @@ fp32 main-grad buckets and ZeRO-1 reduce-scatter targets, AdamW moments and fp32
 every legal layout (`core.planner.layouts`) of the tiny dense and MoE configs on 4 gloo ranks
 (tp, pp with both schedules, cp, dp, ep, etp; one layout built of the splits of each dp*cp, whose
 state the planner shows equal), fp32, ZeRO off, sizes that chunk unevenly and a tied embedding
-over the pipeline, and on one process. Tolerance: none, the counts are exact.
+over the pipeline, and on one process; with optimizer offload, the host's masters, moments and
+gradient and weight buffers. Tolerance: none, the counts are exact.
 
 The activation model against autograd: the bytes each block leaves alive after a bf16 forward on
 the CPU (every storage an op creates, tracked until freed), for every recompute kind: exact for
@@ -60,6 +61,14 @@ def _measured(config) -> dict:
                                          resolve_precision_plan(config, cpu))
     dp = grads.dp
     params = {id(s.param): s.param.numel() * s.param.element_size() for s in dp.slots}
+    if dp.host is not None:  # optimizer offload: the optimizer's tensors are the host's
+        host = optimizer.exp_avg + optimizer.exp_avg_sq + [s.master for s in dp.slots] + dp.host.grads
+        return {
+            "params": sum(params.values()),
+            "grads": sum(b.grad_buffer.numel() * 4 for b in dp.buckets),
+            "grad_shards": sum(b.shard_buffer.numel() * 4 for b in dp.buckets if b.sharded),
+            "moments": 0, "masters": 0, "host": sum(t.numel() * t.element_size() for t in host),
+        }
     return {
         "params": sum(params.values()),
         "grads": sum(b.grad_buffer.numel() * 4 for b in dp.buckets),
@@ -67,13 +76,14 @@ def _measured(config) -> dict:
         "moments": sum(t.numel() * t.element_size() for t in optimizer.exp_avg + optimizer.exp_avg_sq),
         "masters": sum(s.master_low.numel() * 2 if s.master_low is not None else s.master.numel() * 4
                        for s in dp.slots if not s.master_is_param),
+        "host": 0,
     }
 
 
 def _predicted(config, rank: int) -> dict:
     s = state_bytes(config, rank)
     return {"params": s.params, "grads": s.grads, "grad_shards": s.grad_shards, "moments": s.moments,
-            "masters": s.masters}
+            "masters": s.masters, "host": s.host}
 
 
 UNEVEN = ["model.vocab_size=266", "model.ffn_dim=354"]  # ZeRO chunks of 67, 67, 67, 65 rows
@@ -110,6 +120,9 @@ def _check_world(rank: int, world: int) -> list[str]:
                       for keys in ([], ["parallel.tp=2"], ["parallel.pp=2"])]
             cases += [(validate(_config(name, "bf16", ["model.tie_embeddings=true"] + keys), world), "tied")
                       for keys in ([], ["parallel.pp=2"])]
+            cases += [(validate(_config(name, precision, UNEVEN + ["train.optimizer_offload=true"] + keys), world),
+                       "offload") for precision, keys in (("bf16", ["parallel.tp=2"]), ("fp32", []),
+                                                          ("bf16", ["parallel.distributed_optimizer=false"]))]
         for config, what in cases:
             seen += 1
             measured, predicted = _measured(config), _predicted(config, rank)
@@ -123,14 +136,15 @@ def test_state_bytes_exact_on_four_ranks():
     results = run_distributed(_check_world, 4, timeout=300)
     wrong = [line for r in results for line in r if not line.startswith("layouts")]
     assert not wrong, "\n".join(wrong[:20])
-    assert int(results[0][-1].split()[1]) == 7 + 16 + 2 * 2 + 5  # every class was built and compared
+    assert int(results[0][-1].split()[1]) == 7 + 16 + 2 * 2 + 5 + 3  # every class was built and compared
 
 
 @pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-split"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-split", "bf16-offload"])
 def test_state_bytes_exact_on_one_process(name, precision):
     split = ["parallel.split_master_weights=true"] if precision == "bf16-split" else []
-    config = validate(_config(name, precision.removesuffix("-split"), ["parallel.ep=1", *split]), 1)
+    split += ["train.optimizer_offload=true"] if precision == "bf16-offload" else []
+    config = validate(_config(name, precision.split("-")[0], ["parallel.ep=1", *split]), 1)
     assert _measured(config) == _predicted(config, 0)
 
 

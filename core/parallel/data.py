@@ -31,6 +31,11 @@ nothing is duplicated. With `split_masters` (bf16) the master is the bf16 weight
 upper 16 bits, rounded half away from zero) plus an int16 low half (`slot.master_low`): exact,
 2 bytes per parameter where a separate fp32 copy takes 4; `slot.master` joins a copy,
 `slot.write_master` splits one back.
+
+Optimizer offload (`offload=True`, core.parallel.offload): the fp32 masters are host tensors,
+each bucket's reduced shard is copied to a pinned host buffer as it is ready (on a GPU during
+the backward, on a side stream), and `gather_params` copies the host's new weights back in.
+The main grads stay on the device: every micro-batch's backward accumulates into them.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ from core import placement
 from core.kernels.adamw import join_master, split_master
 from core.kernels.fused import accumulate_fp32_
 from core.mesh import ParallelMesh
+from core.parallel.offload import HostOffload, check_host_memory
+from core.rules import offload_host_bytes
 
 GRAD_REDUCE_OPS = ("sum", "mean")
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
@@ -187,6 +194,7 @@ class Bucket:
                 slot.region_offsets = [slot.offset] * self.size
                 slot.shard_grad = slot.main_grad
         self.pending = len(slots)
+        self.index = 0  # place in DataParallel.buckets
         self.work = None
         self.packed: torch.Tensor | None = None  # kept alive until the collective finished
         self.send: torch.Tensor | None = None  # the weights' all-gather input, where an optimizer writes it
@@ -265,11 +273,15 @@ class DataParallel:
         grad_reduce: str = "sum",
         gradient_accumulation_fusion: bool = True,
         split_masters: bool = False,
+        offload: bool = False,
+        host_limit_gb: float = 0.0,
     ):
+        if split_masters and offload:
+            raise ValueError("offload keeps whole fp32 masters in host memory: split_masters has nothing to split")
         if split_masters and param_dtype != torch.bfloat16:
             raise ValueError(f"split_masters keeps the fp32 master as the bf16 weight plus its low half: it needs "
                              f"param_dtype=torch.bfloat16, got {param_dtype}")
-        self.split_masters = split_masters
+        self.split_masters, self.offload, self.host_limit_gb = split_masters, offload, host_limit_gb
         if grad_reduce not in GRAD_REDUCE_OPS:
             raise ValueError(f"grad_reduce={grad_reduce!r} must be one of {', '.join(GRAD_REDUCE_OPS)}")
         if not bucket_mb > 0:
@@ -293,6 +305,9 @@ class DataParallel:
             raise ValueError("the model has no parameters that require gradients")
         self.device = self.slots[0].param.device
         self.buckets = self._make_buckets(int(bucket_mb * 2**20))
+        for i, bucket in enumerate(self.buckets):
+            bucket.index = i
+        self.host = HostOffload(self.buckets, self.device) if offload else None
         # The hook sits before each param's AccumulateGrad node and consumes the gradient, so
         # `param.grad` is never allocated or stored.
         self._grad_nodes = [torch.autograd.graph.get_gradient_edge(slot.param).node for slot in self.slots]
@@ -322,20 +337,32 @@ class DataParallel:
             group = self.mesh.group(group_name)
             size = dist.get_world_size(group) if group is not None else 1
             rank = dist.get_rank(group) if group is not None else 0
-            slot = ParamSlot(name, param, group_name, size, rank, self.shard_optimizer and size > 1)
-            # fp32 masters come from the fp32 init values, before params are cast down.
-            with torch.no_grad():
-                if self.param_dtype == torch.float32 and param.dtype == torch.float32:
-                    slot.master, slot.master_is_param = slot.chunk(param.data, rank), True
-                elif self.split_masters:  # the bf16 weight is the master's rounded upper half
-                    high, low = split_master(param.data)
-                    slot.master_low = slot.chunk(low, rank).clone()
-                    param.data = high
-                else:
-                    slot.master = slot.chunk(param.data, rank).float().clone()
-                    param.data = param.data.to(self.param_dtype)
-            slots.append(slot)
+            slots.append(ParamSlot(name, param, group_name, size, rank, self.shard_optimizer and size > 1))
+        if self.offload:  # before anything is allocated on the host
+            shard = sum(math.prod(s.chunk_shape(s.group_rank)) for s in slots)
+            region = sum(math.prod(s.chunk_shape(0)) for s in slots)  # buckets pad to rank 0's chunk
+            check_host_memory(offload_host_bytes(shard, region), shard, self.host_limit_gb)
+        with torch.no_grad():
+            for slot in slots:
+                self._make_master(slot)
         return slots
+
+    def _make_master(self, slot: ParamSlot) -> None:
+        # fp32 masters come from the fp32 init values, before params are cast down.
+        param, rank = slot.param, slot.group_rank
+        if self.offload:
+            chunk = slot.chunk(param.data, rank)
+            slot.master = torch.empty(chunk.shape, dtype=torch.float32, device="cpu").copy_(chunk)
+            param.data = param.data.to(self.param_dtype)
+        elif self.param_dtype == torch.float32 and param.dtype == torch.float32:
+            slot.master, slot.master_is_param = slot.chunk(param.data, rank), True
+        elif self.split_masters:  # the bf16 weight is the master's rounded upper half
+            high, low = split_master(param.data)
+            slot.master_low = slot.chunk(low, rank).clone()
+            param.data = high
+        else:
+            slot.master = slot.chunk(param.data, rank).float().clone()
+            param.data = param.data.to(self.param_dtype)
 
     def _make_buckets(self, cap_bytes: int) -> list[Bucket]:
         # Backward produces grads roughly in reverse registration order: bucket in that order.
@@ -427,6 +454,11 @@ class DataParallel:
             self.sync_grads = previous
 
     def _launch(self, bucket: Bucket) -> None:
+        self._start_collective(bucket)
+        if self.host is not None and self.host.streams:  # on a GPU: queued behind the collective now
+            self.host.copy_grads(bucket)
+
+    def _start_collective(self, bucket: Bucket) -> None:
         for slot in bucket.slots:
             if not slot.written:  # no grad this step (an unused param): it reduces as zeros
                 slot.main_grad.zero_()
@@ -470,21 +502,26 @@ class DataParallel:
                 bucket.shard_buffer.copy_(bucket.packed[start:start + bucket.region])
                 bucket.fallback = False
             bucket.packed = None
-        self._sum_sequence_parallel_grads()
-        self._sum_tied_copies()
+            if self.host is not None:
+                self.host.copy_grads(bucket)
+        summed = self._sum_sequence_parallel_grads() + self._sum_tied_copies()
+        if self.host is not None:
+            self.host.refresh(summed)
         self._finished = True
 
-    def _sum_sequence_parallel_grads(self) -> None:
+    def _sum_sequence_parallel_grads(self) -> list[ParamSlot]:
         # LayerNorm-like weights under sequence parallelism see only this TP rank's tokens; their
         # (already DP-reduced) grads are partial sums over TP. Chunks match across TP ranks.
-        grads = [s.shard_grad for s in self.slots if placement.is_sequence_parallel_partial(s.param)]
+        partial = [s for s in self.slots if placement.is_sequence_parallel_partial(s.param)]
+        grads = [s.shard_grad for s in partial]
         if not grads or self.mesh.tp == 1 or not self.mesh.distributed:
-            return
+            return []
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.mesh.group("tp"))
         torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        return partial
 
-    def _sum_tied_copies(self) -> None:
+    def _sum_tied_copies(self) -> list[ParamSlot]:
         # A weight tied across pipeline stages (embedding on the first, output head on the last)
         # lives as one copy per stage, tagged `pp_tied_group`: each copy's grad becomes the sum.
         # Both copies have the same shape and dp group, so their ZeRO chunks line up.
@@ -492,11 +529,13 @@ class DataParallel:
         for slot in self.slots:
             group = getattr(slot.param, "pp_tied_group", None)
             if group is not None:
-                by_group.setdefault(group, []).append(slot.shard_grad)
-        for group, grads in by_group.items():
+                by_group.setdefault(group, []).append(slot)
+        for group, tied in by_group.items():
+            grads = [s.shard_grad for s in tied]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=group)
             torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        return [s for tied in by_group.values() for s in tied]
 
     def zero_grad(self) -> None:
         """Clear main grads and per-step bookkeeping; call after each optimizer step."""
@@ -513,6 +552,8 @@ class DataParallel:
                 slot.written = True
         self.pending_grad_scale = None
         self._next, self._finished = 0, False
+        if self.host is not None:
+            self.host.new_step()
 
     # ------------------------------------------------------------------ after the step
     def weight_targets(self) -> list[torch.Tensor | None]:
@@ -536,7 +577,15 @@ class DataParallel:
     def gather_params(self, targets_written: bool = False) -> None:
         """Write the updated fp32 master chunks back into the (possibly bf16) params: an
         all-gather per sharded bucket, a local copy otherwise. With `targets_written` the
-        optimizer already wrote every `weight_targets()` entry: no local copy or packing."""
+        optimizer already wrote every `weight_targets()` entry: no local copy or packing. With
+        offload the host's masters are copied in (`HostOffload.push`; `targets_written`: the
+        optimizer pushed every bucket already)."""
+        if self.host is not None:
+            if not targets_written:
+                for bucket in self.buckets:
+                    self.host.push(bucket)
+            self.host.wait_pushed()
+            targets_written = True
         in_flight = []
         for bucket in self.buckets:
             if not bucket.sharded:
@@ -558,7 +607,11 @@ class DataParallel:
             callback()
 
     def local_grads(self) -> list[torch.Tensor]:
-        """The reduced gradients this rank's optimizer consumes (ZeRO chunks or full grads)."""
+        """The reduced gradients this rank's optimizer consumes (ZeRO chunks or full grads); with
+        offload their host copies, once every copy has landed."""
+        if self.host is not None:
+            self.host.wait_grads()
+            return [self.host.host_grad(slot) for slot in self.slots]
         return [slot.shard_grad for slot in self.slots]
 
     def remove(self) -> None:
@@ -582,6 +635,8 @@ def apply_data_parallel(
     grad_reduce: str = "sum",
     gradient_accumulation_fusion: bool = True,
     split_masters: bool = False,
+    offload: bool = False,
+    host_limit_gb: float = 0.0,
 ) -> DataParallel:
     """Attach bucketed, overlapped gradient reduction (and the ZeRO-1 layout when
     `distributed_optimizer`) to a plain model; returns the handle the optimizer uses.
@@ -589,9 +644,12 @@ def apply_data_parallel(
     gradients straight into the fp32 main grads through `param.main_grad_sink`; params tagged
     `accumulates_main_grad` (Transformer Engine's linears) get `param.main_grad` to add into.
     `split_masters` (bf16 params): each fp32 master is kept as the bf16 weight (its upper 16
-    bits, rounded) plus an int16 low half, exact, 2 bytes per parameter instead of 4."""
+    bits, rounded) plus an int16 low half, exact, 2 bytes per parameter instead of 4.
+    `offload`: fp32 masters in host memory, reduced grads streamed there by bucket
+    (core.parallel.offload), at most `host_limit_gb` of it per rank (0: the host's available
+    memory over the ranks per node)."""
     return DataParallel(
         model, mesh, bucket_mb=bucket_mb, shard_optimizer=distributed_optimizer,
         param_dtype=param_dtype, grad_reduce=grad_reduce, gradient_accumulation_fusion=gradient_accumulation_fusion,
-        split_masters=split_masters,
+        split_masters=split_masters, offload=offload, host_limit_gb=host_limit_gb,
     )

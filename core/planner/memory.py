@@ -2,6 +2,8 @@
 
 - **State** (`core.planner.state`): parameters, gradients, optimizer state, exact; under ZeRO-1
   also the all-gather's send buffers, which the one-pass AdamW keeps between steps on a GPU.
+  With `train.optimizer_offload` the optimizer state is host memory (`host_optimizer` in the
+  breakdown), not device memory.
 - **Activations** (`block_activations`, `head_activations`): what autograd keeps between the
   forward and the backward of one micro-batch, module by module, for every recompute and offload
   choice (eager RMSNorm's two fp32 copies, FlashAttention's q, k, v, out and log-sum-exp, the
@@ -375,7 +377,8 @@ class MemoryEstimate:
         return {"params": (s.params + s.send) / gib, "grads": (s.grads + s.grad_shards) / gib, "optimizer": s.optimizer / gib,
                 "fp8_cache": self.fp8_cache / gib, "activations": self.activations / gib,
                 "transient": self.transient / gib, "reduction": self.reduction / gib,
-                "other": (self.device_total - self.peak_allocated) / gib, "host_offload": self.offloaded / gib}
+                "other": (self.device_total - self.peak_allocated) / gib, "host_offload": self.offloaded / gib,
+                "host_optimizer": s.host / gib}
 
 
 def estimate_memory(config: Config, rank: int | None = None, allocator: Allocator | None = None) -> MemoryEstimate:

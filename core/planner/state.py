@@ -4,7 +4,10 @@ This rank's parameters are the shards `apply_tp`, `apply_ep` and the pipeline sp
 the parameter dtype); the fp32 main grads are one flat buffer per bucket, every parameter
 whole, plus the reduce-scatter target of each ZeRO-1 bucket (rank 0's chunk, the longest);
 AdamW's fp32 moments and masters cover this rank's ZeRO-1 chunks, cut like `torch.chunk` along
-the dim tensor and expert parallelism leave whole (`core.parallel.data.zero_shard_dim`).
+the dim tensor and expert parallelism leave whole (`core.parallel.data.zero_shard_dim`). Under
+`train.optimizer_offload` the masters and moments leave the device for host memory, joined
+there by each bucket's pinned buffer, which carries gradients out and weights in (`host`,
+`core.rules.offload_host_bytes`); the params and main grads stay.
 `tests/test_planner_memory.py` compares these numbers with the tensors `core.train.parallelize`
 allocates on gloo ranks, for every layout of the tiny configs.
 
@@ -18,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from core.config import Config
-from core.rules import moe_layer_rule, partition_layers
+from core.rules import moe_layer_rule, offload_host_bytes, partition_layers
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "auto": 2}  # auto: bf16 on the GPU the plan is for
 
@@ -110,7 +113,8 @@ def layout_key(config: Config) -> tuple:
     """What the parameter layout depends on (the planner asks for the same layouts many times)."""
     p = config.parallel
     return (repr(config.model), p.tp, p.ep, p.etp, p.pp, p.pp_virtual_stages, p.pp_first_stage_layers,
-            p.pp_last_stage_layers, p.dp, p.cp, p.distributed_optimizer, p.split_master_weights, config.train.precision)
+            p.pp_last_stage_layers, p.dp, p.cp, p.distributed_optimizer, p.split_master_weights, config.train.precision,
+            config.train.optimizer_offload)
 
 
 _CACHE: dict[tuple, object] = {}  # a pure memo keyed by the layout's values (layout_key): no run's state
@@ -204,6 +208,7 @@ class StateBytes:
     packed: int  # fp32 packed copies of the sharded buckets during the gradient reduction
     gather: int  # parameter-dtype receive buffers of the all-gather after the step
     send: int = 0  # the all-gather's send buffers, which the one-pass AdamW keeps (GPU, ZeRO-1)
+    host: int = 0  # host memory of train.optimizer_offload (masters, moments, gradient and weight buffers)
 
     @property
     def optimizer(self) -> int:
@@ -224,7 +229,7 @@ def _state_bytes(config: Config, rank: int) -> StateBytes:
     p = config.parallel
     c = coordinates(config, rank)
     width = PARAM_BYTES[config.train.precision]
-    params = grads = shards = masters = moments = numel_all = chunk_all = packed = gather = send = 0
+    params = grads = shards = masters = moments = numel_all = chunk_all = packed = gather = send = regions = 0
     for spec in local_params(config, c["pp"]):
         size = p.dp * p.cp // p.ep if spec.expert else p.dp * p.cp
         group_rank = c["edp"] if spec.expert else c["dp_cp"]
@@ -234,6 +239,7 @@ def _state_bytes(config: Config, rank: int) -> StateBytes:
         chunk_all += chunk
         params += spec.numel * width
         grads += spec.numel * 4
+        regions += _chunk_numel(spec, size, 0) if sharded else spec.numel
         if sharded:
             region = _chunk_numel(spec, size, 0)  # rank 0's chunk: the longest
             shards += region * 4
@@ -243,4 +249,7 @@ def _state_bytes(config: Config, rank: int) -> StateBytes:
         moments += chunk * 8
         if width != 4:  # split masters keep only the low halves beside the bf16 weights
             masters += chunk * (2 if p.split_master_weights else 4)
+    if config.train.optimizer_offload:
+        return StateBytes(params, grads, shards, 0, 0, numel_all, chunk_all, packed, gather, send,
+                          offload_host_bytes(chunk_all, regions))
     return StateBytes(params, grads, shards, masters, moments, numel_all, chunk_all, packed, gather, send)

@@ -7,6 +7,8 @@ What is saved (one flat DCP state dict, keys by parameter name, so any layout ca
 - `optim.<name>.{master,exp_avg,exp_avg_sq}`: fp32 DTensors on the (dp_cp, tp) mesh
   ((edp, ep, tp) for experts) with `Shard(zero_shard_dim)` over dp when the optimizer is
   distributed, `Replicate` otherwise. A different tp/dp layout (or plain vs ZeRO) reshards on load.
+  Under optimizer offload they are host tensors, saved and loaded in place under the same keys,
+  so a run saved with offload resumes without it and the reverse.
 - `meta` (one JSON blob from rank 0): step, optimizer step count, scheduler state, the
   caller's `extra` dict (JSON values: e.g. the data client's resume token; rank 0's value is kept
   and every rank gets it back), and the layout it was saved with. Loading runs no code from the
@@ -123,6 +125,13 @@ def _as_global(local: torch.Tensor, param: torch.Tensor, mesh: ParallelMesh, mes
     device_mesh = meshes[("expert" if with_dp else "expert_model") if expert else ("dense" if with_dp else "tp")]
     shape = _global_shape(param, mesh)
     stride = torch.empty(shape, device="meta").stride()
+    if local.device.type != device_mesh.device_type:
+        # Offloaded optimizer state on a GPU mesh: from_local would copy it to the device (all of it,
+        # and a load would fill the copy); the DTensor wraps the host tensor itself, as the
+        # asynchronous save's host copies are wrapped.
+        spec = DTensor.from_local(local.to("meta"), device_mesh, _placements(param, zero_dim, with_dp), run_check=False,
+                                  shape=torch.Size(shape), stride=stride)._spec
+        return DTensor(local, spec, requires_grad=False)
     return DTensor.from_local(local, device_mesh, _placements(param, zero_dim, with_dp), run_check=False, shape=torch.Size(shape),
                               stride=stride)
 

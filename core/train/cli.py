@@ -48,6 +48,7 @@ from core.lifecycle import Interrupted, die_with_parent, exit_without_teardown, 
 from core.mesh import init_distributed
 from core.metrics import tensorboard_missing
 from core.train.model import build_model
+from core.train.optim import check_offload_memory
 from core.state.pretrained import buffer_shapes, check_weights, expected_shapes
 from core.train.rundir import (CONFIG_NAME, LOCK_OWNER_ENV, RunDirError, RunLock, check_resume_changes, config_dict,
                                load_saved_config, nothing_left, prepare, remove_partial_checkpoints, save_config)
@@ -211,12 +212,13 @@ def _report(message: str, first: bool, code: int = 2) -> int:
     return code
 
 
-def check_inputs(config: Config) -> None:
+def check_inputs(config: Config, ranks_per_node: int | None = None) -> None:
     """What the config names outside itself: the folders it writes, the device, the libraries
     of its precision plan (Transformer Engine, torchao), the packages it asks for (TensorBoard),
     the data (core.train.data.check_data_source) and the weights of checkpoint.init_from (every
-    tensor present with the model's shape, read from the headers). Facts of this machine and its
-    files, so not core.validation's, which judges the keys alone."""
+    tensor present with the model's shape, read from the headers), and the host memory the
+    offloaded optimizer needs (`ranks_per_node`: the launch's, else LOCAL_WORLD_SIZE). Facts of
+    this machine and its files, so not core.validation's, which judges the keys alone."""
     _check_folder("train.run_dir", config.train.run_dir)
     if config.checkpoint.dir:
         _check_folder("checkpoint.dir", config.checkpoint.dir)
@@ -237,6 +239,8 @@ def check_inputs(config: Config) -> None:
     if reason:
         raise ConfigError(f"train.tensorboard=true but {reason}: pip install tensorboard, or set "
                           "train.tensorboard=false")
+    if config.train.optimizer_offload:
+        check_offload_memory(config, plan.precision, ranks_per_node)
     check_data_source(config)
     if config.checkpoint.init_from:
         with torch.device("meta"):  # names and shapes only: no memory, no init
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"tessera-train: {finished}", file=sys.stderr)
             return 0
         if not args.print_config:
-            check_inputs(config)
+            check_inputs(config, launch.nproc_per_node if launch is not None else None)
             latest = latest_checkpoint(_paths(config)[1]) if args.resume is not None else None
             if latest is not None:  # a crafted checkpoint is refused here, before any worker starts
                 read_meta(latest)

@@ -28,19 +28,23 @@ def available_bytes(meminfo: Path = MEMINFO) -> int | None:
     return None
 
 
-def check_host_memory(needs: dict[str, int], meminfo: Path = MEMINFO) -> None:
+def check_host_memory(needs: dict[str, int], meminfo: Path = MEMINFO, limit_gb: float = 0.0) -> None:
     """Raise ConfigError when the bytes of `needs` ({what: bytes}, per process) exceed this
-    process's share of the host's available memory."""
+    process's share of the host's available memory, or `limit_gb` (GB) where it is set
+    (train.optimizer_offload_host_gb)."""
     needed = sum(needs.values())
     if not needed:
         return
-    total = available_bytes(meminfo)
-    if total is None:
-        return
-    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
-    share = total // local
+    if limit_gb:
+        share, source = int(limit_gb * 1e9), f"train.optimizer_offload_host_gb={limit_gb:g}"
+    else:
+        total = available_bytes(meminfo)
+        if total is None:
+            return
+        local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        share, source = total // local, f"MemAvailable {total / GIB:.2f} GiB / {local} processes on this host"
     if needed > share:
-        parts = ", ".join(f"{what} {n / GIB:.2f} GiB" for what, n in needs.items())
+        parts = ", ".join(f"{what} {n / GIB:.2f} GiB" for what, n in needs.items() if n)
         raise ConfigError(f"host memory: this process needs {needed / GIB:.2f} GiB ({parts}) but has "
-                          f"{share / GIB:.2f} GiB (MemAvailable {total / GIB:.2f} GiB / {local} processes on this "
-                          "host); use fewer processes per host, shorter sequences or less offload")
+                          f"{share / GIB:.2f} GiB ({source}); use fewer processes per host, shorter sequences "
+                          "or less offload")

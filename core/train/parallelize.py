@@ -195,7 +195,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     check_split_masters(config, plan.precision)  # again here: what train.precision='auto' became on this device
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=plan.param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion,
-                             split_masters=p.split_master_weights)
+                             split_masters=p.split_master_weights, offload=t.optimizer_offload,
+                             host_limit_gb=t.optimizer_offload_host_gb)
     # After data parallelism: its cast gives the parameters the storage the FP8 layers read.
     if weight_cache is not None:
         weight_cache.track(p for p in model.parameters() if p.requires_grad)

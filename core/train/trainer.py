@@ -44,6 +44,7 @@ from core.train.dynamic_cp import DynamicCP
 from core.train.failure import record_cause
 from core.train.loss import cross_entropy_sum, fused_head_loss
 from core.train.host_memory import check_host_memory
+from core.planner.state import state_bytes
 from core.mesh import ParallelMesh, init_distributed
 from core.metrics import PEAK_FLOPS, MetricsWriter, flops_per_token
 from core.train.model import build_model, count_params
@@ -99,7 +100,11 @@ class Trainer:
         self.precision = self.plan.precision
         # What the run keeps in host memory must fit before anything is built.
         buffers = checkpoint_buffers(config, self.plan, self.mesh.coordinate("pp"))
-        check_host_memory({"train.offload_checkpoints": sum(n * c for n, c in buffers.items())})
+        needs = {"train.offload_checkpoints": sum(n * c for n, c in buffers.items())}
+        if t.optimizer_offload:  # both offloads share the host: one check of their sum
+            resolved = dataclasses.replace(config, train=dataclasses.replace(t, precision=self.precision))
+            needs["train.optimizer_offload"] = state_bytes(resolved, self.rank).host
+        check_host_memory(needs, limit_gb=t.optimizer_offload_host_gb)
 
         model = build_model(config.model, seed=t.seed)
         _, embedding_params, active_params = count_params(model)
