@@ -107,7 +107,8 @@ def workloads(tiny: bool, device: torch.device) -> dict[str, Workload]:
             bias_update_rate=0.001, first_k_dense=1))
         seq, long_seq, lr, precision, compile_, batch, accum = 64, 256, 3e-3, "fp32", False, 2, 2
     else:
-        dense, moe = model_config(20, False), model_config(4, True)
+        # The MoE model without its MTP module: the peers' DeepSeek-V3 models train the main loss only.
+        dense, moe = model_config(20, False), replace(model_config(4, True), mtp_layers=0)
         seq, long_seq, lr, precision, compile_, batch, accum = 4096, 32768, 5e-4, "bf16", True, 2, 4
     base = Spec(model=dense, seq=seq, batch=batch, accum=accum, precision=precision, compile=compile_,
                 recompute="none", packed=False, lr=lr, device=device)

@@ -41,7 +41,8 @@ from torch.profiler import ProfilerActivity, profile
 from bench.gpu_idle import summarise
 from bench.harness import Timing, compare, emit, ratio
 from core.config import FP8_RECIPES, Config, ModelConfig, load_config
-from core.train.data import StepInputs
+from core.train.data import StepInputs, mtp_inputs
+from dataservice.packing import IGNORE_INDEX
 from core.layers import AttentionMeta
 from core.metrics import PEAK_FLOPS, flops_per_token
 from core.rules import attention_width
@@ -69,14 +70,20 @@ def model_config(layers: int, moe: bool, dim: int = 2048) -> ModelConfig:
     return cfg
 
 
-def synthetic_batch(batch: int, seq: int, vocab: int, device) -> StepInputs:
-    """`batch` rows of `seq` random tokens, one document each: the same micro-batch every time."""
+def synthetic_batch(batch: int, seq: int, vocab: int, device, mtp_layers: int = 0) -> StepInputs:
+    """`batch` rows of `seq` random tokens, one document each: the same micro-batch every time
+    (with `mtp_layers`, each depth's inputs and targets, as the trainer's data path makes them)."""
     tokens = torch.randint(0, vocab, (batch * seq,), device=device)
     labels = torch.roll(tokens, -1)
     positions = torch.arange(seq, device=device).repeat(batch)
     cu = torch.arange(0, batch * seq + 1, seq, dtype=torch.int32, device=device)
     meta = AttentionMeta(cu_seqlens=cu, max_seqlen=seq, total_tokens=batch * seq)
-    return StepInputs(tokens, labels, positions, meta, num_tokens=float(batch * seq), num_labels=float(batch * seq))
+    mtp = {}
+    if mtp_layers:
+        mtp_tokens, mtp_labels = mtp_inputs(tokens, labels, cu, mtp_layers)
+        mtp = dict(mtp_tokens=mtp_tokens, mtp_labels=mtp_labels,
+                   mtp_num_labels=tuple(float(n) for n in (mtp_labels != IGNORE_INDEX).sum(dim=1).tolist()))
+    return StepInputs(tokens, labels, positions, meta, num_tokens=float(batch * seq), num_labels=float(batch * seq), **mtp)
 
 
 def moe_after_step(model):
@@ -287,6 +294,9 @@ def main() -> None:
     parser.add_argument("--split-masters", action="store_true",
                         help="Tessera's parallel.split_master_weights: fp32 masters as the bf16 weights plus a 16-bit low half")
     parser.add_argument("--dim", type=int, default=2048, help="smaller for a CPU smoke test")
+    parser.add_argument("--mtp-layers", type=int, default=None, metavar="D",
+                        help="multi-token prediction depths (model.mtp_layers; default the config's, 0 for the dense "
+                             "model); Tessera only: the plain loop has no MTP")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 1 or args.accum < 1 or args.back_to_back < 1:
         parser.error("--steps, --warmup, --accum and --back-to-back must be >= 1 (the warm-up compiles, allocates the optimizer "
@@ -294,9 +304,13 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     args.layers = args.layers or (4 if args.moe else 20)
     cfg = model_config(args.layers, args.moe, args.dim)
+    if args.mtp_layers is not None:
+        cfg.mtp_layers = args.mtp_layers
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, device)
+    batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, device, cfg.mtp_layers)
     names = [name for name in SIDES if not args.only or name == args.only]
+    if cfg.mtp_layers and names != ["tessera"]:
+        parser.error("--mtp-layers > 0 (or a config with model.mtp_layers) runs Tessera only: add --only tessera")
     results, speedup = run_sides(cfg, batch, args, names)
     for name, r in results.items():
         print(f"{name:9s} step {r['step_ms']:7.1f} ms [{r['step_ms_range'][0]:.1f} - {r['step_ms_range'][1]:.1f}]  "

@@ -61,7 +61,7 @@ def test_default_table_reproduces_the_measured_steps(case, measured_ms, measured
     else:
         config = validate(load_config(ROOT / "launch/configs/deepseek_like.toml", [
             "model.num_layers=4", "parallel.ep=1", "train.micro_batch_size=2", "train.global_batch_size=16",
-            "train.compile=true", "train.recompute=none"]), 1)
+            "train.compile=true", "train.recompute=none", "model.mtp_layers=0"]), 1)  # measured without MTP
     predicted = estimate_time(config, CAL).step_s * 1e3
     assert abs(predicted / measured_ms - 1) < 0.15, (predicted, measured_ms)
     peak = estimate_memory(config).peak_allocated / 2**30  # the bench's peak: max_memory_allocated
