@@ -55,6 +55,8 @@ class MoEConfig:
     """Group-limited routing: the experts split into this many groups (n_groups divides num_experts)."""
     topk_groups: int = 1
     """Group-limited routing: groups each token may use, 1..n_groups."""
+    group_score_experts: int = 0
+    """Group-limited routing: a group scores the sum of its best this many experts (DeepSeek-V3: 2); 0: top_k // topk_groups."""
     aux_loss_coeff: float = 0.01
     """Weight of the load-balancing auxiliary loss (>= 0)."""
     aux_loss_per_sequence: bool = False
@@ -568,6 +570,7 @@ RANGES = {
     "model.rope_scaling.mscale_all_dim": ">= 0",
     "model.moe.num_experts": ">= 0", "model.moe.top_k": ">= 1", "model.moe.ffn_dim": ">= 0",
     "model.moe.num_shared_experts": ">= 0", "model.moe.n_groups": ">= 1", "model.moe.topk_groups": ">= 1",
+    "model.moe.group_score_experts": ">= 0",
     "model.moe.aux_loss_coeff": ">= 0", "model.moe.z_loss_coeff": ">= 0", "model.moe.bias_update_rate": ">= 0",
     "model.moe.capacity_factor": ">= 0", "model.moe.first_k_dense": ">= 0", "model.moe.moe_every": ">= 1",
     "model.moe.routed_scaling_factor": "> 0", "model.moe.shared_ffn_dim": ">= 0",

@@ -185,3 +185,12 @@ def partition_layers(num_layers: int, num_stages: int, first: int = 0, last: int
         ranges.append(range(start, start + counts[s]))
         start += counts[s]
     return ranges
+
+
+def group_score_experts(moe) -> int:
+    """How many of a group's best experts make its score in group-limited routing (moe/router.py
+    `limit_to_groups`): `model.moe.group_score_experts`, or top_k // topk_groups when 0; at most
+    the experts of a group, at least one."""
+    per_group = moe.num_experts // max(moe.n_groups, 1)
+    wanted = moe.group_score_experts or moe.top_k // moe.topk_groups
+    return min(max(1, wanted), per_group)

@@ -15,8 +15,8 @@ types other than linear/llama3/yarn, MLP biases, activations other than SiLU, ..
 `hf_config(model)` writes a config.json for a Tessera model that was not imported.
 
 DeepSeek-V3 and GLM-4-MoE route by DeepSeek's `noaux_tc`: sigmoid scores, a group's score the
-sum of its best 2 (Tessera: best top_k // topk_groups, so imports where that is not 2 are
-refused), the correction bias (`e_score_correction_bias` = the router's `expert_bias` buffer)
+sum of its best 2 (imported as `model.moe.group_score_experts = 2`; an export needs that
+count), the correction bias (`e_score_correction_bias` = the router's `expert_bias` buffer)
 in the selection only, one shared SwiGLU of n_shared_experts * moe_intermediate_size, and dense
 layers before first_k_dense_replace. DeepSeek's checkpoints interleave the rotary rows of the
 queries and of the shared rotary key (`rope_interleave`, default true); Tessera rotates the two
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from core.config import ModelConfig
-from core.rules import moe_layer_rule
+from core.rules import group_score_experts, moe_layer_rule
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -209,14 +209,14 @@ def _deepseek_routing(m: ModelConfig, hf: dict, experts: int) -> None:
         raise Unsupported(f"topk_method={hf['topk_method']!r} is not supported (supported: noaux_tc, the group-limited "
                           f"top-k of the sigmoid scores plus the correction bias)")
     top_k, groups, topk_groups = int(hf["num_experts_per_tok"]), int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
-    if groups > 1 and group_rank(top_k, topk_groups, experts // groups) != 2:
-        raise Unsupported(f"n_group={groups}, topk_group={topk_groups} with num_experts_per_tok={top_k}: the model scores "
-                          f"a group by its best 2 experts, Tessera by its best num_experts_per_tok // topk_group = "
-                          f"{group_rank(top_k, topk_groups, experts // groups)}")
     _moe(m, experts=experts, top_k=top_k, hidden=int(hf["moe_intermediate_size"]),
          normalize=bool(hf.get("norm_topk_prob", True)), aux=float(hf.get("aux_loss_alpha") or 0.0))
     moe = m.moe
     moe.router, moe.n_groups, moe.topk_groups = "sigmoid", groups, topk_groups
+    if groups > 1:  # the architecture scores a group by its best 2 experts
+        if not _has(type(moe), "group_score_experts"):
+            raise Unsupported("group-limited routing needs model.moe.group_score_experts, which this Tessera lacks")
+        moe.group_score_experts = DEEPSEEK_GROUP_SCORE_EXPERTS
     moe.aux_loss_per_sequence = bool(hf.get("seq_aux", False))
     moe.routed_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
     moe.num_shared_experts = int(hf.get("n_shared_experts") or 0)
@@ -226,10 +226,7 @@ def _deepseek_routing(m: ModelConfig, hf: dict, experts: int) -> None:
     moe.first_k_dense = int(hf.get("first_k_dense_replace") or 0)
 
 
-def group_rank(top_k: int, topk_groups: int, per_group: int) -> int:
-    """How many of a group's best experts make its score in Tessera's group-limited routing
-    (moe/router.py `limit_to_groups`)."""
-    return min(max(1, top_k // topk_groups), per_group)
+DEEPSEEK_GROUP_SCORE_EXPERTS = 2  # DeepSeek-V3 and GLM-4-MoE score a group by its best two experts
 
 
 def _glm4_moe(m: ModelConfig, hf: dict) -> None:
@@ -336,8 +333,9 @@ def _check_deepseek_export(m: ModelConfig, family: str) -> None:
          moe.shared_ffn_dim not in (0, moe.num_shared_experts * (moe.ffn_dim or m.ffn_dim))),
         ("dense layers other than the first first_k_dense", moe.moe_every != 1 or bool(getattr(moe, "dense_layers", None))),
         ("capacity dropping", moe.capacity_factor > 0),
-        ("group scores over other than the best 2 experts (top_k // topk_groups must be 2)",
-         moe.n_groups > 1 and group_rank(moe.top_k, moe.topk_groups, moe.num_experts // moe.n_groups) != 2),
+        ("group scores over other than the best 2 experts (set model.moe.group_score_experts=2)",
+         moe.n_groups > 1 and moe.topk_groups < moe.n_groups
+         and group_score_experts(moe) != min(DEEPSEEK_GROUP_SCORE_EXPERTS, moe.num_experts // moe.n_groups)),
         ("attention biases (it has none on o_proj)", family == "glm4_moe" and getattr(m, "attention_bias", False)),
     ) if bad]
     if problems:

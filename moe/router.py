@@ -18,7 +18,8 @@ Scoring (`MoEConfig.router`):
 Either way the weights are multiplied by `routed_scaling_factor`.
 
 Group-limited routing (`n_groups` > 1): experts are split into n_groups equal groups; a
-group's score is the sum of its best max(1, top_k // topk_groups) expert scores; each token
+group's score is the sum of its best `model.moe.group_score_experts` expert scores (DeepSeek-V3:
+2; 0: max(1, top_k // topk_groups), at most the group's experts); each token
 may only pick experts from its `topk_groups` best groups (DeepSeek-V2/V3 device-limited
 routing).
 
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import MoEConfig
+from core.rules import group_score_experts
 from core.validation import check_moe
 from core.kernels.topk import topk_indices
 
@@ -97,16 +99,16 @@ class Routing:
     tokens_per_expert: torch.Tensor  # [E] int64 assignments chosen (before dropping)
 
 
-def limit_to_groups(scores: torch.Tensor, n_groups: int, topk_groups: int, top_k: int) -> torch.Tensor:
-    """Scores with experts outside each token's `topk_groups` best groups set to -inf."""
+def limit_to_groups(scores: torch.Tensor, n_groups: int, topk_groups: int, per_group: int) -> torch.Tensor:
+    """Scores with experts outside each token's `topk_groups` best groups set to -inf; a group's
+    score is the sum of its best `per_group` expert scores (core.rules.group_score_experts)."""
     if n_groups == 1 or topk_groups == n_groups:
         return scores
     t, e = scores.shape
     grouped = scores.view(t, n_groups, e // n_groups)
-    per_group = min(max(1, top_k // topk_groups), e // n_groups)
     # Both choices by the router's top-k kernel: torch.topk on these narrow rows (a radix select,
     # then a sort of the k) took ~220 us a layer at 8192 tokens, 8 groups of 8 (H100).
-    picked = topk_indices(grouped.reshape(t * n_groups, -1), per_group).view(t, n_groups, per_group)
+    picked = topk_indices(grouped.reshape(t * n_groups, e // n_groups), per_group).view(t, n_groups, per_group)
     group_scores = grouped.gather(-1, picked).sum(-1)  # [T, G]
     best = topk_indices(group_scores, topk_groups)
     allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
@@ -123,7 +125,7 @@ def route(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None = None
         scores = torch.sigmoid(logits)
         probs = scores / scores.sum(-1, keepdim=True)
     choice = scores if bias is None else scores + bias  # the bias steers selection only
-    choice = limit_to_groups(choice, moe.n_groups, moe.topk_groups, k)
+    choice = limit_to_groups(choice, moe.n_groups, moe.topk_groups, group_score_experts(moe))
     indices = topk_indices(choice, k)  # in no set order: nothing after depends on one
     weights = scores.gather(1, indices)
     if moe.normalize_topk:  # with top_k = 1 too: weight 1 (Mixtral and Qwen3-MoE's norm_topk_prob do the same)

@@ -25,9 +25,10 @@ from tests.support.sft import HEADER_TEMPLATE, SPECIALS, conversations
 SCRIPT = ROOT / "launch" / "finetune_long.sh"
 
 
-def tiny_hf_llama(folder: Path, moe: bool = False) -> Path:
-    """A tiny random Llama (or, with `moe`, Qwen3-MoE: 4 experts, top-2, layer 0 dense) with a
-    trained tiny tokenizer and a chat template."""
+def tiny_hf_llama(folder: Path, moe: bool = False, deepseek: bool = False) -> Path:
+    """A tiny random Llama (or, with `moe`, Qwen3-MoE: 4 experts, top-2, layer 0 dense; with
+    `deepseek`, DeepSeek-V3: MLA with a query latent, 8 sigmoid-routed experts, top-2 within the
+    best 2 of 4 groups, a shared expert, layer 0 dense) with a trained tiny tokenizer and a chat template."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -39,7 +40,14 @@ def tiny_hf_llama(folder: Path, moe: bool = False) -> Path:
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
                   tie_word_embeddings=False)
     torch.manual_seed(0)
-    if moe:
+    if deepseek:
+        config = transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=32,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True)
+        transformers.DeepseekV3ForCausalLM(config).save_pretrained(folder)
+    elif moe:
         config = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                              moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0],
                                              output_router_logits=False)
@@ -116,6 +124,37 @@ def test_recipe_fine_tunes_an_imported_qwen3_moe_with_expert_parallelism_under_d
     assert val[-1]["val_loss"] < val[0]["val_loss"]
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", output_loading_info=True)
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+@pytest.mark.slow
+def test_recipe_fine_tunes_an_imported_deepseek_v3_under_dynamic_cp(tmp_path):
+    """The recipe (dynamic CP over dp=2 x cp=2, experts over ep=2) on a tiny random DeepSeek-V3:
+    multi-head latent attention split by the dynamic plan, group-limited sigmoid routing with its
+    correction bias; the run ends, validation falls, the MoE layers' loads count every document
+    token, and the export loads in transformers as DeepseekV3ForCausalLM with every weight."""
+    transformers = pytest.importorskip("transformers")
+    tiny_hf_llama(tmp_path / "hf", deepseek=True)
+    conversations(tmp_path / "conversations.jsonl", 240, seed=3)
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPT), "hf", "conversations.jsonl", "out", "--recipe",
+                           "launch/configs/finetune_tiny.toml", "--nproc-per-node", "4", "--val-every", "10", "--",
+                           "--set", "parallel.ep=2", "--set", "train.hang_timeout_s=300"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    config = tomllib.loads((out / "finetune.toml").read_text())
+    assert config["model"]["attention"] == "mla" and config["parallel"]["dynamic_cp"] is True
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    for r in train:  # layer 1 is the MoE layer; every document token routed top-2
+        tokens = round(r["tokens_per_s"] * r["step_s"])
+        assert sum(r["moe/layer1/tokens_per_expert"]) == 2 * tokens, r
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in val] == [4, 8, 12]
+    assert val[-1]["val_loss"] < val[0]["val_loss"]
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", output_loading_info=True)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 

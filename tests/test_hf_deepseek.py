@@ -72,7 +72,9 @@ def _hf_config(q_lora_rank, interleave: bool, **extra):
         rope_parameters=YARN), **extra})
 
 
-CASES = {"v3": dict(q_lora_rank=16, interleave=True), "moonlight": dict(q_lora_rank=None, interleave=False)}
+CASES = {"v3": dict(q_lora_rank=16, interleave=True), "moonlight": dict(q_lora_rank=None, interleave=False),
+         # top-2 of 2 of 4 groups: a group scores its best 2 experts, not top_k // topk_group = 1 of them
+         "top2": dict(q_lora_rank=16, interleave=True, num_experts_per_tok=2)}
 
 
 def hf_model(name: str):
@@ -203,6 +205,7 @@ NEGATIVE = {  # what is turned off: (case, change to the config, change to the l
     "correction bias zeroed": ("v3", {}, _drop_bias),
     "rotary rows left interleaved": ("v3", {}, _unpermute_rope),
     "group limit dropped": ("moonlight", {"n_groups": 1, "topk_groups": 1}, None),
+    "groups scored by top_k // topk_groups experts": ("top2", {"group_score_experts": 0}, None),
 }
 
 
