@@ -5,6 +5,11 @@ tests/test_gpu_long_context.py."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
@@ -12,6 +17,7 @@ from torch.nn.attention import SDPBackend
 from core import attention
 from core.parallel import ring_attention
 
+ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 
 
@@ -64,3 +70,29 @@ def test_split_by_length_pads_past_the_batch_end_exactly():
     ref = torch.autograd.grad(want, (q, k, v), grad)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_long_context_bench_smoke_on_cpu(tmp_path):
+    out = tmp_path / "long.json"
+    # every switch on: the tiled MLP (64-token chunks), checkpoint and optimizer offload
+    cmd = [sys.executable, "-m", "bench.long_context", "--smoke", "--seq", "256", "--mlp-chunk-tokens", "64",
+           "--offload-checkpoints", "--optimizer-offload", "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    measured, predicted = figures["measured"], figures["predicted"]
+    assert measured["step_s"] > 0 and measured["tokens_per_s"] > 0 and measured["loss"] > 0
+    assert measured["host_rss_gib"] > 0 and measured["pinned_gib"] >= 0
+    assert predicted["peak_allocated_gib"] > 0 and predicted["step_s"] > 0
+    assert figures["config"] == {"train.recompute": "full", "train.fused_loss": True, "train.mlp_chunk_tokens": 64,
+                                 "train.offload_checkpoints": True, "train.optimizer_offload": True,
+                                 "train.compile": False}
+    assert "step" in proc.stdout and "predicted" in proc.stdout
+
+
+def test_long_context_bench_refuses_bad_arguments_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "bench.long_context", "--smoke", "--seq", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "--seq" in proc.stderr
