@@ -17,6 +17,11 @@ Backends, chosen per call:
 - CPU: an exact reference that runs SDPA per distinct segment length, batching the
   segments of equal length, so it stays exact and cheap enough for tests.
 
+No CUDA path builds a [T, T] mask or score matrix: SDPA's fallbacks past cuDNN and flash are
+allowed by segment length only (`cuda_dense_backends`: the math backend, O(S^2) in memory, up
+to MATH_MAX_LEN tokens; the memory-efficient one up to EFFICIENT_MAX_LEN), and the split's
+boundaries are host ints and int32 token counts (documents < 2^31 tokens).
+
 Value heads may be narrower than query/key heads (multi-head latent attention: 192 and 128 at
 DeepSeek-V3's shapes). SDPA's cuDNN backend takes the two sizes as they are; FlashAttention
 (`varlen_attn`) wants one head size, so on that path v is padded with zero features up to the
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from core.kernels.library import report_once
 
@@ -42,17 +48,42 @@ log = logging.getLogger(__name__)
 report_backend = functools.partial(report_once, level=logging.INFO, logger=log)
 
 
+# Segment lengths up to which SDPA may fall back to its other CUDA backends (cuDNN and flash are
+# O(S) in memory at any length and always allowed): the math backend materialises [H, S, S]
+# scores (256 MiB a head in fp32 at 8192 tokens, a terabyte at a million); the memory-efficient
+# kernel has been reported upstream to return wrong values past 2^16 tokens.
+MATH_MAX_LEN = 8192
+EFFICIENT_MAX_LEN = 65536
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def cuda_dense_backends(seg_len: int, dtype: torch.dtype) -> list[SDPBackend]:
+    """The SDPA backends a causal segment of `seg_len` tokens may use on CUDA, preferred first
+    (cuDNN: 1.9x the flash backend's forward on H100). Raises for a segment no allowed backend
+    takes (fp32 past EFFICIENT_MAX_LEN): one line, not a terabyte allocation."""
+    if dtype not in _HALF and seg_len > EFFICIENT_MAX_LEN:
+        raise ValueError(f"attention: a document of {seg_len} tokens in {dtype} on CUDA has no kernel that is exact "
+                         f"and O(tokens) in memory past {EFFICIENT_MAX_LEN} tokens (cuDNN and FlashAttention take "
+                         "bf16/fp16 only); train in bf16 (train.precision)")
+    backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    if seg_len <= EFFICIENT_MAX_LEN:
+        backends.append(SDPBackend.EFFICIENT_ATTENTION)
+    if seg_len <= MATH_MAX_LEN:
+        backends.append(SDPBackend.MATH)  # the only one for fp32 with grouped-query attention
+    return backends
+
+
 def _sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_len: int, scale: float | None) -> torch.Tensor:
     """Causal SDPA over equal-length segments laid end to end: [n*S, H, D] -> same."""
     n = q.shape[0] // seg_len
-    q4, k4, v4 = (t.view(n, seg_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
+    if q.is_cuda and gqa and q.dtype not in _HALF and seg_len > MATH_MAX_LEN:
+        # fp32 GQA past the math backend's length: whole key/value heads for the efficient kernel (O(S) copies)
+        group = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
+    q4, k4, v4 = (t.view(n, seg_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
     if q.is_cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        # The math backend last: it is the only one for fp32 with grouped-query attention.
-        backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-        with sdpa_kernel(backends, set_priority=True):
+        with sdpa_kernel(cuda_dense_backends(seg_len, q.dtype), set_priority=True):
             out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa)

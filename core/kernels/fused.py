@@ -25,6 +25,12 @@
   over the expert outputs for the weights' gradient; it comes from the SwiGLU's backward, which
   reads the row's inputs anyway (one program per row, a fixed-order dot product).
 
+Offsets: every address that can pass 2^31 - 1 elements (a [T, hidden] tensor at a million tokens
+holds ~1e10) is computed in int64: the program id is widened before it multiplies a row size, and
+row numbers read from `inverse` are widened whatever its dtype (an int32 `inverse` is fine).
+Column offsets inside a row stay int32. tests/test_kernel_offsets.py checks it past 2^31 in the
+interpreter (on tensors mostly never touched, so the host commits only the rows read).
+
 Triton is used when it imports and the tensors are on CUDA (`TESSERA_TRITON=0` turns it off).
 `accumulate_fp32_` falls back to PyTorch itself; for the combine the callers (moe.dispatcher)
 keep their PyTorch path and ask `triton_enabled` first. TRITON_INTERPRET=1 runs the kernels on CPU
@@ -161,7 +167,7 @@ if triton is not None:
         mask = offs < dim
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):
-            r = tl.load(inverse + t * K + j)
+            r = tl.load(inverse + t * K + j).to(tl.int64)  # row * dim may pass 2^31 (module doc)
             v = tl.load(rows + tl.maximum(r, 0) * dim + offs, mask=mask, other=0.0).to(tl.float32)
             v = tl.where(r >= 0, v, 0.0)  # a missing row (dropped assignment) adds nothing
             if WEIGHTED:
@@ -177,7 +183,7 @@ if triton is not None:
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < dim
         j = tl.arange(0, KP)
-        r = tl.load(inverse + t * K + j, mask=j < K, other=-1)
+        r = tl.load(inverse + t * K + j, mask=j < K, other=-1).to(tl.int64)
         v = tl.load(x + t * dim + offs, mask=mask)
         where = tl.maximum(r, 0)[:, None] * dim + offs[None, :]
         tl.store(rows + where, tl.broadcast_to(v[None, :], (KP, BLOCK)), mask=(r >= 0)[:, None] & mask[None, :])
@@ -191,7 +197,7 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, KP)
         valid = j < K
-        r = tl.load(inverse + t * K + j, mask=valid, other=-1)
+        r = tl.load(inverse + t * K + j, mask=valid, other=-1).to(tl.int64)
         present = r >= 0
         row_start = tl.maximum(r, 0) * dim
         w = tl.load(weights + t * K + j, mask=valid, other=0.0).to(tl.float32)

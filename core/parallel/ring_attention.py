@@ -23,7 +23,9 @@ gradients exact):
 - CUDA, fp16/bf16, documents of different lengths: FlashAttention varlen (`varlen_attn` with
   the LSE for the forward, the op its autograd uses for the backward);
 - otherwise an exact dense kernel in fp32 (fp64 for fp64 inputs): masks from segment ids,
-  O(Tq*Tk) memory -- meant for CPU tests.
+  O(Tq*Tk) memory -- meant for CPU tests. On CUDA it runs only for blocks of at most
+  DENSE_MAX_SCORES scores (heads x Tq x Tk); a larger block (fp32 inputs, or a torch without
+  FlashAttention) is refused with one line rather than a [H, Tq, Tk] allocation.
 `TESSERA_RING_KERNEL=flash` keeps the flash kernel for equal documents too (benchmarks).
 
 Value heads may be narrower than the query/key heads (multi-head latent attention): K and V
@@ -84,6 +86,18 @@ def _dense_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, tq: int, t
         pos_k = torch.arange(tk, device=dev) - cu_k[seg_k]
         mask &= pos_q[:, None] >= pos_k[None, :]
     return mask
+
+
+DENSE_MAX_SCORES = 2**28  # 1 GiB of fp32 scores, a few such tensors live at once in the backward
+
+
+def check_dense_block(device_type: str, heads: int, tq: int, tk: int) -> None:
+    """Refuse the dense block kernel on CUDA past DENSE_MAX_SCORES (see the module docstring)."""
+    if device_type == "cuda" and heads * tq * tk > DENSE_MAX_SCORES:
+        raise ValueError(
+            f"ring attention: a block of {tq} queries x {tk} keys x {heads} heads would take the exact dense kernel "
+            f"({heads * tq * tk * 4 / 2**30:.0f} GiB of fp32 scores); long blocks need cuDNN or FlashAttention "
+            "varlen: bf16/fp16 inputs (train.precision bf16) on a torch with FlashAttention")
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -258,6 +272,7 @@ def block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, docs: int = 
     if _flash_available(q):
         report_backend("ring attention: FlashAttention varlen blocks")
         return _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+    check_dense_block(q.device.type, q.shape[1], q.shape[0], k.shape[0])
     if q.is_cuda:
         report_backend("ring attention: exact dense blocks on CUDA (FlashAttention varlen unavailable or fp32)")
     return _dense_fwd(q, k, v, cu_q, cu_k, causal, scale)
@@ -272,6 +287,7 @@ def block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sc
             _cudnn_failed(exc)
     if _flash_available(q):
         return _flash_bwd(dout, q, k, v, out.to(q.dtype), lse, cu_q, cu_k, max_q, max_k, causal, scale)
+    check_dense_block(q.device.type, q.shape[1], q.shape[0], k.shape[0])
     return _dense_bwd(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
 
 

@@ -1,0 +1,196 @@
+"""One optimizer step at a long sequence (a million tokens by default) on one GPU, next to the
+planner's prediction of the same config.
+
+    python -m bench.long_context                                   # ~1B dense model, seq 2^20
+    python -m bench.long_context --model llama8b --seq 262144 --optimizer-offload --offload-checkpoints
+    python -m bench.long_context --smoke --seq 256                 # CPU, a tiny model: the test
+
+The model is bench.train_step's ~1B dense Llama-style model (vocab 32000, d 2048, 20 layers,
+16 heads, GQA 4, SwiGLU 5632) or the Llama-3.1-8B shape (vocab 128256, d 4096, 32 layers, 32
+heads, GQA 8, SwiGLU 14336). The step is the trainer's own (`core.train.trainer.Trainer` on one
+rank: `step` then `record`) on one synthetic row of --seq tokens, one document (the dense cuDNN
+attention path), micro-batch 1, bf16, with the long-context switches: train.recompute (default
+full), train.fused_loss (default on: no [T, vocab] logits), train.mlp_chunk_tokens (default
+16384: no [T, ffn] intermediates), train.offload_checkpoints and train.optimizer_offload (off
+unless asked).
+
+Printed per timed step and as one JSON record (bench.harness.emit, and --out FILE): step time,
+tokens/s, MFU (6 x (params - input embedding) + 6 x layers x d x seq FLOPs per token against
+989 TFLOP/s, BENCHMARKS.md's formula: core.metrics.flops_per_token), the GPU peak
+(torch.cuda.max_memory_allocated over the steps, and reserved), host memory (peak RSS and the
+pinned bytes torch's host allocator holds), and `tessera-plan`'s estimate of the same config
+(core.planner estimate_memory / estimate_time with --calibration, default the shipped table;
+bench.planner_check compares the two the same way).
+
+A step at 2^20 tokens takes minutes: causal attention alone is 6 x layers x d x seq^2 = 2.7e17
+FLOPs for the 20-layer 1B model (3.6e17 with full recompute's second forward), ~10 minutes at
+600 TFLOP/s. So the default is one step, timed, with no warm-up (the first step's one-off costs,
+cuDNN plans and allocator growth, are seconds against that), and `--layers 4` keeps a run at 2^20
+near two minutes with the same per-layer work and the same MFU accounting. Memory at 2^20 with
+full recompute: each layer keeps its input, T x d bf16 (4 GiB a layer for d 2048):
+--offload-checkpoints moves those to pinned host memory, one layer's back ahead of its backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.harness import emit
+from bench.train_step import model_config, synthetic_batch
+from core.config import Config, ModelConfig
+from core.metrics import PEAK_FLOPS
+from core.planner.calibration import Calibration, CalibrationError
+from core.planner.memory import estimate_memory
+from core.planner.timing import estimate_time
+from core.train.trainer import Trainer
+from core.validation import ConfigError, validate
+
+GIB = 2**30
+MODELS = ("dense1b", "llama8b")
+
+
+def llama8b_config() -> ModelConfig:
+    """The Llama-3.1-8B shape (random weights: the step's cost, not its loss, is measured)."""
+    return ModelConfig(vocab_size=128256, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
+                       rope_theta=500000.0)
+
+
+def build_config(args) -> Config:
+    if args.smoke:  # as bench.planner_check's smoke cases: the same code on the CPU, in seconds
+        model = model_config(2, False, dim=64)
+    else:
+        model = llama8b_config() if args.model == "llama8b" else model_config(20, False)
+    if args.layers:
+        model.num_layers = args.layers
+    config = Config(model=model)
+    config.train = dataclasses.replace(
+        config.train, device="cpu" if args.smoke else "cuda", seed=0, seq_len=args.seq, precision="bf16",
+        micro_batch_size=1, global_batch_size=1, recompute=args.recompute, fused_loss=args.fused_loss,
+        mlp_chunk_tokens=args.mlp_chunk_tokens, offload_checkpoints=args.offload_checkpoints,
+        optimizer_offload=args.optimizer_offload, compile=args.compile)
+    return validate(config, 1)
+
+
+def predict(config: Config, cal: Calibration) -> dict:
+    memory = estimate_memory(config, rank=0, allocator=cal.allocator)
+    timing = estimate_time(config, cal, 8)
+    return {"peak_allocated_gib": memory.peak_allocated / GIB, "peak_reserved_gib": memory.peak_reserved / GIB,
+            "device_total_gib": memory.device_total / GIB, "host_offload_gib": memory.offloaded / GIB,
+            "host_optimizer_gib": memory.state.host / GIB, "step_s": timing.step_s,
+            "tokens_per_s": timing.tokens_per_s, "mfu": timing.mfu}
+
+
+def _pinned_bytes() -> int:
+    """Pinned host bytes torch's caching host allocator holds (what pin_memory=True tensors use)."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0))
+
+
+def measure(config: Config, warmup: int, steps: int) -> dict:
+    cuda = config.train.device == "cuda"
+    trainer = Trainer(config)
+    batch = synthetic_batch(1, config.train.seq_len, config.model.vocab_size, torch.device(config.train.device))
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    records = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        record = trainer.record(trainer.step([batch]), start)
+        phase = "warm-up" if i < warmup else "timed"
+        print(f"{phase} step {i + 1}: {record['step_s']:.2f} s, loss {record['loss']:.4f}", flush=True)
+        if i >= warmup:
+            records.append(record)
+    step_s = min(r["step_s"] for r in records)  # the fastest timed step: one step has no spread to speak of
+    tokens = config.train.seq_len
+    return {
+        "step_s": step_s, "tokens_per_s": tokens / step_s,
+        "mfu": trainer.flops_per_token * tokens / step_s / PEAK_FLOPS["bf16"],
+        "loss": records[-1]["loss"],
+        "gpu_peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB if cuda else 0.0,
+        "gpu_peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else 0.0,
+        "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: KiB
+        "pinned_gib": _pinned_bytes() / GIB,
+        "flops_per_token": trainer.flops_per_token,
+    }
+
+
+def _err(pred: float, got: float) -> str:
+    return f"{100 * (pred / got - 1):+.1f}%" if got else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.long_context", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="dense1b")
+    parser.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (0: all of them)")
+    parser.add_argument("--seq", type=int, default=2**20, help="tokens of the one row (one document)")
+    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="full")
+    parser.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=True,
+                        help="train.fused_loss: the output head and the loss over token chunks")
+    parser.add_argument("--mlp-chunk-tokens", type=int, default=16384,
+                        help="train.mlp_chunk_tokens (0: the MLP over the whole sequence at once)")
+    parser.add_argument("--offload-checkpoints", action="store_true", help="train.offload_checkpoints")
+    parser.add_argument("--optimizer-offload", action="store_true", help="train.optimizer_offload")
+    parser.add_argument("--compile", action="store_true", help="train.compile")
+    parser.add_argument("--warmup", type=int, default=0, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps (the fastest is reported)")
+    parser.add_argument("--calibration", default=None, help="the planner's table (default: the shipped one)")
+    parser.add_argument("--out", default=None, help="also write the record's figures as JSON here")
+    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model (the tests)")
+    args = parser.parse_args(argv)
+    if args.seq < 2 or args.warmup < 0 or args.steps < 1 or args.layers < 0 or args.mlp_chunk_tokens < 0:
+        print(f"bench.long_context: --seq {args.seq} must be >= 2, --warmup >= 0, --steps >= 1, --layers and "
+              "--mlp-chunk-tokens >= 0", file=sys.stderr)
+        return 2
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench.long_context: needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    try:
+        cal = Calibration.load(args.calibration)
+        config = build_config(args)
+    except (CalibrationError, ConfigError) as err:
+        print(f"bench.long_context: {err}", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = True
+    predicted = predict(config, cal)
+    t = config.train
+    switches = {"train.recompute": t.recompute, "train.fused_loss": t.fused_loss,
+                "train.mlp_chunk_tokens": t.mlp_chunk_tokens, "train.offload_checkpoints": t.offload_checkpoints,
+                "train.optimizer_offload": t.optimizer_offload, "train.compile": t.compile}
+    name = "smoke" if args.smoke else args.model
+    print(f"{name}, {config.model.num_layers} layers, seq {t.seq_len}: " + ", ".join(f"{k}={v}" for k, v in switches.items()))
+    print(f"predicted ({cal.source}): step {predicted['step_s']:.2f} s, {predicted['tokens_per_s']:.0f} tok/s, "
+          f"MFU {100 * predicted['mfu']:.1f}%, GPU allocated {predicted['peak_allocated_gib']:.1f} GiB "
+          f"(reserved {predicted['peak_reserved_gib']:.1f}, all {predicted['device_total_gib']:.1f}), host "
+          f"{predicted['host_offload_gib'] + predicted['host_optimizer_gib']:.1f} GiB", flush=True)
+    try:
+        measured = measure(config, args.warmup, args.steps)
+    except torch.cuda.OutOfMemoryError as err:
+        print(f"bench.long_context: out of GPU memory ({str(err).splitlines()[0][:160]}); the planner predicted "
+              f"{predicted['device_total_gib']:.1f} GiB", file=sys.stderr)
+        return 1
+    m, p = measured, predicted
+    print(f"measured: step {m['step_s']:.2f} s ({_err(p['step_s'], m['step_s'])} predicted), "
+          f"{m['tokens_per_s']:.0f} tok/s, MFU {100 * m['mfu']:.1f}%, GPU peak allocated "
+          f"{m['gpu_peak_allocated_gib']:.1f} GiB ({_err(p['peak_allocated_gib'], m['gpu_peak_allocated_gib'])} "
+          f"predicted), reserved {m['gpu_peak_reserved_gib']:.1f} GiB, host RSS {m['host_rss_gib']:.1f} GiB, "
+          f"pinned {m['pinned_gib']:.1f} GiB")
+    figures = {"model": name, "layers": config.model.num_layers, "seq": t.seq_len, "config": switches,
+               "calibration": cal.source, "predicted": predicted, "measured": measured}
+    emit("long_context", figures, t.device)
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
