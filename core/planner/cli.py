@@ -1,5 +1,6 @@
-"""`tessera-plan --config FILE --gpus N --gpu-memory-gib M [--gpus-per-node G] [--calibration FILE]
-[--write-config OUT] [--measure K] [--top T] [--set KEY=VALUE ...]`.
+"""`tessera-plan --config FILE --gpus N --gpu-memory-gib M [--gpus-per-node G] [--gpu h100|h200 | --calibration FILE]
+[--write-config OUT] [--measure K] [--top T] [--set KEY=VALUE ...]`;
+`tessera-plan --longest --config FILE --gpus N --gpu-memory-gib M --host-memory-gib H ...`.
 
 Enumerates every legal layout x micro-batch (the global batch fixed) x recompute set x offload
 choice of the config on N GPUs of M GiB, keeps the candidates whose predicted peak fits, ranks
@@ -23,7 +24,7 @@ from core.config import ConfigError, load_config
 from core.rules import recompute_set
 from core.validation import validate
 from core.planner.layouts import describe
-from core.planner.calibration import Calibration, CalibrationError
+from core.planner.calibration import H200_ABOVE_GIB, Calibration, CalibrationError, default_for_memory, load_for_gpu
 from core.planner.measure import run_plan
 from core.planner.memory import estimate_memory
 from core.planner.search import Candidate, Search, apply_plan, checkable, config_toml, search
@@ -51,8 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-gib", type=float, required=True,
                         help="memory of one GPU, GiB (an H100 80GB: 79.6; what the process may hold in all)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): TP stays inside one")
+    parser.add_argument("--gpu", default=None, metavar="NAME",
+                        help="the shipped table of this GPU kind: h100, h200, or a name matched against the tables' "
+                             "device (default: h100 up to 96 GiB per GPU, h200 above)")
     parser.add_argument("--calibration", default=None, metavar="FILE",
-                        help="rates measured by `python -m bench.calibrate --out FILE` (default: the shipped H100 table)")
+                        help="rates measured by `python -m bench.calibrate --out FILE` (instead of a shipped table)")
     parser.add_argument("--write-config", default=None, metavar="OUT", help="write the best plan as a config TOML")
     parser.add_argument("--measure", type=int, default=0, metavar="K",
                         help=f"train the best K plans for {MEASURE_STEPS} steps on this node's GPUs; predicted vs measured")
@@ -76,6 +80,8 @@ def _check_args(args) -> str | None:
         return f"--gpus-per-node {args.gpus_per_node} must be >= 1"
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         return f"--gpus {args.gpus} must be a multiple of --gpus-per-node {args.gpus_per_node} (whole nodes)"
+    if args.gpu is not None and args.calibration is not None:
+        return "give --gpu NAME (a shipped table) or --calibration FILE (a measured one), not both"
     if args.top < 1:
         return f"--top {args.top} must be >= 1"
     if args.measure < 0:
@@ -87,6 +93,17 @@ def _check_args(args) -> str | None:
         if not out.absolute().parent.is_dir():
             return f"--write-config {out}: the folder {out.absolute().parent} does not exist"
     return None
+
+
+def _calibration(args) -> tuple[Calibration, str]:
+    """The table to plan with, and why it was taken (said on the "calibration:" line)."""
+    if args.calibration:
+        return Calibration.load(args.calibration), "--calibration"
+    if args.gpu:
+        return load_for_gpu(args.gpu), f"--gpu {args.gpu}"
+    side = "above" if args.gpu_memory_gib > H200_ABOVE_GIB else "up to"
+    return Calibration.load(default_for_memory(args.gpu_memory_gib)), \
+        f"--gpu-memory-gib {args.gpu_memory_gib:g}, {side} {H200_ABOVE_GIB:g}; --gpu NAME picks another"
 
 
 def _check_measure(k: int, world: int, gpus_per_node: int) -> str | None:
@@ -146,11 +163,15 @@ def _winner(c: Candidate, world: int) -> list[str]:
     return lines
 
 
-def _print_plan(found: Search, args, cal: Calibration) -> None:
+def _calibration_line(args, cal: Calibration) -> str:
     shown = Path(cal.path)
     if shown.is_absolute() and shown.is_relative_to(Path.cwd()):
         shown = shown.relative_to(Path.cwd())
-    print(f"calibration: {shown} ({cal.source})")
+    return f"calibration: {shown} ({cal.source}) [{args.why_table}]"
+
+
+def _print_plan(found: Search, args, cal: Calibration) -> None:
+    print(_calibration_line(args, cal))
     if cal.derived:
         print("  (derived figures: measure this GPU kind with `python -m bench.calibrate --out FILE`, "
               "then pass --calibration FILE)")
@@ -235,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(problem)
     try:
         config = load_config(args.config, args.overrides)
-        cal = Calibration.load(args.calibration)
+        cal, args.why_table = _calibration(args)
     except (ConfigError, CalibrationError) as err:
         return _fail(str(err))
     problem = _check_measure(args.measure, args.gpus, args.gpus_per_node)
