@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="TOML file, e.g. launch/configs/deepseek_like.toml")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs of the run (the world size)")
     parser.add_argument("--gpu-memory-gib", type=float, required=True,
-                        help="memory of one GPU, GiB (an H100 80GB: 79.6; what the process may hold in all)")
+                        help="memory of one GPU, GiB (an H100 80GB: 79.6, an H200: 140; what the process may hold in all)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): TP stays inside one")
     parser.add_argument("--gpu", default=None, metavar="NAME",
                         help="the shipped table of this GPU kind: h100, h200, or a name matched against the tables' "
@@ -327,7 +327,7 @@ def longest_lines(found: Longest, args) -> list[str]:
     what = "train.seq_len" if args.seq_len else "longest train.seq_len"
     lines = [f"{what} on {args.gpus} GPUs of {args.gpu_memory_gib:g} GiB with {args.host_memory_gib:g} "
              f"GiB of host memory per node ({ranks} ranks per node): {found.seq_len} tokens "
-             f"({found.seq_len / 2**20:.2f}M)",
+             f"({found.seq_len / 1e6:.2f} million, {found.seq_len / 2**20:.2f} x 2^20)",
              f"  (one document per row, micro-batch 1: attention at its upper bound; {searched}; "
              f"{found.fitting} candidates fit there)"]
     for note in found.notes:
