@@ -39,7 +39,7 @@ from core.attention import varlen_attention
 from core.precision.blockwise import fp8_linear
 from core.layers import AttentionMeta, rotary_tables
 from core.train.model import build_model
-from core.planner.calibration import COLLECTIVES, Calibration, CalibrationError
+from core.planner.calibration import COLLECTIVES, DEFAULT_PATH, Calibration, CalibrationError, default_path
 from moe.experts import expert_mm
 
 MiB = 1 << 20
@@ -372,11 +372,20 @@ def calibrate(base: Calibration, log=print, collectives: bool = True, setup: Set
     return cal
 
 
+def shipped_table(device_name: str | None = None) -> Path:
+    """The shipped table of this GPU kind: by `device_name`, else `torch.cuda.get_device_name()` on a
+    GPU (`core.planner.calibration.default_path`); the H100 table for any other (or no) GPU."""
+    if device_name is None and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name()
+    return (default_path(device_name) if device_name else None) or DEFAULT_PATH
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the calibration JSON to write")
     parser.add_argument("--base", default=None, help="table whose values are kept for what is not measured "
-                                                     "(default: the shipped H100 table)")
+                                                     "(default: the shipped table of this GPU kind, "
+                                                     "e.g. h200_default.json on an H200; else the H100 one)")
     parser.add_argument("--no-collectives", action="store_true", help="skip the multi-GPU collectives")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -387,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.calibrate: --out {out}: the folder {out.absolute().parent} does not exist", file=sys.stderr)
         return 2
     try:
-        base = Calibration.load(args.base)
+        base = Calibration.load(args.base or shipped_table())
     except CalibrationError as err:
         print(f"bench.calibrate: {err}", file=sys.stderr)
         return 2

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from bench.calibrate import calibrate
+from bench.calibrate import calibrate, shipped_table
 from bench.harness import emit
 from bench.train_step import model_config, synthetic_batch
 from core.config import Config
@@ -217,7 +217,8 @@ def recompute_table(rows: list[tuple[Case, dict, dict]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.planner_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calibration", default=None, help="the table to predict with (default: the shipped H100 one)")
+    parser.add_argument("--calibration", default=None, help="the table to predict with (default: the shipped table of this GPU kind, "
+                                                            "by torch.cuda.get_device_name(); else the H100 one)")
     parser.add_argument("--write-calibration", default=None, metavar="FILE",
                         help="measure the table first (bench.calibrate), predict with it, fit the allocator's "
                              "overhead from the cases, write FILE")
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # CPU, tiny models: the tests
     args = parser.parse_args(argv)
     try:
-        cal = Calibration.load(args.calibration)
+        cal = Calibration.load(args.calibration or shipped_table())
     except CalibrationError as err:
         print(f"bench.planner_check: {err}", file=sys.stderr)
         return 2

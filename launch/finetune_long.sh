@@ -7,11 +7,17 @@
 #      validation loss (and loss by position) at the recipe's interval,
 #   5. export the result (tessera-convert to-hf) next to the run.
 #
-#   bash launch/finetune_long.sh HF_DIR CONVERSATIONS.jsonl OUT_DIR [--recipe FILE] [--nproc-per-node N]
-#        [--val-every K] [-- tessera-train arguments, e.g. --set train.max_steps=200]
+#   bash launch/finetune_long.sh HF_DIR CONVERSATIONS.jsonl OUT_DIR [--recipe FILE|NAME] [--nproc-per-node N]
+#        [--val-every K] [--dry-run] [-- tessera-train arguments, e.g. --set train.max_steps=200]
 #
 # The recipe (default launch/configs/llama3_8b_longctx.toml) holds every section but [model]; the
-# model comes from the import. A rope_scaling.original_max_position_embeddings of 0 in the recipe
+# model comes from the import (a recipe's own [model] is only for planning it; its
+# [model.rope_scaling] is taken). Named recipes, each with its GPU count as the default
+# --nproc-per-node (docs/planner.md says how tessera-plan --longest chose them):
+#   8b-64k   launch/configs/llama3_8b_longctx.toml    Llama-3-8B at 64k tokens, 8 GPUs, dynamic CP
+#   8b-1gpu  launch/configs/llama3_8b_long_1gpu.toml  Llama-3.1-8B at 768k tokens on one 141 GB GPU, ~1 TB host
+#   8b-8gpu  launch/configs/llama3_8b_long_8gpu.toml  Llama-3.1-8B at 2M tokens on 8 GPUs of 80 GB, ~1 TB host
+# --dry-run checks the arguments and prints the recipe, the process count and the commands, then stops. A rope_scaling.original_max_position_embeddings of 0 in the recipe
 # means "the context the model was trained at" (config.json's max_position_embeddings).
 # OUT_DIR gets data/{train,val}, model/ (the import), finetune.toml (the merged config), run/
 # (metrics.jsonl, loss.png, checkpoints) and hf/ (the export). A step that fails stops the recipe.
@@ -23,18 +29,24 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$TESSERA_ROOT"
 from_caller() { case $1 in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$caller/$1" ;; esac; }
 
-usage="usage: bash launch/finetune_long.sh HF_DIR CONVERSATIONS.jsonl OUT_DIR [--recipe FILE] [--nproc-per-node N] [--val-every K] [-- tessera-train args]"
+usage="usage: bash launch/finetune_long.sh HF_DIR CONVERSATIONS.jsonl OUT_DIR [--recipe FILE|8b-64k|8b-1gpu|8b-8gpu] [--nproc-per-node N] [--val-every K] [--dry-run] [-- tessera-train args]"
 die() { echo "finetune_long.sh: error: $*" >&2; exit 2; }
 [ $# -ge 3 ] || die "$usage"
 hf_dir=$(from_caller "$1") conversations=$(from_caller "$2") out=$(from_caller "$3")
 shift 3
 recipe=$TESSERA_ROOT/launch/configs/llama3_8b_longctx.toml
-nproc="" val_every=20
+nproc="" val_every=20 recipe_gpus="" dry_run=""
 while [ $# -gt 0 ]; do
   case $1 in
-    --recipe) recipe=$(from_caller "${2:?}")
-              if [ ! -f "$recipe" ] && [ -f "$TESSERA_ROOT/$2" ]; then recipe=$TESSERA_ROOT/$2; fi
+    --recipe) case ${2:?} in
+                8b-64k)  recipe=$TESSERA_ROOT/launch/configs/llama3_8b_longctx.toml recipe_gpus=8 ;;
+                8b-1gpu) recipe=$TESSERA_ROOT/launch/configs/llama3_8b_long_1gpu.toml recipe_gpus=1 ;;
+                8b-8gpu) recipe=$TESSERA_ROOT/launch/configs/llama3_8b_long_8gpu.toml recipe_gpus=8 ;;
+                *) recipe=$(from_caller "$2")
+                   if [ ! -f "$recipe" ] && [ -f "$TESSERA_ROOT/$2" ]; then recipe=$TESSERA_ROOT/$2; fi ;;
+              esac
               shift 2 ;;
+    --dry-run) dry_run=1; shift ;;
     --nproc-per-node) nproc=${2:?}; shift 2 ;;
     --val-every) val_every=${2:?}; shift 2 ;;
     --) shift; break ;;
@@ -46,9 +58,19 @@ done
 [ -f "$conversations" ] || die "'$conversations' is not a file; give a JSON Lines file of messages or prompt/completion records"
 [ -f "$recipe" ] || die "recipe '$recipe' is not a file"
 [[ "$val_every" =~ ^[0-9]+$ ]] && [ "$val_every" -ge 2 ] || die "--val-every $val_every must be a whole number >= 2"
+[ -z "$nproc" ] || [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || die "--nproc-per-node $nproc must be a whole number >= 1"
+if [ -z "$nproc" ] && [ -n "$recipe_gpus" ]; then nproc=$recipe_gpus; fi
 if [ -z "$nproc" ]; then
   gpus="$(python -c 'import torch; print(torch.cuda.device_count())')"
   nproc=$(( gpus > 0 ? gpus : 4 ))
+fi
+if [ -n "$dry_run" ]; then
+  echo "recipe: $recipe"
+  echo "processes: $nproc"
+  echo "would run: split $conversations (every ${val_every}th record to validation); tessera-data build (train, val);"
+  echo "  tessera-convert from-hf $hf_dir $out/model; tessera-train --config $out/finetune.toml --nproc-per-node $nproc $*;"
+  echo "  tessera-convert to-hf $out/run $out/hf"
+  exit 0
 fi
 mkdir -p "$out/data"
 

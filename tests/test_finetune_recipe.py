@@ -192,3 +192,27 @@ def test_the_8b_recipe_is_a_valid_8_gpu_layout():
     validate(config, 8)
     assert (config.parallel.tp, config.parallel.cp, config.parallel.dp) == (2, 4, 1)
     assert config.train.seq_len == 64 * 1024
+
+
+@pytest.mark.parametrize("name, recipe, nproc", [
+    ("8b-1gpu", "llama3_8b_long_1gpu.toml", 1), ("8b-8gpu", "llama3_8b_long_8gpu.toml", 8),
+    ("8b-64k", "llama3_8b_longctx.toml", 8)])
+def test_named_recipes_are_picked_with_their_gpu_count(name, recipe, nproc, tmp_path):
+    """--recipe NAME picks the file and its process count; --dry-run stops before any step;
+    --nproc-per-node still wins; both long recipes validate at their world size (tests/test_config.py)."""
+    (tmp_path / "hf").mkdir()
+    for file in ("config.json", "tokenizer.json"):
+        (tmp_path / "hf" / file).write_text("{}")
+    (tmp_path / "c.jsonl").write_text("{}\n")
+    args = ["bash", str(SCRIPT), "hf", "c.jsonl", "out", "--recipe", name, "--dry-run"]
+    done = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"recipe: {ROOT / 'launch' / 'configs' / recipe}" and lines[1] == f"processes: {nproc}", lines
+    assert not (tmp_path / "out").exists()  # nothing ran
+    done = subprocess.run(args + ["--nproc-per-node", "2", "--", "--set", "train.max_steps=3"], cwd=tmp_path,
+                          env=_env(), capture_output=True, text=True, timeout=60)
+    assert "processes: 2" in done.stdout and "--set train.max_steps=3" in done.stdout, done.stdout
+    bad = subprocess.run(args[:-3] + ["--recipe", "8b-9gpu", "--dry-run"], cwd=tmp_path, env=_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "8b-9gpu' is not a file" in bad.stderr, bad.stderr

@@ -186,6 +186,8 @@ class _Storages(TorchDispatchMode):
 def _saved_bytes(config, recompute: tuple[str, ...]) -> dict[str, int]:
     """Bytes alive after the forward and the loss of one micro-batch, by block, on the CPU."""
     model = build_model(config.model, seed=0).to(torch.bfloat16)  # as the trainer casts for bf16
+    for block in model.layers.values():  # train.mlp_chunk_tokens, as core.train.parallelize sets it
+        block.feed_forward.chunk_tokens = config.train.mlp_chunk_tokens
     apply_recompute(model, "none", list(recompute), [])
     n = config.train.seq_len
     tokens = torch.randint(0, config.model.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
@@ -217,6 +219,15 @@ def test_activation_model_equals_autograd_saved_tensors():
         if "swiglu" not in recompute:
             got, want = _saved_bytes(moe, recompute)["layer1"], block_activations(moe, 1, set(recompute), set()).device
             assert abs(got - want) <= 0.01 * want, (recompute, got, want)
+
+
+@pytest.mark.parametrize("recompute", [(), ("attention_core",), ("norms",)])
+def test_tiled_mlp_activations_equal_autograd_saved_tensors(recompute):
+    """train.mlp_chunk_tokens: the tiled SwiGLU keeps its input alone, whatever the chunk."""
+    config = validate(_config("tiny_dense", "bf16", ["train.seq_len=256", "train.mlp_chunk_tokens=64"]), 1)
+    assert _saved_bytes(config, recompute)["layer1"] == block_activations(config, 1, set(recompute), set()).device
+    plain = validate(_config("tiny_dense", "bf16", ["train.seq_len=256"]), 1)
+    assert block_activations(plain, 1, set(recompute), set()).device > block_activations(config, 1, set(recompute), set()).device
 
 
 def test_recompute_in_the_first_layers_counts_per_block():

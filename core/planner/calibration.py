@@ -19,9 +19,11 @@ What it holds (units in the keys), and how each is looked up:
 - `allocator`: what the caching allocator and the libraries add to the tensors (memory model).
 
 `source` says where the numbers come from: the shipped `h100_default.json` was measured by
-`bench.calibrate` on one H100 (SXM, 80 GB), keeping stated assumptions for what one GPU cannot
-measure (collectives, the network across nodes; `notes` lists which); `python -m
-bench.calibrate --out FILE` measures a table on a GPU, `tessera-plan --calibration FILE` uses it.
+`bench.calibrate` on one H100 (SXM, 80 GB), `h200_default.json` on one H200 (141 GB), each
+keeping stated assumptions for what one GPU cannot measure (collectives, the network across
+nodes; `notes` lists which); `python -m bench.calibrate --out FILE` measures a table on a GPU,
+`tessera-plan --calibration FILE` uses it. `default_path` picks a shipped table by GPU name
+(`tessera-plan --gpu`, and the bench tools by `torch.cuda.get_device_name()`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ from typing import Any
 from core.planner.memory import Allocator
 
 DEFAULT_PATH = Path(__file__).with_name("h100_default.json")
+#: The shipped tables by short name; a GPU name is matched against these names and the tables' `device`.
+SHIPPED = {"h100": DEFAULT_PATH, "h200": Path(__file__).with_name("h200_default.json")}
+#: Without a GPU name, tessera-plan takes the H200 table for GPUs above this many GiB (an H100 has 80, an H200 141).
+H200_ABOVE_GIB = 96.0
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 FORMAT = 1
 
@@ -238,3 +244,41 @@ class Calibration:
     @property
     def derived(self) -> bool:
         return self.source.startswith("derived")
+
+
+def _device_of(path: Path) -> str:
+    try:
+        return str(json.loads(path.read_text()).get("device", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def default_path(gpu: str) -> Path | None:
+    """The shipped table for a GPU name: a short name (`h100`, `h200`), a table's `device` field
+    (`NVIDIA H200`), or a name that contains one of the short names (what
+    `torch.cuda.get_device_name()` returns, e.g. `NVIDIA H100 80GB HBM3`); None if none matches."""
+    name = gpu.strip().lower()
+    if not name:
+        return None
+    if name in SHIPPED:
+        return SHIPPED[name]
+    for path in SHIPPED.values():
+        if _device_of(path).lower() == name:
+            return path
+    found = [path for short, path in SHIPPED.items() if short in name.replace(" ", "").replace("-", "")]
+    return found[0] if len(found) == 1 else None
+
+
+def default_for_memory(gpu_memory_gib: float) -> Path:
+    """Without a GPU name: the H100 table up to H200_ABOVE_GIB GiB per GPU, the H200 table above."""
+    return SHIPPED["h200" if gpu_memory_gib > H200_ABOVE_GIB else "h100"]
+
+
+def load_for_gpu(gpu: str) -> Calibration:
+    """The shipped table for a GPU name (`default_path`); CalibrationError naming the choices if none matches."""
+    path = default_path(gpu)
+    if path is None:
+        names = ", ".join(f"{short} ({_device_of(p)})" for short, p in SHIPPED.items())
+        raise CalibrationError(f"no shipped calibration table for GPU '{gpu}'; the shipped ones: {names}; or "
+                               "measure one with `python -m bench.calibrate --out FILE` and pass --calibration FILE")
+    return Calibration.load(path)

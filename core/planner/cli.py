@@ -1,5 +1,6 @@
-"""`tessera-plan --config FILE --gpus N --gpu-memory-gib M [--gpus-per-node G] [--calibration FILE]
-[--write-config OUT] [--measure K] [--top T] [--set KEY=VALUE ...]`.
+"""`tessera-plan --config FILE --gpus N --gpu-memory-gib M [--gpus-per-node G] [--gpu h100|h200 | --calibration FILE]
+[--write-config OUT] [--measure K] [--top T] [--set KEY=VALUE ...]`;
+`tessera-plan --longest --config FILE --gpus N --gpu-memory-gib M --host-memory-gib H ...`.
 
 Enumerates every legal layout x micro-batch (the global batch fixed) x recompute set x offload
 choice of the config on N GPUs of M GiB, keeps the candidates whose predicted peak fits, ranks
@@ -23,9 +24,10 @@ from core.config import ConfigError, load_config
 from core.rules import recompute_set
 from core.validation import validate
 from core.planner.layouts import describe
-from core.planner.calibration import Calibration, CalibrationError
+from core.planner.calibration import H200_ABOVE_GIB, Calibration, CalibrationError, default_for_memory, load_for_gpu
+from core.planner.longest import LongCandidate, Longest, apply_longest, longest, settings_of
 from core.planner.measure import run_plan
-from core.planner.memory import estimate_memory
+from core.planner.memory import estimate_memory, head_activations
 from core.planner.search import Candidate, Search, apply_plan, checkable, config_toml, search
 from core.planner.timing import estimate_time
 
@@ -49,14 +51,27 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="TOML file, e.g. launch/configs/deepseek_like.toml")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs of the run (the world size)")
     parser.add_argument("--gpu-memory-gib", type=float, required=True,
-                        help="memory of one GPU, GiB (an H100 80GB: 79.6; what the process may hold in all)")
+                        help="memory of one GPU, GiB (an H100 80GB: 79.6, an H200: 140; what the process may hold in all)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): TP stays inside one")
+    parser.add_argument("--gpu", default=None, metavar="NAME",
+                        help="the shipped table of this GPU kind: h100, h200, or a name matched against the tables' "
+                             "device (default: h100 up to 96 GiB per GPU, h200 above)")
     parser.add_argument("--calibration", default=None, metavar="FILE",
-                        help="rates measured by `python -m bench.calibrate --out FILE` (default: the shipped H100 table)")
+                        help="rates measured by `python -m bench.calibrate --out FILE` (instead of a shipped table)")
     parser.add_argument("--write-config", default=None, metavar="OUT", help="write the best plan as a config TOML")
     parser.add_argument("--measure", type=int, default=0, metavar="K",
                         help=f"train the best K plans for {MEASURE_STEPS} steps on this node's GPUs; predicted vs measured")
     parser.add_argument("--top", type=int, default=10, metavar="T", help="plans to print (default 10)")
+    parser.add_argument("--longest", action="store_true",
+                        help="find the longest train.seq_len that trains (one document per row, micro-batch 1), with "
+                             "the layout and long-context settings that reach it; needs --host-memory-gib")
+    parser.add_argument("--host-memory-gib", type=float, default=None, metavar="H",
+                        help="with --longest: host memory per node, GiB, shared by its ranks' offloads (what "
+                             "/proc/meminfo's MemAvailable shows)")
+    parser.add_argument("--seq-len", type=int, default=0, metavar="N",
+                        help="with --longest: plan this length (a multiple of --seq-multiple) instead of searching")
+    parser.add_argument("--seq-multiple", type=int, default=1024, metavar="K",
+                        help="with --longest: the length is a multiple of K (default 1024)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config key, e.g. --set train.global_batch_size=1024 (repeatable)")
     return parser
@@ -76,6 +91,21 @@ def _check_args(args) -> str | None:
         return f"--gpus-per-node {args.gpus_per_node} must be >= 1"
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         return f"--gpus {args.gpus} must be a multiple of --gpus-per-node {args.gpus_per_node} (whole nodes)"
+    if args.gpu is not None and args.calibration is not None:
+        return "give --gpu NAME (a shipped table) or --calibration FILE (a measured one), not both"
+    if args.longest:
+        if args.host_memory_gib is None:
+            return "--longest needs --host-memory-gib H, the host memory of one node in GiB (0: no host offload)"
+        if not (math.isfinite(args.host_memory_gib) and args.host_memory_gib >= 0):
+            return f"--host-memory-gib {args.host_memory_gib} must be a number of GiB >= 0"
+        if args.seq_multiple < 1 or args.seq_multiple % 1024:
+            return f"--seq-multiple {args.seq_multiple} must be a positive multiple of 1024 (the tiled MLP's chunk)"
+        if args.seq_len < 0 or args.seq_len % args.seq_multiple:
+            return f"--seq-len {args.seq_len} must be a positive multiple of --seq-multiple {args.seq_multiple}"
+        if args.measure:
+            return "--measure runs the ranked plans of a plain search; leave it out with --longest"
+    elif args.host_memory_gib is not None or args.seq_len:
+        return "--host-memory-gib and --seq-len plan with --longest; add --longest or leave them out"
     if args.top < 1:
         return f"--top {args.top} must be >= 1"
     if args.measure < 0:
@@ -87,6 +117,17 @@ def _check_args(args) -> str | None:
         if not out.absolute().parent.is_dir():
             return f"--write-config {out}: the folder {out.absolute().parent} does not exist"
     return None
+
+
+def _calibration(args) -> tuple[Calibration, str]:
+    """The table to plan with, and why it was taken (said on the "calibration:" line)."""
+    if args.calibration:
+        return Calibration.load(args.calibration), "--calibration"
+    if args.gpu:
+        return load_for_gpu(args.gpu), f"--gpu {args.gpu}"
+    side = "above" if args.gpu_memory_gib > H200_ABOVE_GIB else "up to"
+    return Calibration.load(default_for_memory(args.gpu_memory_gib)), \
+        f"--gpu-memory-gib {args.gpu_memory_gib:g}, {side} {H200_ABOVE_GIB:g}; --gpu NAME picks another"
 
 
 def _check_measure(k: int, world: int, gpus_per_node: int) -> str | None:
@@ -146,11 +187,15 @@ def _winner(c: Candidate, world: int) -> list[str]:
     return lines
 
 
-def _print_plan(found: Search, args, cal: Calibration) -> None:
+def _calibration_line(args, cal: Calibration) -> str:
     shown = Path(cal.path)
     if shown.is_absolute() and shown.is_relative_to(Path.cwd()):
         shown = shown.relative_to(Path.cwd())
-    print(f"calibration: {shown} ({cal.source})")
+    return f"calibration: {shown} ({cal.source}) [{args.why_table}]"
+
+
+def _print_plan(found: Search, args, cal: Calibration) -> None:
+    print(_calibration_line(args, cal))
     if cal.derived:
         print("  (derived figures: measure this GPU kind with `python -m bench.calibrate --out FILE`, "
               "then pass --calibration FILE)")
@@ -228,6 +273,85 @@ def _measure(found: Search, args, config) -> None:
                   f"{100 * (pred_s / got.step_s - 1):>+5.0f}% {pred_gib:>8.1f} {mem}")
 
 
+def _longest(args, config, cal: Calibration) -> int:
+    gpu, host = int(args.gpu_memory_gib * GIB), int(args.host_memory_gib * GIB)
+    try:
+        found = longest(config, args.gpus, gpu, host, cal, args.gpus_per_node, args.seq_multiple, args.seq_len)
+    except ConfigError as err:
+        return _fail(str(err))
+    at = args.seq_len or args.seq_multiple
+    if found is None:
+        return _fail(f"no legal layout of {args.config} on {args.gpus} GPUs ({args.gpus_per_node} per node) at "
+                     f"micro-batch 1: check that the model's heads and layers divide over them and that "
+                     "train.global_batch_size is a multiple of the data-parallel size")
+    if not isinstance(found, Longest):
+        return _fail(f"nothing trains {at} tokens per row on {args.gpus} GPUs of {args.gpu_memory_gib:g} GiB with "
+                     f"{args.host_memory_gib:g} GiB of host memory per node; the closest: {_needs(found)}")
+    print(_calibration_line(args, cal))
+    print("\n".join(longest_lines(found, args)))
+    if args.write_config:
+        plan = apply_longest(config, found)
+        try:
+            validate(checkable(plan), args.gpus)
+        except ConfigError as err:
+            return _fail(f"the plan does not validate as a config: {err}")
+        plan.parallel.dp = 0
+        text = (f"# tessera-plan --longest: train.seq_len {found.seq_len}, {found.best.layout}; predicted "
+                f"{found.best.memory.device_total / GIB:.1f} GiB per GPU, {found.best.host.node / GIB:.1f} GiB host per "
+                f"node\n" + config_toml(plan))
+        out = Path(args.write_config)
+        out.with_name(out.name + ".tmp").write_text(text)
+        out.with_name(out.name + ".tmp").replace(out)
+        print(f"\nwrote {args.write_config}: tessera-train --config {args.write_config} --nproc-per-node "
+              f"{min(args.gpus, args.gpus_per_node)}" + (f" --nnodes {args.gpus // args.gpus_per_node}"
+                                                          if args.gpus > args.gpus_per_node else ""))
+    return 0
+
+
+def _needs(c: LongCandidate) -> str:
+    return (f"{c.layout} with {_settings_text(c.config)} needs {c.memory.device_total / GIB:.1f} GiB per GPU and "
+            f"{c.host.node / GIB:.1f} GiB of host memory per node")
+
+
+def _settings_text(config) -> str:
+    return ", ".join(f"{k} {v}" for k, v in settings_of(config).items() if k not in ("tp", "cp", "pp", "dp"))
+
+
+def longest_lines(found: Longest, args) -> list[str]:
+    """What --longest prints: the length, the plan, its memory on the GPU and the host, its time."""
+    c, m, t = found.best, found.best.memory, found.best.time
+    b = m.breakdown()
+    ranks = min(args.gpus, args.gpus_per_node)
+    searched = (f"planned at --seq-len {found.seq_len}" if args.seq_len else
+                f"searched by doubling, then bisection to a multiple of {found.multiple}")
+    what = "train.seq_len" if args.seq_len else "longest train.seq_len"
+    lines = [f"{what} on {args.gpus} GPUs of {args.gpu_memory_gib:g} GiB with {args.host_memory_gib:g} "
+             f"GiB of host memory per node ({ranks} ranks per node): {found.seq_len} tokens "
+             f"({found.seq_len / 1e6:.2f} million, {found.seq_len / 2**20:.2f} x 2^20)",
+             f"  (one document per row, micro-batch 1: attention at its upper bound; {searched}; "
+             f"{found.fitting} candidates fit there)"]
+    for note in found.notes:
+        lines.append(f"  note: {note}")
+    lines.append(f"  layout: {c.layout}" + (f" {c.config.parallel.cp_comm}" if c.config.parallel.cp > 1 else "")
+                 + f", global batch {c.config.train.global_batch_size} rows")
+    lines.append(f"  settings: {_settings_text(c.config)}")
+    lines.append("  GPU per rank (GiB): " + ", ".join(f"{k} {b[k]:.2f}" for k in (
+        "params", "grads", "optimizer", "fp8_cache", "activations", "transient", "reduction", "other") if b[k])
+        + f"; on the device {m.device_total / GIB:.2f} of {args.gpu_memory_gib:g}")
+    head = head_activations(c.config) / GIB if c.config.parallel.pp == 1 else 0.0
+    blocks = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(m.per_layer.items(), key=lambda kv: -kv[1]) if v)
+    lines.append(f"  activations: the head's (final norm, head input or its gradient, loss) {head:.2f} GiB; the blocks' "
+                 f"by module kind (one micro-batch): {blocks or 'none on the device'}")
+    lines.append(f"  host per rank (GiB): checkpoint inputs {c.host.rank_checkpoints / GIB:.2f}, optimizer "
+                 f"{c.host.rank_optimizer / GIB:.2f}; per node {c.host.node / GIB:.2f} of {args.host_memory_gib:g}")
+    lines.append(f"  step: {t.step_s:.1f} s, {t.tokens_per_s / 1e3:.2f}k tokens/s ({t.tokens_per_s / args.gpus / 1e3:.3f}k "
+                 f"per GPU), MFU {100 * t.mfu:.1f}%; (s) " + ", ".join(
+                     f"{k} {v:.2f}" for k, v in sorted(t.breakdown().items(), key=lambda kv: -kv[1]) if v >= 5e-3))
+    if found.closest is not None:
+        lines.append(f"  at {found.next_seq_len} tokens nothing fits; the closest: {_needs(found.closest)}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     problem = _check_args(args)
@@ -235,9 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(problem)
     try:
         config = load_config(args.config, args.overrides)
-        cal = Calibration.load(args.calibration)
+        cal, args.why_table = _calibration(args)
     except (ConfigError, CalibrationError) as err:
         return _fail(str(err))
+    if args.longest:
+        return _longest(args, config, cal)
     problem = _check_measure(args.measure, args.gpus, args.gpus_per_node)
     if problem:
         return _fail(problem)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from core.config import Config
 from core.rules import FUSED_CHUNK_ELEMENTS, grad_accum_steps, moe_layer_rule, offloaded_checkpoints, recompute_set
+from core.validation import cp_a2a_size
 from core.planner.state import (PARAM_BYTES, StateBytes, coordinates, local_params, recomputed_layers, stage_layers,
                                 state_bytes)
 
@@ -48,6 +49,21 @@ class Shapes:
     shared_hidden: int
     experts: int
     vocab: int  # vocab / tp
+    a2a: int = 1  # all-to-all CP's group (parallel.cp_comm "a2a": cp, "a2a+ring": cp_a2a; the ring: 1)
+    kv_core: int = 0  # k (or v) features per local token the attention core holds: kv, or after the
+    # all-to-all kv with its heads repeated to a multiple of the group (core/parallel/ulysses.py)
+
+
+def a2a_kv_features(config: Config) -> int:
+    """This rank's k (or v) features per token as its attention core sees them, per local token:
+    under all-to-all CP, grouped-query heads that the group does not divide are repeated up to
+    lcm(heads, group) (MLA: one key/value head per query head, nothing repeated)."""
+    m, p = config.model, config.parallel
+    k = cp_a2a_size(config) if p.cp > 1 else 1
+    if m.attention == "mla":
+        return m.num_heads // p.tp * m.attention_head_dim
+    heads = m.num_kv_heads // p.tp
+    return (math.lcm(heads, k) if heads % k else heads) * m.attention_head_dim
 
 
 def shapes(config: Config) -> Shapes:
@@ -62,7 +78,8 @@ def shapes(config: Config) -> Shapes:
     shared = (moe.shared_ffn_dim or moe.num_shared_experts * hidden) if moe.num_experts else 0
     return Shapes(tokens, seq_tokens, m.num_heads * hd // p.tp, m.num_kv_heads * hd // p.tp, m.num_heads // p.tp,
                   m.ffn_dim // p.tp, routed, routed * moe.top_k if moe.num_experts else 0,
-                  hidden // p.etp if moe.num_experts else 0, shared // p.etp, moe.num_experts, m.vocab_size // p.tp)
+                  hidden // p.etp if moe.num_experts else 0, shared // p.etp, moe.num_experts, m.vocab_size // p.tp,
+                  cp_a2a_size(config) if p.cp > 1 else 1, a2a_kv_features(config))
 
 
 @dataclass
@@ -132,6 +149,9 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
     lse = 4 * T * s.q_heads
     qkv = T * (s.q + 2 * s.kv) * b
     out = T * s.q * b
+    # All-to-all CP: the core keeps what the all-to-all brought (k and v with repeated heads) and
+    # its own output, which the all-to-all back copies into wo's input: one [T, q] more.
+    core = qkv if s.a2a == 1 or "attention_core" in recompute else T * (s.q + 2 * s.kv_core) * b + out
     if "attention" in recompute:
         parts["attention"] = attn_in
     elif m.attention == "mla":
@@ -140,7 +160,7 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
         parts["attention"] += 0 if dropped_in else attn_in
     else:
         dropped_in = "norms" in recompute and not sp
-        parts["attention"] = (0 if dropped_in else attn_in) + qk + qkv + out + (0 if "attention_core" in recompute else lse)
+        parts["attention"] = (0 if dropped_in else attn_in) + qk + core + out + (0 if "attention_core" in recompute else lse)
     # Feed-forward.
     if moe_layer:
         moe = m.moe
@@ -163,11 +183,11 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
         H = s.ffn
         if "mlp" in recompute:
             parts["mlp"] = Ts * d * b  # the norm's input (SP: gathered inside the checkpoint)
-        elif t.mlp_chunk_tokens:  # tiled: its input alone; each chunk's intermediates live in one pass
-            parts["mlp"] = T * d * b
         else:
             mlp_in = 0 if ("norms" in recompute and not sp) else T * d * b
-            parts["mlp"] = mlp_in + T * H * b * (2 if "swiglu" in recompute else inside_glu)
+            # Tiled (train.mlp_chunk_tokens): its input alone; each chunk's intermediates live in one pass.
+            tiled = t.mlp_chunk_tokens and T > t.mlp_chunk_tokens
+            parts["mlp"] = mlp_in + (0 if tiled else T * H * b * (2 if "swiglu" in recompute else inside_glu))
     offloaded = 0
     # The checkpoint inputs of a recomputed attention (its norm's output) or core (q, k, v).
     moved = attn_in if "attention" in inputs_out else qkv if "attention_core" in inputs_out else 0
@@ -246,10 +266,13 @@ def _mla_saved(config: Config, T: int, b: int, recompute: set[str], compiled: bo
             kept = (T * width * b + 4 * T if compiled else T * whole * b if "norms" in recompute
                     else norm_saved(T, width, b))
             latents += kept + T * width * b
-    # v is a view of wkv_b's output [T, heads, nope + v], whose whole storage it keeps alive.
+    # v is a view of wkv_b's output [T, heads, nope + v], whose whole storage it keeps alive;
+    # under all-to-all CP the core keeps the copies the all-to-all made instead, and its own output.
     qkv = T * heads * (2 * m.attention_head_dim + m.qk_nope_head_dim + m.v_head_dim) * b
     lse = 0 if "attention_core" in recompute else 4 * T * heads
-    return qkv, latents + qkv + lse + out
+    a2a = p.cp > 1 and cp_a2a_size(config) > 1 and "attention_core" not in recompute
+    core = T * heads * (2 * m.attention_head_dim + m.v_head_dim) * b + out if a2a else qkv
+    return qkv, latents + core + lse + out
 
 
 def rope_tables(config: Config) -> int:
@@ -295,6 +318,33 @@ def loss_transient(config: Config) -> int:
         chunk = max(1, min(s.tokens, FUSED_CHUNK_ELEMENTS // s.vocab))
         return chunk * s.vocab * (2 * b if compiled_loss(config) else 2 * b + 4 * 4)
     return s.tokens * s.vocab * b + s.vocab * m.dim * b
+
+
+def tiled_mlp_transient(config: Config) -> int:
+    """`train.mlp_chunk_tokens`: one chunk's intermediates, at their most in the backward, about:
+    a, b, sigmoid, silu, the gradient of the product and two temporaries in fp32, four [chunk,
+    hidden] tensors in the parameter dtype (core/layers.py `_TiledSwiGLU`)."""
+    t, s = config.train, shapes(config)
+    if not t.mlp_chunk_tokens or s.tokens <= t.mlp_chunk_tokens or not s.ffn:
+        return 0
+    return t.mlp_chunk_tokens * s.ffn * (7 * 4 + 4 * PARAM_BYTES[t.precision])
+
+
+def cp_transient(config: Config) -> int:
+    """Context parallelism's buffers beside the saved tensors: the ring's K/V blocks in flight
+    (two blocks of k and v, forward; their gradients too in the backward); under all-to-all CP
+    the all-to-alls' send and receive copies of q, k, v (or their gradients), and a ring over
+    the ring groups passes the all-to-all share's K/V (k, v with their repeated heads)."""
+    p, s = config.parallel, shapes(config)
+    if p.cp == 1:
+        return 0
+    b = PARAM_BYTES[config.train.precision]
+    if s.a2a == 1:
+        return 2 * 2 * s.tokens * s.kv * b
+    out = 2 * s.tokens * (s.q + 2 * s.kv_core) * b
+    if p.cp // s.a2a > 1:
+        out += 2 * 2 * s.tokens * s.kv_core * b
+    return out
 
 
 def in_flight(config: Config, pp_rank: int, num_micro: int) -> float:
@@ -419,9 +469,10 @@ def estimate_memory(config: Config, rank: int | None = None, allocator: Allocato
     flight = in_flight(config, c["pp"], grad_accum_steps(config))
     activations = int(flight * per_micro) + (head_activations(config) if last else 0)
     # Besides the saved tensors, the largest need of the forward and backward: the loss, a
-    # recomputed block, offloaded tensors brought back (one module ahead), the ring's KV blocks.
-    ring = 2 * 2 * s.tokens * s.kv * b if p.cp > 1 else 0
-    transient = max(loss_transient(config) if last else 0, rebuilt, 2 * brought_back) + ring
+    # recomputed block, offloaded tensors brought back (one module ahead), the ring's KV blocks
+    # (or the all-to-alls' copies), a tiled MLP's chunk.
+    transient = max(loss_transient(config) if last else 0, rebuilt, 2 * brought_back) + cp_transient(config) + \
+        tiled_mlp_transient(config)
     cache = fp8_cache_bytes(config, c["pp"])
     return MemoryEstimate(rank, state, activations, int(flight * offloaded), transient, cache, per_layer,
                           max(state.packed, state.gather), allocator, comm_groups(config))

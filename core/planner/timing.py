@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 
 from core.config import Config
 from core.metrics import flops_per_token
-from core.rules import attention_width, grad_accum_steps, moe_layer_rule, offloaded_checkpoints, recompute_set
+from core.rules import FUSED_CHUNK_ELEMENTS, attention_width, grad_accum_steps, moe_layer_rule, offloaded_checkpoints, recompute_set
 from core.planner.calibration import Calibration
 from core.planner.memory import block_activations, shapes
+from core.validation import cp_a2a_size
 from core.planner.state import PARAM_BYTES, cached, layout_key, local_params, recomputed_layers, stage_layers
 
 # Bytes moved per element by the eager modules (read + write), forward; backward about twice.
@@ -52,10 +53,11 @@ HOST_ADAMW_GBPS = 30.0  # the CPU's fused AdamW on ADAMW_BYTES per element: 1.1G
 
 
 def group_spans_nodes(config: Config, group: str, gpus_per_node: int) -> bool:
-    """Whether a process group's ranks sit on more than one node (ranks: tp, cp, dp, pp)."""
+    """Whether a process group's ranks sit on more than one node (ranks: tp, cp, dp, pp; an
+    all-to-all CP group, `cp_a2a`, is neighbouring CP ranks)."""
     p = config.parallel
-    span = {"tp": p.tp, "cp": p.tp * p.cp, "dp_cp": p.tp * p.cp * p.dp, "ep": p.tp * p.ep,
-            "edp": p.tp * p.cp * p.dp, "pp": p.tp * p.cp * p.dp * p.pp}[group]
+    span = {"tp": p.tp, "cp": p.tp * p.cp, "cp_a2a": p.tp * cp_a2a_size(config), "dp_cp": p.tp * p.cp * p.dp,
+            "ep": p.tp * p.ep, "edp": p.tp * p.cp * p.dp, "pp": p.tp * p.cp * p.dp * p.pp}[group]
     if group == "edp" and p.dp * p.cp // p.ep == 1:
         return False
     return span > gpus_per_node
@@ -137,7 +139,7 @@ class _Model:
         return self.cal.memory_s(nbytes * self.passes, max(1, int(kernels * self.passes)))
 
     def coll(self, op: str, group: str, nbytes: float) -> float:
-        size = {"tp": self.p.tp, "cp": self.p.cp, "dp_cp": self.p.dp * self.p.cp, "ep": self.p.ep,
+        size = {"tp": self.p.tp, "cp": self.p.cp, "cp_a2a": self.s.a2a, "dp_cp": self.p.dp * self.p.cp, "ep": self.p.ep,
                 "edp": self.p.dp * self.p.cp // self.p.ep}[group]
         return self.cal.collective_s(op, size, nbytes, group_spans_nodes(self.c, group, self.g))
 
@@ -168,10 +170,12 @@ class _Model:
         """(forward seconds of the sub-layer, of its core)."""
         s, m, t = self.s, self.m, self.t
         T, d, hd = s.tokens, m.dim, m.attention_head_dim
-        kv_width = 2 * s.kv  # this rank's k and v features per token (what the ring sends)
+        kv_width = 2 * s.kv_core  # this rank's k and v features per token (what the ring sends)
+        q_width, out_width = s.q, s.q
         if m.attention == "mla":
             f, rot, kv_width = self._mla_projections(fwd, bwd)
             hd = (m.attention_head_dim + m.value_head_dim) / 2  # the core's FLOPs: scores over hd, values over v
+            out_width = s.q_heads * m.value_head_dim
         else:
             f = self.linear(T, s.q + 2 * s.kv, d, fwd, bwd)
             f += self.linear(T, d, s.q, fwd, bwd)
@@ -184,14 +188,23 @@ class _Model:
         cp = self.p.cp
         core_f = self.cal.attention_s(t.seq_len, t.micro_batch_size, s.q_heads, hd, False) / cp
         core_b = self.cal.attention_s(t.seq_len, t.micro_batch_size, s.q_heads, hd, True) / cp
-        if cp > 1:
+        if cp > 1 and s.a2a > 1:
+            # All-to-all CP: q, k, v in and the output back over the group, forward; their
+            # gradients the same way in the backward; on the critical path (the core waits).
+            one = sum(self.coll("all_to_all", "cp_a2a", T * width * self.b)
+                      for width in (q_width, kv_width / 2, kv_width / 2, out_width))
+            fwd.add("cp_comm", one)
+            bwd.add("cp_comm", one)
+        ring = cp // s.a2a
+        if ring > 1:
             core_f, core_b = core_f / self.cal.ring_efficiency, core_b / self.cal.ring_efficiency
-            # Each of the cp - 1 ring steps sends this rank's k and v (backward: and their grads)
-            # while a block computes; what the blocks do not hide is exposed.
+            # Each of the ring - 1 steps sends this rank's k and v (a2a+ring: those of its
+            # group's share, K times the tokens with 1/K of the heads; backward: and their
+            # grads) while a block computes; what the blocks do not hide is exposed.
             kv = T * kv_width * self.b
             step = self.cal.p2p_s(kv, group_spans_nodes(self.c, "cp", self.g))
-            fwd.add("cp_comm", max(0.0, (cp - 1) * step - core_f))
-            bwd.add("cp_comm", max(0.0, 2 * (cp - 1) * step - core_b))
+            fwd.add("cp_comm", max(0.0, (ring - 1) * step - core_f))
+            bwd.add("cp_comm", max(0.0, 2 * (ring - 1) * step - core_b))
         fwd.add("attention", core_f)
         bwd.add("attention", core_b)
         f += core_f + self.tp_in_out(fwd, bwd)
@@ -222,8 +235,23 @@ class _Model:
         return f, rot, heads * (hd + dv)
 
     def dense_ffn(self, fwd: Pass, bwd: Pass) -> tuple[float, float]:
-        """(forward seconds of the FFN, of its SwiGLU product)."""
+        """(forward seconds of the FFN, of its SwiGLU product). Tiled (`train.mlp_chunk_tokens`):
+        the GEMMs at the chunk's rows, and the backward runs each chunk's w1 and w3 and its
+        SwiGLU again (it keeps only the input)."""
         T, d, H = self.s.tokens, self.m.dim, self.s.ffn
+        chunk = self.t.mlp_chunk_tokens
+        if chunk and T > chunk:
+            n = T / chunk
+            one_f, one_b = Pass(), Pass()
+            f = n * (self.linear(chunk, H, d, one_f, one_b) * 2 + self.linear(chunk, d, H, one_f, one_b))
+            for side, one in ((fwd, one_f), (bwd, one_b)):
+                for kind, seconds in one.parts.items():
+                    side.add(kind, n * seconds)
+            glu = self.mem(T * H * 5 * self.b, 2)
+            fwd.add("memory", glu)
+            bwd.add("memory", 2 * glu)
+            bwd.add("recompute", n * 2 * self.cal.gemm_s(chunk, H, d, self.gemm_dtype) + glu)
+            return f + glu + self.tp_in_out(fwd, bwd), glu
         f = self.linear(T, H, d, fwd, bwd) * 2 + self.linear(T, d, H, fwd, bwd)
         glu = self.mem(T * H * 5 * self.b, 2)
         fwd.add("memory", glu)
@@ -320,6 +348,23 @@ class _Model:
             bwd.add("offload", max(0.0, copy - 2 * compute / 3))
         return compute
 
+    def fused_loss(self, fwd: Pass, bwd: Pass) -> None:
+        """`train.fused_loss`: the head and the loss over token chunks of FUSED_CHUNK_ELEMENTS
+        logits (core/train/loss.py), all in the forward: each chunk's GEMMs at its rows, its
+        row passes, its weight gradient added into the fp32 main grad of the head (a read and a
+        write of [V/tp, dim] per chunk), under TP two all-reduces of the chunk's row statistics."""
+        s, d = self.s, self.m.dim
+        chunk = max(1, min(s.tokens, FUSED_CHUNK_ELEMENTS // s.vocab))
+        n = s.tokens / chunk
+        one_f, one_b = Pass(), Pass()
+        self.linear(chunk, s.vocab, d, one_f, one_b, "head", "bf16")
+        for one in (one_f, one_b):
+            fwd.add("head", n * one.total)
+        fwd.add("loss", n * self.mem(chunk * s.vocab * LOSS_BYTES, 6))
+        fwd.add("loss", n * self.cal.memory_s(s.vocab * d * 8, 1))
+        if self.p.tp > 1:
+            fwd.add("tp_comm", n * 2 * self.coll("all_reduce", "tp", chunk * 8))
+
     def micro_batch(self, pp_rank: int) -> tuple[Pass, Pass, float]:
         """Forward and backward of one micro-batch through this pipeline rank's layers; and the
         host's time to issue them."""
@@ -343,6 +388,9 @@ class _Model:
         if pp_rank == p.pp - 1:
             for _ in range(1 + m.mtp_layers):  # the shared head and loss once per MTP depth too
                 self.norm(fwd, bwd)
+                if self.t.fused_loss:
+                    self.fused_loss(fwd, bwd)
+                    continue
                 self.linear(T, s.vocab, d, fwd, bwd, "head", "bf16")
                 loss = self.mem(T * s.vocab * LOSS_BYTES / 2, 6)
                 fwd.add("loss", loss)
