@@ -47,6 +47,7 @@ from bench.harness import emit
 from bench.train_step import model_config, synthetic_batch
 from core.config import Config, ModelConfig
 from core.metrics import PEAK_FLOPS
+from bench.calibrate import shipped_table
 from core.planner.calibration import Calibration, CalibrationError
 from core.planner.memory import estimate_memory
 from core.planner.timing import estimate_time
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="train.compile")
     parser.add_argument("--warmup", type=int, default=0, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=1, help="timed steps (the fastest is reported)")
-    parser.add_argument("--calibration", default=None, help="the planner's table (default: the shipped one)")
+    parser.add_argument("--calibration", default=None,
+                        help="the planner's table (default: the shipped table of this GPU kind, else the H100 one)")
     parser.add_argument("--out", default=None, help="also write the record's figures as JSON here")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model (the tests)")
     args = parser.parse_args(argv)
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.long_context: needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
     try:
-        cal = Calibration.load(args.calibration)
+        cal = Calibration.load(args.calibration or shipped_table())  # the table of this GPU kind
         config = build_config(args)
     except (CalibrationError, ConfigError) as err:
         print(f"bench.long_context: {err}", file=sys.stderr)

@@ -143,7 +143,8 @@ def measure(case: Case) -> dict:
     try:
         config = case.config()
         trainer = Trainer(config)
-        batch = synthetic_batch(case.micro, case.seq, config.model.vocab_size, torch.device(config.train.device))
+        batch = synthetic_batch(case.micro, case.seq, config.model.vocab_size, torch.device(config.train.device),
+                                config.model.mtp_layers)
         micro = [batch] * case.accum
         times, added, peak_alloc, peak_res = [], 0, 0, 0
         for i in range(WARMUP + TIMED):
