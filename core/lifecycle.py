@@ -171,9 +171,10 @@ def exit_without_teardown(code: int | None) -> None:
     CPU per process, paid by each rank of every run). Everything a normal exit does that
     matters happens first: other non-daemon threads finish, the exit handlers run (the loopback
     data server stops, logging flushes), stdout and stderr are flushed."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter does first at exit: the threading exit hooks (concurrent.futures' among
+    # them: they end idle pool workers, e.g. inductor's compile threads), then a join of every
+    # other non-daemon thread. Joining without the hooks waits for ever on such idle workers.
+    threading._shutdown()  # noqa: SLF001
     atexit._run_exitfuncs()  # noqa: SLF001 (the handlers os._exit would skip)
     for stream in (sys.stdout, sys.stderr):
         try:

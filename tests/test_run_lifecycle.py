@@ -27,7 +27,7 @@ from core.validation import validate
 from core.metrics import read_metrics
 from core.state import checkpoint
 from core.train.trainer import Trainer
-from tests.support.cli import run_entry_point
+from tests.support.cli import ROOT, run_entry_point
 from tests.support.lifecycle import (RTOL, SMALL, STEPS, assert_only_complete_checkpoints, resume_and_check, run, start,
                                      train_cmd, wait_for_no_process, wait_until)
 from tests.support.runs import CONFIG, MOE_CONFIG, metrics
@@ -270,3 +270,18 @@ def test_resume_alone_relaunches_the_runs_launch_and_a_finished_run_says_so(tmp_
     assert f"the run in {run_dir} already reached train.max_steps=3 (its newest checkpoint is step 3)" in done.stderr
     assert "--set train.max_steps=N (N > 3)" in done.stderr
     assert len(metrics(run_dir)) == 3
+
+
+def test_exit_without_teardown_ends_idle_pool_workers_and_keeps_the_code():
+    """A library's idle thread pool (inductor's compile workers after a cold compile) must not hold
+    the process: the interpreter's own exit hooks end them before the join. Exit handlers run."""
+    code = (
+        "import atexit, concurrent.futures\n"
+        "from core.lifecycle import exit_without_teardown\n"
+        "pool = concurrent.futures.ThreadPoolExecutor(2)\n"
+        "pool.submit(lambda: 1).result()\n"
+        "atexit.register(lambda: print('handler ran', flush=True))\n"
+        "exit_without_teardown(3)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and "handler ran" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)

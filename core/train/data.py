@@ -131,6 +131,11 @@ class LocalServer:
                 return line.split("serving on ", 1)[1].strip()
             if not line:  # the deadline passed, or the process closed its output (it ended)
                 break
+        if ready:  # its output closed: it is ending; let it finish, so its exit code says why
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         running = self.proc.poll() is None
         self._end_process()
         lines = self.log_tail()
