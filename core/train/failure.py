@@ -80,8 +80,12 @@ def clear_failures(run_dir: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
-def first_failure(run_dir: Path) -> dict | None:
-    """The record of the rank that failed first in the latest attempt; None without records."""
+def first_failure(run_dir: Path, settle_s: float = 0.0) -> dict | None:
+    """The record of the rank that failed first in the latest attempt; None without records.
+    `settle_s` > 0: first wait (at most that long) until no new record has appeared for a second:
+    a node's launcher can end before a peer node's first-failing rank has written its record."""
+    if settle_s > 0:
+        _wait_for_records(Path(run_dir) / LOGS_NAME, settle_s)
     records = []
     logs = Path(run_dir) / LOGS_NAME
     for path in logs.glob("failure-rank-*.json") if logs.is_dir() else []:
@@ -93,6 +97,17 @@ def first_failure(run_dir: Path) -> dict | None:
         return None
     last = max(r.get("attempt", 0) for r in records)
     return min((r for r in records if r.get("attempt", 0) == last), key=lambda r: r["time"])
+
+
+def _wait_for_records(logs: Path, limit_s: float) -> None:
+    deadline, seen, quiet_since = time.monotonic() + limit_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        names = sorted(p.name for p in logs.glob("failure-rank-*.json")) if logs.is_dir() else []
+        if names != seen:
+            seen, quiet_since = names, time.monotonic()
+        elif time.monotonic() - quiet_since >= 1.0:
+            return
+        time.sleep(0.1)
 
 
 def torchrun_root_cause(text: str) -> str | None:

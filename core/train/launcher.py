@@ -91,12 +91,15 @@ def _relay(stream, log, quiet: threading.Event, reported: list[int], failures: l
     stream.close()
 
 
+FAILURE_SETTLE_S = 5.0  # how long a failed launch waits for its peers' failure records before naming the first
+
+
 def failure_lines(run_dir: Path, ckpt_dir: Path, failures: list[str], code: int, output: str,
                   log_name: str) -> str:
     """The end of a failed run: the cause from the rank that failed first (its record, else the
     first failure line seen, else torchrun's root cause in its `output`), the checkpoint to
     continue from and where the logs are (`log_name` in RUN_DIR/logs)."""
-    first = first_failure(run_dir)
+    first = first_failure(run_dir, settle_s=FAILURE_SETTLE_S)
     if first is not None:
         cause = f"rank {first['rank']}: {first['cause']}"
     elif failures:
