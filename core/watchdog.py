@@ -14,7 +14,7 @@ trainer records it as the rank's failure, dated when the phase began: core/train
 and exits with `HANG_EXIT_CODE`, so
 torchrun stops the other workers and restarts the group (`--max-restarts`) or ends the run. A
 rank stuck in a collective phase is usually waiting for a peer stuck elsewhere: that peer
-entered its phase first, so its line comes first.
+is less far into the step (fewer phases entered), and the report names it.
 
 Fault injection, for tests only: `TESSERA_INJECT_STALL=RANK:STEP:POINT[:SECONDS][,...]` makes
 rank RANK sleep SECONDS (default: an hour, a hang) when it reaches POINT in step STEP. The points
@@ -70,19 +70,24 @@ class Watchdog:
     def __init__(self, timeout_s: float, rank: int, run_dir: str | Path,
                  on_hang: Callable[..., None] | None = None):
         self.timeout_s = float(timeout_s)
-        self.on_hang = on_hang  # on_hang(cause without the rank, when=time.time() the phase began), before the exit
+        # on_hang(cause without the rank, when=time.time() the phase began, progress=(step, phases
+        # entered in it)), before the exit
+        self.on_hang = on_hang
         self.rank = rank
         self.run_dir = Path(run_dir)
         self.step = 0
         self._state: tuple[str, int, float] | None = None  # (phase, step, since): one assignment, no lock
+        self._phases_in_step = 0  # how far this rank got in its step: ranks enter the same phases in order
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def begin_step(self, step: int) -> None:
         self.step = step
+        self._phases_in_step = 0
 
     def enter(self, phase: str) -> None:
         """This rank now works on `phase` of the current step; its deadline starts now."""
+        self._phases_in_step += 1
         self._state = (phase, self.step, time.monotonic())
         stall_point(phase, self.step, self.rank)
 
@@ -130,7 +135,7 @@ class Watchdog:
         sys.stderr.flush()
         if self.on_hang is not None:
             try:
-                self.on_hang(f"hang: {what}", when=time.time() - waited)
+                self.on_hang(f"hang: {what}", when=time.time() - waited, progress=(step, self._phases_in_step))
             except Exception:  # the exit below is what matters
                 pass
         os._exit(HANG_EXIT_CODE)

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from core.state.checkpoint import latest_checkpoint
+from core.train.failure import first_failure, record_cause
 from core.watchdog import HANG_EXIT_CODE, STALL_ENV
 from tests.support.cli import ROOT, assert_one_line, run_entry_point
 from tests.support.distributed import free_port
@@ -110,6 +111,20 @@ def test_launch_misuse_is_one_line(args, words):
                     "tessera-train: error:", *words)
 
 
+def test_the_hung_rank_that_got_least_far_is_the_cause(tmp_path):
+    """Rank 1 waits in step 4's gradient reduction (its third phase) for rank 3, stuck in step 4's
+    forward/backward (its second), whose phase began later because it was slow to reach it: rank
+    3 is the cause. A rank that raised is dated when it raised, and the earliest cause wins."""
+    record_cause(tmp_path, 1, "hang: in gradient reduction", HANG_EXIT_CODE, when=100.0, progress=(4, 3))
+    record_cause(tmp_path, 3, "hang: in forward/backward", HANG_EXIT_CODE, when=100.5, progress=(4, 2))
+    record_cause(tmp_path, 0, "hang: in step 5", HANG_EXIT_CODE, when=99.0, progress=(5, 1))
+    assert first_failure(tmp_path)["rank"] == 3
+    record_cause(tmp_path, 2, "RuntimeError: boom", 1, when=100.2)
+    assert first_failure(tmp_path)["rank"] == 2
+    record_cause(tmp_path, 2, "RuntimeError: boom", 1, when=101.0)
+    assert first_failure(tmp_path)["rank"] == 3
+
+
 @pytest.mark.slow
 def test_two_nodes_equal_one_and_a_hung_rank_ends_both(tmp_path, dataset):
     """World 4 as one launcher of 4 processes and as two launchers ("nodes") of 2 at a c10d
@@ -143,8 +158,8 @@ def test_two_nodes_equal_one_and_a_hung_rank_ends_both(tmp_path, dataset):
 
     stderr = "\n".join(err for _, err in node_outputs)
     # Each launcher ends with the hang watchdog's exit code and names the hung rank as the cause:
-    # its record is dated when it stopped (its step 4 forward/backward began before the others'
-    # gradient reduction did), and both nodes' launchers read the one run directory here.
+    # of the hung ranks it got least far into step 4 (the others wait for it in gradient
+    # reduction), and both nodes' launchers read the one run directory here.
     assert all(proc.returncode == HANG_EXIT_CODE for proc in nodes), stderr[-4000:]
     for _, err in node_outputs:
         reports = [line for line in err.splitlines() if line.startswith("tessera-train: failed: ")]

@@ -3,11 +3,12 @@
 A rank that fails writes RUN_DIR/logs/failure-rank-R.json (its one-line cause, when, which
 attempt) and its traceback to RUN_DIR/logs/rank-R.log, and prints one line; nothing else of it
 reaches the terminal. A rank the hang watchdog ends (core/watchdog.py) writes a record too, dated
-when it stopped making progress (the start of the phase it hung in). When several ranks fail,
-the first one is the cause: the others usually fail, or hang, because it left or stopped (a
-collective whose peer is gone or stuck). The launcher (core/train/launcher.py),
-or a process running alone, then prints the report: that cause, the last complete checkpoint
-and the command that continues from it, and where the full logs are.
+when it stopped making progress (the start of the phase it hung in), with how far into its step
+it got. When several ranks fail, the first one is the cause, and of hung ranks one that got least
+far: the others usually fail, or hang, because it left or stopped (a collective whose peer is
+gone or stuck). The launcher (core/train/launcher.py), or a process running alone, then prints
+the report: that cause, the last complete checkpoint and the command that continues from it,
+and where the full logs are.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def record_failure(run_dir: Path, rank: int, err: BaseException, exit_code: int)
 
 
 def record_cause(run_dir: Path, rank: int, cause: str, exit_code: int, when: float | None = None,
-                 detail: str = "") -> None:
-    """This rank's record: `cause` (one line), `when` it failed (time.time(); default now) and,
-    in rank-R.log, `detail` (a traceback). Never raises for a run directory it cannot write."""
+                 detail: str = "", progress: tuple[int, int] | None = None) -> None:
+    """This rank's record: `cause` (one line), `when` it failed (time.time(); default now),
+    for a hang how far the rank got (`progress`: step, phases entered in it) and, in rank-R.log,
+    `detail` (a traceback). Never raises for a run directory it cannot write."""
     logs = Path(run_dir) / LOGS_NAME
     try:
         logs.mkdir(parents=True, exist_ok=True)
@@ -58,6 +60,8 @@ def record_cause(run_dir: Path, rank: int, cause: str, exit_code: int, when: flo
             f.write(f"--- rank {rank} failed at {time.strftime('%Y-%m-%d %H:%M:%S')}: {cause}\n{detail}")
         record = {"rank": rank, "time": time.time() if when is None else when, "cause": cause,
                   "exit_code": exit_code, "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+        if progress is not None:
+            record["progress"] = list(progress)
         tmp = logs / f".failure-rank-{rank}.json.tmp"
         tmp.write_text(json.dumps(record))
         tmp.replace(logs / f"failure-rank-{rank}.json")
@@ -96,7 +100,13 @@ def first_failure(run_dir: Path, settle_s: float = 0.0) -> dict | None:
     if not records:
         return None
     last = max(r.get("attempt", 0) for r in records)
-    return min((r for r in records if r.get("attempt", 0) == last), key=lambda r: r["time"])
+    latest = [r for r in records if r.get("attempt", 0) == last]
+    # A hung rank that got further into the step than another hung rank was waiting for it (in a
+    # collective): its phase may even have begun first, when the other was slow to reach its own.
+    hung = [tuple(r["progress"]) for r in latest if "progress" in r]
+    least = min(hung, default=None)
+    causes = [r for r in latest if "progress" not in r or tuple(r["progress"]) == least]
+    return min(causes, key=lambda r: r["time"])
 
 
 def _wait_for_records(logs: Path, limit_s: float) -> None:

@@ -167,8 +167,11 @@ def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir
     env.setdefault("OMP_NUM_THREADS", "1")  # N workers on a CPU-only machine share its cores
     # torchrun's c10d rendezvous lends its TCPStore to the workers by default, and the store keeps
     # a failed attempt's keys: a restarted worker could read its dead peer's address and fail to
-    # connect. Unshared, every rendezvous round gets a fresh store (hosted by worker rank 0).
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # connect. Unshared, every rendezvous round gets a fresh store, hosted by worker rank 0 on a
+    # port torchrun found free and let go of (another process can take it first): so only when
+    # the group may be restarted.
+    if rendezvous.max_restarts > 0:
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # NCCL's flight recorder keeps each rank's last collectives and, when one times out, dumps
     # them to RUN_DIR/nccl-trace-rank-<R> (read with torchfrtrace); gloo ignores these.
     env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
