@@ -42,6 +42,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from core.parallel.host_copies import SideStreams, wait_for_stores
+
 log = logging.getLogger(__name__)
 
 STORES_IN_FLIGHT = 2  # groups of a pass whose copies to the host may still run when the next one packs
@@ -145,7 +147,7 @@ class CheckpointOffload:
         self.stats = {"tensors": 0, "bytes": 0}
         self._open: dict[int, _Pass] = {}  # the pass each chunk's forward is in
         self._passes: dict[int, int] = {}  # passes opened per chunk (the micro-batch count)
-        self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+        self._streams = SideStreams()
 
     def place(self, module: nn.Module, chunk: int, position: int) -> None:
         """Offload the inputs of `module`'s checkpoint, the `position`-th block of chunk `chunk`."""
@@ -171,22 +173,9 @@ class CheckpointOffload:
 
     def _wait_for_stores(self, current: _Pass) -> None:
         """Hold the host until the copies of the group `STORES_IN_FLIGHT` back have read their
-        tensors: a host far ahead of the device would take fresh memory for the next blocks while
-        the offloaded ones still wait for their copies."""
-        if len(current.groups) <= STORES_IN_FLIGHT:
-            return
-        for ref in current.groups[-STORES_IN_FLIGHT - 1].members:
-            stored = ref()
-            if stored is not None and stored.stored is not None:
-                stored.stored.synchronize()  # the store stream runs in order: the last one covers all
-                return
-
-    def _stream(self, device: torch.device, direction: str):
-        """One stream per direction: the link copies both ways at once, and the backward's loads
-        do not queue behind the forward's last stores."""
-        if (device, direction) not in self._streams:
-            self._streams[device, direction] = torch.cuda.Stream(device=device)
-        return self._streams[device, direction]
+        tensors (host_copies.wait_for_stores)."""
+        if len(current.groups) > STORES_IN_FLIGHT:
+            wait_for_stores(current.groups[-STORES_IN_FLIGHT - 1].members)
 
     def _note(self, *event) -> None:
         if self.events is not None:
@@ -201,15 +190,7 @@ class CheckpointOffload:
         stored = _Stored(self, slot, t, None, group, group.key)
         host = stored.host()
         if t.is_cuda:
-            side = self._stream(t.device, "store")
-            side.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(side):
-                if slot.read is not None:
-                    side.wait_event(slot.read)  # the buffer's last copy back has read it
-                host.copy_(t, non_blocking=True)
-                stored.stored = torch.cuda.Event()
-                stored.stored.record(side)
-            t.record_stream(side)  # its memory is not reused before the copy has read it
+            stored.stored = self._streams.store(t, host, after=slot.read)
         else:  # without CUDA: the same path with a synchronous copy
             host.copy_(t)
         slot.read = None
@@ -224,17 +205,7 @@ class CheckpointOffload:
             return
         host = stored.host()
         if stored.device.type == "cuda":
-            side = self._stream(stored.device, "load")
-            # Allocated for the compute stream: a block the allocator hands out may still be read by
-            # kernels queued there, so the copy waits for them.
-            back = torch.empty(stored.shape, dtype=stored.dtype, device=stored.device)
-            side.wait_stream(torch.cuda.current_stream(stored.device))
-            with torch.cuda.stream(side):
-                side.wait_event(stored.stored)
-                back.copy_(host, non_blocking=True)
-                stored.loaded = torch.cuda.Event()
-                stored.loaded.record(side)
-            back.record_stream(side)
+            back, stored.loaded = self._streams.load(host, stored.device, stored.stored)
             stored.slot.read = stored.loaded
         else:
             back = host.clone()

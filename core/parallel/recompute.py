@@ -45,6 +45,7 @@ from core.rules import RECOMPUTE_MODULES
 from core.layers import FeedForward, RMSNorm, SwiGLU, model_blocks
 from core.mla import MLAttention
 from core.parallel.checkpoint_offload import CheckpointOffload
+from core.parallel.host_copies import SideStreams, wait_for_stores
 
 MODES = ("none", "selective", "full")
 MIN_OFFLOAD_BYTES = 1 << 16  # below this a copy costs more in launch time than it saves
@@ -174,7 +175,7 @@ class ActivationOffload:
         self.min_bytes = min_bytes
         self.stats = {"tensors": 0, "bytes": 0}
         self._groups: list[list[weakref.ref]] = []  # per wrapped forward, in forward order
-        self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+        self._streams = SideStreams()
         self._current: list | None = None
         self._seen: dict | None = None
 
@@ -196,24 +197,10 @@ class ActivationOffload:
         module.forward = forward
 
     def _wait_for_stores(self) -> None:
-        """Hold the host until the copies of the module `STORES_IN_FLIGHT` back have finished.
-        An offloaded tensor's memory returns to the allocator only once its copy has read it;
-        a host running further ahead would allocate the next modules' activations from fresh
-        memory meanwhile (reserved memory grew by 40% in measurements without this)."""
-        if len(self._groups) < STORES_IN_FLIGHT:
-            return
-        for ref in reversed(self._groups[-STORES_IN_FLIGHT]):
-            saved = ref()
-            if saved is not None and saved.stored is not None:
-                saved.stored.synchronize()  # the store stream runs in order: the last one covers all
-                return
-
-    def _stream(self, device: torch.device, direction: str):
-        """One stream per direction: the link copies both ways at once, and the backward's loads
-        do not queue behind the forward's last stores."""
-        if (device, direction) not in self._streams:
-            self._streams[device, direction] = torch.cuda.Stream(device=device)
-        return self._streams[device, direction]
+        """Hold the host until the copies of the module `STORES_IN_FLIGHT` back have finished
+        (host_copies.wait_for_stores)."""
+        if len(self._groups) >= STORES_IN_FLIGHT:
+            wait_for_stores(self._groups[-STORES_IN_FLIGHT])
 
     def _pack(self, t: torch.Tensor):
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) \
@@ -229,13 +216,7 @@ class ActivationOffload:
             # preserve_format keeps the strides of a dense layout (a transposed weight's input)
             # and makes a gapped view contiguous: the copy never reads or writes outside the view
             host = torch.empty_like(t, device="cpu", pin_memory=True)
-            side = self._stream(t.device, "store")
-            side.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(side):
-                host.copy_(t, non_blocking=True)
-                stored = torch.cuda.Event()
-                stored.record(side)
-            t.record_stream(side)  # its memory is not reused before the copy has read it
+            stored = self._streams.store(t, host)
         else:  # CPU runs (the tests): a separate copy, so the path is the GPU's but for streams
             host, stored = t.clone(), None
         saved = _Saved(host, t.device, stored, self._current)
@@ -251,20 +232,7 @@ class ActivationOffload:
         if saved.host.device == saved.dtype_device:  # CPU
             saved.device = saved.host
             return
-        side = self._stream(saved.dtype_device, "load")
-        # Allocated for the compute stream, whose queue frees memory in order: a block the
-        # allocator hands out may still be read by kernels queued there, so the copy waits for
-        # them. (Allocating on the side stream instead lets that stream's pool grow by every
-        # buffer loaded while the host runs ahead of the device: +60% reserved in measurements.)
-        device = torch.empty_strided(saved.host.shape, saved.host.stride(), dtype=saved.host.dtype,
-                                     device=saved.dtype_device)
-        side.wait_stream(torch.cuda.current_stream(saved.dtype_device))
-        with torch.cuda.stream(side):
-            side.wait_event(saved.stored)
-            device.copy_(saved.host, non_blocking=True)
-            saved.loaded = torch.cuda.Event()
-            saved.loaded.record(side)
-        device.record_stream(side)
+        device, saved.loaded = self._streams.load(saved.host, saved.dtype_device, saved.stored)
         saved.device = device
 
     def _load_group(self, group: list) -> None:
