@@ -274,7 +274,7 @@ class TrainConfig:
     offload_checkpoints: bool = False
     """Keep the inputs of recomputed blocks (eager: also of recomputed attention, attention_core) in host memory until the backward."""
     mlp_chunk_tokens: int = 0
-    """> 0: tiled MLP, the dense SwiGLU layers run this many tokens at a time each way (memory flat in the sequence); 0: off."""
+    """> 0: tiled MLP: dense SwiGLUs run this many tokens at a time, routed experts their rows (memory flat in the sequence); 0: off."""
     recompute_num_layers: int = 0
     """Recompute only in the first N blocks of each model chunk (pipeline stage); 0: in every block."""
     run_dir: str = "runs/default"

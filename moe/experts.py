@@ -29,6 +29,7 @@ import logging
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core import kernels, placement
 from core.state.layouts import FUSED_DIM, FUSED_TENSORS
@@ -143,13 +144,35 @@ class GroupedExperts(nn.Module):
             placement.tag_expert(param)
         self.mm = mm  # the bench swaps in expert_mm_loop as its baseline, the FP8 recipe Fp8GroupedMM
         self.act = FusedSwiGLU()
+        self.chunk_rows = 0  # > 0: tiled (train.mlp_chunk_tokens x top_k rows at a time, set by parallelize)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
                 row_weights: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, dim] grouped by expert; tokens_per_expert [E_local] sums to N; row_weights [N]
         (optional): each row's routing weight, applied to its SwiGLU product before w2 (the same
-        as weighting the output: w2 is linear)."""
+        as weighting the output: w2 is linear).
+
+        Tiled (`chunk_rows` > 0): the rows run `chunk_rows` at a time, each chunk recomputed in
+        the backward, so the [rows, 2 x hidden] intermediates exist for one chunk only and the
+        experts keep their input rows alone. A chunk may cut an expert's rows in two: its group
+        ends are the offsets clipped to the chunk, computed on the device (no host sync)."""
         offsets = offsets_from_counts(tokens_per_expert)
+        rows, chunk = x.shape[0], self.chunk_rows
+        if not chunk or rows <= chunk:
+            return self._swiglu(x, offsets, row_weights)
+        recompute = torch.is_grad_enabled()
+        outs = []
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            local = (offsets - start).clamp_(0, end - start)
+            weights = row_weights[start:end] if row_weights is not None else None
+            if recompute:
+                outs.append(checkpoint(self._swiglu, x[start:end], local, weights, use_reentrant=False))
+            else:
+                outs.append(self._swiglu(x[start:end], local, weights))
+        return torch.cat(outs)
+
+    def _swiglu(self, x: torch.Tensor, offsets: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
         h = self.act(self.mm(x, self.w13.flatten(2), offsets), row_weights)
         return self.mm(h, self.w2, offsets)
 

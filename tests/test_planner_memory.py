@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from core.config import load_config
 from core.validation import validate
-from core.layers import AttentionMeta
+from core.layers import AttentionMeta, FeedForward
 from core.train.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh
 from core.train.model import build_model
@@ -42,6 +42,7 @@ from core.train.parallelize import compile_blocks, parallelize
 from core.planner.layouts import describe, layouts
 from core.planner.memory import block_activations, estimate_memory, head_activations, rope_tables
 from core.planner.state import state_bytes
+from moe.experts import GroupedExperts
 from tests.support.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,8 +187,12 @@ class _Storages(TorchDispatchMode):
 def _saved_bytes(config, recompute: tuple[str, ...]) -> dict[str, int]:
     """Bytes alive after the forward and the loss of one micro-batch, by block, on the CPU."""
     model = build_model(config.model, seed=0).to(torch.bfloat16)  # as the trainer casts for bf16
-    for block in model.layers.values():  # train.mlp_chunk_tokens, as core.train.parallelize sets it
-        block.feed_forward.chunk_tokens = config.train.mlp_chunk_tokens
+    chunk = config.train.mlp_chunk_tokens
+    for module in model.modules():  # train.mlp_chunk_tokens, as core.train.parallelize sets it
+        if isinstance(module, FeedForward):
+            module.chunk_tokens = chunk
+        elif isinstance(module, GroupedExperts):
+            module.chunk_rows = chunk * config.model.moe.top_k
     apply_recompute(model, "none", list(recompute), [])
     n = config.train.seq_len
     tokens = torch.randint(0, config.model.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
@@ -228,6 +233,13 @@ def test_tiled_mlp_activations_equal_autograd_saved_tensors(recompute):
     assert _saved_bytes(config, recompute)["layer1"] == block_activations(config, 1, set(recompute), set()).device
     plain = validate(_config("tiny_dense", "bf16", ["train.seq_len=256"]), 1)
     assert block_activations(plain, 1, set(recompute), set()).device > block_activations(config, 1, set(recompute), set()).device
+    # The routed experts keep their rows alone, the shared expert its input.
+    keys = ["train.seq_len=256", "parallel.ep=1"]
+    moe = validate(_config("tiny_moe", "bf16", keys + ["train.mlp_chunk_tokens=64"]), 1)
+    got, want = _saved_bytes(moe, recompute)["layer1"], block_activations(moe, 1, set(recompute), set()).device
+    assert abs(got - want) <= 0.01 * want, (recompute, got, want)
+    untiled = block_activations(validate(_config("tiny_moe", "bf16", keys), 1), 1, set(recompute), set()).device
+    assert untiled > 1.5 * want, (untiled, want)
 
 
 def test_recompute_in_the_first_layers_counts_per_block():

@@ -166,6 +166,9 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
         moe = m.moe
         R, Tr = s.expert_rows, s.routed_tokens
         glu = 2 if "swiglu" in recompute else 4  # SwiGLU keeps a, b (+ silu(a) and the product)
+        # Tiled (train.mlp_chunk_tokens): the experts keep their input rows alone (counted with
+        # the dispatch), the shared experts their input (the norm's output).
+        tiled = t.mlp_chunk_tokens and T > t.mlp_chunk_tokens
         if "mlp" in recompute:
             parts["mlp"] = Ts * d * b
         else:
@@ -176,9 +179,10 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
             # weights, and w2 the product); the combine only sums and keeps no rows.
             combine = Tr * moe.top_k * 4
             experts_glu = 3 if "swiglu" not in recompute else glu
-            shared = Tr * s.shared_hidden * b * (glu if "swiglu" in recompute else inside_glu) if s.shared_hidden else 0
+            shared = Tr * s.shared_hidden * b * (glu if "swiglu" in recompute else inside_glu) \
+                if s.shared_hidden and not tiled else 0
             parts["mlp"] = norm_out + router + dispatch + combine + shared
-            parts["moe_experts"] = 0 if "moe_experts" in recompute else R * s.expert_hidden * b * experts_glu
+            parts["moe_experts"] = 0 if "moe_experts" in recompute or tiled else R * s.expert_hidden * b * experts_glu
     else:
         H = s.ffn
         if "mlp" in recompute:
@@ -321,13 +325,18 @@ def loss_transient(config: Config) -> int:
 
 
 def tiled_mlp_transient(config: Config) -> int:
-    """`train.mlp_chunk_tokens`: one chunk's intermediates, at their most in the backward, about:
+    """`train.mlp_chunk_tokens`: one chunk's intermediates (a dense SwiGLU's, or the routed experts'
+    over the chunk's rows), at their most in the backward, about:
     a, b, sigmoid, silu, the gradient of the product and two temporaries in fp32, four [chunk,
     hidden] tensors in the parameter dtype (core/layers.py `_TiledSwiGLU`)."""
     t, s = config.train, shapes(config)
-    if not t.mlp_chunk_tokens or s.tokens <= t.mlp_chunk_tokens or not s.ffn:
+    if not t.mlp_chunk_tokens or s.tokens <= t.mlp_chunk_tokens:
         return 0
-    return t.mlp_chunk_tokens * s.ffn * (7 * 4 + 4 * PARAM_BYTES[t.precision])
+    per_hidden = 7 * 4 + 4 * PARAM_BYTES[t.precision]
+    dense = t.mlp_chunk_tokens * max(s.ffn or 0, s.shared_hidden or 0) * per_hidden
+    # The routed experts' chunk: the rows of that many tokens (top_k each), the same intermediates.
+    experts = t.mlp_chunk_tokens * config.model.moe.top_k * s.expert_hidden * per_hidden if s.expert_hidden else 0
+    return max(dense, experts)
 
 
 def cp_transient(config: Config) -> int:

@@ -290,6 +290,9 @@ class _Model:
         fwd.add("memory", glu)
         bwd.add("memory", 2 * glu)
         experts += glu
+        chunk = self.t.mlp_chunk_tokens
+        if chunk and s.tokens > chunk:  # tiled: each chunk runs its forward again in the backward
+            bwd.add("recompute", experts + shared)
         a2a = 0.0
         if p.ep > 1:
             one = self.coll("all_to_all", "ep", R * d * b) + EP_SYNC_US * 1e-6

@@ -168,10 +168,19 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         tie_for_data_parallel(stage)
         chunks = stage.chunks
     if t.mlp_chunk_tokens:
-        tiled = [block for chunk in chunks for _, block in model_blocks(chunk) if isinstance(block.feed_forward, FeedForward)]
+        blocks = [block for chunk in chunks for _, block in model_blocks(chunk)]
+        tiled = [block for block in blocks if isinstance(block.feed_forward, FeedForward)]
         for block in tiled:
             block.feed_forward.chunk_tokens = t.mlp_chunk_tokens
         log.info("tiled MLP: %d dense feed-forward layers run %d tokens at a time", len(tiled), t.mlp_chunk_tokens)
+        routed = [layer for chunk in chunks for layer in moe_layers(chunk)]
+        rows = t.mlp_chunk_tokens * config.model.moe.top_k
+        for layer in routed:  # the routed experts over the rows of that many tokens, the shared ones as a dense MLP
+            layer.experts.chunk_rows = rows
+            if layer.shared_experts is not None:
+                layer.shared_experts.chunk_tokens = t.mlp_chunk_tokens
+        if routed:
+            log.info("tiled experts: %d MoE layers run their routed experts %d rows at a time", len(routed), rows)
     kinds = rules.offloaded_checkpoints(config)
     inputs_offload = None
     if kinds:  # the host buffers made once, from the planner's count of what this rank keeps in flight
