@@ -12,6 +12,10 @@ with the long documents split off to cuDNN (the default when the host knows the 
 against every document on flash varlen (`TESSERA_VARLEN_KERNEL=flash`), forward+backward, and
 the largest difference between the two. The kernels of one case are timed together in --iters
 interleaved rounds (bench.harness); one record (JSON line) per measurement.
+`memory` (GPU): one document of each `--memory-seqs` length through `core.attention.varlen_attention`,
+forward and backward, and what the kernels take beyond their inputs, output and gradients: the
+peak allocated above that, in bytes and per query element (token x head x head dim), which the
+planner's memory model counts as the attention backward's transient.
 """
 
 from __future__ import annotations
@@ -127,14 +131,50 @@ def mode_packed(args, device, dtype) -> None:
             "max_rel_diff": max(rel_err(a, b) for a, b in zip(outs["split"], outs["flash"]))}, device)
 
 
+def mode_memory(args, device) -> None:
+    h, hk, d = args.heads, args.kv_heads, args.head_dim
+    for seq in args.memory_seqs:
+        q = torch.randn(seq, h, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(seq, hk, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        dout = torch.randn_like(q)
+        cu = torch.tensor([0, seq], device=device, dtype=torch.int32)
+        records = {}
+        for phase in ("forward", "backward"):
+            torch.cuda.synchronize(device)
+            if phase == "forward":
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                out = attention.varlen_attention(q, k, v, cu, seq, doc_lengths=(seq,))
+                torch.cuda.synchronize(device)
+                # beyond the inputs: the output and what the kernel saves (lse), then its scratch
+                records["forward"] = torch.cuda.max_memory_allocated(device) - base
+                records["forward_kept"] = torch.cuda.memory_allocated(device) - base
+            else:
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                out.backward(dout)
+                torch.cuda.synchronize(device)
+                grads = sum(t.grad.numel() * t.grad.element_size() for t in (q, k, v))
+                records["backward"] = torch.cuda.max_memory_allocated(device) - base
+                records["backward_beyond_grads"] = records["backward"] - grads
+        elements = seq * h * d
+        emit("attention_kernels", {
+            "mode": "memory", "seq": seq, "heads": h, "kv_heads": hk, "head_dim": d,
+            **{f"{key}_bytes": value for key, value in records.items()},
+            **{f"{key}_per_q_element": value / elements for key, value in records.items()}}, device)
+        del q, k, v, dout, out
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", nargs="+", default=["kernels", "packed"], choices=["kernels", "packed"])
+    p.add_argument("--mode", nargs="+", default=["kernels", "packed"], choices=["kernels", "packed", "memory"])
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (packed mode only)")
     p.add_argument("--seq", type=int, default=32768, help="kernels mode: tokens of the query block")
     p.add_argument("--ragged", action="store_true", help="kernels mode: also cuDNN's ragged path (run it last: "
                    "it faulted on some shapes in torch 2.11)")
     p.add_argument("--packed-seqs", type=int, nargs="+", default=[16384, 65536])
+    p.add_argument("--memory-seqs", type=int, nargs="+", default=[131072, 262144, 524288])
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -161,6 +201,8 @@ def main() -> None:
         mode_kernels(args, device)
     if "packed" in args.mode:
         mode_packed(args, device, torch.bfloat16 if cuda else torch.float64)
+    if "memory" in args.mode and cuda:
+        mode_memory(args, device)
 
 
 if __name__ == "__main__":
