@@ -73,6 +73,8 @@ class MoEConfig:
     """After those, every moe_every-th layer is an MoE layer (1: all of them)."""
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """How tokens reach other ranks' experts under EP (measured at ep=4: "allgather" faster at top-8, "alltoall" at top-2)."""
+    grouped_gemm: Literal["auto", "triton"] = "auto"
+    """Expert GEMMs: "auto" (CUTLASS when built, else torch._grouped_mm), "triton" (rows aligned to 128 per expert, Triton kernels)."""
     routed_scaling_factor: float = 1.0
     """Scale of the routed experts' combine weights (DeepSeek-V3: 2.5)."""
     shared_ffn_dim: int = 0

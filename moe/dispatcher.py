@@ -20,6 +20,15 @@ another's computation.
   the permute sums the k row gradients with a reduction too). With `weigh_in_experts` the
   weights travel with their rows, the experts apply them and the combine only sums (`_Dispatcher`).
 
+With `align` > 1 (`model.moe.grouped_gemm = "triton"`) each local expert's rows start at a
+multiple of `align` with zero rows after them (moe.aligned: the layout, built on the device
+without a host sync). Where the permute itself yields the grouped rows (one EP rank, or the
+all-gather dispatcher) and Triton runs, the permute writes the rows straight to their aligned
+places (the assignments' `inverse` composed with the layout): no pass more than the default
+layout. Elsewhere (the all-to-all over several ranks, or without Triton) the grouped rows are
+gathered into the aligned buffer after the postprocess and back before the combine (one copy
+each way). `handle.layout` holds the layout; `pending_layout()` gives it to the experts.
+
 `AllGatherDispatcher` (small EP, e.g. within a node): all-gather every rank's tokens and
 routing, compute the local experts' share of every token, and reduce-scatter the partial
 outputs back. Traffic is ep x tokens x dim each way instead of tokens x k x dim, which wins
@@ -36,6 +45,7 @@ import torch.nn.functional as F
 
 from core.kernels.fused import gather_weighted_sum, inverse_of, permute_rows, triton_enabled, unpermute_sum
 from core.parallel.comm import all_gather_dim0, all_gather_tokens, reduce_scatter_tokens
+from moe.aligned import AlignedLayout, ZeroPaddingGrad, aligned_layout, compose_inverse, from_aligned, to_aligned
 from moe.comm import ExchangeTimer, all_to_all, exchange_counts
 from moe.router import Routing, expert_counts
 
@@ -115,9 +125,11 @@ class _Permute(torch.autograd.Function):
     reduction over k, not atomics: deterministic, and accumulated in fp32 even for bf16."""
 
     @staticmethod
-    def forward(ctx, x, order, k, inverse):
+    def forward(ctx, x, order, k, inverse, layout):
         ctx.k, ctx.tokens = k, x.shape[0]
         ctx.save_for_backward(order, inverse)
+        if layout is not None:  # inverse composed with the layout: rows written to their aligned places
+            return layout.zero_padding_(permute_rows(x, inverse, layout.rows))
         if inverse is not None:  # each token read once, written to its k rows (core.kernels.fused)
             return permute_rows(x, inverse, order.numel())
         return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
@@ -125,7 +137,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         order, inverse = ctx.saved_tensors
-        return unpermute(grad, order, ctx.tokens, ctx.k, inverse), None, None, None
+        return unpermute(grad, order, ctx.tokens, ctx.k, inverse), None, None, None, None
 
 
 def assignment_inverse(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor | None:
@@ -136,10 +148,12 @@ def assignment_inverse(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Te
     return inverse_of(order, x.shape[0] * k).view(x.shape[0], k)
 
 
-def permute(x: torch.Tensor, order: torch.Tensor, k: int, inverse: torch.Tensor | None = None) -> torch.Tensor:
+def permute(x: torch.Tensor, order: torch.Tensor, k: int, inverse: torch.Tensor | None = None,
+            layout: AlignedLayout | None = None) -> torch.Tensor:
     """The token row of every assignment in `order` (assignment id = token * k + choice);
-    `inverse` from `assignment_inverse`."""
-    return _Permute.apply(x, order, k, inverse)
+    `inverse` from `assignment_inverse`. With `layout` (Triton only), `inverse` maps to aligned
+    rows (`compose_inverse`) and the result is the aligned buffer, padding zero."""
+    return _Permute.apply(x, order, k, inverse, layout)
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -233,6 +247,8 @@ class DispatchHandle:
     regroup: torch.Tensor | None = None  # received rows -> grouped by local expert
     ungroup: torch.Tensor | None = None  # its inverse
     received_counts: torch.Tensor | None = None  # [ep, local experts]: rows from each rank to each expert
+    layout: AlignedLayout | None = None  # the experts' aligned layout (align > 1)
+    composed: bool = False  # the permute wrote the aligned rows itself (inverse maps to aligned rows)
 
 
 class _Dispatcher:
@@ -263,8 +279,11 @@ class _Dispatcher:
     exchanges (None: untimed)."""
 
     def __init__(self, num_experts: int, group=None, weigh_in_experts: bool = True,
-                 timer: ExchangeTimer | None = None):
+                 timer: ExchangeTimer | None = None, align: int = 1):
+        if align < 1:
+            raise ValueError(f"align={align} must be >= 1")
         self.num_experts = num_experts
+        self.align = align
         self.group = group
         self.weigh_in_experts = weigh_in_experts
         self.timer = timer
@@ -282,6 +301,43 @@ class _Dispatcher:
         expert_in, counts = self.dispatch_postprocess(rows, handle)
         self._state = handle
         return expert_in, counts, handle.row_weights
+
+    def pending_layout(self) -> AlignedLayout | None:
+        """The aligned layout of the dispatch awaiting its combine (None: the plain layout)."""
+        return self._state.layout if self._state is not None else None
+
+    def _permute_grouped(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
+                         handle: DispatchHandle) -> torch.Tensor:
+        """The permute when its rows are the experts' grouped rows: aligned in place where it can
+        (align > 1 and Triton), else plain (`_align` aligns them after)."""
+        if self.align > 1 and handle.inverse is not None:
+            layout = aligned_layout(counts, order.numel(), self.align)
+            grouped_inverse, handle.inverse = handle.inverse, compose_inverse(handle.inverse, layout)
+            handle.layout, handle.composed = layout, True
+            if self.weigh_in_experts:
+                handle.row_weights = to_aligned(row_weights(handle.weights, order, grouped_inverse), layout)
+            return permute(x, order, handle.k, handle.inverse, layout)
+        if self.weigh_in_experts:
+            handle.row_weights = row_weights(handle.weights, order, handle.inverse)
+        return permute(x, order, handle.k, handle.inverse)
+
+    def _align(self, rows: torch.Tensor, counts: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Grouped rows into the aligned layout when asked and the permute did not do it."""
+        if self.align == 1 or handle.composed:
+            return rows
+        handle.layout = aligned_layout(counts, rows.shape[0], self.align)
+        if handle.row_weights is not None:
+            handle.row_weights = to_aligned(handle.row_weights, handle.layout)
+        return to_aligned(rows, handle.layout)
+
+    def _unalign(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Aligned expert outputs -> what the combine reads (the grouped rows, or, composed, the
+        aligned rows themselves, whose gradient's padding is then zeroed)."""
+        if handle.layout is None:
+            return expert_out
+        if handle.composed:
+            return ZeroPaddingGrad.apply(expert_out, handle.layout)
+        return from_aligned(expert_out, handle.layout)
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """Expert outputs in dispatch's row order -> weighted sum per token [T, dim]."""
@@ -302,6 +358,8 @@ class AllToAllDispatcher(_Dispatcher):
         order, counts = sort_by_expert(routing.indices, routing.keep, self.num_experts, routing.tokens_per_expert)
         inverse = assignment_inverse(x, order, k)
         handle = DispatchHandle(routing.weights, t, k, order=order, inverse=inverse, counts=counts, rows=t)
+        if self.ep == 1:  # the sorted rows are the experts' grouped rows
+            return self._permute_grouped(x, order, counts, handle), handle
         if self.weigh_in_experts:
             handle.row_weights = row_weights(routing.weights, order, inverse)
         return permute(x, order, k, inverse), handle
@@ -321,9 +379,10 @@ class AllToAllDispatcher(_Dispatcher):
         return all_to_all(rows, handle.out_splits, handle.in_splits, self.group, self.timer)
 
     def dispatch_postprocess(self, rows: torch.Tensor, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local: rows arrive ordered (source rank, local expert); make each expert's contiguous."""
+        """Local: rows arrive ordered (source rank, local expert); make each expert's contiguous
+        (and aligned, when asked)."""
         if self.ep == 1:
-            return rows, handle.counts
+            return self._align(rows, handle.counts, handle), handle.counts
         recv = handle.received_counts
         local_ids = torch.arange(self.num_local, device=rows.device).repeat(self.ep)
         local_ids = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(handle.out_splits))
@@ -333,10 +392,12 @@ class AllToAllDispatcher(_Dispatcher):
         handle.regroup, handle.ungroup = regroup, ungroup
         if handle.row_weights is not None:
             handle.row_weights = _Reorder.apply(handle.row_weights, ungroup, regroup)
-        return _Reorder.apply(rows, ungroup, regroup), recv.sum(0)
+        counts = recv.sum(0)
+        return self._align(_Reorder.apply(rows, ungroup, regroup), counts, handle), counts
 
     def combine_preprocess(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Local: back to the order the rows arrived in."""
+        expert_out = self._unalign(expert_out, handle)
         if self.ep == 1:
             return expert_out
         return _Reorder.apply(expert_out, handle.regroup, handle.ungroup)
@@ -388,13 +449,11 @@ class AllGatherDispatcher(_Dispatcher):
         order, counts = sort_by_expert(local.clamp(0, self.num_local), mine, self.num_local)
         handle.order, handle.counts = order, counts
         handle.inverse = assignment_inverse(x, order, handle.k)
-        if self.weigh_in_experts:
-            handle.row_weights = row_weights(handle.weights, order, handle.inverse)
-        return permute(x, order, handle.k, handle.inverse), counts
+        return self._align(self._permute_grouped(x, order, counts, handle), counts, handle), counts
 
     def combine_preprocess(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Local: this rank's partial sum for every gathered token."""
-        return _sum_rows(expert_out, handle, handle.rows)
+        return _sum_rows(self._unalign(expert_out, handle), handle, handle.rows)
 
     def combine_exchange(self, partial: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Communicating: sum the partials over the EP group, each rank keeping its tokens' share."""
@@ -407,11 +466,12 @@ class AllGatherDispatcher(_Dispatcher):
 
 
 def build_dispatcher(kind: str, num_experts: int, group=None, weigh_in_experts: bool = True,
-                     timer: ExchangeTimer | None = None):
+                     timer: ExchangeTimer | None = None, align: int = 1):
     """"alltoall" or "allgather" over `group` (None: this rank holds every expert);
-    weigh_in_experts (what MoELayer runs; False: the combine weighs) and timer: see `_Dispatcher`."""
+    weigh_in_experts (what MoELayer runs; False: the combine weighs) and timer: see `_Dispatcher`;
+    align > 1: the experts' rows in the aligned layout (module docstring)."""
     if kind == "alltoall":
-        return AllToAllDispatcher(num_experts, group, weigh_in_experts, timer)
+        return AllToAllDispatcher(num_experts, group, weigh_in_experts, timer, align)
     if kind == "allgather":
-        return AllGatherDispatcher(num_experts, group, weigh_in_experts, timer)
+        return AllGatherDispatcher(num_experts, group, weigh_in_experts, timer, align)
     raise ValueError(f"dispatcher={kind!r} must be 'alltoall' or 'allgather'")

@@ -10,6 +10,11 @@ csrc/ can replace it in one place:
   an exact per-group loop; core.kernels logs the path taken once.
 - CPU: an exact per-group loop over experts (not tokens), one matmul per expert; it reads the
   offsets on the host. The fallback is logged once.
+- `model.moe.grouped_gemm = "triton"`: the dispatcher hands over the rows in the aligned layout
+  (moe.aligned; `expert_align`), and `expert_mm(..., tile_expert=...)` runs the Triton kernels of
+  core.kernels.grouped_triton on it (each 128-row tile one expert's), the weight gradient into
+  the fp32 main grad as on the CUTLASS path. Without Triton the same layout runs the default
+  kernels above on the padded offsets (padding rows are zero, so they add nothing).
 
 Weights are stored [E, in, out] so every GEMM is x @ w[e] without a transpose: `w13`
 [E, dim, 2, hidden] holds each expert's gate (w13[e, :, 0]) and up (w13[e, :, 1]) projections,
@@ -25,6 +30,7 @@ matching gate and up columns). State dicts from before, with separate `w1` (gate
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -34,7 +40,10 @@ from torch.utils.checkpoint import checkpoint
 from core import kernels, placement
 from core.state.layouts import FUSED_DIM, FUSED_TENSORS
 from core.layers import FusedSwiGLU
+from core.config import MoEConfig
+from core.kernels.fused import triton_enabled
 from core.kernels.grouped_gemm import grouped_mm_wgrad_into_, main_grad_sink
+from core.kernels.grouped_triton import ALIGN, AlignedGroupedMM, aligned_mm, aligned_wgrad_into_
 from core.kernels.library import report_once
 
 log = logging.getLogger(__name__)
@@ -70,7 +79,15 @@ def expert_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
     return torch.cat(outs, dim=0)
 
 
-def _product(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def expert_align(moe: MoEConfig) -> int:
+    """Rows each expert's group is aligned to in the dispatcher's layout (1: not aligned)."""
+    return ALIGN if moe.grouped_gemm == "triton" else 1
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tile_expert: torch.Tensor | None = None,
+             grad: bool = True) -> torch.Tensor:
+    if tile_expert is not None and triton_enabled(x):
+        return AlignedGroupedMM.apply(x, w, offsets, tile_expert) if grad else aligned_mm(x, w, offsets, tile_expert)
     if x.is_cuda:
         return kernels.grouped_mm(x, w, offsets)
     report_once(f"moe expert_mm: per-expert loop fallback (device {x.device.type})", logging.INFO, log)
@@ -86,24 +103,29 @@ class _GroupedMMIntoMainGrad(torch.autograd.Function):
     is gone."""
 
     @staticmethod
-    def forward(ctx, x, weight, offsets, dtype, sink):
+    def forward(ctx, x, weight, offsets, dtype, sink, tile_expert):
         w = weight.to(dtype)  # the cast stays inside: its gradient never goes through autograd
-        ctx.save_for_backward(x, w, offsets)
+        ctx.save_for_backward(x, w, offsets, tile_expert)
         ctx.sink = sink
-        return _product(x, w, offsets)
+        return _product(x, w, offsets, tile_expert, grad=False)
 
     @staticmethod
     def backward(ctx, grad):
-        x, w, offsets = ctx.saved_tensors
+        x, w, offsets, tile_expert = ctx.saved_tensors
         grad = grad.contiguous()
-        dx = _product(grad, w.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
-        ctx.sink.write(lambda main_grad, accumulate: grouped_mm_wgrad_into_(main_grad, x, grad, offsets, accumulate))
-        return dx, ctx.sink.stand_in(), None, None, None
+        dx = _product(grad, w.transpose(-2, -1), offsets, tile_expert, grad=False) if ctx.needs_input_grad[0] else None
+        wgrad = grouped_mm_wgrad_into_
+        if tile_expert is not None and triton_enabled(x):
+            wgrad = aligned_wgrad_into_
+        ctx.sink.write(lambda main_grad, accumulate: wgrad(main_grad, x, grad, offsets, accumulate))
+        return dx, ctx.sink.stand_in(), None, None, None, None
 
 
-def expert_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def expert_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+              tile_expert: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, K] with rows grouped by expert, w [G, K, M], offsets int32 [G] cumulative group
-    ends (offsets[-1] == N) -> [N, M] where rows of group g are multiplied by w[g].
+    ends (offsets[-1] == N) -> [N, M] where rows of group g are multiplied by w[g]. With
+    `tile_expert` the rows are in the aligned layout (moe.aligned) and Triton runs them.
 
     Under autocast both operands are cast to the autocast dtype first, as torch.matmul's are:
     custom ops are invisible to autocast, and fp32 master weights there sent every expert
@@ -117,8 +139,8 @@ def expert_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.
         x = x.to(dtype)
     sink = main_grad_sink(w)
     if sink is not None and w.requires_grad and torch.is_grad_enabled():
-        return _GroupedMMIntoMainGrad.apply(x, w, offsets, dtype, sink)
-    return _product(x, w.to(dtype), offsets)
+        return _GroupedMMIntoMainGrad.apply(x, w, offsets, dtype, sink, tile_expert)
+    return _product(x, w.to(dtype), offsets, tile_expert)
 
 
 def offsets_from_counts(tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -147,34 +169,42 @@ class GroupedExperts(nn.Module):
         self.chunk_rows = 0  # > 0: tiled (train.mlp_chunk_tokens x top_k rows at a time, set by parallelize)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
-                row_weights: torch.Tensor | None = None) -> torch.Tensor:
+                row_weights: torch.Tensor | None = None, layout=None) -> torch.Tensor:
         """x [N, dim] grouped by expert; tokens_per_expert [E_local] sums to N; row_weights [N]
         (optional): each row's routing weight, applied to its SwiGLU product before w2 (the same
-        as weighting the output: w2 is linear).
+        as weighting the output: w2 is linear). `layout` (a moe.aligned.AlignedLayout): x and
+        row_weights are in the aligned layout instead, its offsets used; the default `mm` then
+        runs the aligned Triton kernels, any other `mm` (the FP8 recipe's) the padded offsets.
 
-        Tiled (`chunk_rows` > 0): the rows run `chunk_rows` at a time, each chunk recomputed in
-        the backward, so the [rows, 2 x hidden] intermediates exist for one chunk only and the
-        experts keep their input rows alone. A chunk may cut an expert's rows in two: its group
-        ends are the offsets clipped to the chunk, computed on the device (no host sync)."""
-        offsets = offsets_from_counts(tokens_per_expert)
-        rows, chunk = x.shape[0], self.chunk_rows
+        Tiled (`chunk_rows` > 0): the rows run `chunk_rows` at a time (whole tiles of an aligned
+        layout), each chunk recomputed in the backward, so the [rows, 2 x hidden] intermediates
+        exist for one chunk only and the experts keep their input rows alone. A chunk may cut an
+        expert's rows in two: its group ends are the offsets clipped to the chunk, computed on the
+        device (no host sync)."""
+        if layout is None:
+            offsets, tile_expert, align = offsets_from_counts(tokens_per_expert), None, 1
+        else:
+            offsets, tile_expert, align = layout.offsets, layout.tile_expert, layout.align
+        rows, chunk = x.shape[0], -(-self.chunk_rows // align) * align
         if not chunk or rows <= chunk:
-            return self._swiglu(x, offsets, row_weights)
+            return self._swiglu(x, offsets, row_weights, tile_expert)
         recompute = torch.is_grad_enabled()
         outs = []
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
-            local = (offsets - start).clamp_(0, end - start)
-            weights = row_weights[start:end] if row_weights is not None else None
-            if recompute:
-                outs.append(checkpoint(self._swiglu, x[start:end], local, weights, use_reentrant=False))
-            else:
-                outs.append(self._swiglu(x[start:end], local, weights))
+            args = (x[start:end], (offsets - start).clamp_(0, end - start),
+                    row_weights[start:end] if row_weights is not None else None,
+                    tile_expert[start // align:end // align] if tile_expert is not None else None)
+            outs.append(checkpoint(self._swiglu, *args, use_reentrant=False) if recompute else self._swiglu(*args))
         return torch.cat(outs)
 
-    def _swiglu(self, x: torch.Tensor, offsets: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
-        h = self.act(self.mm(x, self.w13.flatten(2), offsets), row_weights)
-        return self.mm(h, self.w2, offsets)
+    def _swiglu(self, x: torch.Tensor, offsets: torch.Tensor, row_weights: torch.Tensor | None,
+                tile_expert: torch.Tensor | None) -> torch.Tensor:
+        mm = self.mm
+        if tile_expert is not None and mm is expert_mm:
+            mm = functools.partial(expert_mm, tile_expert=tile_expert)
+        h = self.act(mm(x, self.w13.flatten(2), offsets), row_weights)
+        return mm(h, self.w2, offsets)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A state dict from before gate and up were one weight (core.state.layouts): w1 and w3 [E, dim, hidden].

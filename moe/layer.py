@@ -69,7 +69,7 @@ from core.parallel.comm import (
     split_tokens,
 )
 from moe.dispatcher import build_dispatcher
-from moe.experts import GroupedExperts
+from moe.experts import GroupedExperts, expert_align
 from moe.router import Routing, TopKRouter, balancing_stats, sequence_balancing_losses, sequence_ids
 
 
@@ -106,7 +106,7 @@ class MoELayer(nn.Module):
         self.shared_experts = None
         if moe.num_shared_experts > 0:
             self.shared_experts = FeedForward(cfg.dim, moe.shared_ffn_dim or moe.num_shared_experts * hidden)
-        self.dispatcher = build_dispatcher(moe.dispatcher, moe.num_experts)
+        self.dispatcher = build_dispatcher(moe.dispatcher, moe.num_experts, align=expert_align(moe))
         # Tensor parallelism (set by moe.parallel.apply_ep): "none", "split" (each TP rank
         # routes its own token shard, experts replicated) or "sharded" (TP ranks share
         # the tokens, expert hidden sizes split).
@@ -146,7 +146,7 @@ class MoELayer(nn.Module):
     def _route(self, x: torch.Tensor, routing: Routing, token_offset: int, meta: AttentionMeta | None):
         """(the routed experts' combined output, the auxiliary loss term to attach or None)."""
         expert_in, tokens_per_expert, row_weights = self.dispatcher.dispatch(x, routing)
-        expert_out = self.experts(expert_in, tokens_per_expert, row_weights)
+        expert_out = self.experts(expert_in, tokens_per_expert, row_weights, self.dispatcher.pending_layout())
         # The balancing loss's small kernels after the expert GEMMs are queued: the host issues
         # them while the GPU runs the GEMMs, where issued first the GPU idled through them.
         loss, parts = self._aux_loss(routing, token_offset, x.shape[0], meta)

@@ -101,7 +101,7 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh, etp: int = 1, sequence_parall
             raise ValueError(f"{name}: apply_ep was applied twice")
         _shard_layer(layer, name, ep, ep_rank, tp, tp_rank, etp)
         layer.dispatcher = build_dispatcher(dispatcher or layer.moe.dispatcher, layer.moe.num_experts, ep_group,
-                                            timer=exchange_timer)
+                                            timer=exchange_timer, align=layer.dispatcher.align)
         if tp > 1:
             layer.tp_mode = "split" if etp == 1 else "sharded"
             layer.tp_group, layer.tp_size, layer.sequence_parallel = tp_group, tp, sequence_parallel
