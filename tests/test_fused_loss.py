@@ -9,7 +9,7 @@ the same ops on the same rows) except the norm's gain, whose gradient is summed 
 (1e-6 of its largest element). In bf16 the gain's gradient is summed in fp32 where autograd rounds each
 product to bf16 first, so it agrees to bf16 rounding (2e-2 of its largest element); everything
 else stays bit for bit. At tp=2 (with and without sequence parallelism, with MTP) and pp=2 (a
-tied head) on gloo processes, the trainer's loss and every parameter's gradient follow the
+tied head; MTP) on gloo processes, the trainer's loss and every parameter's gradient follow the
 single-process unfused trainer (tensor parallelism splits the matmul and vocab sums: 1e-4). A
 CLI training run with `train.fused_loss` on follows the plain run step for step. On a GPU in
 bf16, compiled: the same loss and gradients within bf16 rounding, and the loss's peak memory less
@@ -196,6 +196,7 @@ TRAINER_CASES = {  # name: (layout, model)
     "tp2-sp-mtp": (["parallel.tp=2"], ["model.mtp_layers=1"]),  # the head's input gathered; an MTP depth's norm too
     "tp2": (["parallel.tp=2", "parallel.sequence_parallel=false"], []),  # the norm's gain summed by the loss
     "pp2-tied": (["parallel.pp=2"], ["model.tie_embeddings=true"]),  # the last stage's norm; the head is the embedding
+    "pp2-mtp": (["parallel.pp=2"], ["model.mtp_layers=1"]),  # the last stage's norms, main and MTP
 }
 
 
@@ -371,3 +372,47 @@ def test_gpu_fused_loss_matches_and_holds_less_memory():
     logits_bytes = tokens * vocab * 2
     assert want_peak > 1.5 * logits_bytes, want_peak  # the unfused loss holds the logits and their gradient
     assert got_peak < 0.5 * want_peak, (got_peak, want_peak)  # one 2048-token chunk of each
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_folded_norm_matches_the_norm_outside_and_keeps_no_fp32_copy():
+    """Compiled (what train.compile runs): the norm inside the chunks against the eager norm on the
+    whole sequence before the fused head, bf16 (tolerance: bf16 rounding, the compiled norm keeps
+    its fp32 rows unrounded); after the forward the folded head holds the bf16 input gradient
+    [T, dim] and the norm outside adds its two fp32 copies and its bf16 output."""
+    torch.manual_seed(0)
+    tokens, dim, vocab = 16384, 1024, 32000
+    norm, head = RMSNorm(dim, 1e-5), nn.Linear(dim, vocab, bias=False)
+    nn.init.normal_(head.weight, std=0.02)
+    dp = apply_data_parallel(nn.ModuleList([norm, head]).to("cuda", torch.bfloat16), ParallelMesh.build(device_type="cuda"),
+                             distributed_optimizer=False, param_dtype=torch.bfloat16)
+    hidden = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    labels[::9] = -100
+    count = int((labels != -100).sum())
+
+    def run(folded: bool):
+        h = hidden.clone().requires_grad_()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        part = fused_output_cross_entropy_sum(h if folded else norm(h), head.weight, labels,
+                                              torch.tensor(1.0 / count, device="cuda"), compiled=True,
+                                              norm=norm if folded else None)
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - base
+        (part / count).backward()
+        dp.finish_grad_sync()
+        grads = [h.grad.float()] + [s.shard_grad.clone() for s in dp.slots]
+        dp.zero_grad()
+        return float(part), grads, kept
+
+    for _ in range(2):  # the second round runs compiled code, not the compiler
+        got_loss, got, got_kept = run(True)
+        want_loss, want, want_kept = run(False)
+    assert got_loss == pytest.approx(want_loss, rel=1e-4)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=2 ** -7 * w.abs().max().item())
+    row = tokens * dim
+    assert got_kept < 2 * row + (1 << 20), got_kept  # the input gradient (+ the gain's and the loss)
+    assert want_kept > (2 + 8 + 2) * row, want_kept
