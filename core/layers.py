@@ -46,6 +46,13 @@ class AttentionMeta:
             self.total_tokens = sum(self.doc_lengths)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's math (also run by the fused head loss on token chunks, core/train/loss.py)."""
+    # Normalise in fp32: bf16 mean-of-squares loses too much on long hidden sizes.
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return normed.type_as(x) * weight
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -53,9 +60,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: bf16 mean-of-squares loses too much on long hidden sizes.
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

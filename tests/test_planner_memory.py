@@ -259,8 +259,10 @@ def test_recompute_in_the_first_layers_counts_per_block():
 
 
 def test_fused_loss_head_activations_equal_autograd_saved_tensors():
-    # The fused head keeps its input's gradient [T, dim] where the plain one keeps its input and
-    # the loss's [T, V] tensors; what the chunks create in between is freed before the forward ends.
+    # The fused head runs the final norm inside its chunks and keeps the norm's input gradient
+    # [T, dim] (and the gain's [dim]) where the plain one keeps the norm's fp32 copies, the head's
+    # input and the loss's [T, V] tensors; what the chunks create in between is freed before the
+    # forward ends.
     config = validate(_config("tiny_dense", "bf16", ["train.seq_len=256", "train.fused_loss=true"]), 1)
     model = build_model(config.model, seed=0).to(torch.bfloat16)
     dp = apply_data_parallel(model, ParallelMesh.build(), distributed_optimizer=False, param_dtype=torch.bfloat16)
@@ -270,15 +272,19 @@ def test_fused_loss_head_activations_equal_autograd_saved_tensors():
     scale = torch.tensor(1.0 / n)
     # The main grads are state: the head's weight gradient is added into them in place.
     track = _Storages([*model.parameters(), *(bucket.grad_buffer for bucket in dp.buckets)])
-    model.norm.register_forward_pre_hook(lambda *_: setattr(track, "where", "head"))
     with track:
-        loss = fused_output_cross_entropy_sum(model.hidden_states(tokens, torch.arange(n), meta),
-                                              model.output.weight, torch.roll(tokens, -1), scale)
+        hidden = model.hidden_states(tokens, torch.arange(n), meta, normed=False)
+        track.where = "head"
+        loss = fused_output_cross_entropy_sum(hidden, model.output.weight, torch.roll(tokens, -1), scale,
+                                              norm=model.norm)
+        del hidden  # the last block's output: the trainer keeps no reference either
     alive = track.alive()
     del loss
     assert 0 <= alive["head"] - head_activations(config) < 64, (alive, head_activations(config))  # + the loss sum
     plain = validate(_config("tiny_dense", "bf16", ["train.seq_len=256"]), 1)
     assert head_activations(plain) - head_activations(config) >= n * config.model.vocab_size * 4
+    # The fp32 copies of the whole hidden state are gone: per token the head keeps 2 * dim bytes.
+    assert head_activations(config) - 4 * config.model.dim == n * config.model.dim * 2
 
 
 @pytest.mark.slow  # inductor compiles the blocks on the CPU (~30 s a set)

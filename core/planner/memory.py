@@ -292,17 +292,21 @@ def compiled_loss(config: Config) -> bool:
 def head_activations(config: Config) -> int:
     """The last stage's final norm, the head's input, and the loss's saved tensors: eager, the
     fp32 exponentials [T, V/tp] and per-token sums, targets and masks; compiled, the logits in
-    their own dtype and a log-sum-exp per token. `train.fused_loss` keeps the gradient of the
-    head's input [T, dim] in place of the head's input and the loss's tensors."""
+    their own dtype and a log-sum-exp per token. `train.fused_loss` runs the final norm inside
+    its chunks (core/train/loss.py) and keeps only the gradient of the norm's input [T, dim], in
+    the hidden state's dtype (all T tokens: under sequence parallelism the head's input is
+    gathered before the norm), and the gain's fp32 gradient [dim], in place of the norm's fp32
+    copies, the head's input and the loss's tensors."""
     s, m, t = shapes(config), config.model, config.train
     b = PARAM_BYTES[t.precision]
     if t.fused_loss:
-        loss = 0
-    elif compiled_loss(config):
-        loss = s.tokens * s.vocab * b + 16 * s.tokens
+        head = s.tokens * m.dim * b + 4 * m.dim
     else:
-        loss = s.tokens * s.vocab * 4 + 18 * s.tokens
-    head = norm_saved(s.seq_tokens, m.dim, b) + s.tokens * m.dim * b + loss
+        if compiled_loss(config):
+            loss = s.tokens * s.vocab * b + 16 * s.tokens
+        else:
+            loss = s.tokens * s.vocab * 4 + 18 * s.tokens
+        head = norm_saved(s.seq_tokens, m.dim, b) + s.tokens * m.dim * b + loss
     # Multi-token prediction: the head and loss once more per depth, and each depth's two input
     # norms and the [T, 2*dim] input of its projection (its block is among the stage's layers).
     mtp = m.mtp_layers * (2 * norm_saved(s.seq_tokens, m.dim, b) + 2 * s.seq_tokens * m.dim * b)
@@ -314,13 +318,16 @@ def loss_transient(config: Config) -> int:
     fp32 shifted copy) or their gradient (backward), then the head's weight gradient in the
     parameter dtype before it is added into the fp32 main grad. `train.fused_loss`: one chunk
     of logits and their gradient (compiled: both in the parameter dtype; eager, about: with the
-    fp32 copy and three fp32 intermediates of the softmax), no weight gradient (it goes into
-    the main grad in the GEMM)."""
+    fp32 copy and three fp32 intermediates of the softmax), and of the folded norm's rows, about
+    six fp32 and two parameter-dtype copies; no weight gradient (it goes into the main grad in
+    the GEMM). (Its backward rescales the kept gradient 2^26 elements at a time: less than the
+    forward's chunk.)"""
     s, t, m = shapes(config), config.train, config.model
     b = PARAM_BYTES[t.precision]
     if t.fused_loss:
         chunk = max(1, min(s.tokens, FUSED_CHUNK_ELEMENTS // s.vocab))
-        return chunk * s.vocab * (2 * b if compiled_loss(config) else 2 * b + 4 * 4)
+        norm = chunk * m.dim * (6 * 4 + 2 * b)
+        return chunk * s.vocab * (2 * b if compiled_loss(config) else 2 * b + 4 * 4) + norm
     return s.tokens * s.vocab * b + s.vocab * m.dim * b
 
 

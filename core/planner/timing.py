@@ -355,10 +355,14 @@ class _Model:
         """`train.fused_loss`: the head and the loss over token chunks of FUSED_CHUNK_ELEMENTS
         logits (core/train/loss.py), all in the forward: each chunk's GEMMs at its rows, its
         row passes, its weight gradient added into the fp32 main grad of the head (a read and a
-        write of [V/tp, dim] per chunk), under TP two all-reduces of the chunk's row statistics."""
+        write of [V/tp, dim] per chunk), under TP two all-reduces of the chunk's row statistics;
+        the final norm's forward and backward passes with them, over all T tokens (under sequence
+        parallelism every rank normalises the gathered input)."""
         s, d = self.s, self.m.dim
         chunk = max(1, min(s.tokens, FUSED_CHUNK_ELEMENTS // s.vocab))
         n = s.tokens / chunk
+        per_chunk = 3 if self.t.compile else 21  # the norm's kernels each way, compiled or eager
+        fwd.add("memory", self.mem(3 * s.tokens * d * NORM_BYTES, int(per_chunk * n)))
         one_f, one_b = Pass(), Pass()
         self.linear(chunk, s.vocab, d, one_f, one_b, "head", "bf16")
         for one in (one_f, one_b):
@@ -390,10 +394,10 @@ class _Model:
             bwd.add("memory", self.mem(T * d * (self.b + 8), 2))
         if pp_rank == p.pp - 1:
             for _ in range(1 + m.mtp_layers):  # the shared head and loss once per MTP depth too
-                self.norm(fwd, bwd)
                 if self.t.fused_loss:
                     self.fused_loss(fwd, bwd)
                     continue
+                self.norm(fwd, bwd)
                 self.linear(T, s.vocab, d, fwd, bwd, "head", "bf16")
                 loss = self.mem(T * s.vocab * LOSS_BYTES / 2, 6)
                 fwd.add("loss", loss)

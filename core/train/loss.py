@@ -17,6 +17,8 @@ import functools
 import torch
 import torch.distributed as dist
 
+from core import placement
+from core.layers import RMSNorm, rms_norm
 from core.rules import FUSED_CHUNK_ELEMENTS
 from core.kernels import cross_entropy as rows_ce
 from core.kernels.fused import matmul_into_
@@ -175,71 +177,128 @@ def _vocab_parallel_chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tens
     return loss, grad.to(logits.dtype)
 
 
+@functools.cache
+def _compiled_rms_norm():
+    return torch.compile(rms_norm)  # the chunk's norm in one row pass each way
+
+
+def _chunk_norm(hidden_rows: torch.Tensor, gain: torch.Tensor, eps: float, compute_dtype: torch.dtype, compiled: bool):
+    """(the chunk's normalised rows in `compute_dtype`, the autograd graph's input leaf): the model's
+    own RMSNorm math on a detached slice, its graph alive only until the chunk's backward."""
+    x = hidden_rows.detach().requires_grad_()
+    with torch.enable_grad():
+        y = (_compiled_rms_norm() if compiled else rms_norm)(x, gain, eps).to(compute_dtype)
+    return y, x
+
+
 class _FusedOutputCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of `hidden @ weight.T`, chunk by chunk over the tokens, with both
-    gradients computed in the forward: no [T, V] logits or logit gradients are ever whole.
+    """Summed cross-entropy of `norm(hidden) @ weight.T` (or of `hidden @ weight.T` without a
+    norm), chunk by chunk over the tokens, with every gradient computed in the forward: no [T, V]
+    logits or logit gradients, and no whole fp32 copy of the hidden state, are ever alive.
 
     The weight's gradient goes straight into its fp32 main grad (`weight.main_grad_sink`) during
     the forward, scaled by `grad_scale`: the caller backpropagates exactly `grad_scale` into the
-    loss (the trainer's 1 / global label count). The hidden state's gradient is kept for the
-    backward and scaled there by grad_loss / grad_scale, so it is exact for any incoming grad."""
+    loss (the trainer's 1 / global label count). The hidden state's gradient (through the norm,
+    which each chunk runs forward and backward) and the norm gain's, summed over the chunks in
+    fp32, are kept for the backward and scaled there by grad_loss / grad_scale, so they are exact
+    for any incoming grad."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, grad_scale, compute_dtype, compiled, tp_group):
+    def forward(ctx, hidden, weight, labels, grad_scale, compute_dtype, compiled, tp_group, norm_weight, norm_eps,
+                norm_group):
         tokens, vocab = hidden.shape[0], weight.shape[0]
         chunk = max(1, min(tokens, FUSED_CHUNK_ELEMENTS // vocab))  # the same on every TP rank: equal shards
-        h = hidden.to(compute_dtype)
         w = weight.to(compute_dtype)
         if group_size(tp_group) > 1:  # eager: its all-reduces sit between the chunk's row passes
             loss_and_grad = functools.partial(_vocab_parallel_chunk_loss_and_grad, group=tp_group)
         else:
             loss_and_grad = _compiled_chunk_loss_and_grad() if compiled else _chunk_loss_and_grad
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty(hidden.shape, dtype=compute_dtype, device=hidden.device)
+        folded = norm_weight is not None
+        if folded:
+            # An fp32 gain: the product with the bf16 normalised rows is exact in fp32, so the
+            # rounding to the compute dtype is the bf16 product's; its gradient sums in fp32.
+            gain = norm_weight.detach().float().requires_grad_()
+            grad_gain = torch.zeros(gain.shape, dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        else:
+            h = hidden.to(compute_dtype)
+            grad_hidden = torch.empty(hidden.shape, dtype=compute_dtype, device=hidden.device)
         sink = weight.main_grad_sink
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen here
             for start in range(0, tokens, chunk):
                 rows = slice(start, min(start + chunk, tokens))
-                loss, grad = loss_and_grad(torch.mm(h[rows], w.t()), labels[rows], grad_scale)
+                if folded:
+                    normed, leaf = _chunk_norm(hidden[rows], gain, norm_eps, compute_dtype, compiled)
+                    x = normed.detach()
+                else:
+                    x = h[rows]
+                loss, grad = loss_and_grad(torch.mm(x, w.t()), labels[rows], grad_scale)
                 total += loss
-                torch.mm(grad, w, out=grad_hidden[rows])
-                sink.write(lambda main_grad, accumulate: matmul_into_(main_grad, grad.t(), h[rows], accumulate))
-        ctx.save_for_backward(grad_hidden, grad_scale)
-        ctx.sink, ctx.hidden_dtype = sink, hidden.dtype
+                if folded:
+                    grad_x, grad_g = torch.autograd.grad(normed, (leaf, gain), torch.mm(grad, w))
+                    grad_hidden[rows] = grad_x
+                    grad_gain += grad_g
+                else:
+                    torch.mm(grad, w, out=grad_hidden[rows])
+                sink.write(lambda main_grad, accumulate: matmul_into_(main_grad, grad.t(), x, accumulate))
+        if folded and group_size(norm_group) > 1:  # a replicated gain: each rank holds its vocab shard's part
+            dist.all_reduce(grad_gain, group=norm_group)
+        ctx.save_for_backward(grad_hidden, grad_scale, grad_gain if folded else None)
+        ctx.sink, ctx.hidden_dtype, ctx.chunk = sink, hidden.dtype, chunk
+        ctx.gain_dtype = norm_weight.dtype if folded else None
         return total
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_scale = ctx.saved_tensors
-        grad_hidden = (grad_hidden.float() * (grad_loss / grad_scale)).to(ctx.hidden_dtype)
-        return grad_hidden, ctx.sink.stand_in(), None, None, None, None, None
+        grad_hidden, grad_scale, grad_gain = ctx.saved_tensors
+        factor = grad_loss / grad_scale  # 1 when the caller sends grad_scale, as the trainer does
+        out = grad_hidden if grad_hidden.dtype == ctx.hidden_dtype else torch.empty_like(grad_hidden, dtype=ctx.hidden_dtype)
+        # Scaled in fp32 a chunk at a time (in place when the dtypes agree): a whole fp32 copy of
+        # [T, dim] would be the largest tensor of the head's backward.
+        rows = max(ctx.chunk, FUSED_CHUNK_ELEMENTS // max(1, grad_hidden.shape[1]))
+        for start in range(0, grad_hidden.shape[0], rows):
+            part = slice(start, start + rows)
+            out[part] = grad_hidden[part].float() * factor
+        if grad_gain is not None:
+            grad_gain = (grad_gain * factor).to(ctx.gain_dtype)
+        return out, ctx.sink.stand_in(), None, None, None, None, None, grad_gain, None, None
 
 
 def fused_output_cross_entropy_sum(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor,
     compute_dtype: torch.dtype | None = None, compiled: bool = False, tp_group: dist.ProcessGroup | None = None,
+    norm: RMSNorm | None = None, norm_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """cross_entropy_sum(hidden @ weight.T, labels)[0] without materialising the logits.
+    """cross_entropy_sum(norm(hidden) @ weight.T, labels)[0] without materialising the logits
+    (without `norm`: of hidden @ weight.T).
 
     hidden: [T, d]; weight: [V, d], a data-parallel parameter with a `main_grad_sink` (its
     gradient is written into the fp32 main grad during this call, already multiplied by
     `grad_scale`, a 0-dim fp32 tensor: the gradient the caller sends into the returned sum).
-    Peak extra memory: one chunk of ~FUSED_CHUNK_ELEMENTS logits and their gradient, plus
-    [T, d] for the hidden state's gradient, where the unfused loss holds [T, V] twice.
+    `norm`: the RMSNorm between the hidden state and the head (the model's final norm), run on
+    each chunk forward and backward; its gain's gradient is the sum over the chunks.
+    Peak extra memory: one chunk of ~FUSED_CHUNK_ELEMENTS logits and their gradient (and the
+    norm's fp32 rows of that chunk), plus [T, d] for the hidden state's gradient, where the
+    unfused loss holds [T, V] twice and the eager norm two fp32 copies of [T, d].
 
     With `tp_group`, `weight` is this rank's vocab shard [V/tp, d] (rank r: ids [r*V/tp,
     (r+1)*V/tp)) and `hidden` the whole [T, d] on every rank (after the head's input
     collective: `head_input`); the loss is the whole one on every rank, and the hidden state's
-    gradient this shard's part, which that collective's backward sums over the group."""
+    gradient (and the gain's) this shard's part: the collective's backward sums the first over
+    the group, `norm_group` (given where nothing else sums the gain over it) the second."""
     if getattr(weight, "main_grad_sink", None) is None:
         raise ValueError("fused_output_cross_entropy_sum needs a weight whose gradient goes to a fp32 main grad "
                          "(a DataParallel parameter with gradient_accumulation_fusion)")
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"fused_output_cross_entropy_sum expects hidden [T, d], weight [V, d] and labels [T]; got "
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(labels.shape)}")
+    if norm is not None and not isinstance(norm, RMSNorm):
+        raise ValueError(f"fused_output_cross_entropy_sum folds an RMSNorm into its chunks; got {type(norm).__name__}")
     dtype = compute_dtype or weight.dtype
-    return _FusedOutputCrossEntropy.apply(hidden, weight, labels, grad_scale, dtype,
-                                          compiled and hidden.is_cuda, tp_group)
+    return _FusedOutputCrossEntropy.apply(hidden, weight, labels, grad_scale, dtype, compiled and hidden.is_cuda,
+                                          tp_group, None if norm is None else norm.weight,
+                                          None if norm is None else norm.eps, norm_group)
 
 
 def head_input(head, hidden: torch.Tensor) -> torch.Tensor:
@@ -255,10 +314,16 @@ def head_input(head, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def fused_head_loss(model, hidden: torch.Tensor, labels: torch.Tensor, grad_scale: torch.Tensor,
-                    compute_dtype: torch.dtype | None = None, compiled: bool = False) -> torch.Tensor:
+                    compute_dtype: torch.dtype | None = None, compiled: bool = False,
+                    norm: RMSNorm | None = None) -> torch.Tensor:
     """The model's output head and the loss fused (`fused_output_cross_entropy_sum`), on a plain or
-    a tensor-parallel head: the summed loss of `hidden` (what `model.hidden_states` returns)."""
+    a tensor-parallel head: the summed loss of `hidden` (what `model.hidden_states` returns), or
+    with `norm` of `norm(hidden)`, the norm run chunk by chunk inside the loss (`hidden` then is
+    what `model.hidden_states(..., normed=False)` returns: the last block's output)."""
     head = model.output
     tp_group = head.group if getattr(head, "input_comm", "none") != "none" else None
+    # A gain whose gradient data parallelism sums over tp (sequence parallelism: each rank's norm
+    # saw its own tokens) needs no sum here; a replicated one does.
+    norm_group = tp_group if norm is not None and not placement.is_sequence_parallel_partial(norm.weight) else None
     return fused_output_cross_entropy_sum(head_input(head, hidden), head.weight, labels, grad_scale,
-                                          compute_dtype, compiled, tp_group)
+                                          compute_dtype, compiled, tp_group, norm, norm_group)

@@ -128,26 +128,33 @@ class GPT(nn.Module):
         h = self.hidden_states(tokens, position_ids, meta)
         return self.output(h) if self.output is not None else h
 
-    def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-        """What the output head reads: the final norm's output [T, dim] (a loss may fuse the head in)."""
+    def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta,
+                      normed: bool = True) -> torch.Tensor:
+        """What the output head reads: the final norm's output [T, dim] (a loss may fuse the head in);
+        with `normed` false the last block's output, for a loss that runs the norm itself (`head_norms`)."""
         h, _ = self._trunk(tokens, position_ids, meta)
-        return self.norm(h) if self.norm is not None else h
+        return self.norm(h) if self.norm is not None and normed else h
 
     def heads(self, tokens: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta,
-              mtp_tokens: torch.Tensor | None = None) -> list[torch.Tensor]:
+              mtp_tokens: torch.Tensor | None = None, normed: bool = True) -> list[torch.Tensor]:
         """What the output head reads for the main model and each MTP depth: [final norm's output,
-        depth 0's normed hidden state, ...], each [T, dim]. mtp_tokens [D, T]: row k holds, at
-        position i, token i+k+1 of its document (`core.train.data.mtp_inputs`). On a chunk
-        without the head (a pipeline stage before the last): [its hidden states]."""
+        depth 0's normed hidden state, ...], each [T, dim]; with `normed` false the same before
+        each depth's norm (`head_norms`). mtp_tokens [D, T]: row k holds, at position i, token
+        i+k+1 of its document (`core.train.data.mtp_inputs`). On a chunk without the head (a
+        pipeline stage before the last): [its hidden states]."""
         h, rope = self._trunk(tokens, position_ids, meta)
         if self.norm is None:
             return [h]
-        out = [self.norm(h)]
+        out = [self.norm(h) if normed else h]
         if self.mtp is not None and mtp_tokens is not None:
             for k, module in enumerate(self.mtp):
                 h = module(h, self.tok_embeddings(mtp_tokens[k]), rope, meta)
-                out.append(module.norm(h))
+                out.append(module.norm(h) if normed else h)
         return out
+
+    def head_norms(self) -> list[nn.Module]:
+        """The norm before the head of each entry of `heads`: the final norm, then each MTP depth's."""
+        return [self.norm] + [module.norm for module in (self.mtp or ())]
 
     def _trunk(self, tokens: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMeta):
         """(the last block's output, before the final norm; the rotary tables)."""

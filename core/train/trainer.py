@@ -243,10 +243,12 @@ class Trainer:
                     torch.compiler.cudagraph_mark_step_begin()
                 with self.grads.sync_context(last=i == len(micro) - 1):
                     with self.autocast:
+                        # The fused loss runs the final norms itself, chunk by chunk.
                         if self.mtp_layers:
-                            heads = self.model.heads(m.tokens, m.position_ids, m.meta, m.mtp_tokens)
+                            heads = self.model.heads(m.tokens, m.position_ids, m.meta, m.mtp_tokens,
+                                                     normed=not self.fused_loss)
                         elif self.fused_loss:
-                            heads = [self.model.hidden_states(m.tokens, m.position_ids, m.meta)]
+                            heads = [self.model.hidden_states(m.tokens, m.position_ids, m.meta, normed=False)]
                         else:
                             heads = [self.model(m.tokens, m.position_ids, m.meta)]  # logits
                         parts = self._loss(heads, m, global_labels, mtp_labels, logits=not (self.mtp_layers or self.fused_loss))
@@ -268,10 +270,10 @@ class Trainer:
         weight = self.config.train.mtp_loss_weight / max(self.mtp_layers, 1)
         scales = [1.0 / max(global_labels, 1.0)] + [weight / max(n, 1.0) for n in mtp_labels]
         sums = []
-        for h, lab, scale in zip(heads, labels, scales):
-            if self.fused_loss:
+        for h, lab, scale, norm in zip(heads, labels, scales, owner.head_norms()):
+            if self.fused_loss:  # `heads` before their norms (the loss runs them)
                 grad_scale = torch.full((), scale, device=self.device)
-                sums.append(fused_head_loss(owner, h, lab, grad_scale, self.loss_dtype, compiled=compiled))
+                sums.append(fused_head_loss(owner, h, lab, grad_scale, self.loss_dtype, compiled=compiled, norm=norm))
             else:
                 sums.append(cross_entropy_sum(h if logits else owner.output(h), lab, self.tp_group,
                                               compiled=compiled)[0])
@@ -290,9 +292,9 @@ class Trainer:
 
         def last_forward(chunk, x, mb):
             if mtp:
-                return chunk.heads(x, mb.position_ids, mb.meta, mb.mtp_tokens)
-            if self.fused_loss:  # the head runs in the loss, chunk by chunk
-                return chunk.hidden_states(x, mb.position_ids, mb.meta)
+                return chunk.heads(x, mb.position_ids, mb.meta, mb.mtp_tokens, normed=not self.fused_loss)
+            if self.fused_loss:  # the final norm and the head run in the loss, chunk by chunk
+                return chunk.hidden_states(x, mb.position_ids, mb.meta, normed=False)
             return chunk(x, mb.position_ids, mb.meta)
 
         def loss_fn(out, mb):
