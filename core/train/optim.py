@@ -15,6 +15,18 @@ docs/performance-notes.md); each bucket's new weights are queued for the device
 (`HostOffload.push`) while the CPU updates the next bucket. The clip factor reaches the host
 as one number, the kernel's grad_scale (the same place as on the device).
 
+bf16 moments (`train.optimizer_moments_dtype = "bf16"`, `dp.moments_dtype`): both moments are
+stored in bf16, on the device or on the host, 4 bytes per element instead of 8; the masters stay
+fp32. Every update runs in fp32: the Triton kernel widens and rounds them in its own pass; the
+torch paths (fused, foreach, the host's) upcast the moments of at most `MOMENT_CHUNK` elements at
+a time into fp32 copies (a transient of 8 bytes per element of the piece: 32 MiB), update, and
+round them back to nearest even (`_fp32_moments`). bf16 keeps fp32's exponent range, so small
+second moments do not underflow (fp16's would below 6e-8, a gradient of 2e-4); what it loses is
+the mantissa, 8 bits: each step's rounding is within half a unit in the last place (2^-9
+relative), about the size of the (1 - beta2) = 0.05 increments of a v of slowly changing
+gradients, so the update's scale is rounded, not its direction. eps is added to sqrt(v) in fp32
+as before.
+
 Weight decay: applied to every parameter with >= 2 dims (linear weights, embeddings, output
 head, stacked experts); not to 1-D params (norm gains, biases). This is Megatron-LM's and
 nanoGPT's rule; decaying embeddings too is their common practice.
@@ -39,6 +51,7 @@ from core.parallel.offload import check_host_memory
 from core.planner.state import state_bytes
 
 log = logging.getLogger(__name__)
+MOMENT_CHUNK = 1 << 22  # elements whose bf16 moments the torch paths upcast at once (32 MiB of fp32 copies)
 
 
 def uses_weight_decay(param: torch.Tensor) -> bool:
@@ -63,8 +76,10 @@ class AdamW:
         self.step_count = 0
         self._step_tensor: torch.Tensor | None = None
         self._tables = AdamWTables()
-        self.exp_avg = [torch.zeros_like(s.master) for s in dp.slots]  # on the host under offload
-        self.exp_avg_sq = [torch.zeros_like(s.master) for s in dp.slots]
+        self.moments_dtype = dp.moments_dtype
+        # On the host under offload; fp32 or bf16 (dp.moments_dtype), always updated in fp32.
+        self.exp_avg = [torch.zeros_like(s.master, dtype=self.moments_dtype) for s in dp.slots]
+        self.exp_avg_sq = [torch.zeros_like(s.master, dtype=self.moments_dtype) for s in dp.slots]
         self._decayed = [uses_weight_decay(s.param) for s in dp.slots]
         self._groups = [[i for i, d in enumerate(self._decayed) if d], [i for i, d in enumerate(self._decayed) if not d]]
 
@@ -100,8 +115,8 @@ class AdamW:
         masters = [s.master_high() for s in slots] if split else [s.master for s in slots]
         lows = [s.master_low for s in slots] if split else None
         grads = [s.shard_grad for s in slots]
-        fp32 = grads + self.exp_avg + self.exp_avg_sq + ([] if split else masters)
-        if not multi_tensor_adamw_supported(fp32, []) or (
+        fp32 = grads + ([] if split else masters)
+        if not multi_tensor_adamw_supported(fp32, [], self.exp_avg + self.exp_avg_sq) or (
                 split and not all(t.is_contiguous() for t in masters + lows)):
             return False
         targets = self.dp.weight_targets()  # asked only here: under ZeRO it allocates the send buffers
@@ -122,19 +137,13 @@ class AdamW:
         if self._step_tensor is None:
             self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.dp.device)
         self._step_tensor.fill_(self.step_count)
-        slots = self.dp.slots
         beta1, beta2 = self.betas
+        grads = [s.shard_grad for s in self.dp.slots]
         for group, wd in zip(self._groups, (self.weight_decay, 0.0)):
-            group = [i for i in group if masters[i].numel()]  # empty ZeRO chunks
-            if not group:
-                continue
-            torch._fused_adamw_(
-                [masters[i] for i in group], [slots[i].shard_grad for i in group],
-                [self.exp_avg[i] for i in group], [self.exp_avg_sq[i] for i in group], [],
-                [self._step_tensor] * len(group),
-                lr=self.lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False,
-                grad_scale=inverse_clip,
-            )
+            for ps, gs, ms, vs in self._fp32_moments(group, masters, grads):
+                torch._fused_adamw_(ps, gs, ms, vs, [], [self._step_tensor] * len(ps), lr=self.lr, beta1=beta1,
+                                    beta2=beta2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False,
+                                    grad_scale=inverse_clip)
 
     def _host_step(self, clip: torch.Tensor | None) -> None:
         """Offload: the update of each bucket's host masters from its host grads on the CPU, then
@@ -146,16 +155,15 @@ class AdamW:
         self._step_tensor.fill_(self.step_count)
         index = {id(s): i for i, s in enumerate(self.dp.slots)}
         slots, beta1, beta2 = self.dp.slots, *self.betas
+        masters = [s.master for s in slots]
         for bucket in self.dp.buckets:
-            mine = [index[id(s)] for s in bucket.slots if slots[index[id(s)]].master.numel()]
+            mine = [index[id(s)] for s in bucket.slots]
             for wd, group in ((self.weight_decay, [i for i in mine if self._decayed[i]]),
                               (0.0, [i for i in mine if not self._decayed[i]])):
-                if group:
-                    torch._fused_adamw_(
-                        [slots[i].master for i in group], [grads[i] for i in group],
-                        [self.exp_avg[i] for i in group], [self.exp_avg_sq[i] for i in group], [],
-                        [self._step_tensor] * len(group), lr=self.lr, beta1=beta1, beta2=beta2, weight_decay=wd,
-                        eps=self.eps, amsgrad=False, maximize=False, grad_scale=inverse_clip)
+                for ps, gs, ms, vs in self._fp32_moments(group, masters, grads):
+                    torch._fused_adamw_(ps, gs, ms, vs, [], [self._step_tensor] * len(ps), lr=self.lr, beta1=beta1,
+                                        beta2=beta2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False,
+                                        grad_scale=inverse_clip)
             self.dp.host.push(bucket)
         self.dp.gather_params(targets_written=True)
 
@@ -163,34 +171,66 @@ class AdamW:
         beta1, beta2 = self.betas
         bias1 = 1 - beta1**self.step_count
         bias2_sqrt = math.sqrt(1 - beta2**self.step_count)
-        slots = self.dp.slots
+        all_grads = [s.shard_grad for s in self.dp.slots]
         for group, wd in zip(self._groups, (self.weight_decay, 0.0)):
-            if not group:
-                continue
-            params = [masters[i] for i in group]
-            grads = [slots[i].shard_grad for i in group]
-            m = [self.exp_avg[i] for i in group]
-            v = [self.exp_avg_sq[i] for i in group]
-            if wd:
-                torch._foreach_mul_(params, 1 - self.lr * wd)
-            torch._foreach_lerp_(m, grads, 1 - beta1)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bias2_sqrt)
-            torch._foreach_add_(denom, self.eps)
-            torch._foreach_addcdiv_(params, m, denom, value=-self.lr / bias1)
+            for params, grads, m, v in self._fp32_moments(group, masters, all_grads):
+                if wd:
+                    torch._foreach_mul_(params, 1 - self.lr * wd)
+                torch._foreach_lerp_(m, grads, 1 - beta1)
+                torch._foreach_mul_(v, beta2)
+                torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+                denom = torch._foreach_sqrt(v)
+                torch._foreach_div_(denom, bias2_sqrt)
+                torch._foreach_add_(denom, self.eps)
+                torch._foreach_addcdiv_(params, m, denom, value=-self.lr / bias1)
+
+    def _fp32_moments(self, group: list[int], masters: list[torch.Tensor], grads: list[torch.Tensor]):
+        """(masters, grads, exp_avgs, exp_avg_sqs) of the slots in `group` for a torch AdamW
+        kernel, moments in fp32: fp32 moments as they are, in one piece; bf16 moments in pieces
+        of at most MOMENT_CHUNK elements (a longer tensor by rows of dim 0), each piece's moments
+        upcast into fp32 copies and, once the caller has updated them, rounded back to nearest
+        even (torch's fp32 -> bf16 cast). Empty tensors (empty ZeRO chunks) are left out."""
+        group = [i for i in group if masters[i].numel()]
+        if self.moments_dtype == torch.float32:
+            if group:
+                yield ([masters[i] for i in group], [grads[i] for i in group], [self.exp_avg[i] for i in group],
+                       [self.exp_avg_sq[i] for i in group])
+            return
+        piece, size = [], 0
+        for i in group:
+            rows = masters[i].shape[0] if masters[i].dim() else 1
+            per_row = masters[i].numel() // rows
+            step = max(1, MOMENT_CHUNK // per_row)
+            for start in range(0, rows, step):
+                n = min(step, rows - start)
+                piece.append([t.narrow(0, start, n) if t.dim() else t
+                              for t in (masters[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i])])
+                size += n * per_row
+                if size >= MOMENT_CHUNK:
+                    yield from _upcast(piece)
+                    piece, size = [], 0
+        if piece:
+            yield from _upcast(piece)
 
     def zero_grad(self) -> None:
         self.dp.zero_grad()
 
     def state_bytes(self) -> int:
-        """Bytes this rank holds for optimizer state: both moments, plus fp32 masters where they
-        are not the params themselves (in host memory under offload)."""
+        """Bytes this rank holds for optimizer state: both moments (4 or 2 bytes an element each),
+        plus fp32 masters where they are not the params themselves (in host memory under offload)."""
         moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
         masters = sum(s.master_low.numel() * 2 if s.master_low is not None else s.master.numel() * 4
                       for s in self.dp.slots if not s.master_is_param)
         return moments + masters
+
+
+def _upcast(piece: list[list[torch.Tensor]]):
+    """One piece of `AdamW._fp32_moments` with bf16 moments: yields the fp32 copies, then rounds
+    the updated copies back into the bf16 moments."""
+    m32 = [p[2].float() for p in piece]
+    v32 = [p[3].float() for p in piece]
+    yield [p[0] for p in piece], [p[1] for p in piece], m32, v32
+    torch._foreach_copy_([p[2] for p in piece] + [p[3] for p in piece], m32 + v32)
 
 
 class WarmupCosine:
