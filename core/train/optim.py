@@ -17,15 +17,16 @@ as one number, the kernel's grad_scale (the same place as on the device).
 
 bf16 moments (`train.optimizer_moments_dtype = "bf16"`, `dp.moments_dtype`): both moments are
 stored in bf16, on the device or on the host, 4 bytes per element instead of 8; the masters stay
-fp32. Every update runs in fp32: the Triton kernel widens and rounds them in its own pass; the
-torch paths (fused, foreach, the host's) upcast the moments of at most `MOMENT_CHUNK` elements at
-a time into fp32 copies (a transient of 8 bytes per element of the piece: 32 MiB), update, and
-round them back to nearest even (`_fp32_moments`). bf16 keeps fp32's exponent range, so small
-second moments do not underflow (fp16's would below 6e-8, a gradient of 2e-4); what it loses is
-the mantissa, 8 bits: each step's rounding is within half a unit in the last place (2^-9
-relative), about the size of the (1 - beta2) = 0.05 increments of a v of slowly changing
-gradients, so the update's scale is rounded, not its direction. eps is added to sqrt(v) in fp32
-as before.
+fp32. Every update runs in fp32 and rounds the new moments to nearest even: the Triton kernel
+widens and rounds them in its own pass; the torch paths (fused, foreach, the host's) copy the
+moments of at most `MOMENT_CHUNK` elements at a time into an fp32 scratch buffer kept between
+steps (8 MiB on the device, or on the host under offload), update there, and round back
+(`_fp32_moments`). Range: bf16 has fp32's exponent, so a small exp_avg_sq does not underflow
+(fp16's would flush gradients below 2e-4 to a zero v), and eps is added to sqrt(v) in fp32, as
+with fp32 moments. Precision: 8 significant bits, so a step changes a moment only where the
+change, (1 - beta) of the gap to the new gradient term, exceeds half a unit in the last place
+(2^-9 to 2^-8 of the value): with beta2 = 0.95 v follows any g^2 more than 8% away from it; at
+beta >= 1 - 2^-8 a moment would stop decaying, which validation refuses (core.validation).
 
 Weight decay: applied to every parameter with >= 2 dims (linear weights, embeddings, output
 head, stacked experts); not to 1-D params (norm gains, biases). This is Megatron-LM's and
@@ -51,7 +52,9 @@ from core.parallel.offload import check_host_memory
 from core.planner.state import state_bytes
 
 log = logging.getLogger(__name__)
-MOMENT_CHUNK = 1 << 22  # elements whose bf16 moments the torch paths upcast at once (32 MiB of fp32 copies)
+# Elements whose bf16 moments the torch paths update at once in fp32. On one CPU core the host
+# step over 16M elements took 1.2x the time of fp32 moments at 1M (the scratch in cache), 1.6x at 4M.
+MOMENT_CHUNK = 1 << 20
 
 
 def uses_weight_decay(param: torch.Tensor) -> bool:
@@ -76,6 +79,7 @@ class AdamW:
         self.step_count = 0
         self._step_tensor: torch.Tensor | None = None
         self._tables = AdamWTables()
+        self._scratch: dict[torch.device, torch.Tensor] = {}  # bf16 moments' fp32 copies (_upcast)
         self.moments_dtype = dp.moments_dtype
         # On the host under offload; fp32 or bf16 (dp.moments_dtype), always updated in fp32.
         self.exp_avg = [torch.zeros_like(s.master, dtype=self.moments_dtype) for s in dp.slots]
@@ -187,9 +191,9 @@ class AdamW:
     def _fp32_moments(self, group: list[int], masters: list[torch.Tensor], grads: list[torch.Tensor]):
         """(masters, grads, exp_avgs, exp_avg_sqs) of the slots in `group` for a torch AdamW
         kernel, moments in fp32: fp32 moments as they are, in one piece; bf16 moments in pieces
-        of at most MOMENT_CHUNK elements (a longer tensor by rows of dim 0), each piece's moments
-        upcast into fp32 copies and, once the caller has updated them, rounded back to nearest
-        even (torch's fp32 -> bf16 cast). Empty tensors (empty ZeRO chunks) are left out."""
+        of at most MOMENT_CHUNK elements (tensors cut by rows), each piece's moments copied into
+        an fp32 scratch buffer and, once the caller has updated them there, rounded back to
+        nearest even (torch's fp32 -> bf16 cast). Empty tensors (empty ZeRO chunks) are left out."""
         group = [i for i in group if masters[i].numel()]
         if self.moments_dtype == torch.float32:
             if group:
@@ -198,19 +202,34 @@ class AdamW:
             return
         piece, size = [], 0
         for i in group:
-            rows = masters[i].shape[0] if masters[i].dim() else 1
-            per_row = masters[i].numel() // rows
-            step = max(1, MOMENT_CHUNK // per_row)
-            for start in range(0, rows, step):
-                n = min(step, rows - start)
-                piece.append([t.narrow(0, start, n) if t.dim() else t
-                              for t in (masters[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i])])
-                size += n * per_row
-                if size >= MOMENT_CHUNK:
-                    yield from _upcast(piece)
+            for views in _rows((masters[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i]), MOMENT_CHUNK):
+                if size + views[0].numel() > MOMENT_CHUNK and piece:
+                    yield from self._upcast(piece, size)
                     piece, size = [], 0
+                piece.append(views)
+                size += views[0].numel()
         if piece:
-            yield from _upcast(piece)
+            yield from self._upcast(piece, size)
+
+    def _upcast(self, piece: list[tuple[torch.Tensor, ...]], size: int):
+        """One piece of `_fp32_moments`: the bf16 moments into the fp32 scratch (kept from step to
+        step: a fresh allocation each piece costs the host more than the update, by page faults),
+        yielded, then rounded back. The scratch is 2 x 4 bytes x MOMENT_CHUNK: 8 MiB."""
+        device = piece[0][0].device
+        scratch = self._scratch.get(device)
+        if scratch is None or scratch.numel() < 2 * size:
+            scratch = self._scratch[device] = torch.empty(2 * max(size, MOMENT_CHUNK), dtype=torch.float32,
+                                                          device=device)
+        m32, v32, offset = [], [], 0
+        for _, _, m, v in piece:
+            n = m.numel()
+            m32.append(scratch[offset:offset + n].view(m.shape))
+            v32.append(scratch[size + offset:size + offset + n].view(v.shape))
+            offset += n
+        moments = [m for *_, m, _ in piece] + [v for *_, v in piece]
+        torch._foreach_copy_(m32 + v32, moments)
+        yield [p[0] for p in piece], [p[1] for p in piece], m32, v32
+        torch._foreach_copy_(moments, m32 + v32)
 
     def zero_grad(self) -> None:
         self.dp.zero_grad()
@@ -224,13 +243,22 @@ class AdamW:
         return moments + masters
 
 
-def _upcast(piece: list[list[torch.Tensor]]):
-    """One piece of `AdamW._fp32_moments` with bf16 moments: yields the fp32 copies, then rounds
-    the updated copies back into the bf16 moments."""
-    m32 = [p[2].float() for p in piece]
-    v32 = [p[3].float() for p in piece]
-    yield [p[0] for p in piece], [p[1] for p in piece], m32, v32
-    torch._foreach_copy_([p[2] for p in piece] + [p[3] for p in piece], m32 + v32)
+def _rows(tensors: tuple[torch.Tensor, ...], limit: int):
+    """Views of same-shaped `tensors` that cover them, each of at most `limit` elements where
+    rows allow it: whole, runs of rows of dim 0, or each row cut the same way."""
+    first = tensors[0]
+    if first.numel() <= limit or first.dim() == 0:
+        yield tensors
+        return
+    rows = first.shape[0]
+    per_row = first.numel() // rows
+    if per_row > limit:
+        for r in range(rows):
+            yield from _rows(tuple(t[r] for t in tensors), limit)
+        return
+    step = limit // per_row
+    for start in range(0, rows, step):
+        yield tuple(t.narrow(0, start, min(step, rows - start)) for t in tensors)
 
 
 class WarmupCosine:
