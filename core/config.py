@@ -255,6 +255,8 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Most global gradient L2 norm; larger gradients are scaled down; 0: no clipping."""
+    optimizer_moments_dtype: Literal["fp32", "bf16"] = "fp32"
+    """AdamW's moments: fp32, or bf16 (half the bytes; fp32 update, rounded to nearest; fp32's exponent range: no underflow)."""
     optimizer_offload: bool = False
     """fp32 masters and AdamW moments (this rank's ZeRO-1 shard) in host memory, updated on the CPU; grads stream out per bucket."""
     optimizer_offload_host_gb: float = 0.0

@@ -24,15 +24,21 @@ def grad_accum_steps(config: Config) -> int:
 
 # ---- optimizer offload (core/parallel/offload.py) --------------------------------------------
 
-OFFLOAD_STATE_BYTES = 12  # host bytes per element of a rank's optimizer shard: fp32 master + two fp32 moments
+MOMENT_BYTES = {"fp32": 4, "bf16": 2}  # bytes per element of each AdamW moment (train.optimizer_moments_dtype)
 
 
-def offload_host_bytes(shard_numel: int, region_numel: int) -> int:
+def optimizer_state_bytes(moments_dtype: str = "fp32") -> int:
+    """Bytes per element of a rank's optimizer shard that offload keeps on the host: the fp32
+    master and the two moments (12 with fp32 moments, 8 with bf16)."""
+    return 4 + 2 * MOMENT_BYTES[moments_dtype]
+
+
+def offload_host_bytes(shard_numel: int, region_numel: int, moments_dtype: str = "fp32") -> int:
     """Host bytes `train.optimizer_offload` takes on a rank: masters and moments of its shard's
-    `shard_numel` elements, and the pinned fp32 buffer of its buckets' reduced regions
-    (`region_numel`: ZeRO-1 buckets pad every rank to rank 0's chunk), which carries the
-    gradients out and the new weights in."""
-    return shard_numel * OFFLOAD_STATE_BYTES + region_numel * 4
+    `shard_numel` elements (`optimizer_state_bytes`), and the pinned fp32 buffer of its buckets'
+    reduced regions (`region_numel`: ZeRO-1 buckets pad every rank to rank 0's chunk), which
+    carries the gradients out and the new weights in."""
+    return shard_numel * optimizer_state_bytes(moments_dtype) + region_numel * 4
 
 
 # ---- recomputation and offload (core/parallel/recompute.py) ---------------------------------

@@ -42,6 +42,8 @@ from core.rules import (
 )
 from dataservice.cp_plan import CostModel
 
+BF16_BETA_LIMIT = 1 - 2**-8  # half a bf16 unit in the last place is up to 2^-8 of the value: see _check_moments
+
 
 def validate(config: Config, world_size: int) -> Config:
     """Check everything about `config` on `world_size` ranks and derive `parallel.dp` (and the
@@ -218,6 +220,21 @@ def _check_train(config: Config) -> None:
         raise ConfigError("train.fused_loss=true needs model.dense_backend=\"torch\" (the head is a plain linear)")
     _check_mlp_chunks(config)
     _check_optimizer_offload(config)
+    _check_moments(t)
+
+
+def _check_moments(t: TrainConfig) -> None:
+    """bf16 moments round each update to 8 significant bits: a step moves a moment only where its
+    change, (1 - beta) of the gap to the new term, passes half a unit in the last place (between
+    2^-9 and 2^-8 of the value). At beta >= 1 - 2^-8 a moment whose term falls to zero loses at
+    most 2^-8 of itself a step, which rounds back for nearly every value: it could grow, never decay."""
+    if t.optimizer_moments_dtype != "bf16":
+        return
+    for name, beta in (("beta1", t.beta1), ("beta2", t.beta2)):
+        if beta >= BF16_BETA_LIMIT:
+            raise ConfigError(f"train.{name}={beta:g} with train.optimizer_moments_dtype='bf16': a bf16 moment "
+                              f"would stop decaying (a step lowers it by {1 - beta:.2g} of itself at most, which "
+                              f"bf16's rounding undoes); use {name} < {BF16_BETA_LIMIT:.5f} or optimizer_moments_dtype='fp32'")
 
 
 def _check_optimizer_offload(config: Config) -> None:

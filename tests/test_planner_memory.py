@@ -5,8 +5,9 @@ fp32 main-grad buckets and ZeRO-1 reduce-scatter targets, AdamW moments and fp32
 every legal layout (`core.planner.layouts`) of the tiny dense and MoE configs on 4 gloo ranks
 (tp, pp with both schedules, cp, dp, ep, etp; one layout built of the splits of each dp*cp, whose
 state the planner shows equal), fp32, ZeRO off, sizes that chunk unevenly and a tied embedding
-over the pipeline, and on one process; with optimizer offload, the host's masters, moments and
-gradient and weight buffers. Tolerance: none, the counts are exact.
+over the pipeline, bf16 moments (train.optimizer_moments_dtype), and on one process; with optimizer
+offload, the host's masters, moments and gradient and weight buffers. Tolerance: none, the counts
+are exact.
 
 The activation model against autograd: the bytes each block leaves alive after a bf16 forward on
 the CPU (every storage an op creates, tracked until freed), for every recompute kind: exact for
@@ -124,6 +125,8 @@ def _check_world(rank: int, world: int) -> list[str]:
             cases += [(validate(_config(name, precision, UNEVEN + ["train.optimizer_offload=true"] + keys), world),
                        "offload") for precision, keys in (("bf16", ["parallel.tp=2"]), ("fp32", []),
                                                           ("bf16", ["parallel.distributed_optimizer=false"]))]
+            cases += [(validate(_config(name, "bf16", UNEVEN + ["train.optimizer_moments_dtype=bf16"] + keys), world),
+                       "bf16 moments") for keys in ([], ["train.optimizer_offload=true"])]
         for config, what in cases:
             seen += 1
             measured, predicted = _measured(config), _predicted(config, rank)
@@ -137,14 +140,16 @@ def test_state_bytes_exact_on_four_ranks():
     results = run_distributed(_check_world, 4, timeout=300)
     wrong = [line for r in results for line in r if not line.startswith("layouts")]
     assert not wrong, "\n".join(wrong[:20])
-    assert int(results[0][-1].split()[1]) == 7 + 16 + 2 * 2 + 5 + 3  # every class was built and compared
+    assert int(results[0][-1].split()[1]) == 7 + 16 + 2 * 2 + 5 + 3 + 2  # every class was built and compared
 
 
 @pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-split", "bf16-offload"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-split", "bf16-offload", "bf16-moments",
+                                       "bf16-offload-moments"])
 def test_state_bytes_exact_on_one_process(name, precision):
     split = ["parallel.split_master_weights=true"] if precision == "bf16-split" else []
-    split += ["train.optimizer_offload=true"] if precision == "bf16-offload" else []
+    split += ["train.optimizer_offload=true"] if "offload" in precision else []
+    split += ["train.optimizer_moments_dtype=bf16"] if "moments" in precision else []
     config = validate(_config(name, precision.split("-")[0], ["parallel.ep=1", *split]), 1)
     assert _measured(config) == _predicted(config, 0)
 

@@ -56,6 +56,7 @@ from core.parallel.offload import HostOffload, check_host_memory
 from core.rules import offload_host_bytes
 
 GRAD_REDUCE_OPS = ("sum", "mean")
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.optimizer_moments_dtype
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -275,6 +276,7 @@ class DataParallel:
         split_masters: bool = False,
         offload: bool = False,
         host_limit_gb: float = 0.0,
+        moments_dtype: torch.dtype = torch.float32,
     ):
         if split_masters and offload:
             raise ValueError("offload keeps whole fp32 masters in host memory: split_masters has nothing to split")
@@ -282,6 +284,9 @@ class DataParallel:
             raise ValueError(f"split_masters keeps the fp32 master as the bf16 weight plus its low half: it needs "
                              f"param_dtype=torch.bfloat16, got {param_dtype}")
         self.split_masters, self.offload, self.host_limit_gb = split_masters, offload, host_limit_gb
+        if moments_dtype not in MOMENT_DTYPES.values():
+            raise ValueError(f"moments_dtype={moments_dtype} must be torch.float32 or torch.bfloat16")
+        self.moments_dtype = moments_dtype  # AdamW's (core.train.optim), counted by the host check here
         if grad_reduce not in GRAD_REDUCE_OPS:
             raise ValueError(f"grad_reduce={grad_reduce!r} must be one of {', '.join(GRAD_REDUCE_OPS)}")
         if not bucket_mb > 0:
@@ -341,7 +346,8 @@ class DataParallel:
         if self.offload:  # before anything is allocated on the host
             shard = sum(math.prod(s.chunk_shape(s.group_rank)) for s in slots)
             region = sum(math.prod(s.chunk_shape(0)) for s in slots)  # buckets pad to rank 0's chunk
-            check_host_memory(offload_host_bytes(shard, region), shard, self.host_limit_gb)
+            moments = next(k for k, v in MOMENT_DTYPES.items() if v == self.moments_dtype)
+            check_host_memory(offload_host_bytes(shard, region, moments), shard, self.host_limit_gb)
         with torch.no_grad():
             for slot in slots:
                 self._make_master(slot)
@@ -637,6 +643,7 @@ def apply_data_parallel(
     split_masters: bool = False,
     offload: bool = False,
     host_limit_gb: float = 0.0,
+    moments_dtype: torch.dtype = torch.float32,
 ) -> DataParallel:
     """Attach bucketed, overlapped gradient reduction (and the ZeRO-1 layout when
     `distributed_optimizer`) to a plain model; returns the handle the optimizer uses.
@@ -647,9 +654,10 @@ def apply_data_parallel(
     bits, rounded) plus an int16 low half, exact, 2 bytes per parameter instead of 4.
     `offload`: fp32 masters in host memory, reduced grads streamed there by bucket
     (core.parallel.offload), at most `host_limit_gb` of it per rank (0: the host's available
-    memory over the ranks per node)."""
+    memory over the ranks per node). `moments_dtype`: what the optimizer keeps its two moments
+    in (float32 or bfloat16, `train.optimizer_moments_dtype`; `core.train.optim.AdamW` reads it)."""
     return DataParallel(
         model, mesh, bucket_mb=bucket_mb, shard_optimizer=distributed_optimizer,
         param_dtype=param_dtype, grad_reduce=grad_reduce, gradient_accumulation_fusion=gradient_accumulation_fusion,
-        split_masters=split_masters, offload=offload, host_limit_gb=host_limit_gb,
+        split_masters=split_masters, offload=offload, host_limit_gb=host_limit_gb, moments_dtype=moments_dtype,
     )

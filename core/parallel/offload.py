@@ -2,7 +2,8 @@
 how gradients and weights cross the link.
 
 With offload, each `ParamSlot`'s fp32 master (this rank's ZeRO-1 chunk, or the whole param)
-is a host tensor, and so are AdamW's two moments (`core.train.optim`): 12 bytes per element of
+is a host tensor, and so are AdamW's two moments (`core.train.optim`; fp32, or bf16 under
+`train.optimizer_moments_dtype`): 12 bytes per element (8 with bf16 moments) of
 the shard leave the device. What stays there: the params (param dtype) and the fp32 main grads,
 which every micro-batch's backward accumulates into (gradient-accumulation fusion adds into
 them from the GEMMs), plus the reduce-scatter targets of ZeRO-1 buckets. One pinned host
@@ -22,7 +23,8 @@ buffer per bucket, laid out like the bucket's reduced shard (`bucket.region` fp3
   after this one.
 
 Without CUDA the buffers are plain host tensors and every copy is synchronous, so the CPU
-tests run this path. Host need per element: 12 bytes of the shard (master, moments) + 4 of the
+tests run this path. Host need per element: 12 bytes of the shard (master, moments; 8 with bf16
+moments) + 4 of the
 buckets' regions (the pinned buffers; ZeRO-1 pads each rank's region to rank 0's chunk),
 checked against the host's available memory before any of it is allocated
 (`check_host_memory`; the sum is `core.rules.offload_host_bytes`, which the planner reads too).

@@ -3,8 +3,9 @@
 This rank's parameters are the shards `apply_tp`, `apply_ep` and the pipeline split leave (in
 the parameter dtype); the fp32 main grads are one flat buffer per bucket, every parameter
 whole, plus the reduce-scatter target of each ZeRO-1 bucket (rank 0's chunk, the longest);
-AdamW's fp32 moments and masters cover this rank's ZeRO-1 chunks, cut like `torch.chunk` along
-the dim tensor and expert parallelism leave whole (`core.parallel.data.zero_shard_dim`). Under
+AdamW's moments (fp32, or bf16 under `train.optimizer_moments_dtype`) and fp32 masters cover
+this rank's ZeRO-1 chunks, cut like `torch.chunk` along the dim tensor and expert parallelism
+leave whole (`core.parallel.data.zero_shard_dim`). Under
 `train.optimizer_offload` the masters and moments leave the device for host memory, joined
 there by each bucket's pinned buffer, which carries gradients out and weights in (`host`,
 `core.rules.offload_host_bytes`); the params and main grads stay.
@@ -21,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from core.config import Config
-from core.rules import moe_layer_rule, offload_host_bytes, partition_layers
+from core.rules import MOMENT_BYTES, moe_layer_rule, offload_host_bytes, partition_layers
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "auto": 2}  # auto: bf16 on the GPU the plan is for
 
@@ -114,7 +115,7 @@ def layout_key(config: Config) -> tuple:
     p = config.parallel
     return (repr(config.model), p.tp, p.ep, p.etp, p.pp, p.pp_virtual_stages, p.pp_first_stage_layers,
             p.pp_last_stage_layers, p.dp, p.cp, p.distributed_optimizer, p.split_master_weights, config.train.precision,
-            config.train.optimizer_offload)
+            config.train.optimizer_offload, config.train.optimizer_moments_dtype)
 
 
 _CACHE: dict[tuple, object] = {}  # a pure memo keyed by the layout's values (layout_key): no run's state
@@ -246,10 +247,10 @@ def _state_bytes(config: Config, rank: int) -> StateBytes:
             packed += size * region * 4
             gather += size * region * width
             send += region * width
-        moments += chunk * 8
+        moments += chunk * 2 * MOMENT_BYTES[config.train.optimizer_moments_dtype]
         if width != 4:  # split masters keep only the low halves beside the bf16 weights
             masters += chunk * (2 if p.split_master_weights else 4)
     if config.train.optimizer_offload:
         return StateBytes(params, grads, shards, 0, 0, numel_all, chunk_all, packed, gather, send,
-                          offload_host_bytes(chunk_all, regions))
+                          offload_host_bytes(chunk_all, regions, config.train.optimizer_moments_dtype))
     return StateBytes(params, grads, shards, masters, moments, numel_all, chunk_all, packed, gather, send)

@@ -4,9 +4,12 @@ What is saved (one flat DCP state dict, keys by parameter name, so any layout ca
 - `model.<name>`: the param as a DTensor on the tp mesh (`Shard(tp_shard_dim)` with global
   shape `tp_full_shape`, else `Replicate`); expert params also `Shard(ep_shard_dim)` over ep.
   Copies that are replicated across dp are written once (DCP deduplicates).
-- `optim.<name>.{master,exp_avg,exp_avg_sq}`: fp32 DTensors on the (dp_cp, tp) mesh
+- `optim.<name>.{master,exp_avg,exp_avg_sq}`: DTensors on the (dp_cp, tp) mesh
   ((edp, ep, tp) for experts) with `Shard(zero_shard_dim)` over dp when the optimizer is
   distributed, `Replicate` otherwise. A different tp/dp layout (or plain vs ZeRO) reshards on load.
+  Masters are fp32; the moments are saved in the dtype the run keeps them in (fp32, or bf16 under
+  `train.optimizer_moments_dtype`), and a run keeping them in the other dtype converts them on
+  load (bf16 -> fp32 exactly, fp32 -> bf16 rounded to nearest even), which it logs in one line.
   Under optimizer offload they are host tensors, saved and loaded in place under the same keys,
   so a run saved with offload resumes without it and the reverse.
 - `meta` (one JSON blob from rank 0): step, optimizer step count, scheduler state, the
@@ -478,12 +481,16 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
         if f"buffer.{bname}" in saved:
             state[f"buffer.{bname}"] = buf
     aliased = []  # fp32 masters that are views of the params, or split: load into a temporary, copy after
+    converted = None  # (saved dtype, this run's) of the moments, where they differ
     if optimizer is not None:
         for slot, kind, tensor in _slot_entries(optimizer):
             key = f"optim.{slot.name}.{kind}"
             parts = older_parts(key, saved)
             if parts is None:
                 _require(saved, key, path)
+                dtype = getattr(getattr(saved[key], "properties", None), "dtype", tensor.dtype)
+                if kind != "master" and dtype != tensor.dtype:
+                    converted = dtype, tensor.dtype  # DCP's load copies into `tensor`, converting
             target = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
             if kind == "master" and slot.master_low is not None:  # split: `tensor` is a joined copy
                 aliased.append((slot.write_master, target))
@@ -523,8 +530,16 @@ def load_checkpoint(path, model: nn.Module, optimizer, scheduler, mesh: Parallel
         restored = int(count)
     if _rank() == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1
+        if converted is not None:
+            log.info("checkpoint %s holds the AdamW moments in %s, this run keeps them in %s "
+                     "(train.optimizer_moments_dtype): converted on load%s", path, _dtype_name(converted[0]),
+                     _dtype_name(converted[1]), " (rounded to nearest even)" if converted[1] == torch.bfloat16 else "")
         log.info("loaded %s (saved at layout %s); RNG state restored on %d of %d ranks", path, meta["layout"], restored, world)
     return meta["step"], meta["extra"]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
 
 
 def _require(saved, key: str, path: Path) -> None:

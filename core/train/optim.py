@@ -15,6 +15,19 @@ docs/performance-notes.md); each bucket's new weights are queued for the device
 (`HostOffload.push`) while the CPU updates the next bucket. The clip factor reaches the host
 as one number, the kernel's grad_scale (the same place as on the device).
 
+bf16 moments (`train.optimizer_moments_dtype = "bf16"`, `dp.moments_dtype`): both moments are
+stored in bf16, on the device or on the host, 4 bytes per element instead of 8; the masters stay
+fp32. Every update runs in fp32 and rounds the new moments to nearest even: the Triton kernel
+widens and rounds them in its own pass; the torch paths (fused, foreach, the host's) copy the
+moments of at most `MOMENT_CHUNK` elements at a time into an fp32 scratch buffer kept between
+steps (8 MiB on the device, or on the host under offload), update there, and round back
+(`_fp32_moments`). Range: bf16 has fp32's exponent, so a small exp_avg_sq does not underflow
+(fp16's would flush gradients below 2e-4 to a zero v), and eps is added to sqrt(v) in fp32, as
+with fp32 moments. Precision: 8 significant bits, so a step changes a moment only where the
+change, (1 - beta) of the gap to the new gradient term, exceeds half a unit in the last place
+(2^-9 to 2^-8 of the value): with beta2 = 0.95 v follows any g^2 more than 8% away from it; at
+beta >= 1 - 2^-8 a moment would stop decaying, which validation refuses (core.validation).
+
 Weight decay: applied to every parameter with >= 2 dims (linear weights, embeddings, output
 head, stacked experts); not to 1-D params (norm gains, biases). This is Megatron-LM's and
 nanoGPT's rule; decaying embeddings too is their common practice.
@@ -39,6 +52,9 @@ from core.parallel.offload import check_host_memory
 from core.planner.state import state_bytes
 
 log = logging.getLogger(__name__)
+# Elements whose bf16 moments the torch paths update at once in fp32. On one CPU core the host
+# step over 16M elements took 1.2x the time of fp32 moments at 1M (the scratch in cache), 1.6x at 4M.
+MOMENT_CHUNK = 1 << 20
 
 
 def uses_weight_decay(param: torch.Tensor) -> bool:
@@ -63,8 +79,11 @@ class AdamW:
         self.step_count = 0
         self._step_tensor: torch.Tensor | None = None
         self._tables = AdamWTables()
-        self.exp_avg = [torch.zeros_like(s.master) for s in dp.slots]  # on the host under offload
-        self.exp_avg_sq = [torch.zeros_like(s.master) for s in dp.slots]
+        self._scratch: dict[torch.device, torch.Tensor] = {}  # bf16 moments' fp32 copies (_upcast)
+        self.moments_dtype = dp.moments_dtype
+        # On the host under offload; fp32 or bf16 (dp.moments_dtype), always updated in fp32.
+        self.exp_avg = [torch.zeros_like(s.master, dtype=self.moments_dtype) for s in dp.slots]
+        self.exp_avg_sq = [torch.zeros_like(s.master, dtype=self.moments_dtype) for s in dp.slots]
         self._decayed = [uses_weight_decay(s.param) for s in dp.slots]
         self._groups = [[i for i, d in enumerate(self._decayed) if d], [i for i, d in enumerate(self._decayed) if not d]]
 
@@ -100,8 +119,8 @@ class AdamW:
         masters = [s.master_high() for s in slots] if split else [s.master for s in slots]
         lows = [s.master_low for s in slots] if split else None
         grads = [s.shard_grad for s in slots]
-        fp32 = grads + self.exp_avg + self.exp_avg_sq + ([] if split else masters)
-        if not multi_tensor_adamw_supported(fp32, []) or (
+        fp32 = grads + ([] if split else masters)
+        if not multi_tensor_adamw_supported(fp32, [], self.exp_avg + self.exp_avg_sq) or (
                 split and not all(t.is_contiguous() for t in masters + lows)):
             return False
         targets = self.dp.weight_targets()  # asked only here: under ZeRO it allocates the send buffers
@@ -122,19 +141,13 @@ class AdamW:
         if self._step_tensor is None:
             self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.dp.device)
         self._step_tensor.fill_(self.step_count)
-        slots = self.dp.slots
         beta1, beta2 = self.betas
+        grads = [s.shard_grad for s in self.dp.slots]
         for group, wd in zip(self._groups, (self.weight_decay, 0.0)):
-            group = [i for i in group if masters[i].numel()]  # empty ZeRO chunks
-            if not group:
-                continue
-            torch._fused_adamw_(
-                [masters[i] for i in group], [slots[i].shard_grad for i in group],
-                [self.exp_avg[i] for i in group], [self.exp_avg_sq[i] for i in group], [],
-                [self._step_tensor] * len(group),
-                lr=self.lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False,
-                grad_scale=inverse_clip,
-            )
+            for ps, gs, ms, vs in self._fp32_moments(group, masters, grads):
+                torch._fused_adamw_(ps, gs, ms, vs, [], [self._step_tensor] * len(ps), lr=self.lr, beta1=beta1,
+                                    beta2=beta2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False,
+                                    grad_scale=inverse_clip)
 
     def _host_step(self, clip: torch.Tensor | None) -> None:
         """Offload: the update of each bucket's host masters from its host grads on the CPU, then
@@ -146,16 +159,15 @@ class AdamW:
         self._step_tensor.fill_(self.step_count)
         index = {id(s): i for i, s in enumerate(self.dp.slots)}
         slots, beta1, beta2 = self.dp.slots, *self.betas
+        masters = [s.master for s in slots]
         for bucket in self.dp.buckets:
-            mine = [index[id(s)] for s in bucket.slots if slots[index[id(s)]].master.numel()]
+            mine = [index[id(s)] for s in bucket.slots]
             for wd, group in ((self.weight_decay, [i for i in mine if self._decayed[i]]),
                               (0.0, [i for i in mine if not self._decayed[i]])):
-                if group:
-                    torch._fused_adamw_(
-                        [slots[i].master for i in group], [grads[i] for i in group],
-                        [self.exp_avg[i] for i in group], [self.exp_avg_sq[i] for i in group], [],
-                        [self._step_tensor] * len(group), lr=self.lr, beta1=beta1, beta2=beta2, weight_decay=wd,
-                        eps=self.eps, amsgrad=False, maximize=False, grad_scale=inverse_clip)
+                for ps, gs, ms, vs in self._fp32_moments(group, masters, grads):
+                    torch._fused_adamw_(ps, gs, ms, vs, [], [self._step_tensor] * len(ps), lr=self.lr, beta1=beta1,
+                                        beta2=beta2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False,
+                                        grad_scale=inverse_clip)
             self.dp.host.push(bucket)
         self.dp.gather_params(targets_written=True)
 
@@ -163,34 +175,90 @@ class AdamW:
         beta1, beta2 = self.betas
         bias1 = 1 - beta1**self.step_count
         bias2_sqrt = math.sqrt(1 - beta2**self.step_count)
-        slots = self.dp.slots
+        all_grads = [s.shard_grad for s in self.dp.slots]
         for group, wd in zip(self._groups, (self.weight_decay, 0.0)):
-            if not group:
-                continue
-            params = [masters[i] for i in group]
-            grads = [slots[i].shard_grad for i in group]
-            m = [self.exp_avg[i] for i in group]
-            v = [self.exp_avg_sq[i] for i in group]
-            if wd:
-                torch._foreach_mul_(params, 1 - self.lr * wd)
-            torch._foreach_lerp_(m, grads, 1 - beta1)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bias2_sqrt)
-            torch._foreach_add_(denom, self.eps)
-            torch._foreach_addcdiv_(params, m, denom, value=-self.lr / bias1)
+            for params, grads, m, v in self._fp32_moments(group, masters, all_grads):
+                if wd:
+                    torch._foreach_mul_(params, 1 - self.lr * wd)
+                torch._foreach_lerp_(m, grads, 1 - beta1)
+                torch._foreach_mul_(v, beta2)
+                torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+                denom = torch._foreach_sqrt(v)
+                torch._foreach_div_(denom, bias2_sqrt)
+                torch._foreach_add_(denom, self.eps)
+                torch._foreach_addcdiv_(params, m, denom, value=-self.lr / bias1)
+
+    def _fp32_moments(self, group: list[int], masters: list[torch.Tensor], grads: list[torch.Tensor]):
+        """(masters, grads, exp_avgs, exp_avg_sqs) of the slots in `group` for a torch AdamW
+        kernel, moments in fp32: fp32 moments as they are, in one piece; bf16 moments in pieces
+        of at most MOMENT_CHUNK elements (tensors cut by rows), each piece's moments copied into
+        an fp32 scratch buffer and, once the caller has updated them there, rounded back to
+        nearest even (torch's fp32 -> bf16 cast). Empty tensors (empty ZeRO chunks) are left out."""
+        group = [i for i in group if masters[i].numel()]
+        if self.moments_dtype == torch.float32:
+            if group:
+                yield ([masters[i] for i in group], [grads[i] for i in group], [self.exp_avg[i] for i in group],
+                       [self.exp_avg_sq[i] for i in group])
+            return
+        piece, size = [], 0
+        for i in group:
+            for views in _rows((masters[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i]), MOMENT_CHUNK):
+                if size + views[0].numel() > MOMENT_CHUNK and piece:
+                    yield from self._upcast(piece, size)
+                    piece, size = [], 0
+                piece.append(views)
+                size += views[0].numel()
+        if piece:
+            yield from self._upcast(piece, size)
+
+    def _upcast(self, piece: list[tuple[torch.Tensor, ...]], size: int):
+        """One piece of `_fp32_moments`: the bf16 moments into the fp32 scratch (kept from step to
+        step: a fresh allocation each piece costs the host more than the update, by page faults),
+        yielded, then rounded back. The scratch is 2 x 4 bytes x MOMENT_CHUNK: 8 MiB."""
+        device = piece[0][0].device
+        scratch = self._scratch.get(device)
+        if scratch is None or scratch.numel() < 2 * size:
+            scratch = self._scratch[device] = torch.empty(2 * max(size, MOMENT_CHUNK), dtype=torch.float32,
+                                                          device=device)
+        m32, v32, offset = [], [], 0
+        for _, _, m, v in piece:
+            n = m.numel()
+            m32.append(scratch[offset:offset + n].view(m.shape))
+            v32.append(scratch[size + offset:size + offset + n].view(v.shape))
+            offset += n
+        moments = [m for *_, m, _ in piece] + [v for *_, v in piece]
+        torch._foreach_copy_(m32 + v32, moments)
+        yield [p[0] for p in piece], [p[1] for p in piece], m32, v32
+        torch._foreach_copy_(moments, m32 + v32)
 
     def zero_grad(self) -> None:
         self.dp.zero_grad()
 
     def state_bytes(self) -> int:
-        """Bytes this rank holds for optimizer state: both moments, plus fp32 masters where they
-        are not the params themselves (in host memory under offload)."""
+        """Bytes this rank holds for optimizer state: both moments (4 or 2 bytes an element each),
+        plus fp32 masters where they are not the params themselves (in host memory under offload)."""
         moments = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
         masters = sum(s.master_low.numel() * 2 if s.master_low is not None else s.master.numel() * 4
                       for s in self.dp.slots if not s.master_is_param)
         return moments + masters
+
+
+def _rows(tensors: tuple[torch.Tensor, ...], limit: int):
+    """Views of same-shaped `tensors` that cover them, each of at most `limit` elements where
+    rows allow it: whole, runs of rows of dim 0, or each row cut the same way."""
+    first = tensors[0]
+    if first.numel() <= limit or first.dim() == 0:
+        yield tensors
+        return
+    rows = first.shape[0]
+    per_row = first.numel() // rows
+    if per_row > limit:
+        for r in range(rows):
+            yield from _rows(tuple(t[r] for t in tensors), limit)
+        return
+    step = limit // per_row
+    for start in range(0, rows, step):
+        yield tuple(t.narrow(0, start, min(step, rows - start)) for t in tensors)
 
 
 class WarmupCosine:

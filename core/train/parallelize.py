@@ -34,7 +34,7 @@ from core.mesh import ParallelMesh
 from core.train.optim import build_optimizer, clip_grad_norm_
 from core.parallel.context import apply_cp
 from core.parallel.ulysses import A2AGroups, apply_a2a_cp
-from core.parallel.data import DataParallel, apply_data_parallel
+from core.parallel.data import MOMENT_DTYPES, DataParallel, apply_data_parallel
 from core.parallel.pipeline import PipelineStage, build_pipeline_stage, tie_for_data_parallel
 from core.parallel.checkpoint_offload import CheckpointOffload, HostPool
 from core.parallel.recompute import apply_recompute, compile_inside_checkpoint
@@ -205,7 +205,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     dp = apply_data_parallel(model, mesh, bucket_mb=p.bucket_mb, distributed_optimizer=p.distributed_optimizer,
                              param_dtype=plan.param_dtype, gradient_accumulation_fusion=p.gradient_accumulation_fusion,
                              split_masters=p.split_master_weights, offload=t.optimizer_offload,
-                             host_limit_gb=t.optimizer_offload_host_gb)
+                             host_limit_gb=t.optimizer_offload_host_gb,
+                             moments_dtype=MOMENT_DTYPES[t.optimizer_moments_dtype])
     # After data parallelism: its cast gives the parameters the storage the FP8 layers read.
     if weight_cache is not None:
         weight_cache.track(p for p in model.parameters() if p.requires_grad)

@@ -75,16 +75,16 @@ def reference_run(steps: int, clip: float | None, start_params=None):
 
 
 def make_trainer(mesh, *, zero=True, bucket_mb=0.01, param_dtype=torch.float32, device="cpu", split=False,
-                 offload=False, host_limit_gb=0.0):
+                 offload=False, host_limit_gb=0.0, moments_dtype=torch.float32):
     """The CFG model (seed 7) under data parallelism on `mesh` (tensor parallelism with sequence
     parallelism first where mesh.tp > 1): (model, DataParallel, AdamW, WarmupCosine) at HYPER;
-    `offload`: the optimizer state in host memory."""
+    `offload`: the optimizer state in host memory; `moments_dtype`: AdamW's moments (fp32 or bf16)."""
     model = build_model(ModelConfig(**CFG), seed=7).to(device)
     if mesh.tp > 1:
         apply_tp(model, mesh, sequence_parallel=True)
     dp = apply_data_parallel(model, mesh, bucket_mb=bucket_mb, distributed_optimizer=zero, param_dtype=param_dtype,
                              split_masters=split, offload=offload,
-                             host_limit_gb=host_limit_gb)
+                             host_limit_gb=host_limit_gb, moments_dtype=moments_dtype)
     opt = AdamW(dp, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["wd"])
     sched = WarmupCosine(opt, HYPER["lr"], HYPER["min_lr"], HYPER["warmup"], HYPER["max_steps"])
     return model, dp, opt, sched
