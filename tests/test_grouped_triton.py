@@ -212,7 +212,9 @@ def _run(env: dict) -> None:
 
 
 def test_aligned_kernels_in_the_interpreter_match_float64_and_the_default_layout():
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+        pytest.skip("Triton's interpreter before 3.7 cannot run a loop bounded by a loaded value")
     _run({"TRITON_INTERPRET": "1"})
 
 

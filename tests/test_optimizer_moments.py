@@ -17,8 +17,7 @@
   differ), and its checkpoint holds bf16 moments beside fp32 masters.
 - ZeRO-1 at dp=2 with optimizer offload (torchrun, gloo) against the single process, both with
   bf16 moments: the layouts' tolerance, 2e-4 relative (tests/support/runs.py: the reduction order
-  differs, and a one-bit gradient difference can flip a moment's rounding); device against host
-  at dp=2 is tests/test_optimizer_offload.py's `dp2-zero1-bf16-moments`.
+  differs, and a one-bit gradient difference can flip a moment's rounding).
 - Checkpoints across the dtype, at dp=2 with ZeRO-1 and across offload: fp32 moments load into a
   bf16 run rounded to nearest even, bit for bit `saved.to(bfloat16)`; bf16 moments into an fp32
   run exactly; masters unchanged; one log line says so.
@@ -73,22 +72,39 @@ for name in ("triton", "triton-split"):
     distance = compare(result)
     print(name, distance)
     assert distance["master_rel"] < 1e-5 and distance["moment_ulps"] <= 1, distance
+'''
+ROUNDING_CHECK = r'''
+import torch
+from core.kernels.adamw import AdamWTables, multi_tensor_adamw
+from tests.support.moments import ulps
 
+device = DEVICE
 # beta = 0: the new moments are the gradient term itself, rounded by the kernel
 bf = torch.randn(4096).bfloat16().float()
 bits = bf.view(torch.int32)
 ties = torch.cat([(bits + 0x8000).view(torch.float32), (bits + 0x7FFF).view(torch.float32),
                   (bits + 0x8001).view(torch.float32)])  # exact ties (odd and even), just below, just above
 special = torch.tensor([0.0, 1e-40, -1e-40, 3e38, -3e38, float("inf"), float("-inf")])  # -0: 0 + -0 is +0
-g = torch.cat([ties, -ties, special, torch.tensor([float("nan")])])
+g = torch.cat([ties, -ties, special, torch.tensor([float("nan")])]).to(device)
 m, v = torch.zeros_like(g, dtype=torch.bfloat16), torch.zeros_like(g, dtype=torch.bfloat16)
 multi_tensor_adamw(AdamWTables(), [torch.zeros_like(g)], [g.clone()], [m], [v], [None], [0.0], lr=0.0,
                    betas=(0.0, 0.0), eps=1e-8, step=1, grad_scale=None)
 assert torch.equal(m[:-1].view(torch.int16), g[:-1].bfloat16().view(torch.int16))
 assert torch.equal(v[:-1].view(torch.int16), (g * g)[:-1].bfloat16().view(torch.int16))
 assert m[-1].isnan() and v[-1].isnan()
+# Decaying moments: the fp32 update of the widened moments, rounded once (within one unit)
+g = torch.randn(1 << 20, device=device)
+m, v = torch.randn_like(g).bfloat16(), torch.rand_like(g).bfloat16()
+want_m = (0.9 * m.float() + 0.1 * g).bfloat16()
+want_v = (0.95 * v.float() + 0.05 * g * g).bfloat16()
+multi_tensor_adamw(AdamWTables(), [torch.zeros_like(g)], [g.clone()], [m], [v], [None], [0.0], lr=0.0,
+                   betas=(0.9, 0.95), eps=1e-8, step=1, grad_scale=None)
+for got, want in ((m, want_m), (v, want_v)):
+    distance = ulps(got, want)
+    assert int(distance.max()) <= 1 and float((distance == 0).float().mean()) > 0.99, distance.float().mean()
 print("kernel rounding equals torch's cast")
 '''
+KERNEL_ROUNDING += ROUNDING_CHECK.replace("DEVICE", repr("cpu"))
 
 
 @pytest.mark.slow
@@ -97,6 +113,14 @@ def test_triton_kernel_with_bf16_moments_under_the_interpreter():
     run = subprocess.run([sys.executable, "-c", KERNEL_ROUNDING], cwd=ROOT, env=child_env(TRITON_INTERPRET="1"),
                          capture_output=True, text=True, timeout=300)
     print(run.stdout[-2000:])
+    assert run.returncode == 0 and "kernel rounding equals torch's cast" in run.stdout, run.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_kernel_rounds_bf16_moments_like_torch_on_gpu():
+    run = subprocess.run([sys.executable, "-c", ROUNDING_CHECK.replace("DEVICE", repr("cuda"))], cwd=ROOT,
+                         env=child_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "kernel rounding equals torch's cast" in run.stdout, run.stderr[-4000:]
 
 
