@@ -76,10 +76,10 @@ def test_llama_8b_on_8_h100s_and_why_it_stops_short_of_4m():
     found = longest(config, 8, int(79.6 * GIB), 1024 * GIB, H100, 8)
     assert isinstance(found, Longest)
     _check_answer(found, config, 8, int(79.6 * GIB), 1024 * GIB)
-    assert 2**21 <= found.seq_len < 2**22, found.seq_len  # 3.53M tokens: host-bound
-    # The next multiple misses on the host (the final norm runs inside the fused loss's chunks,
-    # so the GPU keeps no fp32 copy of the hidden state and has room left).
-    assert found.closest.host.node > 1024 * GIB and found.closest.memory.device_total <= 79.6 * GIB
+    assert 2**21 <= found.seq_len < 2**22, found.seq_len  # 3.13M tokens
+    # The next multiple misses on the GPU, by the backward's transients (a recomputed block with
+    # the attention kernels' scratch), with the host not full.
+    assert found.closest.memory.device_total > 79.6 * GIB and found.closest.host.node <= 1024 * GIB
     # At 4M tokens the host alone rules it out: every candidate's offloaded block inputs (32
     # layers x 4096 x 2 bytes a token: 1 TiB) fill the 1 TiB, with nothing left for the optimizer.
     base, _ = planning_copy(config)

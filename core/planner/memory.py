@@ -346,6 +346,17 @@ def tiled_mlp_transient(config: Config) -> int:
     return max(dense, experts)
 
 
+def attention_backward_scratch(config: Config) -> int:
+    """What the attention kernels' backward takes beyond its inputs and gradients: 8 bytes per
+    query element (token x head x head dim) on an H200, FlashAttention varlen and cuDNN alike
+    (`python -m bench.attention_kernels --mode memory`: 8.03 at 128K-512K tokens, 16 heads, 4
+    key/value heads), which is an fp32 query-gradient accumulator and the key/value gradients at
+    the query heads' count. It lives while a block's backward, recomputed or not, holds the
+    block's saved tensors."""
+    s = shapes(config)
+    return s.tokens * s.q * 8
+
+
 def cp_transient(config: Config) -> int:
     """Context parallelism's buffers beside the saved tensors: the ring's K/V blocks in flight
     (two blocks of k and v, forward; their gradients too in the backward); under all-to-all CP
@@ -487,7 +498,8 @@ def estimate_memory(config: Config, rank: int | None = None, allocator: Allocato
     # Besides the saved tensors, the largest need of the forward and backward: the loss, a
     # recomputed block, offloaded tensors brought back (one module ahead), the ring's KV blocks
     # (or the all-to-alls' copies), a tiled MLP's chunk.
-    transient = max(loss_transient(config) if last else 0, rebuilt, 2 * brought_back) + cp_transient(config) + \
+    transient = max(loss_transient(config) if last else 0, rebuilt + attention_backward_scratch(config),
+                    2 * brought_back) + cp_transient(config) + \
         tiled_mlp_transient(config)
     cache = fp8_cache_bytes(config, c["pp"])
     return MemoryEstimate(rank, state, activations, int(flight * offloaded), transient, cache, per_layer,
