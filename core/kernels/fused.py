@@ -217,15 +217,14 @@ if triton is not None:
             tl.store(grad_weights + t * K + j, tl.sum(acc, axis=1), mask=valid)
 
 
-def _launch(kernel, grid, *args, **meta) -> None:
+def _launch(kernel, grid, *args, remedy: str = "TESSERA_TRITON=0 runs the PyTorch ops instead", **meta) -> None:
     """kernel[grid](*args, **meta), with a failure (a Triton that cannot compile or launch on this
-    machine) said in terms of what to do about it."""
+    machine) said in terms of what to do about it (`remedy`)."""
     try:
         kernel[grid](*args, **meta)
     except Exception as exc:
         name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
-        raise RuntimeError(f"Triton kernel {name} failed ({type(exc).__name__}: {exc}); "
-                           "TESSERA_TRITON=0 runs the PyTorch ops instead") from exc
+        raise RuntimeError(f"Triton kernel {name} failed ({type(exc).__name__}: {exc}); {remedy}") from exc
 
 
 def accumulate_fp32_(dst: Tensor, src: Tensor, copy: bool) -> None:

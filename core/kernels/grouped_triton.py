@@ -30,7 +30,7 @@ import os
 import torch
 from torch import Tensor
 
-from core.kernels.fused import triton_enabled
+from core.kernels.fused import _launch, triton_enabled
 
 try:
     import triton
@@ -170,12 +170,7 @@ _SMALL = {"BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2, "GROUP_
 
 
 def _run(kernel, grid, *args, **meta) -> None:
-    try:
-        kernel[grid](*args, **meta)
-    except Exception as exc:
-        name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
-        raise RuntimeError(f"Triton kernel {name} failed ({type(exc).__name__}: {exc}); "
-                           "model.moe.grouped_gemm='auto' runs the default kernels instead") from exc
+    _launch(kernel, grid, *args, remedy="model.moe.grouped_gemm='auto' runs the default kernels instead", **meta)
 
 
 def aligned_mm(x: Tensor, w: Tensor, offsets: Tensor, tile_expert: Tensor) -> Tensor:
