@@ -442,26 +442,35 @@ def cp_a2a_size(config: Config) -> int:
 
 
 def _check_cp_comm(config: Config) -> None:
-    """All-to-all CP: the group sizes, and heads that split over them (core/parallel/ulysses.py)."""
-    p, m = config.parallel, config.model
+    """All-to-all CP: the group sizes, and heads that split over them (core/parallel/ulysses.py).
+    Under dynamic CP the sizes are the planner's (`_check_dynamic_cp`)."""
+    p = config.parallel
     if p.cp_a2a and p.cp_comm != "a2a+ring":
         raise ConfigError(f"parallel.cp_a2a={p.cp_a2a} is read only with parallel.cp_comm='a2a+ring' (now "
                           f"{p.cp_comm!r}); set cp_comm='a2a+ring' or remove it")
-    if p.cp_comm == "ring" or p.cp == 1:
+    if p.dynamic_cp and p.cp_comm == "a2a+ring":
+        raise ConfigError("parallel.dynamic_cp with parallel.cp_comm='a2a+ring' is not supported: the plan's "
+                          "sub-groups change size every micro-batch, so there is no fixed all-to-all group inside "
+                          "them to ring between; use cp_comm='a2a' (all-to-all over each sub-group) or 'ring'")
+    if p.cp_comm == "ring" or p.cp == 1 or p.dynamic_cp:
         return
     if p.cp_comm == "a2a+ring" and not (1 < p.cp_a2a < p.cp and p.cp % p.cp_a2a == 0):
         raise ConfigError(f"parallel.cp_comm='a2a+ring' needs parallel.cp_a2a, the all-to-all group inside a node, "
                           f"between 2 and cp/2 and dividing parallel.cp={p.cp} (now {p.cp_a2a}); or use cp_comm='a2a'")
-    if p.dynamic_cp:
-        raise ConfigError(f"parallel.dynamic_cp with parallel.cp_comm={p.cp_comm!r} is not supported: dynamic CP "
-                          "plans ring groups; use cp_comm='ring'")
-    k = cp_a2a_size(config)
+    _check_a2a_heads(config, cp_a2a_size(config), "choose an all-to-all group (parallel.cp or cp_a2a) that divides")
+
+
+def _check_a2a_heads(config: Config, k: int, remedy: str) -> None:
+    """Each rank's query heads split over an all-to-all of `k` ranks, and its key/value heads
+    divide k or repeat to a multiple of it that divides the query heads. `remedy` ends with
+    "divides": the line names the query heads after it."""
+    p, m = config.parallel, config.model
     q_heads = m.num_heads // p.tp
     kv_heads = q_heads if m.attention == "mla" else m.num_kv_heads // p.tp
     if q_heads % k:
         raise ConfigError(f"parallel.cp_comm={p.cp_comm!r} splits each rank's {q_heads} query heads (model.num_heads="
-                          f"{m.num_heads} / tp={p.tp}) over {k} ranks, which does not divide them; choose an "
-                          f"all-to-all group (parallel.cp or cp_a2a) that divides {q_heads}, or cp_comm='ring'")
+                          f"{m.num_heads} / tp={p.tp}) over {k} ranks, which does not divide them; {remedy} "
+                          f"{q_heads}, or cp_comm='ring'")
     if kv_heads % k and q_heads % math.lcm(kv_heads, k):
         raise ConfigError(f"parallel.cp_comm={p.cp_comm!r}: {kv_heads} key/value heads per rank cannot be repeated to "
                           f"a multiple of the all-to-all group {k} that divides the {q_heads} query heads; choose a "
@@ -483,6 +492,15 @@ def _check_dynamic_cp(config: Config, dp: int) -> None:
     # A document piece has up to seq_len tokens; it must fit the largest aligned power-of-two
     # group of the dp*cp ranks, padded to a multiple of 2g (the zigzag split).
     g = 1 << ((dp * p.cp).bit_length() - 1)
+    if p.cp_comm == "a2a":
+        # The planner may put any micro-batch on a group of any power of two up to g; every
+        # one of them must split the heads (g dividing them implies the smaller ones do).
+        size = 2
+        while size <= g:
+            _check_a2a_heads(config, size, f"parallel.dynamic_cp may plan a micro-batch on any power of two up "
+                                           f"to {g} of the dp*cp = {dp * p.cp} ranks; use dp*cp ranks whose largest "
+                                           f"power of two divides")
+            size *= 2
     need = t.seq_len if g == 1 else -(-t.seq_len // (2 * g)) * 2
     if p.cp_token_budget < need:
         raise ConfigError(

@@ -58,6 +58,25 @@ def test_dynamic_cp_on_4_processes_matches_single_process_and_resumes(tmp_path, 
 
 
 @pytest.mark.slow
+def test_dynamic_cp_with_all_to_all_matches_the_ring_and_the_single_process(tmp_path, dataset, reference):
+    """`parallel.cp_comm=a2a`: each entry's attention is an all-to-all over its own sub-group
+    (tiny_dense: 4 query / 2 key-value heads, so groups of 4 repeat the key/value heads, groups
+    of 2 do not, groups of 1 attend plainly). The plans are the ring's (the same requests), and
+    both runs must follow the single process to RTOL (fp32, reduction order only); against each
+    other too, as both are that close to one reference."""
+    assert group_sizes(dataset) == {1, 2, 4}
+    runs = {}
+    for comm in ("a2a", "ring"):
+        run_train(tmp_path / comm, dataset, 4, *DYNAMIC, f"parallel.cp_comm={comm}")
+        runs[comm] = losses(tmp_path / comm)
+    assert runs["a2a"].keys() == runs["ring"].keys() == reference.keys() and len(reference) == 4
+    for step, loss in reference.items():
+        assert runs["a2a"][step] == pytest.approx(loss, rel=RTOL), (step, runs, reference)
+        assert runs["ring"][step] == pytest.approx(loss, rel=RTOL), (step, runs, reference)
+        assert runs["a2a"][step] == pytest.approx(runs["ring"][step], rel=RTOL), (step, runs)
+
+
+@pytest.mark.slow
 def test_budget_too_small_for_a_row_exits_2_with_one_clear_line(tmp_path, dataset):
     # Refused before any training: the entry point in this process (tests/support/cli.py).
     args = ["--config", CONFIG]

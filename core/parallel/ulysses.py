@@ -23,6 +23,12 @@ Grouped-query attention: key/value heads are repeated up to the next multiple of
 does not divide their count (K must divide the query heads and be a multiple or a divisor of
 the key/value heads); each rank then receives whole query groups with their own key/value
 head, so the attention is unchanged.
+
+Dynamic CP (`dynamic_a2a_inputs`): each plan entry's documents are split over the entry's own
+sub-group as "a2a" splits them over a CP group (R = 1, K = the sub-group's size g), and the
+sub-group rides in `meta.extra["a2a_group"]`; an entry of one rank is not split and attends
+plainly. A document over g ranks is padded to a multiple of 2g, as the ring pads it, so each
+member holds the tokens the planner counted (`dataservice.cp_plan.padded_length`).
 """
 
 from __future__ import annotations
@@ -38,10 +44,10 @@ from core.attention import varlen_attention
 from core.eager import eager_only
 from core.layers import AttentionMeta, model_blocks
 from core.mesh import ParallelMesh
-from core.parallel.context import CPInputs, _cu, _iota, shard_for_cp
+from core.parallel.context import CPInputs, CPSubgroups, _cu, _iota, dynamic_cp_inputs, gather_documents, shard_for_cp
 from core.parallel.ring_attention import CPLayout, ring_attention
 
-__all__ = ["A2ALayout", "shard_for_a2a", "A2ACoreAttention", "apply_a2a_cp", "A2AGroups"]
+__all__ = ["A2ALayout", "shard_for_a2a", "A2ACoreAttention", "apply_a2a_cp", "A2AGroups", "dynamic_a2a_inputs"]
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,9 @@ def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class A2ACoreAttention(nn.Module):
-    """Drop-in for `CoreAttention` under `cp_comm` "a2a" / "a2a+ring" (see the module docstring)."""
+    """Drop-in for `CoreAttention` under `cp_comm` "a2a" / "a2a+ring" (see the module docstring).
+    The all-to-all runs over `meta.extra["a2a_group"]` where the batch names one (dynamic CP's
+    sub-group), else over `a2a_group`."""
 
     def __init__(self, a2a_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup | None):
         super().__init__()
@@ -140,6 +148,11 @@ class A2ACoreAttention(nn.Module):
         if layout is None:  # an unsharded batch (cp size 1)
             return varlen_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, doc_lengths=meta.doc_lengths)
         size = layout.a2a_size
+        group = meta.extra.get("a2a_group", self.a2a_group)
+        if group is None or dist.get_world_size(group) != size:
+            have = "no process group" if group is None else f"a group of {dist.get_world_size(group)} ranks"
+            raise ValueError(f"the batch is split for an all-to-all over {size} ranks but {have} is known: build the "
+                             "model with apply_a2a_cp or put the group in meta.extra['a2a_group']")
         if q.shape[1] % size:
             raise ValueError(f"all-to-all CP: {q.shape[1]} query heads on this rank cannot be split over "
                              f"parallel.cp_a2a={size}")
@@ -151,12 +164,12 @@ class A2ACoreAttention(nn.Module):
                                  f"parallel.cp_a2a={size} ranks with {q.shape[1]} query heads")
             k, v = _repeat_kv(k, kv_heads), _repeat_kv(v, kv_heads)
         index = layout.gather_index
-        qs, ks, vs = (_heads_to_tokens(t, size, index, self.a2a_group) for t in (q, k, v))
+        qs, ks, vs = (_heads_to_tokens(t, size, index, group) for t in (q, k, v))
         if layout.ring_layout is not None:
             out = ring_attention(qs, ks, vs, layout.ring_layout, self.ring_group)
         else:
             out = varlen_attention(qs, ks, vs, layout.ring_cu, layout.ring_max, doc_lengths=layout.ring_doc_lengths)
-        return _tokens_to_heads(out, size, index, self.a2a_group)
+        return _tokens_to_heads(out, size, index, group)
 
 
 class A2AGroups:
@@ -188,8 +201,27 @@ class A2AGroups:
                                 self.ring_group = group
 
 
-def apply_a2a_cp(model: nn.Module, groups: A2AGroups) -> nn.Module:
-    """Swap every block's `core_attention` for `A2ACoreAttention` (in place; after tensor parallelism)."""
+def apply_a2a_cp(model: nn.Module, groups: A2AGroups | None) -> nn.Module:
+    """Swap every block's `core_attention` for `A2ACoreAttention` (in place; after tensor parallelism).
+    With groups None (dynamic CP) every split batch names its sub-group in its meta."""
+    a2a, ring = (groups.a2a_group, groups.ring_group) if groups is not None else (None, None)
     for _, block in model_blocks(model):
-        block.attention.core_attention = A2ACoreAttention(groups.a2a_group, groups.ring_group)
+        block.attention.core_attention = A2ACoreAttention(a2a, ring)
     return model
+
+
+def dynamic_a2a_inputs(entry, tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
+                       cu_seqlens: torch.Tensor, subgroups: CPSubgroups, *, pad_token: int = 0,
+                       multiple_of: int = 1) -> CPInputs:
+    """`dynamic_cp_inputs` for all-to-all attention: this rank's share of one plan entry, split
+    over the entry's sub-group of g ranks (one all-to-all group, no ring); g = 1 is not split."""
+    start, size = int(entry.group_start), int(entry.group_size)
+    if size == 1:
+        return dynamic_cp_inputs(entry, tokens, labels, position_ids, cu_seqlens, subgroups, pad_token=pad_token,
+                                 multiple_of=multiple_of)
+    group = subgroups.group(start, size)
+    docs = gather_documents(tokens, labels, position_ids, cu_seqlens, entry.docs)
+    out = shard_for_a2a(*docs, 0, 1, subgroups.index - start, size, pad_token=pad_token, multiple_of=multiple_of)
+    out.meta.extra["a2a_group"] = group
+    out.meta.extra["cp_group"] = group  # MoE layers balance each sequence over the entry's group
+    return out

@@ -12,6 +12,10 @@ different numbers of micro-batches (an idle rank none, its gradients stay zero),
 overlapping the reduction with a "last" backward would launch it at different points of
 different ranks' ring exchanges.
 
+With `parallel.cp_comm = "a2a"` an entry's attention is one all-to-all over heads within its
+sub-group instead of the ring (`core.parallel.ulysses.dynamic_a2a_inputs`); the plan, the
+split's token counts and everything else are the same.
+
 MoE under expert parallelism: the token all-to-alls (or all-gathers) of a MoE layer are
 collectives over the ep group, so its ranks must make the same MoE calls in the same order,
 while the plan gives ranks different numbers of micro-batches. Each entry comes with its wave
@@ -37,6 +41,7 @@ from core.layers import AttentionMeta
 from core.train.data import StepInputs, mtp_inputs, take_positions
 from core.mesh import ParallelMesh
 from core.parallel.context import CPSubgroups, apply_cp, dynamic_cp_inputs
+from core.parallel.ulysses import apply_a2a_cp, dynamic_a2a_inputs
 from dataservice.packing import IGNORE_INDEX
 
 __all__ = ["DynamicCP"]
@@ -59,12 +64,16 @@ class DynamicCP:
         self.multiple_of = tp if config.parallel.sequence_parallel and tp > 1 else 1
         # MoE layers with collectives over ranks that run different entries: one micro-batch per wave.
         self.by_waves = bool(config.model.moe.num_experts) and mesh.size("ep") > 1
+        self.split = dynamic_a2a_inputs if config.parallel.cp_comm == "a2a" else dynamic_cp_inputs
 
     @classmethod
     def build(cls, config: Config, mesh: ParallelMesh, model: nn.Module) -> "DynamicCP":
-        """Collective (builds every sub-group). Call before `parallelize`: the ring attention
-        module goes in even at cp == 1 (groups are made of data-parallel ranks then)."""
-        apply_cp(model, None)
+        """Collective (builds every sub-group). Call before `parallelize`: the ring (or all-to-all)
+        attention module goes in even at cp == 1 (groups are made of data-parallel ranks then)."""
+        if config.parallel.cp_comm == "a2a":
+            apply_a2a_cp(model, None)
+        else:
+            apply_cp(model, None)
         return cls(config, mesh, CPSubgroups.build(mesh))
 
     def next_step(self, batches: Iterator, device: torch.device) -> list[StepInputs]:
@@ -104,8 +113,8 @@ class DynamicCP:
         cu = batch.cu_seqlens.to(device, torch.int32)
         entry = _Entry(batch.cp_group_start, batch.cp_group_size, torch.arange(cu.numel() - 1, device=device))
         tokens, labels = batch.tokens.reshape(-1).to(device, torch.long), batch.labels.reshape(-1).to(device, torch.long)
-        s = dynamic_cp_inputs(entry, tokens, labels, batch.position_ids.reshape(-1).to(device, torch.long), cu,
-                              self.subgroups, multiple_of=self.multiple_of)
+        s = self.split(entry, tokens, labels, batch.position_ids.reshape(-1).to(device, torch.long), cu,
+                       self.subgroups, multiple_of=self.multiple_of)
         # Every member of the group counts its own shard's labels: they sum to the entry's.
         out = StepInputs(s.tokens, s.labels, s.position_ids, s.meta,
                          num_tokens=batch.num_tokens / batch.cp_group_size,

@@ -147,7 +147,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         apply_tp(model, mesh, sequence_parallel=p.sequence_parallel)
     if config.model.moe.num_experts:
         apply_ep(model, mesh, etp=p.etp, sequence_parallel=p.sequence_parallel, exchange_timer=exchange_timer)
-    if mesh.cp > 1 and p.cp_comm == "ring":
+    if mesh.cp > 1 and p.dynamic_cp:
+        pass  # DynamicCP.build put in the attention that reads each entry's sub-group from its batch
+    elif mesh.cp > 1 and p.cp_comm == "ring":
         apply_cp(model, mesh)
     elif mesh.cp > 1:
         apply_a2a_cp(model, A2AGroups(mesh, cp_a2a_size(config)))
