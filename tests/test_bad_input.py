@@ -152,6 +152,13 @@ def test_moe_settings_are_checked_by_the_config(tmp_path, dataset):
      ["parallel.cp_comm='a2a' splits each rank's 2 query heads", "over 4 ranks"]),
     (["parallel.cp=4", "parallel.cp_comm=a2a+ring"], ["parallel.cp_comm='a2a+ring' needs parallel.cp_a2a"]),
     (["parallel.cp_a2a=2"], ["parallel.cp_a2a=2 is read only with parallel.cp_comm='a2a+ring'"]),
+    # Static cp=2 would split 2 heads; the plan may put a micro-batch on all 4 dp x cp ranks.
+    (["parallel.cp=2", "parallel.cp_comm=a2a", "parallel.dynamic_cp=true", "model.num_heads=2", "model.num_kv_heads=2"],
+     ["splits each rank's 2 query heads", "over 4 ranks", "parallel.dynamic_cp may plan", "up to 4 of the dp*cp = 4"]),
+    (["parallel.cp=1", "parallel.cp_comm=a2a", "parallel.dynamic_cp=true", "model.num_heads=2", "model.num_kv_heads=1"],
+     ["splits each rank's 2 query heads", "over 4 ranks"]),  # cp=1: the groups are data-parallel ranks
+    (["parallel.cp=4", "parallel.cp_comm=a2a+ring", "parallel.cp_a2a=2", "parallel.dynamic_cp=true"],
+     ["parallel.dynamic_cp with parallel.cp_comm='a2a+ring' is not supported", "use cp_comm='a2a'"]),
 ])
 def test_all_to_all_cp_layouts_it_cannot_run(tmp_path, dataset, items, words):
     assert_one_line(train(tmp_path, dataset, *items, extra=("--nproc-per-node", "4")), *words)

@@ -28,7 +28,7 @@ from core.planner.cli import main
 from core.planner.layouts import describe
 from core.planner.memory import estimate_memory
 from core.planner.measure import run_plan
-from core.planner.search import apply_plan, dominated, search
+from core.planner.search import apply_plan, dominated, planning_copy, search
 from core.planner import timing
 from core.planner.timing import estimate_time
 
@@ -152,6 +152,18 @@ def test_search_ranks_fitting_plans_and_skips_only_dominated_ones():
     assert dominated((("block",), ()), [("mlp",)]) and not dominated((("mlp",), ()), [("norms", "swiglu")])
     tight = search(config, 8, int(found.fitting[-1].memory.device_total * 0.999), CAL)
     assert len(tight.fitting) < len(found.fitting)
+
+
+def test_dynamic_cp_with_all_to_all_is_planned_as_static_all_to_all_and_kept():
+    config = load_config(ROOT / "launch/configs/tiny_dense.toml", ["train.seq_len=2048", "parallel.cp=2",
+                                                                  "parallel.dynamic_cp=true", "parallel.cp_comm=a2a"])
+    assert planning_copy(config)[1] == ["dynamic CP is planned as static CP (it balances variable-length rows at least "
+                                        "as well) with cp_comm='a2a' over the whole CP group"]
+    found = search(config, 4, 80 * 2**30, CAL)
+    best = next(c for c in found.fitting if c.config.parallel.cp > 1)
+    assert best.config.parallel.cp_comm == "a2a" and not best.config.parallel.dynamic_cp
+    written = apply_plan(config, best, 4)  # 4 query heads split over every sub-group of 4 ranks: dynamic CP stays
+    assert written.parallel.dynamic_cp and written.parallel.cp_comm == "a2a"
 
 
 def test_written_config_is_what_tessera_train_runs(tmp_path, capsys):

@@ -92,12 +92,19 @@ def test_config_derives_the_budget_and_refuses_what_dynamic_cp_cannot_run():
     dyn = ["parallel.cp=2", "parallel.dynamic_cp=true", "train.seq_len=256", "train.micro_batch_size=2"]
     config = validate(load_config(None, dyn), 4)
     assert config.parallel.cp_token_budget == 256  # micro_batch_size*seq_len/cp: static CP's per-rank tokens
+    # All-to-all: the default model's heads split over every group size of 4 ranks; at cp=1 too.
+    heads = ["model.num_heads=4", "model.num_kv_heads=2", "parallel.cp_comm=a2a"]
+    validate(load_config(None, dyn + heads), 4)
+    validate(load_config(None, [*dyn[1:], *heads]), 4)
     for extra, message in ((["parallel.pp=2"], "parallel.pp > 1 is not supported"),
                            (["model.moe.num_experts=4", "model.moe.capacity_factor=1.0"], "capacity_factor > 0"),
                            (["parallel.cp_token_budget=-1"], "must be >= 0"),
-                           (["parallel.cp_token_budget=63"], "needs 64 tokens per rank")):
+                           (["parallel.cp_token_budget=63"], "needs 64 tokens per rank"),
+                           (["parallel.cp_comm=a2a+ring", "parallel.cp_a2a=2"], "use cp_comm='a2a'"),
+                           # 4 query heads: groups of 2 and 4 split them, the 8 of dp*cp = 8 would not.
+                           (["parallel.cp_comm=a2a", "parallel.dp=4"], "over 8 ranks")):
         with pytest.raises(ConfigError, match=message):
-            validate(load_config(None, dyn + extra), 8 if "parallel.pp=2" in extra else 4)
+            validate(load_config(None, dyn + extra), 8 if {"parallel.pp=2", "parallel.dp=4"} & set(extra) else 4)
 
 
 # The MoE model (layers 1-3 MoE: top-2 of 8 experts, a shared expert, per-sequence balancing and

@@ -99,7 +99,9 @@ def planning_copy(config: Config) -> tuple[Config, list[str]]:
     base = checkable(config)
     notes = []
     if base.parallel.dynamic_cp:
-        notes.append("dynamic CP is planned as static CP (it balances variable-length rows at least as well)")
+        notes.append("dynamic CP is planned as static CP (it balances variable-length rows at least as well)"
+                     + (f" with cp_comm={base.parallel.cp_comm!r} over the whole CP group" if base.parallel.cp_comm !=
+                        "ring" else ""))
     base.train.recompute, base.train.recompute_modules, base.train.offload_modules = "none", [], []
     return base, notes
 
