@@ -121,7 +121,8 @@ def test_moe_with_expert_parallelism_under_dynamic_cp_matches_static_cp_and_sing
     another grouping of the tokens; measured about 1e-7). The plans really differ per rank:
     groups of 1, 2 and 4, ranks with different numbers of entries, so some run empty
     micro-batches in the waves where they have none; a mismatch of MoE calls would hang (the
-    run's hang timeout ends it) or fail, not pass."""
+    run's hang timeout ends it) or fail, not pass. Dynamic CP runs with the ring and with
+    `cp_comm=a2a` (each entry's all-to-all over its sub-group, between the waves' MoE all-to-alls)."""
     plans = read_plans(dataset)
     assert {b.cp_group_size for batches in plans for b in batches if b.cp_group_size} == {1, 2, 4}
     counts, empty = [], 0
@@ -136,11 +137,12 @@ def test_moe_with_expert_parallelism_under_dynamic_cp_matches_static_cp_and_sing
     assert empty > 0  # and some wave finds a rank without an entry
     runs = {}
     for name, nproc, extra in (("single", 1, ["parallel.ep=1"]), ("static", 4, ["parallel.ep=2", "parallel.cp=2"]),
-                               ("dynamic", 4, ["parallel.ep=2", *DYNAMIC])):
+                               ("dynamic", 4, ["parallel.ep=2", *DYNAMIC]),
+                               ("dynamic_a2a", 4, ["parallel.ep=2", *DYNAMIC, "parallel.cp_comm=a2a"])):
         run_train(tmp_path / name, dataset, nproc, *extra, *MOE, "train.hang_timeout_s=120", config=MOE_CONFIG)
         runs[name] = metrics(tmp_path / name)
     want = runs["single"]
-    for name in ("static", "dynamic"):
+    for name in ("static", "dynamic", "dynamic_a2a"):
         got = runs[name]
         assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
         for g, w in zip(got, want):
