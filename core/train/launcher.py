@@ -94,15 +94,17 @@ def _relay(stream, log, quiet: threading.Event, reported: list[int], failures: l
     stream.close()
 
 
-FAILURE_SETTLE_S = 5.0  # how long a failed launch waits for its peers' failure records before naming the first
+FAILURE_SETTLE_S = 5.0  # how long a failed launch of several nodes waits for its peers' failure records
 
 
 def failure_lines(run_dir: Path, ckpt_dir: Path, failures: list[str], code: int, output: str,
-                  log_name: str) -> str:
+                  log_name: str, multi_node: bool = False) -> str:
     """The end of a failed run: the cause from the rank that failed first (its record, else the
     first failure line seen, else torchrun's root cause in its `output`), the checkpoint to
-    continue from and where the logs are (`log_name` in RUN_DIR/logs)."""
-    first = first_failure(run_dir, settle_s=FAILURE_SETTLE_S)
+    continue from and where the logs are (`log_name` in RUN_DIR/logs). With several nodes the
+    records are first given FAILURE_SETTLE_S to arrive (another node's ranks may still be
+    writing theirs); on one node every rank is gone by now, so every record is there."""
+    first = first_failure(run_dir, settle_s=FAILURE_SETTLE_S if multi_node else 0.0)
     if first is not None:
         cause = f"rank {first['rank']}: {first['cause']}"
     elif failures:
@@ -311,7 +313,8 @@ def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir
         return reported[0]
     if code:
         output = b"".join(tail).decode(errors="replace")
-        print(failure_lines(run_dir, ckpt_dir, failures, code, output, log_name), file=sys.stderr, flush=True)
+        print(failure_lines(run_dir, ckpt_dir, failures, code, output, log_name, rendezvous.multi_node),
+              file=sys.stderr, flush=True)
         first = first_failure(run_dir)
         return int(first["exit_code"]) if first is not None and first.get("exit_code") else code
     return code
