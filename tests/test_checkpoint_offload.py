@@ -27,7 +27,7 @@ from core.train.model import build_model
 from core.validation import validate
 from core.train.trainer import Trainer
 from tests.support.batches import micro_batch
-from tests.support.runs import losses, metrics, run_train
+from tests.support.runs import NO_SAVE, losses, metrics, run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "launch" / "configs" / "tiny_dense.toml"
@@ -192,7 +192,7 @@ def test_layouts_are_bit_for_bit_the_same_with_the_offload(tmp_path, dataset, la
     """Rank 0's offloaded bytes, in blocks of the whole stream: at pp=2 its one block
     (interleaved: its second chunk starts from a received activation, which stays), at tp=2 both
     blocks, each its half of the stream (sequence parallelism)."""
-    run_train(tmp_path / "off", dataset, 2, "train.recompute=full", *layout)
+    run_train(tmp_path / "off", dataset, 2, "train.recompute=full", *layout, NO_SAVE)
     run_train(tmp_path / "on", dataset, 2, "train.recompute=full", "train.offload_checkpoints=true", *layout)
     assert losses(tmp_path / "on") == losses(tmp_path / "off")
     assert _offloaded(tmp_path / "on") == [blocks * 4 * BLOCK_MIB] * 4

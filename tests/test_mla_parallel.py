@@ -263,9 +263,9 @@ def test_mla_moe_training_matches_single_process_across_layouts_and_a_resharded_
     cp=2 x ep=2 (ring attention over packed rows): every step's loss equals the single process's
     within tests/support/runs.py's RTOL (fp32, reduction order only, over a few AdamW steps).
     The resume loads the tp-sharded MLA weights into another tp (checkpoint resharding)."""
-    from tests.support.runs import MOE_CONFIG, RTOL, losses, run_train
+    from tests.support.runs import MOE_CONFIG, NO_SAVE, RTOL, losses, run_train
 
-    run_train(tmp_path / "ref", dataset, 1, "parallel.ep=1", *E2E_MLA, config=MOE_CONFIG)
+    run_train(tmp_path / "ref", dataset, 1, "parallel.ep=1", *E2E_MLA, NO_SAVE, config=MOE_CONFIG)
     run = tmp_path / "run"
     run_train(run, dataset, 4, "parallel.ep=2", "parallel.tp=2", 'train.recompute_modules=["mla_up"]',
               "train.stop_at_step=2", *E2E_MLA, config=MOE_CONFIG)

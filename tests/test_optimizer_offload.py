@@ -31,7 +31,7 @@ from core.state.checkpoint import load_checkpoint, save_checkpoint
 from core.validation import validate
 from tests.support.cli import ROOT, assert_one_line
 from tests.support.distributed import run_distributed
-from tests.support.runs import losses, run_train
+from tests.support.runs import NO_SAVE, losses, run_train
 from tests.support.toy import make_trainer, train_steps
 
 RTOL = 1e-6
@@ -60,7 +60,7 @@ def test_offload_losses_equal_the_device_optimizers_at_one_process(tmp_path, dat
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_offload_losses_equal_the_device_optimizers(tmp_path, dataset, name):
     nproc, overrides = LAYOUTS[name]
-    run_train(tmp_path / "device", dataset, nproc, *overrides)
+    run_train(tmp_path / "device", dataset, nproc, *overrides, NO_SAVE)
     run_train(tmp_path / "host", dataset, nproc, *overrides, OFFLOAD)
     _assert_close(losses(tmp_path / "host"), losses(tmp_path / "device"))
 

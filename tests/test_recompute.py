@@ -9,6 +9,7 @@ for the backward), offloaded bytes are counted, and bad names stop at config tim
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -53,10 +54,17 @@ def _train(name: str, recompute: list[str], offload: list[str], device: str = "c
     return losses, weights, trainer.model.activation_offload
 
 
+@functools.cache
+def _reference(name: str):
+    """(losses, weights) of `name` without recomputation: the reference of every CPU test here."""
+    losses, weights, _ = _train(name, [], [])
+    return losses, weights
+
+
 @pytest.mark.slow  # 24 trainers built and stepped: about a minute on 2 cores
 @pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
 def test_recompute_and_offload_leave_training_identical(name):
-    reference, ref_weights, _ = _train(name, [], [])
+    reference, ref_weights = _reference(name)
     for recompute, offload in SETS[1:]:
         losses, weights, offloader = _train(name, recompute, offload)
         assert losses == reference, (recompute, offload)
@@ -127,7 +135,7 @@ def test_dropped_outputs_are_not_saved():
 def test_recompute_in_the_first_layers_only_leaves_training_identical():
     """train.recompute_num_layers=2 of 4: the first two blocks recompute their feed-forward, the
     others keep theirs; losses, norms and weights as without any recomputation."""
-    reference, ref_weights, _ = _train("tiny_dense", [], [])
+    reference, ref_weights = _reference("tiny_dense")
     losses, weights, _ = _train("tiny_dense", ["mlp"], [], "cpu", "train.recompute_num_layers=2")
     assert losses == reference
     for key, value in ref_weights.items():

@@ -15,7 +15,7 @@ from core.config import ConfigError, load_config
 from core.validation import validate
 from dataservice.client import DataClient
 from tests.support.cli import run_entry_point
-from tests.support.runs import CONFIG, MOE_CONFIG, RTOL, SMALL, losses, metrics, run_train
+from tests.support.runs import CONFIG, MOE_CONFIG, NO_SAVE, RTOL, SMALL, losses, metrics, run_train
 from tests.support.service import start_server
 
 # seq_len 64 over 4 ranks: pieces of up to 16 tokens may run on one rank, up to 32 need a
@@ -136,7 +136,7 @@ def test_moe_with_expert_parallelism_under_dynamic_cp_matches_static_cp_and_sing
     assert any(len(set(c)) > 1 for c in counts), counts  # ranks run different numbers of entries
     assert empty > 0  # and some wave finds a rank without an entry
     runs = {}
-    for name, nproc, extra in (("single", 1, ["parallel.ep=1"]), ("static", 4, ["parallel.ep=2", "parallel.cp=2"]),
+    for name, nproc, extra in (("single", 1, ["parallel.ep=1", NO_SAVE]), ("static", 4, ["parallel.ep=2", "parallel.cp=2"]),
                                ("dynamic", 4, ["parallel.ep=2", *DYNAMIC]),
                                ("dynamic_a2a", 4, ["parallel.ep=2", *DYNAMIC, "parallel.cp_comm=a2a"])):
         run_train(tmp_path / name, dataset, nproc, *extra, *MOE, "train.hang_timeout_s=120", config=MOE_CONFIG)

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from core.state.checkpoint import latest_checkpoint
 from core.state.pretrained import SINGLE_NAME
 from interop.convert import CheckpointWeights
-from tests.support.runs import MOE_CONFIG, RTOL, metrics, run_train
+from tests.support.runs import MOE_CONFIG, NO_SAVE, RTOL, metrics, run_train
 
 MTP = ("model.mtp_layers=2", "train.mtp_loss_weight=0.3")
 KEYS = ("loss", "mtp_loss", "mtp_loss_0", "mtp_loss_1")
@@ -77,20 +77,27 @@ def test_mtp_layouts_match_single_process(tmp_path, dataset, mtp_reference, name
 def test_mtp_with_a_tied_head_over_an_interleaved_recomputed_pipeline(tmp_path, dataset):
     # The last stage's embedding copy is then the tied head's weight itself.
     base = (*MTP, "model.tie_embeddings=true", "model.num_layers=4")
-    run_train(tmp_path / "ref", dataset, 1, *base)
+    run_train(tmp_path / "ref", dataset, 1, *base, NO_SAVE)
     run_train(tmp_path / "pp", dataset, 2, *base, "parallel.pp=2", "parallel.pp_schedule=interleaved",
               "parallel.pp_virtual_stages=2", "train.recompute=full")
     _assert_match(_losses(tmp_path / "pp"), _losses(tmp_path / "ref"))
 
 
+@pytest.fixture(scope="module")
+def mtp_moe_reference(tmp_path_factory, train_dataset):
+    """{step: losses} of the MoE model with MTP on one process (both expert-parallel layouts')."""
+    run_dir = tmp_path_factory.mktemp("mtp-moe-ref")
+    run_train(run_dir, train_dataset, 1, *MTP, *MOE, NO_SAVE, config=MOE_CONFIG)
+    return _losses(run_dir)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, overrides", [(2, ["parallel.ep=2"]), (4, ["parallel.ep=2", "parallel.pp=2"])],
                          ids=["ep2", "ep2xpp2"])
-def test_mtp_moe_blocks_under_expert_parallelism_match_single_process(tmp_path, dataset, nproc, overrides):
-    run_train(tmp_path / "ref", dataset, 1, *MTP, *MOE, config=MOE_CONFIG)
+def test_mtp_moe_blocks_under_expert_parallelism_match_single_process(tmp_path, dataset, mtp_moe_reference, nproc,
+                                                                      overrides):
     run_train(tmp_path / "run", dataset, nproc, *MTP, *MOE, *overrides, config=MOE_CONFIG)
-    ref, got = _losses(tmp_path / "ref"), _losses(tmp_path / "run")
-    _assert_match(got, ref)
+    _assert_match(_losses(tmp_path / "run"), mtp_moe_reference)
     # SMALL has 2 layers (0 dense, 1 MoE): the MTP blocks are layers 2 and 3, MoE blocks, and
     # their statistics are logged like the model's own.
     record = metrics(tmp_path / "run")[-1]

@@ -1,7 +1,9 @@
 """`tessera-train --nproc-per-node N [--nnodes N ...]`: torchrun on this node, and nothing left behind.
 
 The launcher owns the run: it holds the run directory's lock for its workers, starts torchrun
-in a new process group via setsid (so a Ctrl-C reaches the launcher once, not every process twice), and
+in a new process group via setsid (so a Ctrl-C reaches the launcher once, not every process twice)
+as a fork of itself (`ForkedTorchrun`: torch is already imported, which a fresh interpreter
+would spend ~2 s of CPU on before the first worker starts), and
 on SIGINT / SIGTERM forwards the signal to torchrun, which stops its workers. Whatever
 remains after `STOP_GRACE_S` — or after torchrun ends, normally or not — is killed: the
 launcher is a child subreaper, so workers and the loopback data server stay its descendants
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from core.state.checkpoint import latest_checkpoint, step_of
@@ -91,15 +94,17 @@ def _relay(stream, log, quiet: threading.Event, reported: list[int], failures: l
     stream.close()
 
 
-FAILURE_SETTLE_S = 5.0  # how long a failed launch waits for its peers' failure records before naming the first
+FAILURE_SETTLE_S = 5.0  # how long a failed launch of several nodes waits for its peers' failure records
 
 
 def failure_lines(run_dir: Path, ckpt_dir: Path, failures: list[str], code: int, output: str,
-                  log_name: str) -> str:
+                  log_name: str, multi_node: bool = False) -> str:
     """The end of a failed run: the cause from the rank that failed first (its record, else the
     first failure line seen, else torchrun's root cause in its `output`), the checkpoint to
-    continue from and where the logs are (`log_name` in RUN_DIR/logs)."""
-    first = first_failure(run_dir, settle_s=FAILURE_SETTLE_S)
+    continue from and where the logs are (`log_name` in RUN_DIR/logs). With several nodes the
+    records are first given FAILURE_SETTLE_S to arrive (another node's ranks may still be
+    writing theirs); on one node every rank is gone by now, so every record is there."""
+    first = first_failure(run_dir, settle_s=FAILURE_SETTLE_S if multi_node else 0.0)
     if first is not None:
         cause = f"rank {first['rank']}: {first['cause']}"
     elif failures:
@@ -149,6 +154,82 @@ def _plot_if_stale(run_dir: Path) -> None:
             print(f"tessera-train: loss.png not drawn: {err}", file=sys.stderr, flush=True)
 
 
+class ForkedTorchrun:
+    """`python -m torch.distributed.run ARGS` in a new session with `env`, its stderr a pipe
+    (`stderr`), forked from the launcher rather than a new interpreter. The launcher has no
+    threads yet (its relay starts after), so the fork is safe. The child ends as that interpreter
+    would: an uncaught exception prints its traceback (which names torchrun's root cause) and
+    exits 1, a Ctrl-C ends it by SIGINT. `pid`, `poll`, `wait` and `returncode` as subprocess.Popen's."""
+
+    def __init__(self, args: list[str], env: dict[str, str]):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        read_end, write_end = os.pipe()
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            os.close(read_end)
+            self._run_child(args, env, write_end)
+        os.close(write_end)
+        self.stderr = os.fdopen(read_end, "rb")
+
+    @staticmethod
+    def _run_child(args: list[str], env: dict[str, str], stderr_fd: int) -> None:
+        code = 1
+        try:
+            os.setsid()
+            die_with_parent()
+            os.dup2(stderr_fd, 2)
+            os.close(stderr_fd)
+            os.environ.clear()
+            os.environ.update(env)
+            from torch.distributed import run as torchrun
+
+            sys.argv = [torchrun.__file__, *args]
+            torchrun.main(args)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            if stop.code is not None and not isinstance(stop.code, int):
+                print(stop.code, file=sys.stderr)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = -signal.SIGINT
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            if code == -signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: as subprocess.Popen, assume it succeeded
+                self.returncode = 0
+            else:
+                if pid == self.pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.0005
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("torchrun", timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return self.returncode
+
+
 def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir: Path, plot: bool = False) -> int:
     """Run `python -m core.train.cli WORKER_ARGV` on `launch.nproc_per_node` ranks of this node;
     returns the exit code.
@@ -189,8 +270,7 @@ def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir
     log_name = launcher_log_name(rendezvous.multi_node)
     log = open(run_dir / LOGS_NAME / log_name, "ab")
     log.write(f"--- tessera-train launch at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n".encode())
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=die_with_parent)  # the launcher has no threads yet: preexec is safe
+    proc = ForkedTorchrun(cmd[3:], env)
 
     def on_stop(signum, frame):
         if received:
@@ -233,7 +313,8 @@ def launch_local(launch: Launch, worker_argv: list[str], run_dir: Path, ckpt_dir
         return reported[0]
     if code:
         output = b"".join(tail).decode(errors="replace")
-        print(failure_lines(run_dir, ckpt_dir, failures, code, output, log_name), file=sys.stderr, flush=True)
+        print(failure_lines(run_dir, ckpt_dir, failures, code, output, log_name, rendezvous.multi_node),
+              file=sys.stderr, flush=True)
         first = first_failure(run_dir)
         return int(first["exit_code"]) if first is not None and first.get("exit_code") else code
     return code
