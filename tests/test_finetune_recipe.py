@@ -97,12 +97,17 @@ def test_recipe_from_hf_checkpoint_to_exported_long_context_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_recipe_fine_tunes_an_imported_qwen3_moe_with_expert_parallelism_under_dynamic_cp(tmp_path):
-    """The same recipe (dynamic CP over dp=2 x cp=2) on a tiny random Qwen3-MoE, its 4 experts
-    over pairs of the 4 ranks (ep=2): the run ends, validation falls, every step records the
-    MoE layer's loads and balancing loss, and the export loads in transformers."""
+@pytest.mark.parametrize("family, hf_class", [("qwen3_moe", "Qwen3MoeForCausalLM"),
+                                              ("deepseek_v3", "DeepseekV3ForCausalLM")])
+def test_recipe_fine_tunes_an_imported_moe_with_expert_parallelism_under_dynamic_cp(tmp_path, family, hf_class):
+    """The recipe (dynamic CP over dp=2 x cp=2, its 4 experts over pairs of the 4 ranks: ep=2) on
+    a tiny random Qwen3-MoE, and on a tiny random DeepSeek-V3 (multi-head latent attention split
+    by the dynamic plan, group-limited sigmoid routing with its correction bias): the run ends,
+    validation falls, every step's MoE loads count every document token (and Qwen3-MoE's records
+    its balancing loss and all-to-all time), and the export loads in transformers as its own
+    class with every weight."""
     transformers = pytest.importorskip("transformers")
-    tiny_hf_llama(tmp_path / "hf", moe=True)
+    tiny_hf_llama(tmp_path / "hf", **({"moe": True} if family == "qwen3_moe" else {"deepseek": True}))
     conversations(tmp_path / "conversations.jsonl", 240, seed=3)
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(SCRIPT), "hf", "conversations.jsonl", "out", "--recipe",
@@ -111,50 +116,24 @@ def test_recipe_fine_tunes_an_imported_qwen3_moe_with_expert_parallelism_under_d
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     config = tomllib.loads((out / "finetune.toml").read_text())
-    assert config["model"]["moe"]["num_experts"] == 4 and config["parallel"]["dynamic_cp"] is True
+    assert config["parallel"]["dynamic_cp"] is True
+    if family == "qwen3_moe":
+        assert config["model"]["moe"]["num_experts"] == 4
+    else:
+        assert config["model"]["attention"] == "mla"
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 13))
     for r in train:  # layer 1 is the MoE layer; every document token routed top-2
         tokens = round(r["tokens_per_s"] * r["step_s"])
         assert sum(r["moe/layer1/tokens_per_expert"]) == 2 * tokens, r
-        assert r["moe/layer1/aux_loss"] > 0 and 0 < r["moe/all_to_all_s"] < r["step_s"], r
+        if family == "qwen3_moe":
+            assert r["moe/layer1/aux_loss"] > 0 and 0 < r["moe/all_to_all_s"] < r["step_s"], r
     val = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in val] == [4, 8, 12]
     assert val[-1]["val_loss"] < val[0]["val_loss"]
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", output_loading_info=True)
-    assert type(model).__name__ == "Qwen3MoeForCausalLM"
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-
-
-@pytest.mark.slow
-def test_recipe_fine_tunes_an_imported_deepseek_v3_under_dynamic_cp(tmp_path):
-    """The recipe (dynamic CP over dp=2 x cp=2, experts over ep=2) on a tiny random DeepSeek-V3:
-    multi-head latent attention split by the dynamic plan, group-limited sigmoid routing with its
-    correction bias; the run ends, validation falls, the MoE layers' loads count every document
-    token, and the export loads in transformers as DeepseekV3ForCausalLM with every weight."""
-    transformers = pytest.importorskip("transformers")
-    tiny_hf_llama(tmp_path / "hf", deepseek=True)
-    conversations(tmp_path / "conversations.jsonl", 240, seed=3)
-    out = tmp_path / "out"
-    proc = subprocess.run(["bash", str(SCRIPT), "hf", "conversations.jsonl", "out", "--recipe",
-                           "launch/configs/finetune_tiny.toml", "--nproc-per-node", "4", "--val-every", "10", "--",
-                           "--set", "parallel.ep=2", "--set", "train.hang_timeout_s=300"],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    config = tomllib.loads((out / "finetune.toml").read_text())
-    assert config["model"]["attention"] == "mla" and config["parallel"]["dynamic_cp"] is True
-    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "loss" in r]
-    assert [r["step"] for r in train] == list(range(1, 13))
-    for r in train:  # layer 1 is the MoE layer; every document token routed top-2
-        tokens = round(r["tokens_per_s"] * r["step_s"])
-        assert sum(r["moe/layer1/tokens_per_expert"]) == 2 * tokens, r
-    val = [r for r in records if "val_loss" in r]
-    assert [r["step"] for r in val] == [4, 8, 12]
-    assert val[-1]["val_loss"] < val[0]["val_loss"]
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", output_loading_info=True)
-    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert type(model).__name__ == hf_class
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
