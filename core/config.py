@@ -277,6 +277,8 @@ class TrainConfig:
     """Modules whose saved activations wait in host memory until the backward (copies overlap compute); the same names, not mla_up."""
     offload_checkpoints: bool = False
     """Keep the inputs of recomputed blocks (eager: also of recomputed attention, attention_core) in host memory until the backward."""
+    offload_checkpoints_layers: int = 0
+    """With offload_checkpoints: only the first N recomputed blocks of each model chunk (pipeline stage) offload; 0: all."""
     mlp_chunk_tokens: int = 0
     """> 0: tiled MLP: dense SwiGLUs run this many tokens at a time, routed experts their rows (memory flat in the sequence); 0: off."""
     recompute_num_layers: int = 0

@@ -201,6 +201,12 @@ def _check_train(config: Config) -> None:
                    "train.recompute_modules)")
         raise ConfigError("train.offload_checkpoints=true keeps the inputs of recomputed modules in host memory, but "
                           f"none it covers is recomputed; recompute {covered}, or set train.offload_checkpoints=false")
+    if t.offload_checkpoints_layers < 0:
+        raise ConfigError(f"train.offload_checkpoints_layers={t.offload_checkpoints_layers} must be >= 0 "
+                          "(0: every recomputed block offloads its inputs)")
+    if t.offload_checkpoints_layers and not t.offload_checkpoints:
+        raise ConfigError(f"train.offload_checkpoints_layers={t.offload_checkpoints_layers} limits a checkpoint "
+                          "offload that is off; set train.offload_checkpoints=true (or offload_checkpoints_layers=0)")
     if "mla_up" in recompute_set(t) and config.model.attention != "mla":
         raise ConfigError(f"train.recompute_modules has 'mla_up', which recomputes multi-head latent attention's "
                           f"up-projections, but model.attention={config.model.attention!r}; use 'attention_core' "

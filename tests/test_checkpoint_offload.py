@@ -6,7 +6,9 @@ in-process on the tiny models (the schedule's own record says which tensors went
 which order they came back, and which came back ahead of their use), and through `tessera-train`
 at one process (eager and compiled, against the plain single-process `reference`, which full
 recomputation leaves bit for bit unchanged), at pp=2 (1F1B and interleaved) and at tp=2 (against
-the same layout without the offload). On the CPU the copies are synchronous; the streams, events
+the same layout without the offload); with `train.offload_checkpoints_layers` only the first N
+recomputed blocks move (in process and through `tessera-train`), and the planner's host buffers and
+bytes count those alone. On the CPU the copies are synchronous; the streams, events
 and pinned buffers of the GPU path are proved by the `gpu` test at the end where there is a GPU.
 """
 
@@ -22,6 +24,7 @@ from core.config import ConfigError, load_config
 from core.parallel.checkpoint_offload import CheckpointOffload, HostPool
 from core.parallel.recompute import apply_recompute
 from core.planner.memory import checkpoint_host_buffers, estimate_memory
+from core.planner.state import offloaded_input_layers
 from core.train.host_memory import available_bytes, check_host_memory
 from core.train.model import build_model
 from core.validation import validate
@@ -73,6 +76,38 @@ def test_every_block_input_goes_to_the_host_and_comes_back_one_block_ahead():
     assert schedule.stats["tensors"] == 2 * len(blocks)
     # One micro-batch at a time: the pool grew to one pass's blocks and every buffer came back.
     assert schedule.pool.made == len(blocks) and len(schedule.pool.free) == len(blocks)
+
+
+def test_the_first_n_blocks_alone_go_to_the_host_in_the_planned_buffers():
+    """train.offload_checkpoints_layers=2 of 4 recomputed blocks: blocks 0 and 1 store and load
+    their inputs, 2 and 3 keep theirs; the gradients are those of no offload (tolerance 0: the
+    copies change no value); the pool the planner sized holds exactly what moved, and the planner's
+    host bytes are what the schedule stored in one micro-batch."""
+    config = load_config(TINY, ["train.recompute=full", "train.offload_checkpoints=true",
+                                "train.offload_checkpoints_layers=2", "train.precision=fp32"])
+    validate(config, 1)
+    t = config.train
+    micro = [micro_batch(i, config.model.vocab_size, seq=t.seq_len, rows=t.micro_batch_size) for i in range(2)]
+    want = _grads(apply_recompute(build_model(config.model, seed=0), "full"), micro)
+    schedule = CheckpointOffload(HostPool(checkpoint_host_buffers(config), pin=False), record=True)
+    model = apply_recompute(build_model(config.model, seed=0), "full", checkpoint_offload=schedule,
+                            offload_kinds={"block"}, offload_layers=t.offload_checkpoints_layers)
+    assert all(torch.equal(g, w) for g, w in zip(_grads(model, micro), want))
+    first = [0, 1]
+    assert _passes(schedule.events, "store") == {(0, 0): first, (0, 1): first}
+    assert _passes(schedule.events, "load") == {(0, 0): first[::-1], (0, 1): first[::-1]}
+    # Block 1's backward is the first with a moved input: it asks, block 0's comes ahead of its use.
+    assert ("load", (0, 0, 1), "demand") in schedule.events and ("load", (0, 0, 0), "prefetch") in schedule.events
+    assert schedule.stats["tensors"] == 2 * len(first)
+    assert schedule.pool.planned == len(first) and schedule.pool.grown == 0
+    estimate = estimate_memory(config, 0)
+    assert estimate.offloaded == schedule.stats["bytes"] // len(micro)
+    everything = load_config(TINY, ["train.recompute=full", "train.offload_checkpoints=true", "train.precision=fp32"])
+    validate(everything, 1)
+    moved_all = estimate_memory(everything, 0)
+    # Each block left on the device keeps its input there: the device holds what the host does not.
+    assert estimate.activations - moved_all.activations == moved_all.offloaded - estimate.offloaded \
+        == 2 * estimate.offloaded // len(first)
 
 
 def test_several_micro_batches_in_flight_come_back_to_their_own_backward():
@@ -131,6 +166,42 @@ def test_the_planner_moves_the_recomputed_inputs_to_host_bytes():
     assert checkpoint_host_buffers(config, 0) == {}
 
 
+def test_the_planner_counts_the_first_n_recomputed_blocks_of_each_chunk():
+    base = ["train.recompute=full", "train.offload_checkpoints=true", "parallel.pp=2", "model.num_layers=8",
+            "train.global_batch_size=32", "train.precision=bf16"]
+
+    def plan(*extra):
+        config = load_config(TINY, base + list(extra))
+        validate(config, 2)
+        return config
+
+    t, dim = plan().train, plan().model.dim
+    block = t.micro_batch_size * t.seq_len * dim * 2  # one block's input in bf16
+    flight = 2  # 1F1B, stage 0 of 2
+    assert checkpoint_host_buffers(plan(), 0) == {block: flight * 4}
+    assert checkpoint_host_buffers(plan("train.offload_checkpoints_layers=1"), 0) == {block: flight * 1}
+    # More than a chunk's blocks is all of them.
+    assert checkpoint_host_buffers(plan("train.offload_checkpoints_layers=9"), 0) == {block: flight * 4}
+    # Interleaved: stage 0 holds layers 0-1 and 4-5; the first of each chunk offloads.
+    inter = plan("parallel.pp_virtual_stages=2", "parallel.pp_schedule=interleaved",
+                 "train.offload_checkpoints_layers=1")
+    assert offloaded_input_layers(inter, 0) == {0, 4} and offloaded_input_layers(inter, 1) == {2, 6}
+    # Of the recomputed blocks only: two recomputed per chunk, three asked for.
+    assert offloaded_input_layers(plan("train.recompute_num_layers=2", "train.offload_checkpoints_layers=3"), 0) == {0, 1}
+    one, every = estimate_memory(plan("train.offload_checkpoints_layers=1"), 0), estimate_memory(plan(), 0)
+    assert (one.offloaded, every.offloaded) == (flight * block, flight * 4 * block)
+    assert one.activations - every.activations == flight * 3 * block
+
+
+@pytest.mark.parametrize("settings, match", [
+    (["train.offload_checkpoints_layers=2"], "limits a checkpoint offload that is off; set train.offload_checkpoints"),
+    (["train.offload_checkpoints=true", "train.recompute=full", "train.offload_checkpoints_layers=-1"], "must be >= 0"),
+])
+def test_offload_checkpoints_layers_is_checked(settings, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(load_config(TINY, settings), 1)
+
+
 @pytest.mark.parametrize("settings, match", [
     ([], "none it covers is recomputed; recompute train.recompute='full'"),
     (["train.recompute_modules=['attention']", "train.compile=true"], "recompute whole blocks"),
@@ -175,11 +246,13 @@ BLOCK_MIB = 2 * 64 * 64 * 4 / 2 ** 20  # one micro-batch's block input: 2 rows o
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["train.compile=true"]], ids=["eager", "compiled"])
-def test_one_process_follows_the_reference_bit_for_bit(tmp_path, dataset, reference, extra):
+@pytest.mark.parametrize("extra, blocks", [([], 2), (["train.compile=true"], 2),
+                                           (["train.offload_checkpoints_layers=1"], 1)],
+                         ids=["eager", "compiled", "first-block"])
+def test_one_process_follows_the_reference_bit_for_bit(tmp_path, dataset, reference, extra, blocks):
     run_train(tmp_path / "run", dataset, 1, "train.recompute=full", "train.offload_checkpoints=true", *extra)
     assert losses(tmp_path / "run") == reference
-    assert _offloaded(tmp_path / "run") == [2 * 4 * BLOCK_MIB] * 4  # 2 blocks x 4 micro-batches a step
+    assert _offloaded(tmp_path / "run") == [blocks * 4 * BLOCK_MIB] * 4  # blocks x 4 micro-batches a step
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ What must hold: the answer grows with the GPU's and the host's memory (never shr
 answer validates as a config (`core.validation`) and fits by the memory model, GPU and host
 (and the next multiple fits no candidate); the 8B model on 8 H100s with 1 TiB of host memory
 reaches its length for the reason the model gives (at 4M tokens the checkpoint inputs alone fill
-the host, which 8 H200s, with room on the GPU for the rest, reach exactly)."""
+the host; 8 H200s, with room on the GPU for the optimizer and the last blocks' inputs, pass it
+by offloading only the first blocks' inputs)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,23 @@ def test_host_memory_turns_the_offloads_on_only_when_needed():
     assert not (t.offload_checkpoints or t.optimizer_offload or t.recompute_modules == ["block"]), t
 
 
+def test_a_host_too_small_for_every_block_offloads_the_first_ones():
+    config = load_config(None, SMALL)
+    world, gpu, host = 4, 10 * GIB, 4 * GIB
+    without = longest(config, world, gpu, 0, H100, 8)
+    found = longest(config, world, gpu, host, H100, 8)
+    _check_answer(found, config, world, gpu, host)
+    t = found.best.config.train
+    assert found.seq_len > without.seq_len, (found.seq_len, without.seq_len)
+    assert t.offload_checkpoints and 0 < t.offload_checkpoints_layers < config.model.num_layers, t
+    # Every block's input (8 blocks of the whole row, bf16, over the node's 4 ranks) would not fit.
+    assert found.seq_len * config.model.dim * 2 * config.model.num_layers > host
+    # One block more would not either: the largest N that fits.
+    more = apply_longest(config, found)
+    more.train.offload_checkpoints_layers += 1
+    assert sum(n * c for n, c in checkpoint_host_buffers(validate(checkable(more), world)).items()) * world > host
+
+
 def test_llama_8b_on_8_h100s_and_why_it_stops_short_of_4m():
     config = load_config(LLAMA)
     found = longest(config, 8, int(79.6 * GIB), 1024 * GIB, H100, 8)
@@ -86,10 +104,12 @@ def test_llama_8b_on_8_h100s_and_why_it_stops_short_of_4m():
     ok, closest = _fitting_at(base, 8, 8, 2**22, int(79.6 * GIB), 1024 * GIB, H100)
     assert not ok
     assert 32 * 4096 * 2 * 2**22 == 1024 * GIB
-    # 8 H200s hold the optimizer and everything else on the GPU: 4M exactly, the host full.
+    # 8 H200s hold the optimizer and the last blocks' inputs on the GPU and pass 4M, the host full.
     found = longest(config, 8, 140 * GIB, 1024 * GIB, H200, 8)
-    assert found.seq_len == 2**22 and found.best.host.node == 1024 * GIB
-    assert not found.best.config.train.optimizer_offload
+    _check_answer(found, config, 8, 140 * GIB, 1024 * GIB)
+    t = found.best.config.train
+    assert found.seq_len > 2**22 and found.best.host.node > 1000 * GIB, (found.seq_len, found.best.host.node)
+    assert not t.optimizer_offload and t.offload_checkpoints and 0 < t.offload_checkpoints_layers < 32, t
 
 
 def test_longest_from_the_command_line_writes_a_config_that_validates(tmp_path, capsys):

@@ -21,6 +21,13 @@ are keyed by (chunk, micro-batch, block): gradient accumulation and the pipeline
 micro-batches in flight, interleaved chunks) need no other bookkeeping. Compiled blocks keep their
 checkpoint outside the compiled region (`compile_inside_checkpoint`), so the hooks run eagerly.
 
+`train.offload_checkpoints_layers` = N > 0 places only the first N recomputed blocks of each
+chunk (core/parallel/recompute.py); the rest keep their inputs on the device, for a host too small
+for all of them. The first, because the backward runs in reverse: the earliest blocks' inputs wait
+the whole rest of the forward and backward for their use, the last block's are needed at once, so
+moving the earliest frees the device longest per byte of host memory and leaves the copies back
+the most compute to hide behind.
+
 On a machine without CUDA the same path runs with synchronous host copies into the pool's (unpinned)
 buffers: the tests see the order, the prefetch and which tensors move. The copies move bytes and
 change no value: training is bit for bit the same.

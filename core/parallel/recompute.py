@@ -307,7 +307,7 @@ def _outermost(chosen: list[tuple[nn.Module, nn.Module | None, str]]) -> list[tu
 def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=(),
                     offloader: ActivationOffload | None = None, compiled: bool = False,
                     num_layers: int = 0, checkpoint_offload: CheckpointOffload | None = None,
-                    offload_kinds=(), chunk: int = 0) -> nn.Module:
+                    offload_kinds=(), chunk: int = 0, offload_layers: int = 0) -> nn.Module:
     """Recompute `mode`'s modules and `modules`, offload `offload` (kinds in the module docstring).
     `num_layers` > 0: recompute in the model's (chunk's) first `num_layers` blocks only, so a
     memory budget between two recompute sets is used up block by block (offload: every block).
@@ -319,7 +319,9 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=()
     every op that saved it; no saved-tensor hooks (compile cannot trace them).
     checkpoint_offload: the schedule that keeps the checkpoint inputs of the recomputed
     `offload_kinds` (`core.rules.offloaded_checkpoints`) in host memory; `chunk`: this model
-    chunk's index among the rank's chunks (its passes are its own)."""
+    chunk's index among the rank's chunks (its passes are its own); `offload_layers` > 0: only the
+    first that many recomputed blocks place theirs (the earliest inputs wait longest for their
+    backward), the later ones keep them on the device."""
     if mode not in MODES:
         raise ValueError(f"recompute mode must be none, selective or full, got {mode!r}")
     kinds = set(modules) | {"none": set(), "selective": {"attention_core"}, "full": {"block"}}[mode]
@@ -330,9 +332,12 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=()
         raise ValueError("offload 'mla_up' is not a module of its own; offload 'attention' or 'attention_core'")
     if offload and offloader is None:
         offloader = ActivationOffload()
+    placed = 0  # recomputed blocks whose checkpoint inputs go to the host
     for position, (_, block) in enumerate(model_blocks(model)):
         recomputed = kinds if not num_layers or position < num_layers else set()
         chosen = _outermost([(m, c, k) for k in sorted(recomputed) for m, c in _targets(block, k)])
+        to_host = checkpoint_offload is not None and (not offload_layers or placed < offload_layers)
+        placed += bool(recomputed)
         if any(k == "mlp" for _, _, k in chosen):  # the mlp's checkpoint holds its norm
             chosen = [c for c in chosen if c[0] is not block.ffn_norm]
         for module, _, kind in chosen:
@@ -342,7 +347,7 @@ def apply_recompute(model: nn.Module, mode: str = "none", modules=(), offload=()
                 module.recompute_up = True
             else:
                 _recompute_forward(module)
-                if checkpoint_offload is not None and kind in offload_kinds:
+                if to_host and kind in offload_kinds:
                     checkpoint_offload.place(module, chunk, position)
         for module, consumer, _ in chosen:
             if consumer is not None and not compiled:

@@ -10,6 +10,9 @@ all-to-all groups of `cp_a2a` inside a node around a ring), each with the leanes
 host offloads (`train.offload_checkpoints`, `train.optimizer_offload`). A candidate fits when its
 device peak (`core.planner.memory`) fits M and the host memory of each node's ranks (their
 offloaded checkpoint inputs, `checkpoint_host_buffers`, and offloaded optimizer state) fits H.
+A checkpoint offload whose every block's inputs overfill H is tried once more with the largest
+`train.offload_checkpoints_layers` whose host need fits (the need grows with it, so a bisection
+finds it): the first blocks' inputs on the host, the rest on the device.
 Every candidate's memory grows with the sequence, so fitting is monotone in it: the search
 doubles from one `multiple` until nothing fits, then bisects to a multiple. At the longest
 length every setting is then open (each recompute set, tiled MLP or not, fused loss or not,
@@ -105,6 +108,7 @@ class Settings:
     fused_loss: bool
     offload_checkpoints: bool
     optimizer_offload: bool
+    offload_checkpoints_layers: int = 0
 
     def apply(self, config: Config) -> Config:
         out = copy.deepcopy(config)
@@ -113,6 +117,7 @@ class Settings:
         t.recompute_num_layers = 0
         t.mlp_chunk_tokens, t.fused_loss = self.mlp_chunk_tokens, self.fused_loss
         t.offload_checkpoints, t.optimizer_offload = self.offload_checkpoints, self.optimizer_offload
+        t.offload_checkpoints_layers = self.offload_checkpoints_layers
         if self.optimizer_offload:  # the masters live whole on the host: nothing to split on the device
             out.parallel.split_master_weights = False
         if self.fused_loss:
@@ -175,8 +180,25 @@ def _miss(c: LongCandidate, gpu_bytes: int, host_bytes: int) -> float:
     return max(c.memory.device_total / gpu_bytes, c.host.node / max(host_bytes, 1))
 
 
-def candidates(base: Config, world: int, gpus_per_node: int, seq_len: int, lean: bool, cal: Calibration
-               ) -> Iterator[LongCandidate]:
+def _partial_offload(config: Config, gpus_per_node: int, host_bytes: int) -> Config | None:
+    """`config` (its checkpoint offload overfilling the host) with the largest
+    train.offload_checkpoints_layers whose host need fits; None where not even one block's does."""
+    def with_layers(n: int) -> Config:
+        out = copy.deepcopy(config)
+        out.train.offload_checkpoints_layers = n
+        return out
+
+    lo, hi = 0, config.model.num_layers + config.model.mtp_layers  # hi: every block of any chunk, too many
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if host_need(with_layers(mid), gpus_per_node).node <= host_bytes else (lo, mid)
+    return with_layers(lo) if lo else None
+
+
+def candidates(base: Config, world: int, gpus_per_node: int, seq_len: int, lean: bool, cal: Calibration,
+               host_bytes: int | None = None) -> Iterator[LongCandidate]:
+    """Every candidate at `seq_len`; with `host_bytes`, a checkpoint offload that overfills the
+    host is followed by the same with the first blocks alone (`_partial_offload`)."""
     settings = _settings(base, seq_len, lean)
     for layout in _layouts(base, world, gpus_per_node, seq_len):
         for s in settings:
@@ -185,14 +207,19 @@ def candidates(base: Config, world: int, gpus_per_node: int, seq_len: int, lean:
                 check_layout(config, world)
             except ConfigError:
                 continue
-            yield LongCandidate(config, describe(config), estimate_memory(config, allocator=cal.allocator),
-                                host_need(config, gpus_per_node))
+            host = host_need(config, gpus_per_node)
+            yield LongCandidate(config, describe(config), estimate_memory(config, allocator=cal.allocator), host)
+            if s.offload_checkpoints and host_bytes is not None and host.node > host_bytes:
+                partial = _partial_offload(config, gpus_per_node, host_bytes)
+                if partial is not None:
+                    yield LongCandidate(partial, describe(partial), estimate_memory(partial, allocator=cal.allocator),
+                                        host_need(partial, gpus_per_node))
 
 
 def _fitting_at(base, world, gpus_per_node, seq_len, gpu_bytes, host_bytes, cal) -> tuple[bool, LongCandidate | None]:
     """(whether a lean candidate fits at seq_len, the one that fits or misses by the least)."""
     closest = None
-    for c in candidates(base, world, gpus_per_node, seq_len, True, cal):
+    for c in candidates(base, world, gpus_per_node, seq_len, True, cal, host_bytes):
         if _fits(c, gpu_bytes, host_bytes):
             return True, c
         if closest is None or _miss(c, gpu_bytes, host_bytes) < _miss(closest, gpu_bytes, host_bytes):
@@ -239,7 +266,7 @@ def longest(config: Config, world: int, gpu_bytes: int, host_bytes: int, cal: Ca
 def _answer(base, world, gpus_per_node, lo, hi, memo, multiple, gpu_bytes, host_bytes, cal, notes) -> Longest:
     """At lo * multiple, every setting open: the fastest fitting candidate."""
     seq_len = lo * multiple
-    fitting = [c for c in candidates(base, world, gpus_per_node, seq_len, False, cal) if _fits(c, gpu_bytes, host_bytes)]
+    fitting = [c for c in candidates(base, world, gpus_per_node, seq_len, False, cal, host_bytes) if _fits(c, gpu_bytes, host_bytes)]
     for c in fitting:
         c.time = estimate_time(c.config, cal, gpus_per_node)
     fitting.sort(key=lambda c: (-c.time.tokens_per_s, _features(c.config), c.memory.device_total, c.host.node))
@@ -264,6 +291,8 @@ def settings_of(config: Config) -> dict[str, object]:
     out.update(recompute_modules=list(t.recompute_modules), mlp_chunk_tokens=t.mlp_chunk_tokens,
                fused_loss=t.fused_loss, offload_checkpoints=t.offload_checkpoints,
                optimizer_offload=t.optimizer_offload, compile=t.compile)
+    if t.offload_checkpoints_layers:
+        out["offload_checkpoints_layers"] = t.offload_checkpoints_layers
     return out
 
 
@@ -280,6 +309,7 @@ def apply_longest(config: Config, found: Longest) -> Config:
     p.dp, p.cp_token_budget, p.dynamic_cp = 0, 0, False
     t, c = out.train, chosen.train
     for key in ("seq_len", "micro_batch_size", "recompute", "recompute_modules", "offload_modules",
-                "recompute_num_layers", "mlp_chunk_tokens", "fused_loss", "offload_checkpoints", "optimizer_offload"):
+                "recompute_num_layers", "mlp_chunk_tokens", "fused_loss", "offload_checkpoints",
+                "offload_checkpoints_layers", "optimizer_offload"):
         setattr(t, key, copy.deepcopy(getattr(c, key)))
     return dataclasses.replace(out)

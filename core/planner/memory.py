@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from core.config import Config
 from core.rules import FUSED_CHUNK_ELEMENTS, grad_accum_steps, moe_layer_rule, offloaded_checkpoints, recompute_set
 from core.validation import cp_a2a_size
-from core.planner.state import (PARAM_BYTES, StateBytes, coordinates, local_params, recomputed_layers, stage_layers,
-                                state_bytes)
+from core.planner.state import (PARAM_BYTES, StateBytes, coordinates, local_params, offloaded_input_layers,
+                                recomputed_layers, stage_layers, state_bytes)
 
 
 # ---- activations ---------------------------------------------------------------------------
@@ -104,18 +104,19 @@ def norm_saved(tokens: int, width: int, b: int) -> int:
 
 
 def block_activations(config: Config, layer_id: int, recompute: set[str] | None = None,
-                      offload: set[str] | None = None) -> LayerActivations:
+                      offload: set[str] | None = None, inputs_offloaded: bool = True) -> LayerActivations:
     """What one block keeps for the backward of one micro-batch under the recompute and offload
     choices (FlashAttention/cuDNN saving q, k, v, out and the log-sum-exp). Eager blocks: the
     dense parts match autograd's saved tensors exactly (tests/test_planner_memory.py counts
     them on the CPU). Compiled blocks (train.compile): inductor keeps each norm's input and
     rsqrt instead of its fp32 copies and the SwiGLU's a, b and product (measured the same way
     through inductor on the CPU); the routed experts stay outside the graphs. MoE parts assume
-    balanced routing."""
+    balanced routing. `inputs_offloaded=False`: a block past train.offload_checkpoints_layers,
+    whose checkpoint inputs stay on the device."""
     m, p, t = config.model, config.parallel, config.train
     recompute = recompute_set(t) if recompute is None else recompute
     offload = set(t.offload_modules) if offload is None else offload
-    inputs_out = offloaded_checkpoints(config) & recompute  # checkpoint inputs in host memory
+    inputs_out = offloaded_checkpoints(config) & recompute if inputs_offloaded else set()  # inputs in host memory
     s = shapes(config)
     b = PARAM_BYTES[t.precision]
     T, Ts, d = s.tokens, s.seq_tokens, m.dim
@@ -228,7 +229,8 @@ def block_activations(config: Config, layer_id: int, recompute: set[str] | None 
 def checkpoint_host_buffers(config: Config, pp_rank: int = 0) -> dict[int, int]:
     """The host buffers train.offload_checkpoints keeps for pipeline rank `pp_rank`, {bytes: count}:
     each offloaded checkpoint input of one micro-batch (a block's [tokens, dim]; the attention's
-    input; q, k and v) per recomputed block, times the micro-batches in flight there."""
+    input; q, k and v) per offloading block (`offloaded_input_layers`), times the micro-batches in
+    flight there."""
     kinds = offloaded_checkpoints(config)
     if not kinds:
         return {}
@@ -240,7 +242,7 @@ def checkpoint_host_buffers(config: Config, pp_rank: int = 0) -> dict[int, int]:
         sizes = [s.tokens * m.dim * b]
     else:
         sizes = [s.tokens * s.q * b, s.tokens * s.kv * b, s.tokens * s.kv * b]
-    blocks = len(recomputed_layers(config, pp_rank))
+    blocks = len(offloaded_input_layers(config, pp_rank))
     count = math.ceil(in_flight(config, pp_rank, grad_accum_steps(config)) * blocks)
     out: dict[int, int] = {}
     for nbytes in sizes:
@@ -472,14 +474,16 @@ def estimate_memory(config: Config, rank: int | None = None, allocator: Allocato
     b = PARAM_BYTES[t.precision]
     s = shapes(config)
     layers, recomputing = stage_layers(config, c["pp"]), recomputed_layers(config, c["pp"])
+    inputs_out = offloaded_input_layers(config, c["pp"])
     chosen, offload = recompute_set(t), set(t.offload_modules)
     per_micro, offloaded, per_layer, rebuilt, brought_back = 0, 0, {}, 0, 0
-    kinds: dict[tuple[bool, bool], tuple[LayerActivations, int]] = {}  # blocks differ by dense / MoE, recomputed
+    # Blocks differ by dense / MoE, recomputed, checkpoint inputs offloaded.
+    kinds: dict[tuple[bool, bool, bool], tuple[LayerActivations, int]] = {}
     for i in layers:
-        kind = moe_layer_rule(m.moe, i), i in recomputing
+        kind = moe_layer_rule(m.moe, i), i in recomputing, i in inputs_out
         recompute = chosen if kind[1] else set()
         if kind not in kinds:
-            act = block_activations(config, i, recompute, offload)
+            act = block_activations(config, i, recompute, offload, inputs_offloaded=kind[2])
             kinds[kind] = act, block_activations(config, i, set(), set()).device if recompute else act.device
         act, plain = kinds[kind]
         per_micro += act.device

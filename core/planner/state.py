@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from core.config import Config
-from core.rules import MOMENT_BYTES, moe_layer_rule, offload_host_bytes, partition_layers
+from core.rules import MOMENT_BYTES, moe_layer_rule, offload_host_bytes, offloaded_checkpoints, partition_layers
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "auto": 2}  # auto: bf16 on the GPU the plan is for
 
@@ -79,6 +79,21 @@ def recomputed_layers(config: Config, pp_rank: int) -> set[int]:
     N of each chunk; all where it is 0)."""
     n = config.train.recompute_num_layers
     return {i for chunk in _chunk_layers(config, pp_rank) for i in (chunk[:n] if n else chunk)}
+
+
+def offloaded_input_layers(config: Config, pp_rank: int) -> set[int]:
+    """Of `recomputed_layers`, those whose checkpoint inputs go to host memory under
+    train.offload_checkpoints (`train.offload_checkpoints_layers`: the first N recomputed blocks
+    of each chunk in forward order, whose inputs wait longest for their backward; all where it is
+    0); none without the offload."""
+    if not offloaded_checkpoints(config):
+        return set()
+    n, recomputing = config.train.offload_checkpoints_layers, recomputed_layers(config, pp_rank)
+    out: set[int] = set()
+    for chunk in _chunk_layers(config, pp_rank):
+        mine = [i for i in chunk if i in recomputing]
+        out.update(mine[:n] if n else mine)
+    return out
 
 
 def _linear(name: str, out_f: int, in_f: int, tp: int, split: str | None, bias: bool) -> list[ParamSpec]:

@@ -36,7 +36,8 @@ from core.rules import FUSED_CHUNK_ELEMENTS, attention_width, grad_accum_steps, 
 from core.planner.calibration import Calibration
 from core.planner.memory import block_activations, shapes
 from core.validation import cp_a2a_size
-from core.planner.state import PARAM_BYTES, cached, layout_key, local_params, recomputed_layers, stage_layers
+from core.planner.state import (PARAM_BYTES, cached, layout_key, local_params, offloaded_input_layers,
+                               recomputed_layers, stage_layers)
 
 # Bytes moved per element by the eager modules (read + write), forward; backward about twice.
 NORM_BYTES = 36  # bf16 in: two fp32 copies, square-mean, rsqrt-mul, cast, gain
@@ -319,9 +320,10 @@ class _Model:
 
     # -- one block, one micro-batch ------------------------------------------------------------
 
-    def block(self, layer: int, fwd: Pass, bwd: Pass, recomputed: bool = True) -> float:
-        """Adds one block's forward and backward (`recomputed`: with the recompute set); returns
-        the block's compute seconds (for the offload copies to hide behind)."""
+    def block(self, layer: int, fwd: Pass, bwd: Pass, recomputed: bool = True, inputs_out: bool = True) -> float:
+        """Adds one block's forward and backward (`recomputed`: with the recompute set; `inputs_out`:
+        its checkpoint inputs go to the host, if offloaded at all); returns the block's compute
+        seconds (for the offload copies to hide behind)."""
         r = self.recompute if recomputed else set()
         before = fwd.total + bwd.total
         n1 = self.norm(fwd, bwd)
@@ -349,7 +351,7 @@ class _Model:
         bwd.add("recompute", again)
         compute = fwd.total + bwd.total - before
         if self.offload or offloaded_checkpoints(self.c):  # the copies both ways, less what compute hides
-            moved = block_activations(self.c, layer, r, self.offload).offloaded
+            moved = block_activations(self.c, layer, r, self.offload, inputs_offloaded=inputs_out).offloaded
             copy = self.cal.pcie_s(moved)
             fwd.add("offload", max(0.0, copy - (compute / 3)))  # the forward is about a third
             bwd.add("offload", max(0.0, copy - 2 * compute / 3))
@@ -382,12 +384,14 @@ class _Model:
         fwd, bwd = Pass(), Pass()
         s, m, p = self.s, self.m, self.p
         layers, recomputing = stage_layers(self.c, pp_rank), recomputed_layers(self.c, pp_rank)
-        kinds: dict[tuple[bool, bool], tuple[Pass, Pass]] = {}  # blocks differ by dense / MoE, recomputed
+        inputs_out = offloaded_input_layers(self.c, pp_rank)
+        # Blocks differ by dense / MoE, recomputed, checkpoint inputs offloaded.
+        kinds: dict[tuple[bool, bool, bool], tuple[Pass, Pass]] = {}
         for i in layers:
-            kind = moe_layer_rule(m.moe, i), i in recomputing
+            kind = moe_layer_rule(m.moe, i), i in recomputing, i in inputs_out
             if kind not in kinds:
                 kinds[kind] = Pass(), Pass()
-                self.block(i, *kinds[kind], recomputed=kind[1])
+                self.block(i, *kinds[kind], recomputed=kind[1], inputs_out=kind[2])
             for side, one in zip((fwd, bwd), kinds[kind]):
                 for name, seconds in one.parts.items():
                     side.add(name, seconds)

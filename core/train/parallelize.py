@@ -188,12 +188,13 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
     if kinds:  # the host buffers made once, from the planner's count of what this rank keeps in flight
         pool = HostPool(checkpoint_buffers(config, plan, mesh.coordinate("pp")), pin=device.type == "cuda")
         inputs_offload = CheckpointOffload(pool)
-        log.info("checkpoint offload: the inputs of recomputed %s to host memory, %d buffers of %.1f MiB in all",
-                 "/".join(sorted(kinds)), pool.made, pool.bytes / 2 ** 20)
+        log.info("checkpoint offload: the inputs of recomputed %s (%s) to host memory, %d buffers of %.1f MiB in all",
+                 "/".join(sorted(kinds)), f"the first {t.offload_checkpoints_layers} blocks of each chunk"
+                 if t.offload_checkpoints_layers else "every block", pool.made, pool.bytes / 2 ** 20)
     for index, chunk in enumerate(chunks):
         apply_recompute(chunk, t.recompute, t.recompute_modules, t.offload_modules, compiled=t.compile,
                         num_layers=t.recompute_num_layers, checkpoint_offload=inputs_offload, offload_kinds=kinds,
-                        chunk=index)
+                        chunk=index, offload_layers=t.offload_checkpoints_layers)
     model.to(device)
     if t.compile:
         compile_blocks(chunks, cuda_graphs=t.cuda_graphs,
