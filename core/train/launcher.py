@@ -155,7 +155,7 @@ def _plot_if_stale(run_dir: Path) -> None:
 
 
 class ForkedTorchrun:
-    """`python -m torch.distributed.run ARGS` in a new session with `env`, its stderr a pipe
+    """`python -m torch.distributed.run ARGS` in its own process group (setsid) with `env`, its stderr a pipe
     (`stderr`), forked from the launcher rather than a new interpreter. The launcher has no
     threads yet (its relay starts after), so the fork is safe. The child ends as that interpreter
     would: an uncaught exception prints its traceback (which names torchrun's root cause) and

@@ -147,12 +147,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: Config, device: to
         apply_tp(model, mesh, sequence_parallel=p.sequence_parallel)
     if config.model.moe.num_experts:
         apply_ep(model, mesh, etp=p.etp, sequence_parallel=p.sequence_parallel, exchange_timer=exchange_timer)
-    if mesh.cp > 1 and p.dynamic_cp:
-        pass  # DynamicCP.build put in the attention that reads each entry's sub-group from its batch
-    elif mesh.cp > 1 and p.cp_comm == "ring":
-        apply_cp(model, mesh)
-    elif mesh.cp > 1:
-        apply_a2a_cp(model, A2AGroups(mesh, cp_a2a_size(config)))
+    # Dynamic CP: DynamicCP.build put in the attention that reads each entry's sub-group from its batch.
+    if mesh.cp > 1 and not p.dynamic_cp:
+        if p.cp_comm == "ring":
+            apply_cp(model, mesh)
+        else:
+            apply_a2a_cp(model, A2AGroups(mesh, cp_a2a_size(config)))
     weight_cache = Fp8WeightCache() if plan.weight_cache else None
     # Transformer Engine's linears keep their own FP8 weights from a step's first micro-batch.
     te_weights = WeightVersion() if plan.weight_cache and plan.linears == "te" else None
