@@ -6,7 +6,9 @@ process with 128 + the signal's number, without a traceback. A worker whose pare
 or `tessera-train`) dies gets SIGTERM from the kernel (Linux `PR_SET_PDEATHSIG`), so nothing
 keeps training on its own. A stop the main thread cannot act on (it is blocked in a collective
 whose peer died, and Python handlers run only between bytecodes) ends the process after
-`STUCK_STOP_GRACE_S`, so a restart under torchrun is not held up by its 30 s kill timeout.
+`STUCK_STOP_GRACE_S`, so a restart under torchrun is not held up by its 30 s kill timeout. A stop
+the main thread did act on is left to finish its cleanup (and the loss plot), however loaded the
+machine: its parent's own kill timeout bounds it.
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ def stop_deferred():
 
 
 def install_stop_handlers(stuck_grace: float = STUCK_STOP_GRACE_S) -> None:
-    """SIGINT / SIGTERM raise `Interrupted` in the main thread; if the process still runs
-    `stuck_grace` seconds after the signal, it exits with 128 + the signal."""
+    """SIGINT / SIGTERM raise `Interrupted` in the main thread; if the main thread has not acted
+    on the signal `stuck_grace` seconds after it, the process exits with 128 + the signal."""
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in STOP_SIGNALS:
@@ -95,6 +97,8 @@ def _exit_when_stuck(read_fd: int, grace: float) -> None:
             return
         if data[0] in STOP_SIGNALS:
             time.sleep(grace)
+            if _State.signum is not None:  # the main thread's handler ran: it is stopping cleanly
+                continue
             sys.stderr.write(f"stopping now: {signal.Signals(data[0]).name} was not handled within {grace:g} s "
                              "(blocked in a collective?)\n")
             sys.stderr.flush()

@@ -125,6 +125,27 @@ def test_a_stop_during_publish_raises_only_once_the_checkpoint_is_published_and_
     assert (root / "latest").read_text().strip() == "step_000003"
 
 
+SLOW_CLEANUP_AFTER_A_STOP = """
+import os, signal, sys, time
+from core.lifecycle import Interrupted, install_stop_handlers
+install_stop_handlers(stuck_grace=0.5)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+except Interrupted as stop:
+    time.sleep(2)  # a cleanup (closing, the loss plot) slower than the grace on a loaded machine
+    print("cleaned up", flush=True)
+    sys.exit(stop.exit_code)
+"""
+
+
+def test_a_stop_the_main_thread_acted_on_finishes_its_cleanup_past_the_grace():
+    # The grace ends only a process whose main thread never got the signal (blocked in C).
+    proc = run([sys.executable, "-c", SLOW_CLEANUP_AFTER_A_STOP], timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and proc.stdout.split() == ["cleaned", "up"], proc.stderr[-2000:]
+    assert "was not handled within" not in proc.stderr
+
+
 def test_each_checkpoint_is_published_only_after_its_step_record_is_written(tmp_path, dataset, monkeypatch):
     # A process killed between the two must never leave a published step without its record: a
     # resume starts after that step and would not write it again (a record past the newest
