@@ -3,6 +3,8 @@ planner's prediction of the same config.
 
     python -m bench.long_context                                   # ~1B dense model, seq 2^20
     python -m bench.long_context --model llama8b --seq 262144 --optimizer-offload --offload-checkpoints
+    python -m bench.long_context --model llama8b --seq 262144 --optimizer-offload --moments-dtype bf16 \
+        --offload-checkpoints --offload-layers 8          # a host of 128 GiB
     python -m bench.long_context --smoke --seq 256                 # CPU, a tiny model: the test
 
 The model is bench.train_step's ~1B dense Llama-style model (vocab 32000, d 2048, 20 layers,
@@ -76,7 +78,8 @@ def build_config(args) -> Config:
         config.train, device="cpu" if args.smoke else "cuda", seed=0, seq_len=args.seq, precision="bf16",
         micro_batch_size=1, global_batch_size=1, recompute=args.recompute, fused_loss=args.fused_loss,
         mlp_chunk_tokens=args.mlp_chunk_tokens, offload_checkpoints=args.offload_checkpoints,
-        optimizer_offload=args.optimizer_offload, compile=args.compile)
+        offload_checkpoints_layers=args.offload_layers, optimizer_offload=args.optimizer_offload,
+        optimizer_moments_dtype=args.moments_dtype, compile=args.compile)
     return validate(config, 1)
 
 
@@ -108,7 +111,12 @@ def measure(config: Config, warmup: int, steps: int) -> dict:
         start = time.perf_counter()
         record = trainer.record(trainer.step([batch]), start)
         phase = "warm-up" if i < warmup else "timed"
-        print(f"{phase} step {i + 1}: {record['step_s']:.2f} s, loss {record['loss']:.4f}", flush=True)
+        memory = (f", GPU peak {torch.cuda.max_memory_allocated() / GIB:.1f} GiB allocated "
+                  f"({torch.cuda.max_memory_reserved() / GIB:.1f} reserved)" if cuda else "")
+        # printed per step: a step cut short by a time limit still leaves the earlier ones' figures
+        print(f"{phase} step {i + 1}: {record['step_s']:.2f} s, loss {record['loss']:.4f}{memory}, host RSS "
+              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB, pinned "
+              f"{_pinned_bytes() / GIB:.1f} GiB", flush=True)
         if i >= warmup:
             records.append(record)
     step_s = min(r["step_s"] for r in records)  # the fastest timed step: one step has no spread to speak of
@@ -140,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mlp-chunk-tokens", type=int, default=16384,
                         help="train.mlp_chunk_tokens (0: the MLP over the whole sequence at once)")
     parser.add_argument("--offload-checkpoints", action="store_true", help="train.offload_checkpoints")
+    parser.add_argument("--offload-layers", type=int, default=0,
+                        help="train.offload_checkpoints_layers: only the first N blocks' inputs go to the host (0: all)")
     parser.add_argument("--optimizer-offload", action="store_true", help="train.optimizer_offload")
+    parser.add_argument("--moments-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="train.optimizer_moments_dtype")
     parser.add_argument("--compile", action="store_true", help="train.compile")
     parser.add_argument("--warmup", type=int, default=0, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=1, help="timed steps (the fastest is reported)")
@@ -149,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the record's figures as JSON here")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model (the tests)")
     args = parser.parse_args(argv)
-    if args.seq < 2 or args.warmup < 0 or args.steps < 1 or args.layers < 0 or args.mlp_chunk_tokens < 0:
+    counts = (args.layers, args.mlp_chunk_tokens, args.offload_layers)
+    if args.seq < 2 or args.warmup < 0 or args.steps < 1 or min(counts) < 0:
         print(f"bench.long_context: --seq {args.seq} must be >= 2, --warmup >= 0, --steps >= 1, --layers and "
-              "--mlp-chunk-tokens >= 0", file=sys.stderr)
+              "--mlp-chunk-tokens, --offload-layers >= 0", file=sys.stderr)
         return 2
     if not args.smoke and not torch.cuda.is_available():
         print("bench.long_context: needs a CUDA GPU (or --smoke)", file=sys.stderr)
@@ -167,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     t = config.train
     switches = {"train.recompute": t.recompute, "train.fused_loss": t.fused_loss,
                 "train.mlp_chunk_tokens": t.mlp_chunk_tokens, "train.offload_checkpoints": t.offload_checkpoints,
-                "train.optimizer_offload": t.optimizer_offload, "train.compile": t.compile}
+                "train.offload_checkpoints_layers": t.offload_checkpoints_layers,
+                "train.optimizer_offload": t.optimizer_offload, "train.optimizer_moments_dtype": t.optimizer_moments_dtype,
+                "train.compile": t.compile}
     name = "smoke" if args.smoke else args.model
     print(f"{name}, {config.model.num_layers} layers, seq {t.seq_len}: " + ", ".join(f"{k}={v}" for k, v in switches.items()))
     print(f"predicted ({cal.source}): step {predicted['step_s']:.2f} s, {predicted['tokens_per_s']:.0f} tok/s, "

@@ -262,9 +262,17 @@ class FeedForward(nn.Module):
 
 def _weight_grad(weight: torch.Tensor, acc: dict, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
     """Add grad_out^T @ inputs to the weight's gradient: into its fp32 main grad where data
-    parallelism gave it a sink (gradient-accumulation fusion), else into an fp32 sum in `acc`."""
+    parallelism gave it one (gradient-accumulation fusion), else into an fp32 sum in `acc`.
+
+    A weight of the fused linears (core.parallel.wgrad) has its main grad zeroed once per step, so
+    the product is always added: a compiled block's backward has no per-micro-batch choice to
+    bake in. Its sink's first-write choice is Python state a traced backward would freeze, so
+    under compile such a weight returns its gradient the plain way."""
+    if getattr(weight, "main_grad_added_in_graph", False):
+        fused.matmul_into_(weight.main_grad, grad_out.t(), inputs, accumulate=True)
+        return
     sink = getattr(weight, "main_grad_sink", None)
-    if sink is not None:
+    if sink is not None and not torch.compiler.is_compiling():
         sink.write(lambda main_grad, accumulate: fused.matmul_into_(main_grad, grad_out.t(), inputs, accumulate))
     else:
         part = torch.mm(grad_out.t(), inputs).to(torch.promote_types(inputs.dtype, torch.float32))
@@ -310,7 +318,8 @@ class _TiledSwiGLU(torch.autograd.Function):
             grad_x[rows] += db @ w3_c
             _weight_grad(w1, sums, da, xs)
             _weight_grad(w3, sums, db, xs)
-        grads = [sums[w].to(w.dtype) if w in sums else w.main_grad_sink.stand_in() for w in (w1, w3, w2)]
+        # written into the main grads: a zero with all-zero strides, which data parallelism only counts
+        grads = [sums[w].to(w.dtype) if w in sums else w.new_zeros(()).expand(w.shape) for w in (w1, w3, w2)]
         return grad_x.to(x.dtype), *grads, None
 
 

@@ -75,9 +75,11 @@ def test_split_by_length_pads_past_the_batch_end_exactly():
 @pytest.mark.slow
 def test_long_context_bench_smoke_on_cpu(tmp_path):
     out = tmp_path / "long.json"
-    # every switch on: the tiled MLP (64-token chunks), checkpoint and optimizer offload
+    # every switch on: the tiled MLP (64-token chunks), checkpoint offload of the first of the two
+    # blocks, optimizer offload with bf16 moments
     cmd = [sys.executable, "-m", "bench.long_context", "--smoke", "--seq", "256", "--mlp-chunk-tokens", "64",
-           "--offload-checkpoints", "--optimizer-offload", "--warmup", "1", "--out", str(out)]
+           "--offload-checkpoints", "--offload-layers", "1", "--optimizer-offload", "--moments-dtype", "bf16",
+           "--warmup", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads(out.read_text())
@@ -86,7 +88,8 @@ def test_long_context_bench_smoke_on_cpu(tmp_path):
     assert measured["host_rss_gib"] > 0 and measured["pinned_gib"] >= 0
     assert predicted["peak_allocated_gib"] > 0 and predicted["step_s"] > 0
     assert figures["config"] == {"train.recompute": "full", "train.fused_loss": True, "train.mlp_chunk_tokens": 64,
-                                 "train.offload_checkpoints": True, "train.optimizer_offload": True,
+                                 "train.offload_checkpoints": True, "train.offload_checkpoints_layers": 1,
+                                 "train.optimizer_offload": True, "train.optimizer_moments_dtype": "bf16",
                                  "train.compile": False}
     assert "step" in proc.stdout and "predicted" in proc.stdout
 

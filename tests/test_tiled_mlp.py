@@ -28,7 +28,7 @@ from core.train.trainer import Trainer
 from core.validation import validate
 from moe.experts import GroupedExperts
 from tests.support.batches import micro_batch
-from tests.support.runs import MOE_CONFIG, RTOL, losses, run_train
+from tests.support.runs import CONFIG, MOE_CONFIG, RTOL, losses, run_train
 
 
 @pytest.mark.parametrize("tokens, chunk", [(37, 8), (64, 16), (5, 64)])
@@ -111,6 +111,28 @@ def test_a_trainer_with_tiled_experts_follows_the_untiled_one(device):
     rel = RTOL if device == "cpu" else 2e-2  # bf16: the chunks' GEMMs round differently
     for (loss, norm), (loss_ref, norm_ref) in zip(got, want):
         assert loss == pytest.approx(loss_ref, rel=rel) and norm == pytest.approx(norm_ref, rel=rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_compiled_trainer_with_a_tiled_mlp_follows_the_eager_untiled_one():
+    # Compiled blocks trace the tiles' backward, whose weight gradients add into the fp32 main grads.
+    def steps(*extra):
+        config = load_config(CONFIG, ["train.micro_batch_size=2", "train.global_batch_size=4", "train.seq_len=128",
+                                      "train.device=cuda", "train.recompute=full", *extra])
+        trainer = Trainer(config)
+        out = []
+        for step in range(3):
+            micro = [micro_batch(10 * step + i, config.model.vocab_size, device="cuda") for i in range(2)]
+            result = trainer.step(micro)
+            out.append((float(result.loss_sum), float(result.grad_norm)))
+        return out, trainer
+
+    want, _ = steps()
+    got, trainer = steps("train.mlp_chunk_tokens=64", "train.compile=true")
+    assert all(m.chunk_tokens == 64 for m in trainer.model.modules() if isinstance(m, FeedForward))
+    for (loss, norm), (loss_ref, norm_ref) in zip(got, want):
+        assert loss == pytest.approx(loss_ref, rel=2e-2) and norm == pytest.approx(norm_ref, rel=2e-2)
 
 
 def test_a_chunk_that_does_not_divide_the_micro_batch_is_refused():

@@ -57,7 +57,15 @@ _FLAT_BLOCK = 4096
 def matmul_into_(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
     """out (fp32) = [out +] a @ b, with a, b in a 16-bit dtype: on a GPU one GEMM whose epilogue
     adds in fp32 (Megatron's gradient-accumulation fusion), no 16-bit product in between."""
-    if out.is_cuda and a.dtype != out.dtype:
+    if out.is_cuda and a.dtype != out.dtype and torch.compiler.is_compiling():
+        # traced (a compiled block's backward): addmm's dtype_out overload has no fake-tensor rule in
+        # torch 2.11, mm's dtype overload has; the fp32 product is added in fp32 all the same
+        product = torch.mm(a, b, out_dtype=out.dtype)
+        if accumulate:
+            out.add_(product)
+        else:
+            out.copy_(product)
+    elif out.is_cuda and a.dtype != out.dtype:
         torch.addmm(out, a, b, out_dtype=out.dtype, beta=1 if accumulate else 0, out=out)
     elif accumulate:
         out.add_(torch.mm(a, b).to(out.dtype))
