@@ -38,7 +38,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
@@ -99,6 +101,14 @@ def _pinned_bytes() -> int:
     return int(torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0))
 
 
+def _report_interrupted(signum, frame) -> None:
+    print(f"interrupted mid-step: GPU peak so far {torch.cuda.max_memory_allocated() / GIB:.1f} GiB allocated "
+          f"({torch.cuda.max_memory_reserved() / GIB:.1f} reserved), host RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB, pinned {_pinned_bytes() / GIB:.1f} GiB",
+          flush=True)
+    os._exit(124)
+
+
 def measure(config: Config, warmup: int, steps: int) -> dict:
     cuda = config.train.device == "cuda"
     trainer = Trainer(config)
@@ -106,6 +116,8 @@ def measure(config: Config, warmup: int, steps: int) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    if cuda:  # a step cut by a time limit (timeout's SIGTERM) still reports the GPU peak it reached
+        signal.signal(signal.SIGTERM, _report_interrupted)
     records = []
     for i in range(warmup + steps):
         start = time.perf_counter()

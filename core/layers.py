@@ -254,10 +254,14 @@ class FeedForward(nn.Module):
         if self.fused is not None:
             return self.fused(x)
         if self.chunk_tokens and x.shape[0] > self.chunk_tokens:
-            out = tiled_swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight, self.chunk_tokens)
+            out = self._tiled(x)
             reduce = getattr(self.w2, "reduce_partial", None)
             return reduce(out) if reduce is not None else out
         return self.w2(self.act(self.w1(x), self.w3(x)))
+
+    @eager_only  # see tiled_swiglu
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight, self.chunk_tokens)
 
 
 def _weight_grad(weight: torch.Tensor, acc: dict, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
@@ -265,14 +269,12 @@ def _weight_grad(weight: torch.Tensor, acc: dict, grad_out: torch.Tensor, inputs
     parallelism gave it one (gradient-accumulation fusion), else into an fp32 sum in `acc`.
 
     A weight of the fused linears (core.parallel.wgrad) has its main grad zeroed once per step, so
-    the product is always added: a compiled block's backward has no per-micro-batch choice to
-    bake in. Its sink's first-write choice is Python state a traced backward would freeze, so
-    under compile such a weight returns its gradient the plain way."""
+    the product is always added."""
     if getattr(weight, "main_grad_added_in_graph", False):
-        fused.matmul_into_(weight.main_grad, grad_out.t(), inputs, accumulate=True)
+        fused.add_weight_grad_(weight.main_grad, grad_out, inputs)
         return
     sink = getattr(weight, "main_grad_sink", None)
-    if sink is not None and not torch.compiler.is_compiling():
+    if sink is not None:
         sink.write(lambda main_grad, accumulate: fused.matmul_into_(main_grad, grad_out.t(), inputs, accumulate))
     else:
         part = torch.mm(grad_out.t(), inputs).to(torch.promote_types(inputs.dtype, torch.float32))
@@ -280,7 +282,7 @@ def _weight_grad(weight: torch.Tensor, acc: dict, grad_out: torch.Tensor, inputs
 
 
 class _TiledSwiGLU(torch.autograd.Function):
-    """w2(silu(w1 x) * w3 x) chunk by chunk over the tokens; saves x and the weights only. The
+    """w2(silu(w1 x) * w3 x) chunk by chunk over the tokens; saves x only (the weights are held). The
     backward recomputes each chunk's two projections and takes the three weight gradients and the
     chunk's input gradient by hand (no autograd inside: a weight's gradient arrives once)."""
 
@@ -291,14 +293,17 @@ class _TiledSwiGLU(torch.autograd.Function):
         for start in range(0, x.shape[0], chunk):
             rows = slice(start, start + chunk)
             out[rows] = F.linear(F.silu(F.linear(x[rows], w1)) * F.linear(x[rows], w3), w2)
-        ctx.save_for_backward(x, w1, w3, w2)
+        ctx.save_for_backward(x)
+        # The weights are held, not saved: saved tensors come back through the recompute and offload
+        # hooks as other tensor objects, without the main_grad / main_grad_sink the backward writes to
+        ctx.weights = (w1, w3, w2)
         ctx.chunk = chunk
         return out
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_out):
-        x, w1, w3, w2 = ctx.saved_tensors
+        (x,), (w1, w3, w2) = ctx.saved_tensors, ctx.weights
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
         x_c, w1_c, w3_c, w2_c = (t.to(dtype) for t in (x, w1, w3, w2))
         grad_x = torch.empty(x.shape, dtype=dtype, device=x.device)
@@ -325,7 +330,12 @@ class _TiledSwiGLU(torch.autograd.Function):
 
 def tiled_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, chunk: int) -> torch.Tensor:
     """F.linear(silu(x w1^T) * (x w3^T), w2) over `chunk` tokens at a time: the forward and the
-    backward hold one chunk's [chunk, hidden] intermediates, never the sequence's."""
+    backward hold one chunk's [chunk, hidden] intermediates, never the sequence's.
+
+    Never traced (`FeedForward._tiled` is eager only): in a compiled block the joint graph's common-subexpression pass merged the
+    backward's recomputed chunk projections with the forward's, so every chunk's [chunk, hidden]
+    products were kept for the backward (+15 GiB a block at 8B and 256K tokens: out of memory);
+    the sink's first-write choice is also Python state a traced backward would freeze."""
     return _TiledSwiGLU.apply(x, w1, w3, w2, chunk)
 
 

@@ -57,20 +57,29 @@ _FLAT_BLOCK = 4096
 def matmul_into_(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
     """out (fp32) = [out +] a @ b, with a, b in a 16-bit dtype: on a GPU one GEMM whose epilogue
     adds in fp32 (Megatron's gradient-accumulation fusion), no 16-bit product in between."""
-    if out.is_cuda and a.dtype != out.dtype and torch.compiler.is_compiling():
-        # traced (a compiled block's backward): addmm's dtype_out overload has no fake-tensor rule in
-        # torch 2.11, mm's dtype overload has; the fp32 product is added in fp32 all the same
-        product = torch.mm(a, b, out_dtype=out.dtype)
-        if accumulate:
-            out.add_(product)
-        else:
-            out.copy_(product)
-    elif out.is_cuda and a.dtype != out.dtype:
+    if out.is_cuda and a.dtype != out.dtype:
         torch.addmm(out, a, b, out_dtype=out.dtype, beta=1 if accumulate else 0, out=out)
     elif accumulate:
         out.add_(torch.mm(a, b).to(out.dtype))
     else:
         out.copy_(torch.mm(a, b))
+
+
+def _add_weight_grad(main_grad: Tensor, grad_out: Tensor, inputs: Tensor) -> None:
+    dy = grad_out.reshape(-1, grad_out.shape[-1])
+    matmul_into_(main_grad, dy.t(), inputs.reshape(-1, inputs.shape[-1]), accumulate=True)
+
+
+# A library op, not `torch.library.custom_op` (whose Python wrapper costs the host ~60 us a call
+# against 23 on a CPU core), and not traced inside: in a compiled backward the graph calls it in
+# place on the main grad, where a traced `add_` on a parameter's attribute became a functional
+# copy of the whole fp32 main grad per chunk of a tiled MLP (out of memory at 8B).
+_LIB = torch.library.Library("tessera", "FRAGMENT")
+_LIB.define("add_weight_grad_(Tensor(a!) main_grad, Tensor grad_out, Tensor inputs) -> ()")
+_LIB.impl("add_weight_grad_", _add_weight_grad, "CompositeExplicitAutograd")
+torch.library.register_fake("tessera::add_weight_grad_", lambda main_grad, grad_out, inputs: None, lib=_LIB)
+#: main_grad += grad_out^T @ inputs over all leading dims, accumulated in fp32 (backward only).
+add_weight_grad_ = torch.ops.tessera.add_weight_grad_.default
 
 
 def triton_enabled(t: Tensor) -> bool:

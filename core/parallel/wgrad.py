@@ -27,25 +27,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from core.kernels.embedding import add_embedding_grad_
-from core.kernels.fused import matmul_into_
+from core.kernels.fused import add_weight_grad_
 from core.layers import FeedForward, model_blocks
 
 
-def _add_weight_grad(main_grad: Tensor, grad_out: Tensor, inputs: Tensor) -> None:
-    dy = grad_out.reshape(-1, grad_out.shape[-1])
-    matmul_into_(main_grad, dy.t(), inputs.reshape(-1, inputs.shape[-1]), accumulate=True)
-
-
-# Library ops, not `torch.library.custom_op`: its Python wrappers cost the host ~60 us a call
-# of the mutating op and ~8 of the linear (on a CPU core: 81 against 23 us, 38 against 30),
-# paid for every linear of every block and micro-batch.
+# Library ops, not `torch.library.custom_op`: its Python wrappers cost the host ~8 us a call of
+# the linear (on a CPU core: 38 against 30), paid for every linear of every block and micro-batch.
 _LIB = torch.library.Library("tessera", "FRAGMENT")
-_LIB.define("add_weight_grad_(Tensor(a!) main_grad, Tensor grad_out, Tensor inputs) -> ()")
-_LIB.impl("add_weight_grad_", _add_weight_grad, "CompositeExplicitAutograd")
-torch.library.register_fake("tessera::add_weight_grad_", lambda main_grad, grad_out, inputs: None, lib=_LIB)
-#: main_grad += grad_out^T @ inputs over all leading dims, accumulated in fp32 (backward only).
-add_weight_grad_ = torch.ops.tessera.add_weight_grad_.default
-
 # F.linear(x, weight), whose backward adds the weight gradient into `main_grad`. An op rather
 # than an autograd function: inside a compiled checkpoint (recompute `mlp`, `attention`, `block`)
 # torch 2.11's partitioner recomputes an op's output but keeps an autograd function's (measured:
