@@ -42,6 +42,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -101,12 +102,20 @@ def _pinned_bytes() -> int:
     return int(torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0))
 
 
-def _report_interrupted(signum, frame) -> None:
-    print(f"interrupted mid-step: GPU peak so far {torch.cuda.max_memory_allocated() / GIB:.1f} GiB allocated "
+def _report_interrupted(signum=None, frame=None) -> None:
+    print(f"cut mid-step: GPU peak so far {torch.cuda.max_memory_allocated() / GIB:.1f} GiB allocated "
           f"({torch.cuda.max_memory_reserved() / GIB:.1f} reserved), host RSS "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB, pinned {_pinned_bytes() / GIB:.1f} GiB",
           flush=True)
     os._exit(124)
+
+
+def _watchdog(deadline_s: float) -> None:
+    """Reports the peaks and ends the process at the deadline: a SIGTERM's Python handler waits for the
+    main thread, which may sit in one CUDA call for minutes, so a limit outside would cut the figures."""
+    timer = threading.Timer(deadline_s, _report_interrupted)
+    timer.daemon = True
+    timer.start()
 
 
 def measure(config: Config, warmup: int, steps: int) -> dict:
@@ -171,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", default=None,
                         help="the planner's table (default: the shipped table of this GPU kind, else the H100 one)")
     parser.add_argument("--out", default=None, help="also write the record's figures as JSON here")
+    parser.add_argument("--deadline-s", type=float, default=0.0,
+                        help="print the GPU peak so far and exit 124 after this many seconds (0: no limit)")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model (the tests)")
     args = parser.parse_args(argv)
     counts = (args.layers, args.mlp_chunk_tokens, args.offload_layers)
@@ -188,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.long_context: {err}", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True
+    if args.deadline_s > 0:
+        _watchdog(args.deadline_s)
     predicted = predict(config, cal)
     t = config.train
     switches = {"train.recompute": t.recompute, "train.fused_loss": t.fused_loss,
