@@ -13,8 +13,9 @@ The activation model against autograd: the bytes each block leaves alive after a
 the CPU (every storage an op creates, tracked until freed), for every recompute kind: exact for
 the dense blocks, the head and the loss; MoE blocks within 1% (balanced routing assumed; the
 CPU's per-expert loop saves slices of the SwiGLU product, so `swiglu` is left to the GPU check);
-and a compiled block (inductor on the CPU, its linears adding their weight gradients into the main
-grads as in bf16 training) against the tensors its compiled forward saves.
+the peak of the eager norm's backward temporaries; and a compiled block (inductor on the CPU, its
+linears adding their weight gradients into the main grads as in bf16 training) against the
+tensors its compiled forward saves.
 Peak memory and step time against the GPU: `bench/planner_check.py`."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from core.config import load_config
 from core.validation import validate
-from core.layers import AttentionMeta, FeedForward
+from core.layers import AttentionMeta, FeedForward, rms_norm
 from core.train.loss import cross_entropy_sum, fused_output_cross_entropy_sum
 from core.mesh import ParallelMesh
 from core.train.model import build_model
@@ -41,7 +42,8 @@ from core.parallel.wgrad import fuse_weight_grads
 from core.precision.plan import resolve_precision_plan
 from core.train.parallelize import compile_blocks, parallelize
 from core.planner.layouts import describe, layouts
-from core.planner.memory import block_activations, estimate_memory, head_activations, rope_tables
+from core.planner.memory import (EAGER_NORM_BACKWARD_FP32, block_activations, estimate_memory, head_activations,
+                                 rope_tables)
 from core.planner.state import state_bytes
 from moe.experts import GroupedExperts
 from tests.support.distributed import run_distributed
@@ -187,6 +189,33 @@ class _Storages(TorchDispatchMode):
             if not ref.expired():
                 out[where] = out.get(where, 0) + size
         return out
+
+
+class _PeakStorages(_Storages):
+    """_Storages that also keeps the largest sum of the live storages after any op."""
+
+    def __init__(self):
+        super().__init__([])
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.peak = max(self.peak, sum(self.alive().values()))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eager_norm_backward_temporaries_peak_where_the_planner_counts(dtype):
+    tokens, dim = 1024, 192
+    x = torch.randn(tokens, dim, dtype=dtype, requires_grad=True)
+    weight = torch.ones(dim, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, dim, dtype=dtype)
+    out = rms_norm(x, weight, 1e-5)
+    track = _PeakStorages()
+    with track:
+        out.backward(grad)
+    rows = tokens * dim * 4
+    assert EAGER_NORM_BACKWARD_FP32 * rows <= track.peak < EAGER_NORM_BACKWARD_FP32 * rows + 16 * tokens, track.peak
 
 
 def _saved_bytes(config, recompute: tuple[str, ...]) -> dict[str, int]:

@@ -359,6 +359,26 @@ def attention_backward_scratch(config: Config) -> int:
     return s.tokens * s.q * 8
 
 
+EAGER_NORM_BACKWARD_FP32 = 5  # fp32 [tokens, dim] temporaries at the peak of rms_norm's autograd backward
+
+
+def eager_norm_backward(config: Config, rebuilt: bool) -> int:
+    """The backward of an eager block's RMSNorm (core/layers.py rms_norm, unfused), where an eager
+    long-sequence step peaks. Its own temporaries peak at five fp32 [tokens, dim] tensors, in the
+    pow's gradient (counted on the CPU: tests/test_planner_memory.py). Beside them the H200's
+    allocator trace (`bench.long_context`'s ~1B model, 4 blocks, full recompute, 2^18 and 2^19
+    tokens: 8 fp32 and 8 bf16 [T, d] tensors at the peak, the head's kept gradient among them)
+    shows 13 parameter-dtype [T, d] tensors' worth of a rebuilt block's: its input, the norm's
+    fp32 copies, the gradients flowing (residual and norm output). Not rebuilt, the saved tensors
+    are counted with the activations: the two gradients alone. Compiled blocks fuse the norm: 0."""
+    t, s = config.train, shapes(config)
+    if t.compile:
+        return 0
+    b = PARAM_BYTES[t.precision]
+    rows = s.seq_tokens * config.model.dim
+    return rows * (EAGER_NORM_BACKWARD_FP32 * 4 + (13 if rebuilt else 2) * b)
+
+
 def cp_transient(config: Config) -> int:
     """Context parallelism's buffers beside the saved tensors: the ring's K/V blocks in flight
     (two blocks of k and v, forward; their gradients too in the backward); under all-to-all CP
@@ -500,11 +520,14 @@ def estimate_memory(config: Config, rank: int | None = None, allocator: Allocato
     flight = in_flight(config, c["pp"], grad_accum_steps(config))
     activations = int(flight * per_micro) + (head_activations(config) if last else 0)
     # Besides the saved tensors, the largest need of the forward and backward: the loss, a
-    # recomputed block, offloaded tensors brought back (one module ahead), the ring's KV blocks
-    # (or the all-to-alls' copies), a tiled MLP's chunk.
-    transient = max(loss_transient(config) if last else 0, rebuilt + attention_backward_scratch(config),
-                    2 * brought_back) + cp_transient(config) + \
-        tiled_mlp_transient(config)
+    # recomputed block, offloaded tensors brought back (one module ahead), an eager norm's
+    # backward, the ring's KV blocks (or the all-to-alls' copies), a tiled MLP's chunk.
+    # (A tiled MLP's chunk lives beside the others, not beside the first norm's backward, which
+    # comes after the block's feed-forward backward.)
+    norms_rebuilt = bool(recomputing) and bool(chosen & {"block", "norms", "mlp", "attention"})
+    transient = max(max(loss_transient(config) if last else 0, rebuilt + attention_backward_scratch(config),
+                        2 * brought_back) + tiled_mlp_transient(config),
+                    eager_norm_backward(config, norms_rebuilt)) + cp_transient(config)
     cache = fp8_cache_bytes(config, c["pp"])
     return MemoryEstimate(rank, state, activations, int(flight * offloaded), transient, cache, per_layer,
                           max(state.packed, state.gather), allocator, comm_groups(config))
