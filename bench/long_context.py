@@ -22,7 +22,9 @@ tokens/s, MFU (6 x (params - input embedding) + 6 x layers x d x seq FLOPs per t
 (torch.cuda.max_memory_allocated over the steps, and reserved), host memory (peak RSS and the
 pinned bytes torch's host allocator holds), and `tessera-plan`'s estimate of the same config
 (core.planner estimate_memory / estimate_time with --calibration, default the shipped table;
-bench.planner_check compares the two the same way).
+bench.planner_check compares the two the same way). --trace-peak records the allocator's trace
+of the last step and prints the blocks alive at its peak by size ([T, d] in fp32 or bf16, ...):
+what to compare with the planner's parts when a prediction is off.
 
 A step at 2^20 tokens takes minutes: causal attention alone is 6 x layers x d x seq^2 = 2.7e17
 FLOPs for the 20-layer 1B model (3.6e17 with full recompute's second forward), ~10 minutes at
@@ -118,7 +120,32 @@ def _watchdog(deadline_s: float) -> None:
     timer.start()
 
 
-def measure(config: Config, warmup: int, steps: int) -> dict:
+def peak_live_set(snapshot: dict) -> tuple[int, dict[int, int]]:
+    """Replays the allocator trace of `torch.cuda.memory._snapshot()`: the largest sum of live
+    blocks, and at that moment {block bytes: count}, the tensors' sizes naming what was alive."""
+    events = [e for e in snapshot["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
+    live, current, peak, at = {}, 0, -1, 0
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            current += e["size"]
+        else:
+            current -= live.pop(e["addr"], 0)
+        if current > peak:
+            peak, at = current, i
+    live = {}
+    for e in events[:at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+        else:
+            live.pop(e["addr"], None)
+    sizes: dict[int, int] = {}
+    for size in live.values():
+        sizes[size] = sizes.get(size, 0) + 1
+    return peak, sizes
+
+
+def measure(config: Config, warmup: int, steps: int, trace_peak: bool = False) -> dict:
     cuda = config.train.device == "cuda"
     trainer = Trainer(config)
     batch = synthetic_batch(1, config.train.seq_len, config.model.vocab_size, torch.device(config.train.device))
@@ -129,6 +156,9 @@ def measure(config: Config, warmup: int, steps: int) -> dict:
         signal.signal(signal.SIGTERM, _report_interrupted)
     records = []
     for i in range(warmup + steps):
+        last = i == warmup + steps - 1
+        if trace_peak and last and cuda:  # no stacks: Python frames recorded under recompute break autograd
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None)
         start = time.perf_counter()
         record = trainer.record(trainer.step([batch]), start)
         phase = "warm-up" if i < warmup else "timed"
@@ -138,6 +168,13 @@ def measure(config: Config, warmup: int, steps: int) -> dict:
         print(f"{phase} step {i + 1}: {record['step_s']:.2f} s, loss {record['loss']:.4f}{memory}, host RSS "
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB, pinned "
               f"{_pinned_bytes() / GIB:.1f} GiB", flush=True)
+        if trace_peak and last and cuda:
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            peak, sizes = peak_live_set(snapshot)
+            print(f"traced step: {peak / GIB:.2f} GiB allocated during it at its peak; alive then, by block size: "
+                  + ", ".join(f"{n} x {size / 2**20:.1f} MiB" for size, n in sorted(sizes.items(), reverse=True)
+                              if size * n >= 2**26), flush=True)
         if i >= warmup:
             records.append(record)
     step_s = min(r["step_s"] for r in records)  # the fastest timed step: one step has no spread to speak of
@@ -180,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", default=None,
                         help="the planner's table (default: the shipped table of this GPU kind, else the H100 one)")
     parser.add_argument("--out", default=None, help="also write the record's figures as JSON here")
+    parser.add_argument("--trace-peak", action="store_true",
+                        help="record the allocator's trace of the last step and print what was alive at its peak")
     parser.add_argument("--deadline-s", type=float, default=0.0,
                         help="print the GPU peak so far and exit 124 after this many seconds (0: no limit)")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model (the tests)")
@@ -215,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(reserved {predicted['peak_reserved_gib']:.1f}, all {predicted['device_total_gib']:.1f}), host "
           f"{predicted['host_offload_gib'] + predicted['host_optimizer_gib']:.1f} GiB", flush=True)
     try:
-        measured = measure(config, args.warmup, args.steps)
+        measured = measure(config, args.warmup, args.steps, args.trace_peak)
     except torch.cuda.OutOfMemoryError as err:
         print(f"bench.long_context: out of GPU memory ({str(err).splitlines()[0][:160]}); the planner predicted "
               f"{predicted['device_total_gib']:.1f} GiB", file=sys.stderr)

@@ -99,3 +99,13 @@ def test_long_context_bench_refuses_bad_arguments_in_one_line():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "--seq" in proc.stderr
+
+
+def test_trace_peak_replays_the_allocator_trace_to_its_largest_live_set():
+    from bench.long_context import peak_live_set
+    events = [("alloc", 1, 4), ("alloc", 2, 2), ("free_completed", 1, 4), ("alloc", 3, 8), ("alloc", 4, 2),
+              ("free_requested", 3, 8), ("free_completed", 3, 8), ("alloc", 5, 1)]
+    snapshot = {"device_traces": [[{"action": a, "addr": addr, "size": n * MIB} for a, addr, n in events]]}
+    peak, sizes = peak_live_set(snapshot)
+    assert peak == 12 * MIB  # blocks 2, 3 and 4; block 1 was freed before 3 came
+    assert sizes == {2 * MIB: 2, 8 * MIB: 1}

@@ -362,6 +362,13 @@ def attention_backward_scratch(config: Config) -> int:
 EAGER_NORM_BACKWARD_FP32 = 5  # fp32 [tokens, dim] temporaries at the peak of rms_norm's autograd backward
 
 
+def attention_backward_gradients(config: Config) -> int:
+    """The gradients alive in the attention core's backward, beside its saved tensors and scratch:
+    of its output, of q, k and v (in the parameter dtype), and the residual stream's."""
+    s, b = shapes(config), PARAM_BYTES[config.train.precision]
+    return s.tokens * (2 * s.q + 2 * s.kv) * b + s.seq_tokens * config.model.dim * b
+
+
 def eager_norm_backward(config: Config, rebuilt: bool) -> int:
     """The backward of an eager block's RMSNorm (core/layers.py rms_norm, unfused), where an eager
     long-sequence step peaks. Its own temporaries peak at five fp32 [tokens, dim] tensors, in the
@@ -496,20 +503,24 @@ def estimate_memory(config: Config, rank: int | None = None, allocator: Allocato
     layers, recomputing = stage_layers(config, c["pp"]), recomputed_layers(config, c["pp"])
     inputs_out = offloaded_input_layers(config, c["pp"])
     chosen, offload = recompute_set(t), set(t.offload_modules)
-    per_micro, offloaded, per_layer, rebuilt, brought_back = 0, 0, {}, 0, 0
+    per_micro, offloaded, per_layer, rebuilt, rebuilt_attention, brought_back = 0, 0, {}, 0, 0, 0
     # Blocks differ by dense / MoE, recomputed, checkpoint inputs offloaded.
-    kinds: dict[tuple[bool, bool, bool], tuple[LayerActivations, int]] = {}
+    kinds: dict[tuple[bool, bool, bool], tuple[LayerActivations, int, int]] = {}
     for i in layers:
         kind = moe_layer_rule(m.moe, i), i in recomputing, i in inputs_out
         recompute = chosen if kind[1] else set()
         if kind not in kinds:
             act = block_activations(config, i, recompute, offload, inputs_offloaded=kind[2])
-            kinds[kind] = act, block_activations(config, i, set(), set()).device if recompute else act.device
-        act, plain = kinds[kind]
+            plain = block_activations(config, i, set(), set()) if recompute else act
+            # By the attention's backward the feed-forward's tensors and its norm's are gone.
+            attention_part = plain.parts["attention"] + plain.parts["norms"] // 2 if recompute else act.device
+            kinds[kind] = act, plain.device, attention_part
+        act, plain_bytes, attention_part = kinds[kind]
         per_micro += act.device
         offloaded += act.offloaded
         brought_back = max(brought_back, act.offloaded)
-        rebuilt = max(rebuilt, plain - act.device)  # the backward rebuilds one block's saved tensors at a time
+        rebuilt = max(rebuilt, plain_bytes - act.device)  # the backward rebuilds one block's saved tensors at a time
+        rebuilt_attention = max(rebuilt_attention, max(0, attention_part - act.device))
         for k, v in act.parts.items():
             per_layer[k] = per_layer.get(k, 0) + v
     chunks = p.pp_virtual_stages
@@ -522,12 +533,14 @@ def estimate_memory(config: Config, rank: int | None = None, allocator: Allocato
     # Besides the saved tensors, the largest need of the forward and backward: the loss, a
     # recomputed block, offloaded tensors brought back (one module ahead), an eager norm's
     # backward, the ring's KV blocks (or the all-to-alls' copies), a tiled MLP's chunk.
-    # (A tiled MLP's chunk lives beside the others, not beside the first norm's backward, which
-    # comes after the block's feed-forward backward.)
+    # The feed-forward's backward: the rebuilt block, the residual stream's gradient and a tiled
+    # MLP's chunk; the attention's: its share of the block, its gradients and the kernel's scratch;
+    # then the first norm's (eager).
     norms_rebuilt = bool(recomputing) and bool(chosen & {"block", "norms", "mlp", "attention"})
-    transient = max(max(loss_transient(config) if last else 0, rebuilt + attention_backward_scratch(config),
+    at_attention = rebuilt_attention + attention_backward_gradients(config) + attention_backward_scratch(config)
+    transient = max(max(loss_transient(config) if last else 0, rebuilt + s.seq_tokens * m.dim * b,
                         2 * brought_back) + tiled_mlp_transient(config),
-                    eager_norm_backward(config, norms_rebuilt)) + cp_transient(config)
+                    at_attention, eager_norm_backward(config, norms_rebuilt)) + cp_transient(config)
     cache = fp8_cache_bytes(config, c["pp"])
     return MemoryEstimate(rank, state, activations, int(flight * offloaded), transient, cache, per_layer,
                           max(state.packed, state.gather), allocator, comm_groups(config))
